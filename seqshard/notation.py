@@ -1,0 +1,278 @@
+"""The named-axis notation: parsing shape specs and op specs.
+
+A *shape spec* is space-separated dimensions. A dimension is a name (``batch``, ``M``) or a
+positive integer literal (``2``), followed by zero or more ``/axis`` suffixes naming the mesh
+axes it is split over, major to minor::
+
+    'B/d L M/t'                 batch split over d, model dim split over t
+    '2 M/d K/t D'               a literal dimension of size 2
+    'M/t/d'                     M split over t, then each t-block split over d
+    'B/d L M{U_t}'              a partial sum: the value still owes a sum over t
+    '()'                        a scalar
+
+``{U_t}`` (or ``{U_t,d}``) is the seed's *unreduced* marker: it belongs to the whole operand.
+In ``index_unreduced`` the table operand marks its indexed dimension with brackets:
+``'[V/t] M'``.
+
+An *op spec* is comma-separated input operands, ``->``, and one output operand::
+
+    'M/d F/t -> M F/t'
+    'B/d L M, M F/t -> B/d L F/t'
+
+Parsing is strict: malformed strings raise :class:`SpecSyntaxError` (a ``ValueError``) that
+quotes the string with a caret under the offending position. Parsed specs print back in
+canonical form, so ``str(parse_shape(s)) == s`` for canonical ``s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+__all__ = [
+    "Dim",
+    "OpSpec",
+    "Shape",
+    "SpecSyntaxError",
+    "parse_op",
+    "parse_shape",
+]
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_INT = re.compile(r"[0-9]+")
+
+
+class SpecSyntaxError(ValueError):
+    """A shape or op spec string is malformed. The message quotes it with a caret."""
+
+    def __init__(self, spec: str, pos: int, problem: str, fix: str = ""):
+        self.spec, self.pos, self.problem = spec, pos, problem
+        caret = " " * (pos + 3) + "^"
+        msg = f"malformed spec: {problem}\n  {spec!r}\n{caret}"
+        if fix:
+            msg += f"\n  fix: {fix}"
+        super().__init__(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dim:
+    """One dimension: ``label`` is a name or an integer literal; ``axes`` split it, major first."""
+
+    label: str
+    axes: tuple[str, ...] = ()
+    indexed: bool = False
+
+    @property
+    def literal(self) -> int | None:
+        """The fixed size of a literal dimension such as ``2``, else None."""
+        return int(self.label) if self.label[0].isdigit() else None
+
+    def __str__(self) -> str:
+        core = "/".join((self.label, *self.axes))
+        return f"[{core}]" if self.indexed else core
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """An operand: its dimensions and the mesh axes it still owes a reduction over."""
+
+    dims: tuple[Dim, ...]
+    unreduced: tuple[str, ...] = ()
+
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """Every mesh axis some dimension is split over, in order of appearance."""
+        return tuple(a for d in self.dims for a in d.axes)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(d.label for d in self.dims)
+
+    def __str__(self) -> str:
+        body = " ".join(map(str, self.dims)) if self.dims else "()"
+        return body + (f"{{U_{','.join(self.unreduced)}}}" if self.unreduced else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """``inputs -> output``, e.g. ``'B/d L M, M F/t -> B/d L F/t'``."""
+
+    inputs: tuple[Shape, ...]
+    output: Shape
+    text: str = dataclasses.field(default="", compare=False)
+
+    def __str__(self) -> str:
+        return ", ".join(map(str, self.inputs)) + " -> " + str(self.output)
+
+
+class _Parser:
+    """A hand-written scanner: the grammar is small and every error needs a position."""
+
+    def __init__(self, text: str):
+        self.text, self.pos = text, 0
+        self.axis_positions: list[tuple[str, int, bool]] = []  # (axis, pos, in_marker)
+
+    def fail(self, problem: str, pos: int | None = None, fix: str = "") -> SpecSyntaxError:
+        return SpecSyntaxError(self.text, self.pos if pos is None else pos, problem, fix)
+
+    def peek(self) -> str:
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def skip_spaces(self) -> None:
+        while self.peek() == " ":
+            self.pos += 1
+
+    def match(self, pattern: re.Pattern[str]) -> str | None:
+        m = pattern.match(self.text, self.pos)
+        if not m:
+            return None
+        self.pos = m.end()
+        return m.group()
+
+    def operand(self, allow_brackets: bool) -> Shape:
+        self.skip_spaces()
+        self.axis_positions = []
+        dims: list[Dim] = []
+        scalar = self.text.startswith("()", self.pos)
+        if scalar:
+            self.pos += 2
+        else:
+            while self.peek() not in ("", ",", "-", "{"):
+                dims.append(self.dim(allow_brackets))
+                if self.peek() not in (" ", "", ",", "-", "{"):
+                    raise self.fail(
+                        f"unexpected character {self.peek()!r}",
+                        fix="dimensions are names or integers with /axis suffixes, separated by spaces",
+                    )
+                self.skip_spaces()
+        if not dims and not scalar:
+            raise self.fail(
+                "empty operand", fix="write dimensions such as 'B/d L M', or '()' for a scalar"
+            )
+        unreduced = self.marker() if self.peek() == "{" else ()
+        self.skip_spaces()
+        self.check_axes_unique()
+        return Shape(tuple(dims), unreduced)
+
+    def dim(self, allow_brackets: bool) -> Dim:
+        start = self.pos
+        indexed = self.peek() == "["
+        if indexed:
+            if not allow_brackets:
+                raise self.fail(
+                    "brackets mark the indexed table dimension, only allowed in an op's input"
+                )
+            self.pos += 1
+        label = self.match(_IDENT) or self.match(_INT)
+        if label is None:
+            raise self.fail(
+                f"expected a dimension name or size, found {self.peek() or 'end of string'!r}",
+                fix="names start with a letter or '_'; sizes are positive integers",
+            )
+        if label[0].isdigit() and (label[0] == "0"):
+            raise self.fail("a size must be a positive integer without leading zeros", start)
+        if label[0].isdigit() and self.peek() and (self.peek().isalpha() or self.peek() == "_"):
+            raise self.fail("a name cannot start with a digit", start)
+        axes: list[str] = []
+        while self.peek() == "/":
+            self.pos += 1
+            axis_pos = self.pos
+            axis = self.match(_IDENT)
+            if axis is None:
+                raise self.fail(
+                    "expected a mesh axis name after '/'",
+                    fix="write 'M/t' to split M over mesh axis t; '//' and a trailing '/' are not allowed",
+                )
+            self.axis_positions.append((axis, axis_pos, False))
+            axes.append(axis)
+        if indexed:
+            if self.peek() != "]":
+                raise self.fail("expected ']' to close the indexed dimension")
+            self.pos += 1
+        return Dim(label, tuple(axes), indexed)
+
+    def marker(self) -> tuple[str, ...]:
+        if not self.text.startswith("{U_", self.pos):
+            raise self.fail("expected '{U_' to open an unreduced marker such as '{U_t}'")
+        self.pos += 3
+        axes = []
+        while True:
+            axis_pos = self.pos
+            axis = self.match(_IDENT)
+            if axis is None:
+                raise self.fail("expected a mesh axis name in the unreduced marker")
+            self.axis_positions.append((axis, axis_pos, True))
+            axes.append(axis)
+            if self.peek() == ",":
+                self.pos += 1
+                continue
+            if self.peek() == "}":
+                self.pos += 1
+                break
+            raise self.fail(
+                "expected ',' or '}' in the unreduced marker", fix="write '{U_t}' or '{U_t,d}'"
+            )
+        return tuple(axes)
+
+    def check_axes_unique(self) -> None:
+        first: dict[str, bool] = {}
+        for axis, pos, in_marker in self.axis_positions:
+            if axis in first:
+                if first[axis] or in_marker:
+                    problem = f"mesh axis {axis!r} both splits a dimension and is marked unreduced"
+                    if first[axis] and in_marker:
+                        problem = f"mesh axis {axis!r} is repeated in the unreduced marker"
+                    fix = "a partial sum over an axis cannot also be split over it"
+                else:
+                    problem = f"mesh axis {axis!r} used twice in one operand"
+                    fix = "each mesh axis splits at most one dimension of an operand"
+                raise self.fail(problem, pos, fix=fix)
+            first[axis] = in_marker
+
+
+def _check_text(text: object) -> str:
+    if isinstance(text, bytes):
+        text = text.decode()
+    if not isinstance(text, str):
+        raise TypeError(f"a spec must be a str, got {type(text).__name__}: {text!r}")
+    if not text.strip():
+        raise SpecSyntaxError(text, 0, "empty spec", "write dimensions such as 'B/d L M'")
+    return text
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_shape(text: str) -> Shape:
+    """Parse one shape spec such as ``'B/d L M/t'``; raise SpecSyntaxError if malformed."""
+    text = _check_text(text)
+    p = _Parser(text)
+    shape = p.operand(allow_brackets=False)
+    if p.pos != len(text):
+        if text.startswith("->", p.pos) or p.peek() == ",":
+            raise p.fail("a shape spec has no ',' or '->'", fix="op specs belong to shardops calls")
+        raise p.fail(f"unexpected character {p.peek()!r}")
+    return shape
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_op(text: str) -> OpSpec:
+    """Parse an op spec such as ``'B/d L M, M F/t -> B/d L F/t'``."""
+    text = _check_text(text)
+    p = _Parser(text)
+    inputs = [p.operand(allow_brackets=True)]
+    while p.peek() == ",":
+        p.pos += 1
+        inputs.append(p.operand(allow_brackets=True))
+    if not text.startswith("->", p.pos):
+        if p.pos >= len(text):
+            raise p.fail(
+                "missing '->'", fix="op specs read 'inputs -> output', e.g. 'M/d F -> M F'"
+            )
+        raise p.fail(f"unexpected character {p.peek()!r}")
+    p.pos += 2
+    output = p.operand(allow_brackets=False)
+    if text.startswith("->", p.pos):
+        raise p.fail("'->' appears twice", fix="an op spec has exactly one '->'")
+    if p.pos != len(text):
+        raise p.fail(f"unexpected character {p.peek()!r}")
+    return OpSpec(tuple(inputs), output, text)

@@ -1,0 +1,155 @@
+"""Shape-check scopes: one size per dimension name, mesh axes checked, blocks divisible.
+
+A scope binds each dimension name to its *global* size. A per-device block of ``'M/t'`` on a
+mesh with ``t=4`` whose local size is 64 binds ``M = 256``; a later ``'M'`` of size 128 in the
+same scope is an error naming both places. ``typed_shard_map`` opens a scope around its body,
+so every op inside checks against the argument types; without one, each op checks its own spec
+alone. Scopes also remember the layout an array was declared with (a ``typed_shard_map``
+argument, or an op's output), so an op whose spec disagrees with it is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+from seqshard.notation import Shape
+
+__all__ = [
+    "ShapeError",
+    "ShapeScope",
+    "check_block",
+    "check_global",
+    "current_scope",
+    "shape_scope",
+]
+
+
+class ShapeError(ValueError):
+    """An array's shape does not fit its spec (wrong rank, size, divisibility, or mesh axis)."""
+
+
+@dataclasses.dataclass
+class ShapeScope:
+    """Global sizes bound so far (name -> (size, where bound)) and known layouts of arrays."""
+
+    sizes: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    # id(array) -> (array, declared shape); the array is kept so its id is not reused.
+    layouts: dict[int, tuple[object, Shape]] = dataclasses.field(default_factory=dict)
+
+    def bind(self, name: str, size: int, where: str) -> None:
+        if name in self.sizes and self.sizes[name][0] != size:
+            bound, first = self.sizes[name]
+            raise ShapeError(
+                f"{where}: dimension {name!r} has global size {size}, but {first} gave it size "
+                f"{bound}. One name means one size within a scope: rename one of them, or fix "
+                f"the array's shape."
+            )
+        self.sizes.setdefault(name, (size, where))
+
+    def remember_layout(self, array: object, shape: Shape) -> None:
+        self.layouts[id(array)] = (array, shape)
+
+    def known_layout(self, array: object) -> Shape | None:
+        entry = self.layouts.get(id(array))
+        return entry[1] if entry is not None and entry[0] is array else None
+
+
+_SCOPE: contextvars.ContextVar[ShapeScope | None] = contextvars.ContextVar(
+    "seqshard_scope", default=None
+)
+
+
+def current_scope() -> ShapeScope:
+    """The innermost open scope, or a fresh throwaway one when none is open."""
+    scope = _SCOPE.get()
+    return scope if scope is not None else ShapeScope()
+
+
+@contextlib.contextmanager
+def shape_scope(sizes: Mapping[str, int] | None = None) -> Iterator[ShapeScope]:
+    """Open a scope in which each dimension name has one global size.
+
+    ``sizes`` pre-binds names, e.g. ``{'d_model': 256}`` from a config.
+    """
+    scope = ShapeScope()
+    for name, size in (sizes or {}).items():
+        scope.bind(name, int(size), "the sizes given to shape_scope")
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+
+
+def _check_rank(spec: Shape, shape: Sequence[int], where: str) -> None:
+    if len(shape) != len(spec.dims):
+        raise ShapeError(
+            f"{where}: spec '{spec}' has {len(spec.dims)} dimensions but the array has shape "
+            f"{tuple(shape)} ({len(shape)} dimensions). Fix the spec or reshape the array."
+        )
+
+
+def _check_axes(spec: Shape, mesh_axes: Mapping[str, int], where: str) -> None:
+    for axis in (*spec.split_axes, *spec.unreduced):
+        if axis not in mesh_axes:
+            raise ShapeError(
+                f"{where}: spec '{spec}' names mesh axis {axis!r}, but the mesh has axes "
+                f"{dict(mesh_axes)}. Use one of {tuple(mesh_axes)} or build the mesh with it."
+            )
+
+
+def _bind_dim(scope: ShapeScope, dim, size: int, spec: Shape, where: str) -> None:
+    if dim.literal is not None:
+        if size != dim.literal:
+            raise ShapeError(
+                f"{where}: spec '{spec}' fixes dimension {dim.label} at size {dim.literal}, "
+                f"but the array's global size there is {size}."
+            )
+    else:
+        scope.bind(dim.label, size, where)
+
+
+def check_block(
+    spec: Shape,
+    block_shape: Sequence[int],
+    mesh_axes: Mapping[str, int],
+    where: str,
+    scope: ShapeScope | None = None,
+) -> dict[str, int]:
+    """Check a per-device block against ``spec``; bind and return global sizes by name."""
+    scope = scope if scope is not None else current_scope()
+    _check_rank(spec, block_shape, where)
+    _check_axes(spec, mesh_axes, where)
+    sizes = {}
+    for dim, local in zip(spec.dims, block_shape, strict=True):
+        n_shards = math.prod(mesh_axes[a] for a in dim.axes)
+        _bind_dim(scope, dim, local * n_shards, spec, where)
+        sizes[dim.label] = local * n_shards
+    return sizes
+
+
+def check_global(
+    spec: Shape,
+    global_shape: Sequence[int],
+    mesh_axes: Mapping[str, int],
+    where: str,
+    scope: ShapeScope | None = None,
+) -> None:
+    """Check a global array against ``spec``: rank, mesh axes, sizes and divisibility."""
+    scope = scope if scope is not None else current_scope()
+    _check_rank(spec, global_shape, where)
+    _check_axes(spec, mesh_axes, where)
+    for dim, size in zip(spec.dims, global_shape, strict=True):
+        n_shards = math.prod(mesh_axes[a] for a in dim.axes)
+        if size % n_shards:
+            split = " x ".join(f"{a}={mesh_axes[a]}" for a in dim.axes)
+            raise ShapeError(
+                f"{where}: dimension {dim.label} of spec '{spec}' has size {size}, which the "
+                f"mesh axes splitting it ({split} = {n_shards} shards) do not divide. Choose a "
+                f"size divisible by {n_shards} or a mesh whose axes divide {size}."
+            )
+        _bind_dim(scope, dim, size, spec, where)

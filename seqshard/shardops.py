@@ -1,0 +1,509 @@
+"""Per-device ops and collectives, each specified by a checked op-spec string.
+
+Call them inside ``jax.shard_map`` (or :func:`seqshard.typed_shard_map`); each array is the
+per-device block of a global array whose layout the spec states. Each op checks its inputs
+against the spec's left side, works out which mesh axes change, and lowers to exactly one
+collective per changed dimension (or none)::
+
+    w = all_gather('M/d F/t -> M F/t', w)                  # lax.all_gather over d
+    y = einsum_unreduced('B/d L M, M F/t -> B/d L F/t', x, w)   # local, no communication
+    z = einsum_unreduced('B/d L F/t, M F/t -> B/d L M', y, w)   # contracts F/t: owes a sum over t
+    z = psum_scatter('B/d L M -> B/d L M/t', z)            # lax.psum_scatter over t
+    s = psum('B/d L{U_t} -> B/d L', s)                     # lax.psum over t
+    x = index_unreduced('[V/t] M, B/d L -> B/d L M', table, ids)  # sharded lookup, owes a sum over t
+
+Axis order matters: ``M/t/d`` (t major) and ``M/d/t`` are different layouts. Ops that leave a
+reduction to the caller are named ``*_unreduced``; ``psum`` and ``pmax`` need the spec's
+``{U_axis}`` marker to say which axes they reduce, and, when replication is checked
+(``check_vma=True``), refuse to reduce over an axis the value does not vary over (where
+``lax.psum`` would silently multiply by the axis size).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from seqshard.notation import OpSpec, Shape, parse_op
+from seqshard.shapecheck import ShapeError, check_block, current_scope
+from seqshard.vma import replication_checked, varying_axes
+
+__all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "einsum_unreduced",
+    "index_unreduced",
+    "pmax",
+    "psum",
+    "psum_scatter",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared checking
+
+
+def _manual_axes(where: str) -> dict[str, int]:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ShapeError(
+            f"{where}: shardops run on per-device blocks inside jax.shard_map or "
+            f"seqshard.typed_shard_map, but no mesh is active here."
+        )
+    return {
+        name: size
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Manual
+    }
+
+
+class _Call:
+    """One op call being checked: its name, spec, the manual mesh axes, the shape scope."""
+
+    def __init__(self, name: str, spec: str, arrays: Sequence[jax.Array], n_inputs: int | None):
+        self.name, self.text = name, spec
+        self.where = f"{name}({spec!r})"
+        self.op: OpSpec = parse_op(spec)
+        if n_inputs is not None and len(self.op.inputs) != n_inputs:
+            raise ShapeError(
+                f"{self.where}: {name} takes {n_inputs} input operand(s) left of '->', the spec "
+                f"has {len(self.op.inputs)}."
+            )
+        if len(arrays) != len(self.op.inputs):
+            raise ShapeError(
+                f"{self.where}: the spec has {len(self.op.inputs)} input operand(s) but "
+                f"{len(arrays)} array(s) were passed."
+            )
+        self.axes = _manual_axes(self.where)
+        self.scope = current_scope()
+        self.checked = replication_checked(tuple(self.axes))
+        for i, (shape, x) in enumerate(zip(self.op.inputs, arrays, strict=True)):
+            where = f"{self.where} input {i}" if len(arrays) > 1 else f"{self.where} input"
+            check_block(shape, jnp.shape(x), self.axes, where, self.scope)
+            known = self.scope.known_layout(x)
+            if known is not None and len(known.dims) == len(shape.dims):
+                for dk, ds in zip(known.dims, shape.dims, strict=True):
+                    if dk.axes != ds.axes:
+                        raise ShapeError(
+                            f"{where}: the array was declared '{known}', but the spec reads it "
+                            f"as '{shape}' (dimension {ds.label}: {'/'.join(('', *dk.axes)) or 'unsplit'} "
+                            f"vs {'/'.join(('', *ds.axes)) or 'unsplit'}). Axis order is layout: "
+                            f"write the spec as the array is laid out."
+                        )
+        for axis in self.op.output.split_axes + self.op.output.unreduced:
+            if axis not in self.axes:
+                raise ShapeError(
+                    f"{self.where}: the output names mesh axis {axis!r}, but the manual mesh "
+                    f"axes here are {self.axes}."
+                )
+
+    @property
+    def src(self) -> Shape:
+        return self.op.inputs[0]
+
+    @property
+    def dst(self) -> Shape:
+        return self.op.output
+
+    def fail(self, problem: str, fix: str) -> ShapeError:
+        return ShapeError(f"{self.where}: {problem}. {fix}")
+
+    def require_same_labels(self) -> None:
+        if self.src.labels != self.dst.labels:
+            raise self.fail(
+                f"the dimensions differ: {' '.join(self.src.labels)} -> {' '.join(self.dst.labels)}",
+                f"{self.name} changes only how dimensions are split, not which dimensions there are",
+            )
+        for shape in (self.src, self.dst):
+            if any(d.indexed for d in shape.dims):
+                raise self.fail(
+                    "brackets are only for index_unreduced's table", "remove the brackets"
+                )
+
+    def require_varying(self, x: jax.Array, axes: Sequence[str], why: str) -> None:
+        """With replication checked, a block split or unreduced over ``axes`` must vary there."""
+        if not self.checked:
+            return
+        missing = [a for a in axes if a not in varying_axes(x)]
+        if missing:
+            raise self.fail(
+                f"the spec says the input is {why} over {missing}, but the value does not vary "
+                f"over {missing} (JAX tracks this with check_vma=True)",
+                "a value the same on every device of an axis is neither split nor a partial sum "
+                "over it: fix the spec, or make the value vary over the axis (lax.pcast(x, "
+                "axis, to='varying')) if repeating it per device is really meant",
+            )
+
+    def finish(self, y: jax.Array) -> jax.Array:
+        check_block(self.dst, jnp.shape(y), self.axes, f"{self.where} output", self.scope)
+        self.scope.remember_layout(y, self.dst)
+        return y
+
+    def index(self, axes: Sequence[str]) -> jax.Array:
+        return _linear_index(axes, self.axes)
+
+
+def _linear_index(axes: Sequence[str], sizes: dict[str, int]) -> jax.Array:
+    """The block index of this device over ``axes`` taken major to minor."""
+    index = jnp.int32(0)
+    for axis in axes:
+        index = index * sizes[axis] + lax.axis_index(axis)
+    return index
+
+
+def _axis_arg(axes: Sequence[str]) -> str | tuple[str, ...]:
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _is_subsequence(short: Sequence[str], long: Sequence[str]) -> bool:
+    it = iter(long)
+    return all(a in it for a in short)
+
+
+def _common_prefix(a: Sequence[str], b: Sequence[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+
+
+def all_gather(
+    spec: str, x: jax.Array, *, to: Literal["varying", "invarying"] = "varying"
+) -> jax.Array:
+    """Gather split dimensions: ``all_gather('M/d F/t -> M F/t', w)`` is one all-gather over d.
+
+    A dimension may lose any of its axes. Losing minor axes (``M/t/d -> M/t``) is one tiled
+    all-gather over them in the written order. Losing a major axis while keeping a minor one
+    (``M/t/d -> M/d``) gathers over both (``('t', 'd')``) and keeps this device's ``d`` slice:
+    the blocks of ``M/d`` live on other ``d`` shards.
+
+    ``to='varying'`` (default) keeps the result varying over the gathered axes, so its gradient
+    is a reduce-scatter (FSDP's backward). ``to='invarying'`` makes it replicated, as needed to
+    return it from a shard_map as replicated; its gradient is then an all-reduce when the
+    result meets varying values. Without replication checking, ``invarying`` would give wrong
+    gradients, so there it is ignored.
+    """
+    if to not in ("varying", "invarying"):
+        raise ValueError(f"all_gather: to must be 'varying' or 'invarying', got {to!r}.")
+    call = _Call("all_gather", spec, [x], 1)
+    call.require_same_labels()
+    if call.src.unreduced or call.dst.unreduced:
+        raise call.fail("a gather does not reduce", "use psum for '{U_..}' partial sums")
+    plan = []
+    for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims, strict=True)):
+        if not _is_subsequence(b.axes, a.axes):
+            raise call.fail(
+                f"dimension {a.label} goes from '{a}' to '{b}', but a gather can only remove axes",
+                "use all_to_all to move an axis between dimensions, or psum_scatter to add one",
+            )
+        keep = _common_prefix(a.axes, b.axes)
+        if a.axes[keep:]:
+            plan.append((i, a.axes[keep:], b.axes[keep:]))
+    if not plan:
+        raise call.fail(
+            "nothing is gathered: input and output have the same layout", "drop the call"
+        )
+    call.require_varying(x, [a for _, gathered, _ in plan for a in gathered], "split")
+    mode = "invarying" if (to == "invarying" and call.checked) else "varying"
+    y = x
+    for dim, gathered, sliced in plan:
+        y = lax.all_gather(y, _axis_arg(gathered), axis=dim, tiled=True, to=mode)
+        if sliced:
+            size = y.shape[dim] // math.prod(call.axes[a] for a in sliced)
+            y = lax.dynamic_slice_in_dim(y, call.index(sliced) * size, size, axis=dim)
+    return call.finish(y)
+
+
+def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
+    """Sum partial sums over the axes the output adds, scattering the result over them.
+
+    ``psum_scatter('B/d L M -> B/d L M/t', y)`` is one reduce-scatter over t: the input owes a
+    sum over t (e.g. an einsum that contracted a t-split dimension) and each t shard keeps its
+    block of M. Axes are appended as the minor-most split of a dimension. The input may say
+    what it owes with a marker (``'B/d L M{U_t} -> B/d L M/t'``); it must match.
+    """
+    call = _Call("psum_scatter", spec, [x], 1)
+    call.require_same_labels()
+    plan = []
+    for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims, strict=True)):
+        if b.axes[: len(a.axes)] != a.axes:
+            raise call.fail(
+                f"dimension {a.label} goes from '{a}' to '{b}', but a reduce-scatter can only "
+                f"append minor axes",
+                "write the new axes after the existing ones (M/d -> M/d/t)",
+            )
+        if b.axes[len(a.axes) :]:
+            plan.append((i, b.axes[len(a.axes) :]))
+    reduced = [axis for _, new in plan for axis in new]
+    if not plan:
+        raise call.fail(
+            "no axis is added, so nothing is reduced", "use psum to reduce without scattering"
+        )
+    if call.src.unreduced and set(call.src.unreduced) - set(call.dst.unreduced) != set(reduced):
+        raise call.fail(
+            f"the input owes sums over {list(call.src.unreduced)} but the output scatters over {reduced}",
+            "make the marker list exactly the axes being reduced",
+        )
+    if set(call.dst.unreduced) - set(call.src.unreduced):
+        raise call.fail("the output's marker names axes the input did not owe", "fix the markers")
+    call.require_varying(x, reduced, "a partial sum")
+    y = x
+    for dim, new in plan:
+        n = math.prod(call.axes[a] for a in new)
+        if y.shape[dim] % n:
+            raise call.fail(
+                f"dimension {call.src.dims[dim].label} has per-device size {y.shape[dim]}, which "
+                f"{'x'.join(new)} = {n} shards do not divide",
+                "choose sizes divisible by the mesh axes",
+            )
+        y = lax.psum_scatter(y, _axis_arg(new), scatter_dimension=dim, tiled=True)
+    return call.finish(y)
+
+
+def _reduce_plan(call: _Call) -> list[str]:
+    if call.src.dims != call.dst.dims:
+        raise call.fail(
+            f"'{Shape(call.src.dims)}' and '{Shape(call.dst.dims)}' differ",
+            f"{call.name} keeps every dimension and its split; it only removes the '{{U_..}}' marker",
+        )
+    if not call.src.unreduced:
+        raise call.fail(
+            "the input has no '{U_axis}' marker, so no axis is said to be reduced",
+            "mark what the value owes, e.g. 'B/d L M{U_t} -> B/d L M'",
+        )
+    extra = set(call.dst.unreduced) - set(call.src.unreduced)
+    if extra:
+        raise call.fail(
+            f"the output owes {sorted(extra)}, which the input did not", "fix the markers"
+        )
+    return [a for a in call.src.unreduced if a not in call.dst.unreduced]
+
+
+def psum(spec: str, x: jax.Array) -> jax.Array:
+    """All-reduce a partial sum: ``psum('B/d L{U_t} -> B/d L', s)`` is one all-reduce over t.
+
+    The ``{U_..}`` marker names the axes reduced (an output marker keeps some unreduced).
+    The result is replicated (invariant) over them, so it may be returned as replicated.
+    """
+    call = _Call("psum", spec, [x], 1)
+    reduced = _reduce_plan(call)
+    call.require_varying(x, reduced, "a partial sum")
+    return call.finish(lax.psum(x, _axis_arg(reduced)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _pmax_no_tangent(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    return lax.pmax(x, axes)
+
+
+def _pmax_jvp(axes, primals, tangents):
+    (x,), (t,) = primals, tangents
+    if not isinstance(t, SymbolicZero):
+        raise ValueError(
+            "pmax has no gradient (JAX defines none for lax.pmax), but its input carries one. "
+            "Apply it to jax.lax.stop_gradient(x): e.g. the max subtracted for a stable "
+            "logsumexp is pmax(stop_gradient(local_max)), which leaves the result exact."
+        )
+    y = _pmax_no_tangent(x, axes)
+    return y, jnp.zeros_like(y)
+
+
+_pmax_no_tangent.defjvp(_pmax_jvp, symbolic_zeros=True)
+
+
+def pmax(spec: str, x: jax.Array) -> jax.Array:
+    """All-reduce with max: ``pmax('B/d L{U_t} -> B/d L', m)``, one all-reduce over t.
+
+    pmax has no gradient: its input must carry none (``pmax(spec, lax.stop_gradient(m))``);
+    differentiating through it raises a ValueError that says so.
+    """
+    call = _Call("pmax", spec, [x], 1)
+    reduced = _reduce_plan(call)
+    call.require_varying(x, reduced, "a partial max")
+    return call.finish(_pmax_no_tangent(x, _axis_arg(reduced)))
+
+
+def all_to_all(spec: str, x: jax.Array) -> jax.Array:
+    """Move a split from one dimension to another: ``all_to_all('B/d L -> B L/d', x)``.
+
+    The moved axes are the minor-most split of the source dimension and become the minor-most
+    split of the target. One all-to-all over them.
+    """
+    call = _Call("all_to_all", spec, [x], 1)
+    call.require_same_labels()
+    if call.src.unreduced or call.dst.unreduced:
+        raise call.fail("all_to_all moves splits, it does not reduce", "drop the markers")
+    sources, targets = [], []
+    for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims, strict=True)):
+        if a.axes == b.axes:
+            continue
+        if a.axes[: len(b.axes)] == b.axes:
+            sources.append((i, a.axes[len(b.axes) :]))
+        elif b.axes[: len(a.axes)] == a.axes:
+            targets.append((i, b.axes[len(a.axes) :]))
+        else:
+            raise call.fail(
+                f"dimension {a.label} goes from '{a}' to '{b}'",
+                "all_to_all removes minor-most axes from one dimension and appends them to another",
+            )
+    if len(sources) != 1 or len(targets) != 1 or sources[0][1] != targets[0][1]:
+        raise call.fail(
+            "all_to_all moves the same axes from exactly one dimension to exactly one other",
+            "e.g. 'B/d L -> B L/d'; split other changes into separate calls",
+        )
+    (src_dim, moved), (dst_dim, _) = sources[0], targets[0]
+    call.require_varying(x, moved, "split")
+    n = math.prod(call.axes[a] for a in moved)
+    if x.shape[dst_dim] % n:
+        raise call.fail(
+            f"dimension {call.src.dims[dst_dim].label} has per-device size {x.shape[dst_dim]}, "
+            f"which {'x'.join(moved)} = {n} shards do not divide",
+            "choose sizes divisible by the mesh axes",
+        )
+    y = lax.all_to_all(x, _axis_arg(moved), split_axis=dst_dim, concat_axis=src_dim, tiled=True)
+    return call.finish(y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local ops that leave a reduction to the caller
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def einsum_unreduced(spec: str, *operands: jax.Array, preferred_element_type=None) -> jax.Array:
+    """A local einsum over per-device blocks; no communication.
+
+    ``einsum_unreduced('B/d L F/t, M F/t -> B/d L M', y, w)`` contracts F, which is split over
+    t, so the result is a partial sum that still owes a sum over t: the caller reduces it
+    (``psum_scatter`` or ``psum``). A dimension must have the same split in every operand
+    and in the output. The output may state what it owes (``'... -> B/d L M{U_t}'``).
+    """
+    call = _Call("einsum_unreduced", spec, list(operands), None)
+    splits: dict[str, tuple[str, ...]] = {}
+    letters: dict[str, str] = {}
+    for i, shape in enumerate((*call.op.inputs, call.dst)):
+        if shape.unreduced and i < len(call.op.inputs):
+            raise call.fail(
+                f"input {i} is marked unreduced",
+                "reduce it first: a product of partial sums is not a partial sum",
+            )
+        if len(set(shape.labels)) != len(shape.labels):
+            raise call.fail(
+                f"operand '{shape}' repeats a dimension",
+                "give each dimension its own name (e.g. Qlen and Klen)",
+            )
+        for d in shape.dims:
+            if d.indexed:
+                raise call.fail("brackets are only for index_unreduced's table", "remove them")
+            if i == len(call.op.inputs) and d.label not in splits:
+                raise call.fail(
+                    f"output dimension {d.label} is in no input", "einsum cannot create dimensions"
+                )
+            if splits.setdefault(d.label, d.axes) != d.axes:
+                raise call.fail(
+                    f"dimension {d.label} is split as '{'/'.join((d.label, *splits[d.label]))}' in "
+                    f"one operand and '{d}' in another",
+                    "an einsum is local: gather or slice an operand so the splits agree",
+                )
+            if d.label not in letters:
+                if len(letters) == len(_LETTERS):
+                    raise call.fail("too many distinct dimensions", "use at most 52")
+                letters[d.label] = _LETTERS[len(letters)]
+    contracted = set(splits) - set(call.dst.labels)
+    owed = {a for label in contracted for a in splits[label]}
+    if call.dst.unreduced and set(call.dst.unreduced) != owed:
+        raise call.fail(
+            f"the output is marked as owing {sorted(call.dst.unreduced)}, but contracting "
+            f"{sorted(contracted)} leaves it owing {sorted(owed)}",
+            "fix the marker (or drop it)",
+        )
+    equation = ",".join("".join(letters[label] for label in s.labels) for s in call.op.inputs)
+    equation += "->" + "".join(letters[label] for label in call.dst.labels)
+    y = jnp.einsum(equation, *operands, preferred_element_type=preferred_element_type)
+    return call.finish(y)
+
+
+def index_unreduced(spec: str, table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Look up rows of a sharded table: ``index_unreduced('[V/t] M, B/d L -> B/d L M', t, ids)``.
+
+    The bracketed dimension is indexed by ``ids`` (global indices). Each device holds a block
+    of it and returns the rows it has, zeros elsewhere: a partial sum that owes a sum over the
+    bracketed dimension's axes (here t). Output: the ids' dimensions, then the table's others.
+    """
+    call = _Call("index_unreduced", spec, [table, ids], 2)
+    table_shape, ids_shape = call.op.inputs
+    indexed = [i for i, d in enumerate(table_shape.dims) if d.indexed]
+    if len(indexed) != 1 or any(d.indexed for d in ids_shape.dims):
+        raise call.fail(
+            "the table (first operand) must bracket exactly one dimension and the ids none",
+            "write e.g. '[V/t] M, B/d L -> B/d L M'",
+        )
+    k = indexed[0]
+    rest = table_shape.dims[:k] + table_shape.dims[k + 1 :]
+    expected = ids_shape.dims + rest
+    if call.dst.dims != expected:
+        raise call.fail(
+            f"the output must be the ids' dimensions then the table's others, "
+            f"'{Shape(expected)}', but the spec says '{Shape(call.dst.dims)}'",
+            "fix the output",
+        )
+    owed = table_shape.dims[k].axes
+    if call.dst.unreduced and set(call.dst.unreduced) != set(owed):
+        raise call.fail(
+            f"the output is marked as owing {list(call.dst.unreduced)}, but the lookup owes {list(owed)}",
+            "fix the marker (or drop it)",
+        )
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{call.where}: ids must be integers, got {ids.dtype}.")
+    rows = table.shape[k]
+    local = ids.astype(jnp.int32) - call.index(owed) * rows
+    present = (local >= 0) & (local < rows)
+    looked_up = jnp.take(table, jnp.where(present, local, 0), axis=k)
+    looked_up = jnp.moveaxis(looked_up, tuple(range(k, k + ids.ndim)), tuple(range(ids.ndim)))
+    present = present.reshape(present.shape + (1,) * len(rest))
+    return call.finish(jnp.where(present, looked_up, jnp.zeros((), table.dtype)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh queries
+
+
+def _axes_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def axis_size(axes: str | Sequence[str]) -> int:
+    """The number of shards over ``axes`` (a name or a tuple, major to minor), as a Python int."""
+    sizes = _manual_axes(f"axis_size({axes!r})")
+    names = _axes_tuple(axes)
+    for a in names:
+        if a not in sizes:
+            raise ShapeError(
+                f"axis_size({axes!r}): no manual mesh axis {a!r}; the axes here are {sizes}."
+            )
+    return math.prod(sizes[a] for a in names)
+
+
+def axis_index(axes: str | Sequence[str]) -> jax.Array:
+    """This device's block index over ``axes`` (a name or a tuple, major to minor)."""
+    sizes = _manual_axes(f"axis_index({axes!r})")
+    names = _axes_tuple(axes)
+    for a in names:
+        if a not in sizes:
+            raise ShapeError(
+                f"axis_index({axes!r}): no manual mesh axis {a!r}; the axes here are {sizes}."
+            )
+    return _linear_index(names, sizes)
