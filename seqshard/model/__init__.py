@@ -1,0 +1,24 @@
+"""The sharded Llama-style decoder and its single-device reference.
+
+from seqshard.model import ModelConfig, init_weights, loss_fn, logits_fn
+from seqshard.model import reference_loss_fn, reference_logits_fn
+"""
+
+from seqshard.model.config import ModelConfig
+from seqshard.model.reference import reference_logits_fn, reference_loss_fn
+from seqshard.model.transformer import logits_fn, loss_fn, loss_sum_and_count
+from seqshard.model.weights import Layer, Weights, init_weights, param_count, weight_structs
+
+__all__ = [
+    "Layer",
+    "ModelConfig",
+    "Weights",
+    "init_weights",
+    "logits_fn",
+    "loss_fn",
+    "loss_sum_and_count",
+    "param_count",
+    "reference_logits_fn",
+    "reference_loss_fn",
+    "weight_structs",
+]

@@ -1,0 +1,109 @@
+"""ModelConfig: the sizes and numerics of the decoder; its field names name the weight dims.
+
+Weight types are written in these names (``w_up: f32['d_model/d d_ff/t']``), so a config gives
+every weight's global shape through :meth:`ModelConfig.dim_sizes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from seqshard.remat import RematPolicy
+
+__all__ = ["AttentionImpl", "AttentionMask", "ModelConfig", "RematPolicy"]
+
+AttentionImpl = Literal["auto", "einsum", "cudnn", "xla"]
+AttentionMask = Literal["document", "causal"]
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder.
+
+    remat: what the scanned layer keeps for the backward pass.
+        ``saved``: only what the layer marks with ``save_for_backward`` (q, k, v, attention
+        output, post-attention residual, gate and up projections); weights are re-gathered.
+        ``full``: nothing but the layer input; everything is recomputed.
+        ``none``: no rematerialization; every intermediate, gathered weights included, is kept.
+    attention_impl: ``einsum`` (plain XLA einsums; CPU and reference), ``cudnn`` (fused
+        ``jax.nn.dot_product_attention(implementation='cudnn')``, GPU only), ``xla``
+        (``jax.nn.dot_product_attention``'s XLA path), ``auto`` (cudnn on GPU, else einsum).
+    attention_mask: ``document`` restricts attention to the same packed document; ``causal``
+        ignores document boundaries (faster with cudnn; leaks across packed documents).
+    compute_dtype: matmul input dtype; master weights, norms, softmax, logits and loss are f32.
+    """
+
+    vocab: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_q_per_kv: int = 2
+    n_kv: int = 2
+    d_head: int = 32
+    d_ff: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    compute_dtype: str = "bfloat16"
+    remat: RematPolicy = "saved"
+    attention_impl: AttentionImpl = "auto"
+    attention_mask: AttentionMask = "document"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d_model", "n_layers", "n_q_per_kv", "n_kv", "d_head", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}.")
+        if self.d_head % 2:
+            raise ValueError(
+                f"model.d_head must be even for RoPE (it rotates pairs), got {self.d_head}."
+            )
+        if self.compute_dtype not in _DTYPES:
+            raise ValueError(
+                f"model.compute_dtype must be one of {_DTYPES}, got {self.compute_dtype!r}."
+            )
+        _check_choice("remat", self.remat, RematPolicy)
+        _check_choice("attention_impl", self.attention_impl, AttentionImpl)
+        _check_choice("attention_mask", self.attention_mask, AttentionMask)
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(
+                f"model.rope_theta and model.norm_eps must be positive, got "
+                f"{self.rope_theta} and {self.norm_eps}."
+            )
+
+    def dim_sizes(self) -> dict[str, int]:
+        """Global sizes of the dimension names used in the weight types."""
+        return {
+            "layers": self.n_layers,
+            "vocab": self.vocab,
+            "d_model": self.d_model,
+            "n_q_per_kv": self.n_q_per_kv,
+            "n_kv": self.n_kv,
+            "d_head": self.d_head,
+            "d_ff": self.d_ff,
+        }
+
+    def check_mesh(self, d: int, t: int) -> None:
+        """Raise ValueError, before anything compiles, if a mesh of d x t cannot split the model."""
+        need = {
+            "vocab": (self.vocab, t, "t (embed/unembed rows are vocab/t)"),
+            "n_kv": (self.n_kv, t, "t (kv heads are split over t)"),
+            "d_ff": (self.d_ff, t, "t (w_gate/w_up/w_down columns are d_ff/t)"),
+            "d_model": (self.d_model, d * t, "d*t (norm weights are d_model/t/d)"),
+        }
+        for field, (value, n, why) in need.items():
+            if value % n:
+                raise ValueError(
+                    f"model.{field}={value} is not divisible by mesh axis {why} = {n} on a "
+                    f"d={d} x t={t} mesh. Choose model.{field} divisible by {n}, or another mesh."
+                )
+
+    @property
+    def n_heads(self) -> int:
+        return self.n_q_per_kv * self.n_kv
+
+
+def _check_choice(name: str, value: str, choices) -> None:
+    allowed = choices.__args__
+    if value not in allowed:
+        raise ValueError(f"model.{name} must be one of {allowed}, got {value!r}.")

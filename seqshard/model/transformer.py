@@ -1,0 +1,221 @@
+"""The sharded forward pass and loss: one shard_map, every transfer written in the notation.
+
+Dimensions (one vocabulary, two registers): weight types use config names (``d_model``,
+``d_ff``, ``vocab``, ``n_q_per_kv``, ``n_kv``, ``d_head``); op specs use B (batch),
+L (sequence), M (d_model), F (d_ff), V (vocab), Q (q heads per kv head), K (kv heads),
+D (head dim); Qlen/Klen are L on the query and key side. Mesh axes: d (FSDP: batch and weight
+rows) and t (tensor: heads, d_ff, vocab, and the residual's M).
+
+Per device, a layer holds the residual ``x: 'B/d L M/t'`` and, per weight, one all-gather over
+d just before use. Communication per layer, forward (``remat=saved`` repeats the gathers in
+the backward pass, whose transposes add the reduce-scatters of FSDP):
+
+    all_gather over t,d   ln1, ln2                        (norm gains, tiny)
+    all_gather over t     x before each norm (2)          (activations: B/d L M)
+    all_gather over d     w_q, w_kv, w_o, w_gate, w_up, w_down
+    psum_scatter over t   attention and FFN outputs (2)   (they contract a t-split dim)
+
+Matmuls take ``compute_dtype`` inputs; norms, attention scores, softmax, logits and the loss
+are f32. The loss never gathers the vocabulary: each t shard holds ``V/t`` logits and only
+per-position scalars (max, sum of exponentials, target logit) cross devices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from seqshard import shardops
+from seqshard.model.attention import (
+    apply_rope,
+    attention,
+    attention_mask,
+    document_positions,
+    rope_tables,
+)
+from seqshard.model.config import ModelConfig
+from seqshard.model.weights import Layer, Weights
+from seqshard.remat import explicit_activation_checkpointing, save_for_backward
+from seqshard.shardtypes import bool_, f32, i32, typed_shard_map
+
+__all__ = ["logits_fn", "loss_fn", "loss_sum_and_count", "next_token_targets"]
+
+
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * gain over the last dimension, in f32."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def next_token_targets(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The next token at each position and whether it counts: ``[B, L]`` each.
+
+    A position counts when a next token exists in the same document (the last position of a
+    row and the last token of each packed document have no target).
+    """
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    has_next = jnp.concatenate([~is_seq_start[:, 1:], jnp.zeros_like(is_seq_start[:, :1])], axis=1)
+    return targets, has_next
+
+
+def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
+    """One pre-norm layer on the residual 'B/d L M/t'."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    cos, sin = rope
+
+    # Attention. The norm needs all of M: gather the residual over t.
+    ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
+    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+    nx = rms_norm(gx, ln1, cfg.norm_eps).astype(dt)
+    w_q = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt))
+    q = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
+    w_kv = shardops.all_gather("2 M/d K/t D -> 2 M K/t D", w.w_kv.astype(dt))
+    k, v = shardops.einsum_unreduced("B/d L M, 2 M K/t D -> 2 B/d L K/t D", nx, w_kv)
+    q = save_for_backward(apply_rope(q, cos, sin))
+    k = save_for_backward(apply_rope(k, cos, sin))
+    v = save_for_backward(v)
+    causal_only = cfg.attention_mask == "causal"
+    attn = save_for_backward(attention(q, k, v, mask, cfg.attention_impl, causal_only))
+    w_o = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt))
+    out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
+    # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
+    out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+    h = save_for_backward(x + out)
+
+    # SwiGLU FFN.
+    ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
+    gh = shardops.all_gather("B/d L M/t -> B/d L M", h)
+    nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
+    w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt))
+    gate = save_for_backward(shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_gate))
+    w_up = shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt))
+    up = save_for_backward(shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_up))
+    y = jax.nn.silu(gate) * up
+    w_down = shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt))
+    out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, w_down)
+    # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
+    out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+    return (h + out).astype(dt), None
+
+
+def _final_hidden(
+    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+) -> jax.Array:
+    """Embedding, the scanned layers and the final norm: 'B/d L M' in compute dtype."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    embed = shardops.all_gather("V/t M/d -> V/t M", w.embed.astype(dt))
+    x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", embed, tokens)
+    # Each t shard looked up only the rows of its vocab block: sum the shards, keep M/t.
+    x = shardops.psum_scatter("B/d L M -> B/d L M/t", x)
+
+    rope = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
+    mask = attention_mask(is_seq_start, cfg.attention_mask)
+    body = explicit_activation_checkpointing(functools.partial(_layer, cfg, rope, mask), cfg.remat)
+    x, _ = lax.scan(body, x, w.layers)
+
+    ln = shardops.all_gather("M/t/d -> M", w.final_norm)
+    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+    return rms_norm(gx, ln, cfg.norm_eps).astype(dt)
+
+
+def _logits(cfg: ModelConfig, w: Weights, nx: jax.Array) -> jax.Array:
+    """'B/d L V/t' f32: each t shard computes the logits of its vocab block."""
+    unembed = shardops.all_gather(
+        "V/t M/d -> V/t M", w.unembed.astype(jnp.dtype(cfg.compute_dtype))
+    )
+    return shardops.einsum_unreduced(
+        "B/d L M, V/t M -> B/d L V/t", nx, unembed, preferred_element_type=jnp.float32
+    )
+
+
+def _loss_terms(logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array) -> jax.Array:
+    """[sum of next-token losses, number of counted positions], summed over the whole batch."""
+    targets, counted = next_token_targets(tokens, is_seq_start)
+    # A stable logsumexp over the vocab split across t. The max only shifts the exponent, so it
+    # needs no gradient (and pmax has none): take it of the stop-gradiented local max.
+    local_max = jnp.max(logits, axis=-1)
+    shift = shardops.pmax("B/d L{U_t} -> B/d L", lax.stop_gradient(local_max))
+    sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
+    # The target's logit lives on the one t shard whose vocab block holds it; others give 0.
+    vocab_block = logits.shape[-1]
+    local_target = targets - shardops.axis_index("t") * vocab_block
+    here = (local_target >= 0) & (local_target < vocab_block)
+    picked = jnp.take_along_axis(
+        logits, jnp.clip(local_target, 0, vocab_block - 1)[..., None], axis=-1
+    )
+    target_logit = jnp.where(here, picked[..., 0], 0.0)
+    # Both are partial over the vocab blocks: one all-reduce over t carries the pair.
+    sum_exp, target_logit = shardops.psum(
+        "2 B/d L{U_t} -> 2 B/d L", jnp.stack([sum_exp, target_logit])
+    )
+    nll = jnp.log(sum_exp) + shift - target_logit
+    counted = counted.astype(jnp.float32)
+    local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
+    # Each d shard summed its own rows of the batch: add them up.
+    return shardops.psum("2{U_d} -> 2", local)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(cfg: ModelConfig, mesh: Mesh, output: str):
+    cfg.check_mesh(mesh.shape["d"], mesh.shape["t"])
+
+    @functools.partial(typed_shard_map, mesh=mesh)
+    def loss_terms(w: Weights, tokens: i32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32["2"]:
+        logits = _logits(cfg, w, _final_hidden(cfg, w, tokens, is_seq_start))
+        return _loss_terms(logits, tokens, is_seq_start)
+
+    @functools.partial(typed_shard_map, mesh=mesh)
+    def logits(
+        w: Weights, tokens: i32[b"B/d L"], is_seq_start: bool_[b"B/d L"]
+    ) -> f32[b"B/d L V/t"]:
+        return _logits(cfg, w, _final_hidden(cfg, w, tokens, is_seq_start))
+
+    return {"loss_terms": loss_terms, "logits": logits}[output]
+
+
+def _inputs(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    tokens, is_seq_start = jnp.asarray(tokens), jnp.asarray(is_seq_start)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}.")
+    if tokens.shape != is_seq_start.shape or tokens.ndim != 2:
+        raise ValueError(
+            f"tokens and is_seq_start must both be [batch, seq_len]; got {tokens.shape} and "
+            f"{is_seq_start.shape}."
+        )
+    return tokens.astype(jnp.int32), is_seq_start.astype(jnp.bool_)
+
+
+def loss_sum_and_count(
+    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
+) -> jax.Array:
+    """f32[2]: the summed next-token loss over the batch and the number of positions counted.
+
+    Gradient accumulation adds these over microbatches and divides once, which gives exactly
+    the full-batch mean even when packed documents make counts differ between microbatches.
+    """
+    tokens, is_seq_start = _inputs(tokens, is_seq_start)
+    return _sharded(cfg, mesh, "loss_terms")(weights, tokens, is_seq_start)
+
+
+def loss_fn(
+    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
+) -> jax.Array:
+    """f32[]: mean next-token cross-entropy over positions whose next token is in the same document.
+
+    ``tokens: i32['B L']`` and ``is_seq_start: bool['B L']`` are global arrays in any sharding;
+    B must be divisible by the mesh's d axis.
+    """
+    total, count = loss_sum_and_count(weights, tokens, is_seq_start, cfg, mesh)
+    return total / jnp.maximum(count, 1.0)
+
+
+def logits_fn(
+    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
+) -> jax.Array:
+    """f32['B L V']: next-token logits, sharded 'B/d L V/t' as they come out of the shard_map."""
+    tokens, is_seq_start = _inputs(tokens, is_seq_start)
+    return _sharded(cfg, mesh, "logits")(weights, tokens, is_seq_start)
