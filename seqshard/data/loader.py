@@ -1,0 +1,285 @@
+"""Global batches of packed tokens, sharded ``B/d L`` on the mesh, with a prefetch thread.
+
+    with Loader("data/tokens", "train", batch_size=32, seq_len=256, mesh=mesh) as loader:
+        for batch in loader:             # Batch(step, tokens i32['B/d L'], is_seq_start bool['B/d L'])
+            state = step_fn(state, batch.tokens, batch.is_seq_start)
+            ckpt["data"] = loader.state()  # {'step': next step, 'seed': ..., ...}
+    # resume: Loader(..., seed=ckpt["data"]["seed"], start_step=ckpt["data"]["step"])
+
+The batch at step ``s`` is rows ``[s*B, (s+1)*B)`` of the split's packed stream
+(:mod:`seqshard.data.packing`): a function of ``(data, seed, batch_size, seq_len, s)`` only, so
+fresh loaders agree, resuming at ``s`` is exact, and no step needs the ones before it. Each
+process reads only the rows its own devices hold (the ``d`` blocks of ``B``) and hands them to
+``jax.make_array_from_process_local_data``, so the same code runs on one host or many.
+Each epoch's last ``n_tokens % seq_len`` tokens (the end of its last documents) are not emitted;
+every other token is emitted exactly once per epoch.
+
+Rows are ``seq_len`` tokens of the stream; a model predicting token ``i + 1`` from token ``i``
+shifts within the row and masks the pairs that cross a document start (``is_seq_start``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from seqshard.data.packing import PackedStream
+from seqshard.data.tokenfile import TokenSplit, check_tokenizer, open_split
+
+__all__ = ["EVAL_SEED", "Batch", "Loader", "unigram_entropy"]
+
+# eval_batches always shuffles val with this seed, so runs with different training seeds are
+# evaluated on the same batches.
+EVAL_SEED = 0
+_POLL_S = 0.1  # how often blocked queue operations look at the stop flag
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One global batch: ``tokens`` int32 and ``is_seq_start`` bool, both ``[B, L]`` sharded
+    ``P('d', None)``; ``step`` is its position in the stream."""
+
+    step: int
+    tokens: jax.Array
+    is_seq_start: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+def _local_row_ranges(sharding: NamedSharding, global_shape: tuple[int, int]) -> list[range]:
+    """The row ranges of ``global_shape`` this process's devices hold, sorted, each once (devices
+    along ``t`` hold the same rows). Their concatenation is the process-local data that
+    ``make_array_from_process_local_data`` expects."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        start, stop, _ = index[0].indices(global_shape[0])
+        rows.add((start, stop))
+    return [range(a, b) for a, b in sorted(rows)]
+
+
+class Loader:
+    """Batches of one split of a prepared data directory; iterate it, or call :meth:`batch_at`.
+
+    ``vocab`` (the model's vocabulary size), if given, is checked against the largest id in the
+    split. ``prefetch`` batches are built ahead by a background thread (0: none, build on
+    demand); errors there are raised by the next ``next()``. Call :meth:`close` (or use ``with``)
+    to stop the thread.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        split: str,
+        *,
+        batch_size: int,
+        seq_len: int,
+        mesh: Mesh,
+        seed: int = 0,
+        vocab: int | None = None,
+        prefetch: int = 2,
+        start_step: int = 0,
+    ) -> None:
+        if "d" not in mesh.shape:
+            raise ValueError(
+                f"Loader needs a mesh with a 'd' axis to split the batch over; got axes "
+                f"{tuple(mesh.shape)}. Build the mesh with axes ('d', 't')."
+            )
+        n_d = mesh.shape["d"]
+        if not isinstance(batch_size, int) or batch_size < 1 or batch_size % n_d:
+            raise ValueError(
+                f"batch_size must be a positive multiple of the mesh's d axis ({n_d}) so every "
+                f"d shard gets whole rows; got {batch_size!r}. Use a multiple of {n_d}, or a "
+                f"mesh whose d axis divides the batch size."
+            )
+        if not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}.")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}.")
+        self.data_dir, self.split_name = Path(data_dir), split
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, int(seed)
+        self.mesh, self.vocab, self.prefetch = mesh, vocab, prefetch
+
+        check_tokenizer(self.data_dir)
+        self.split = self._open_checked(split)
+        self.stream = PackedStream(self.split, seq_len, self.seed)
+        self.sharding = NamedSharding(mesh, P("d", None))
+        self._shape = (batch_size, seq_len)
+        self._local_rows = _local_row_ranges(self.sharding, self._shape)
+        self._val_stream: PackedStream | None = None
+
+        self._step = start_step  # the step the consumer gets next
+        self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _open_checked(self, split: str) -> TokenSplit:
+        data = open_split(self.data_dir, split)
+        if self.vocab is not None and data.max_id >= self.vocab:
+            raise ValueError(
+                f"{data.path} holds token id {data.max_id}, but the model's vocab is "
+                f"{self.vocab} (ids must be < vocab; the data's tokenizer has "
+                f"{data.vocab_size} tokens). Set model.vocab >= {data.vocab_size}, or re-run "
+                f"`seqshard prepare --vocab-size {self.vocab}` (or with --tokenizer of a "
+                f"matching tokenizer.json)."
+            )
+        return data
+
+    def _build(self, stream: PackedStream, step: int) -> Batch:
+        first = step * self.batch_size
+        row_ids = np.concatenate(
+            [np.arange(first + r.start, first + r.stop) for r in self._local_rows]
+        )
+        tokens, starts = stream.rows(row_ids)
+        make = jax.make_array_from_process_local_data
+        return Batch(
+            step,
+            make(self.sharding, tokens, self._shape),
+            make(self.sharding, starts, self._shape),
+        )
+
+    def batch_at(self, step: int) -> Batch:
+        """The batch at ``step``, built now (independent of the iterator's position)."""
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}.")
+        return self._build(self.stream, int(step))
+
+    def eval_batches(self, n: int) -> Iterator[Batch]:
+        """``n`` batches of the val split, the same ones on every call and for every training
+        seed (shuffled with :data:`EVAL_SEED`); their ``step`` is 0 .. n-1."""
+        if self._val_stream is None:
+            self._val_stream = PackedStream(self._open_checked("val"), self.seq_len, EVAL_SEED)
+        stream = self._val_stream
+        if n * self.batch_size > stream.rows_per_epoch:
+            warnings.warn(
+                f"eval_batches({n}) needs {n * self.batch_size} rows of {self.seq_len} tokens "
+                f"but {stream.split.path} has {stream.rows_per_epoch}; rows repeat (in new "
+                f"orders). Use fewer eval batches or a larger --val-fraction.",
+                stacklevel=2,
+            )
+        for step in range(n):
+            yield self._build(stream, step)
+
+    # -- iteration and the prefetch thread -----------------------------------------------------
+
+    def __iter__(self) -> Loader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._failure is not None:
+            raise self._failure
+        if self._stop.is_set():
+            raise StopIteration
+        if self.prefetch == 0:
+            batch = self.batch_at(self._step)
+        else:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._produce, args=(self._step,), name="seqshard-loader", daemon=True
+                )
+                self._thread.start()
+            item = self._get()
+            if isinstance(item, _Failure):
+                self._failure = item.error
+                self.close()
+                raise item.error
+            batch = item
+        self._step = batch.step + 1
+        return batch
+
+    def _get(self) -> Batch | _Failure:
+        while True:
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._thread is not None and not self._thread.is_alive() and self._queue.empty():
+                    return _Failure(
+                        RuntimeError("the loader's prefetch thread stopped unexpectedly")
+                    )
+
+    def _put(self, item: Batch | _Failure) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _produce(self, step: int) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._put(self.batch_at(step)):
+                    return
+                step += 1
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            self._put(_Failure(e))
+
+    def close(self) -> None:
+        """Stop and join the prefetch thread; iteration then ends. Safe to call twice."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            while thread.is_alive():
+                try:  # unblock a pending put
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    thread.join(timeout=_POLL_S)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- resumption ----------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """What a checkpoint needs to resume exactly: ``step`` is the next batch's step."""
+        return {
+            "step": self._step,
+            "seed": self.seed,
+            "split": self.split_name,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "data_hash": self.split.sha256,
+        }
+
+    def check_state(self, state: dict) -> None:
+        """Raise ValueError if ``state`` (from :meth:`state`) was saved for a different stream
+        than this loader's (other data, seed, split, batch size or sequence length)."""
+        mine = self.state()
+        diff = {k: (state.get(k), mine[k]) for k in mine if k != "step" and state.get(k) != mine[k]}
+        if diff:
+            shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"the data state to resume was saved for a different stream ({shown}); resume "
+                f"with the same data directory and settings, or start from step 0."
+            )
+
+
+def unigram_entropy(data_dir: str | os.PathLike, split: str = "train") -> float:
+    """Entropy (nats per token) of the split's token frequencies: the loss of a model that knows
+    only how often each token occurs. A model that learns anything goes below it."""
+    data = open_split(data_dir, split)
+    counts = np.zeros(data.vocab_size, np.int64)
+    chunk = 1 << 24
+    for i in range(0, data.n_tokens, chunk):
+        counts += np.bincount(data.tokens[i : i + chunk], minlength=data.vocab_size)
+    p = counts[counts > 0] / data.n_tokens
+    return float(-(p * np.log(p)).sum())

@@ -1,0 +1,317 @@
+"""Text -> token files: ``seqshard prepare``.
+
+    prepare("data/tokens")                                # the stdlib, a new 4096-token BPE
+    prepare("data/mine", inputs=["notes/"], tokenizer_path="data/tokens/tokenizer.json")
+
+Steps: (1) read the documents once to train a tokenizer on the train documents (or, with a given
+tokenizer, only to count them); (2) read them again, encode them in parallel batches and append
+each, followed by ``<|endoftext|>``, to ``train.bin`` or ``val.bin``; (3) write meta.json. All of
+it happens in ``<out>.tmp``, renamed to ``<out>`` at the end, so an interrupted run never leaves
+a directory that looks prepared.
+
+Document ``i`` (in corpus order) goes to val iff a hash of ``(seed, i)`` falls below
+``val_fraction``: deterministic, independent of the text, and about ``val_fraction`` of the
+documents. If that picks none of a small corpus's documents, the one with the smallest hash goes
+to val (it was then also seen when training the tokenizer; nothing else of val ever is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from seqshard.data import corpus as corpus_lib
+from seqshard.data.tokenfile import (
+    FORMAT,
+    FORMAT_VERSION,
+    SplitWriter,
+    dtype_for_vocab,
+    write_meta,
+)
+from seqshard.data.tokenizer import (
+    eot_id,
+    load_tokenizer,
+    tokenizer_hash,
+    train_tokenizer,
+)
+
+__all__ = ["DEFAULT_OUT", "DEFAULT_VOCAB", "is_val_doc", "prepare", "prepare_main"]
+
+DEFAULT_OUT = "data/tokens"
+DEFAULT_VOCAB = 4096
+TOKENIZER_FILE = "tokenizer.json"
+_MASK64 = (1 << 64) - 1
+_ENCODE_CHARS = 1 << 20  # characters per encode_batch call: big enough to use every core
+
+
+def _unit_hash(i: int, seed: int) -> float:
+    """splitmix64 of (seed, i), as a float in [0, 1)."""
+    z = (i + (seed + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) / 2.0**64
+
+
+def is_val_doc(i: int, val_fraction: float, seed: int = 0) -> bool:
+    """Whether document ``i`` belongs to val by the hash rule (before the small-corpus rule)."""
+    return _unit_hash(i, seed) < val_fraction
+
+
+def _chunks(docs: Iterator[tuple[int, str]], max_chars: int) -> Iterator[list[tuple[int, str]]]:
+    chunk, chars = [], 0
+    for item in docs:
+        chunk.append(item)
+        chars += len(item[1])
+        if chars >= max_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _source_corpus(
+    inputs: Sequence[str | os.PathLike] | None,
+    hf_dataset: str | None,
+    text_field: str,
+    hf_split: str,
+) -> corpus_lib.Corpus:
+    parts = []
+    if inputs:
+        parts.append(corpus_lib.path_corpus(inputs, text_field=text_field))
+    if hf_dataset:
+        parts.append(corpus_lib.hf_corpus(hf_dataset, split=hf_split, text_field=text_field))
+    if not parts:
+        return corpus_lib.stdlib_corpus()
+    if len(parts) == 1:
+        return parts[0]
+    return corpus_lib.Corpus(
+        " + ".join(p.description for p in parts),
+        lambda: itertools.chain.from_iterable(parts),
+    )
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
+
+
+def prepare(
+    out_dir: str | os.PathLike,
+    *,
+    inputs: Sequence[str | os.PathLike] | None = None,
+    vocab_size: int = DEFAULT_VOCAB,
+    val_fraction: float = 0.01,
+    tokenizer_path: str | os.PathLike | None = None,
+    hf_dataset: str | None = None,
+    hf_split: str = "train",
+    text_field: str = "text",
+    max_docs: int | None = None,
+    seed: int = 0,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> Path:
+    """Prepare a token directory at ``out_dir`` (see :mod:`seqshard.data.tokenfile`) and return
+    its path.
+
+    Sources: ``inputs`` (files / directories) and/or ``hf_dataset``; neither means the Python
+    standard library. ``tokenizer_path=None`` trains a byte-level BPE of ``vocab_size`` tokens on
+    the train documents; a given tokenizer.json is copied into ``out_dir`` (``vocab_size`` is
+    then ignored). An existing ``out_dir`` is replaced only with ``overwrite=True``.
+    """
+    log = log or (lambda _msg: None)
+    out_dir = Path(out_dir)
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}; e.g. 0.01.")
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(
+            f"{out_dir} already exists; choose another --out, or pass --force "
+            f"(overwrite=True) to replace it."
+        )
+    t_start = time.perf_counter()
+    source = _source_corpus(inputs, hf_dataset, text_field, hf_split).take(max_docs)
+    log(f"prepare: source {source.description}")
+
+    tmp = Path(f"{out_dir}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by an interrupted run
+    tmp.mkdir(parents=True)
+    try:
+        # Pass 1: count documents and val documents (for the small-corpus rule), training the
+        # tokenizer on the way.
+        n_docs = n_val = n_chars = 0
+        smallest = (2.0, -1)  # (hash, index) of the document nearest to val
+
+        def counted_train_docs() -> Iterator[str]:
+            nonlocal n_docs, n_val, n_chars, smallest
+            for i, doc in enumerate(source):
+                n_docs, n_chars = i + 1, n_chars + len(doc)
+                smallest = min(smallest, (_unit_hash(i, seed), i))
+                if is_val_doc(i, val_fraction, seed):
+                    n_val += 1
+                else:
+                    yield doc
+
+        t0 = time.perf_counter()
+        if tokenizer_path is None:
+            tok = train_tokenizer(counted_train_docs(), vocab_size, tmp / TOKENIZER_FILE)
+            log(
+                f"prepare: trained a byte-level BPE of {tok.get_vocab_size()} tokens in "
+                f"{time.perf_counter() - t0:.1f}s"
+            )
+        else:
+            tok = load_tokenizer(tokenizer_path)
+            shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+            for _ in counted_train_docs():
+                pass
+            log(f"prepare: using tokenizer {tokenizer_path} ({tok.get_vocab_size()} tokens)")
+        if n_docs == 0:
+            raise ValueError(
+                f"source {source.description} gave no non-empty documents; give prepare "
+                f"inputs with text in them."
+            )
+        log(f"prepare: {n_docs} documents, {_fmt(n_chars)} characters")
+        extra_val = smallest[1] if n_val == 0 and val_fraction > 0 and n_docs >= 2 else -1
+
+        def in_val(i: int) -> bool:
+            return i == extra_val or is_val_doc(i, val_fraction, seed)
+
+        vocab = tok.get_vocab_size()
+        dtype = dtype_for_vocab(vocab)
+        eot = eot_id(tok)
+        if eot is None:
+            log("prepare: the tokenizer has no <|endoftext|>; documents are not terminated")
+
+        # Pass 2: encode in batches (parallel in Rust) and append to the split files.
+        t0 = last = time.perf_counter()
+        writers = {s: SplitWriter(tmp, s, dtype) for s in ("train", "val")}
+        done = 0
+        for chunk in _chunks(enumerate(source), _ENCODE_CHARS):
+            encodings = tok.encode_batch([doc for _, doc in chunk], add_special_tokens=False)
+            for split in ("train", "val"):
+                ids = [
+                    e.ids + [eot] if eot is not None else e.ids
+                    for (i, _), e in zip(chunk, encodings, strict=True)
+                    if in_val(i) == (split == "val")
+                ]
+                writers[split].add(ids)
+            done += len(chunk)
+            if time.perf_counter() - last > 5:
+                last = time.perf_counter()
+                log(f"prepare: encoded {done}/{n_docs} documents")
+        splits = {s: w.close() for s, w in writers.items()}
+        n_tok = sum(s["n_tokens"] for s in splits.values())
+        log(
+            f"prepare: encoded {_fmt(n_tok)} tokens ({n_chars / max(n_tok, 1):.2f} chars/token) "
+            f"in {time.perf_counter() - t0:.1f}s: train {_fmt(splits['train']['n_tokens'])} "
+            f"tokens / {splits['train']['n_docs']} docs, val {_fmt(splits['val']['n_tokens'])} "
+            f"tokens / {splits['val']['n_docs']} docs"
+        )
+        if splits["val"]["n_docs"] == 0:
+            log("prepare: warning: the val split is empty (raise --val-fraction for evaluation)")
+
+        write_meta(
+            tmp,
+            {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "dtype": dtype.name,
+                "vocab_size": vocab,
+                "eot_id": eot,
+                "tokenizer": TOKENIZER_FILE,
+                "tokenizer_sha256": tokenizer_hash(tmp / TOKENIZER_FILE),
+                "tokenizer_source": "trained" if tokenizer_path is None else str(tokenizer_path),
+                "source": source.description,
+                "n_chars": n_chars,
+                "val_fraction": val_fraction,
+                "split_seed": seed,
+                "splits": splits,
+            },
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    # Swap into place: the old directory (if any) goes only once the new one is complete.
+    old = Path(f"{out_dir}.old")
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    log(f"prepare: wrote {out_dir} in {time.perf_counter() - t_start:.1f}s")
+    return out_dir
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="seqshard prepare",
+        description=(
+            "Tokenize text into a seqshard data directory (train.bin, val.bin, offsets, "
+            "meta.json, tokenizer.json). With no INPUTS and no --hf-dataset, the corpus is the "
+            "Python standard library's own source (~12 MB, no network needed)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUTS",
+        help="text files or directories (recursive: .txt .md .py .jsonl; a .jsonl line is one "
+        "document, its --text-field)",
+    )
+    p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB,
+        help="size of the BPE to train (ignored with --tokenizer)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="use this tokenizer.json instead of training one (e.g. another data dir's)",
+    )
+    p.add_argument(
+        "--hf-dataset",
+        metavar="NAME",
+        help="Hugging Face dataset, streamed; NAME or NAME:CONFIG (needs "
+        "`pip install 'seqshard[hf]'`)",
+    )
+    p.add_argument("--hf-split", default="train", help="split of --hf-dataset to read")
+    p.add_argument("--text-field", default="text", help="text field of .jsonl / HF records")
+    p.add_argument(
+        "--val-fraction", type=float, default=0.01, help="fraction of documents held out as val"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    p.add_argument("--max-docs", type=int, help="read at most this many documents")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    return p
+
+
+def prepare_main(argv: Sequence[str] | None = None) -> int:
+    """``seqshard prepare [--out DIR] [--vocab-size N] [--tokenizer PATH] [--hf-dataset NAME]
+    [INPUTS...]``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        prepare(
+            args.out,
+            inputs=args.inputs or None,
+            vocab_size=args.vocab_size,
+            val_fraction=args.val_fraction,
+            tokenizer_path=args.tokenizer,
+            hf_dataset=args.hf_dataset,
+            hf_split=args.hf_split,
+            text_field=args.text_field,
+            max_docs=args.max_docs,
+            seed=args.seed,
+            overwrite=args.force,
+        )
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
+        print(f"seqshard prepare: error: {e}", file=sys.stderr)
+        return 2
+    return 0
