@@ -1,0 +1,232 @@
+"""Run configs: small YAML files layered over a base, dotted overrides, frozen typed dataclasses.
+
+    # configs/tiny-cpu.yaml
+    base: base.yaml            # path relative to this file; its keys are overridden here
+    mesh: {d: 8, t: 1}
+    train: {steps: 300}
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["train.steps=10", "model.remat=full"])
+
+Loading goes through omegaconf structured configs, so an unknown key is an error with a
+close-match suggestion and a wrong type names the key, the expected type and the value.
+Cross-field checks (mesh vs model sizes, batch vs mesh and microbatches) run before anything
+compiles. Keys users rely on: ``model.<any ModelConfig field>``, ``mesh.d``, ``mesh.t``,
+``train.steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from seqshard.model.config import ModelConfig
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "MeshConfig",
+    "RunConfig",
+    "TrainConfig",
+    "config_to_yaml",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config file or override is malformed, or its values do not fit together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh: d (FSDP / data) x t (tensor). d * t devices are used."""
+
+    d: int = 1
+    t: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from. ``dir`` is prepared on first use if it does not exist."""
+
+    dir: str = "data/stdlib"  # a `seqshard prepare` output directory
+    inputs: tuple[str, ...] = ()  # text files/dirs to prepare from; empty: the Python stdlib
+    vocab_size: int = 4096  # BPE vocab trained when preparing
+    tokenizer: str | None = None  # an existing tokenizer.json to use instead of training one
+    val_fraction: float = 0.01
+    seed: int = 0  # document order
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The optimization: AdamW with clipping, a warmup + cosine or warmup-stable-decay schedule."""
+
+    steps: int = 1000
+    batch_size: int = 32  # global sequences per step
+    seq_len: int = 256
+    microbatches: int = 1  # gradient accumulation: batch_size / microbatches per pass
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    warmup_steps: int = 100
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
+    weight_decay: float = 0.1  # not applied to norm gains
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global norm; 0 disables
+    seed: int = 0  # weight init
+    log_every: int = 10
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 8
+    checkpoint_every: int = 100  # 0: only at the end (and on SIGTERM / Ctrl-C)
+    keep_checkpoints: int = 3
+    peak_flops: float = 0.0  # per device, for MFU; 0: known accelerator peak or measured on CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where the run writes: ``<dir>/<name>``; the name defaults to the config file's stem."""
+
+    name: str = ""
+    dir: str = "runs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
+    """The layers of ``path`` (its bases first) as (description, mapping) pairs."""
+    if path in chain:
+        raise ConfigError(f"{path}: 'base' chain loops: {' -> '.join(map(str, (*chain, path)))}.")
+    if not path.is_file():
+        raise ConfigError(
+            f"config file {path} does not exist. Pass a YAML file such as configs/tiny-cpu.yaml."
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: malformed YAML: {e}. Fix the file's syntax.") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: expected a mapping of sections (model, mesh, train, ...), got {type(data).__name__}."
+        )
+    layers = []
+    base = data.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: 'base' must be a file name, got {base!r}.")
+        layers = _read_yaml((path.parent / base).resolve(), (*chain, path))
+    return [*layers, (str(path), data)]
+
+
+def _merge(schema, layer, where: str):
+    try:
+        return OmegaConf.merge(schema, layer)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        problem = str(e).splitlines()[0]
+        raise ConfigError(f"{where}: {problem}" + (f" (key: {key})" if key else "")) from None
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load ``path`` (and its ``base`` chain) and apply ``key=value`` overrides, then check it."""
+    merged = OmegaConf.structured(Config)
+    if path is not None:
+        for where, data in _read_yaml(Path(path).resolve(), ()):
+            merged = _merge(merged, data, where)
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"override {override!r} is not key=value (e.g. train.steps=100).")
+        try:
+            layer = OmegaConf.from_dotlist([override])
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {override!r}: {e}") from None
+        merged = _merge(merged, layer, f"override {override!r}")
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"{path or 'config'}: {str(e).splitlines()[0]}") from None
+    if not cfg.run.name and path is not None:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=Path(path).stem))
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: Config) -> None:
+    """Cross-field checks, with the values in the message. Raises ConfigError."""
+    m, t = cfg.mesh, cfg.train
+    if m.d < 1 or m.t < 1:
+        raise ConfigError(f"mesh.d and mesh.t must be >= 1, got d={m.d}, t={m.t}.")
+    try:
+        cfg.model.check_mesh(m.d, m.t)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "microbatches",
+        "log_every",
+        "eval_batches",
+        "keep_checkpoints",
+    ):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}.")
+    if t.seq_len < 2:
+        raise ConfigError(
+            f"train.seq_len must be >= 2 (a next-token target needs two tokens), got {t.seq_len}."
+        )
+    if t.batch_size % t.microbatches:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}. "
+            f"Choose a batch size that is a multiple of the microbatch count."
+        )
+    micro = t.batch_size // t.microbatches
+    if micro % m.d:
+        raise ConfigError(
+            f"each microbatch has train.batch_size / train.microbatches = {micro} sequences, which "
+            f"mesh axis d={m.d} does not divide (the batch is split over d). Choose "
+            f"train.batch_size divisible by mesh.d * train.microbatches = {m.d * t.microbatches}."
+        )
+    if t.warmup_steps < 0 or t.warmup_steps > t.steps:
+        raise ConfigError(
+            f"train.warmup_steps must be in [0, train.steps={t.steps}], got {t.warmup_steps}."
+        )
+    if not 0 <= t.min_lr_ratio <= 1 or not 0 < t.decay_fraction <= 1:
+        raise ConfigError(
+            f"train.min_lr_ratio must be in [0, 1] and train.decay_fraction in (0, 1]; got "
+            f"{t.min_lr_ratio} and {t.decay_fraction}."
+        )
+    if t.lr <= 0 or t.grad_clip < 0 or t.weight_decay < 0:
+        raise ConfigError(
+            f"train.lr must be > 0 and train.grad_clip, train.weight_decay >= 0; got lr={t.lr}, "
+            f"grad_clip={t.grad_clip}, weight_decay={t.weight_decay}."
+        )
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}.")
+    if cfg.data.vocab_size > cfg.model.vocab:
+        raise ConfigError(
+            f"data.vocab_size={cfg.data.vocab_size} (the tokenizer's) exceeds model.vocab="
+            f"{cfg.model.vocab}: token ids would fall outside the embedding. Set model.vocab >= "
+            f"{cfg.data.vocab_size}."
+        )
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML; ``load_config`` of it gives back an equal Config."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,97 @@
+"""One training step: loss and gradients over microbatches, then the optimizer update.
+
+Gradient accumulation sums, over microbatches, the summed next-token loss, the number of
+positions counted, and the gradient of the summed loss; it divides once at the end. That is
+exactly the full-batch mean gradient even when packed documents give microbatches different
+token counts (a mean of microbatch means would weight them wrongly).
+
+Microbatch m takes rows m, m+k, m+2k, ... of the global batch, so every device's block of
+``B/d`` rows already holds its share of each microbatch: splitting moves no data.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from seqshard.config import Config
+from seqshard.model.transformer import loss_sum_and_count
+from seqshard.model.weights import Weights
+from seqshard.train.optimizer import lr_schedule
+from seqshard.train.state import TrainState, shardings_of, train_state_structs
+
+__all__ = ["grads_and_loss", "make_eval_step", "make_train_step"]
+
+
+def grads_and_loss(
+    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: Config, mesh: Mesh
+) -> tuple[Weights, jax.Array, jax.Array]:
+    """(mean gradient, mean loss, positions counted) over ``microbatches`` slices of the batch."""
+    k = cfg.train.microbatches
+
+    def summed(w, tok, start):
+        total, count = loss_sum_and_count(w, tok, start, cfg.model, mesh)
+        return total, count  # differentiate the sum; carry the count along
+
+    grad_of_sum = jax.value_and_grad(summed, has_aux=True)
+    if k == 1:
+        (total, count), grads = grad_of_sum(weights, tokens, is_seq_start)
+    else:
+        batch, length = tokens.shape
+        micro = NamedSharding(mesh, PartitionSpec(None, "d", None))
+
+        def split(x):
+            # Row i of the batch goes to microbatch i % k: a device's rows stay on it.
+            x = jnp.swapaxes(x.reshape(batch // k, k, length), 0, 1)
+            return jax.lax.with_sharding_constraint(x, micro)
+
+        def accumulate(acc, mb):
+            (total, count), grads = grad_of_sum(weights, *mb)
+            acc_total, acc_count, acc_grads = acc
+            return (
+                acc_total + total,
+                acc_count + count,
+                jax.tree.map(jnp.add, acc_grads, grads),
+            ), None
+
+        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, weights))
+        total, count, grads = jax.lax.scan(accumulate, zeros, (split(tokens), split(is_seq_start)))[
+            0
+        ]
+    count = jnp.maximum(count, 1.0)
+    return jax.tree.map(lambda g: g / count, grads), total / count, count
+
+
+def make_train_step(cfg: Config, mesh: Mesh, opt: optax.GradientTransformation):
+    """``step(state, tokens, is_seq_start) -> (state, metrics)``, jitted once, state donated."""
+    schedule = lr_schedule(cfg.train)
+    state_shardings = shardings_of(train_state_structs(cfg.model, mesh, opt))
+    batch_sharding = NamedSharding(mesh, PartitionSpec("d", None))
+
+    def step(state: TrainState, tokens: jax.Array, is_seq_start: jax.Array):
+        grads, loss, count = grads_and_loss(state.weights, tokens, is_seq_start, cfg, mesh)
+        updates, opt_state = opt.update(grads, state.opt_state, state.weights)
+        weights = optax.apply_updates(state.weights, updates)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            "lr": schedule(state.step),
+            "tokens_counted": count,
+        }
+        return TrainState(step=state.step + 1, weights=weights, opt_state=opt_state), metrics
+
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, batch_sharding, batch_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
+
+
+def make_eval_step(cfg: Config, mesh: Mesh):
+    """``eval(weights, tokens, is_seq_start) -> f32[2]`` (summed loss, positions counted)."""
+    return jax.jit(functools.partial(loss_sum_and_count, cfg=cfg.model, mesh=mesh))
