@@ -203,10 +203,8 @@ def check_config(cfg: Config) -> None:
             f"mesh axis d={m.d} does not divide (the batch is split over d). Choose "
             f"train.batch_size divisible by mesh.d * train.microbatches = {m.d * t.microbatches}."
         )
-    if t.warmup_steps < 0 or t.warmup_steps > t.steps:
-        raise ConfigError(
-            f"train.warmup_steps must be in [0, train.steps={t.steps}], got {t.warmup_steps}."
-        )
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}.")
     if not 0 <= t.min_lr_ratio <= 1 or not 0 < t.decay_fraction <= 1:
         raise ConfigError(
             f"train.min_lr_ratio must be in [0, 1] and train.decay_fraction in (0, 1]; got "

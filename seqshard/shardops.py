@@ -54,16 +54,19 @@ __all__ = [
 
 def _manual_axes(where: str) -> dict[str, int]:
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        raise ShapeError(
-            f"{where}: shardops run on per-device blocks inside jax.shard_map or "
-            f"seqshard.typed_shard_map, but no mesh is active here."
-        )
-    return {
+    manual = {
         name: size
         for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
         if kind == jax.sharding.AxisType.Manual
     }
+    if not manual:
+        # A mesh set with jax.set_mesh outside shard_map has no manual axes: still not a block.
+        raise ShapeError(
+            f"{where}: shardops run on per-device blocks inside jax.shard_map or "
+            f"seqshard.typed_shard_map, but this call is outside one ("
+            f"{'no mesh is active' if mesh.empty else f'the mesh {dict(mesh.shape)} has no manual axes'})."
+        )
+    return manual
 
 
 class _Call:
@@ -383,13 +386,26 @@ def all_to_all(spec: str, x: jax.Array) -> jax.Array:
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
+def _check_owed_not_split(call: _Call, owed: set[str], cause: str) -> None:
+    """A block owing a sum over an axis cannot also be split over it: the sum would mix blocks."""
+    clash = sorted(owed & set(call.dst.split_axes))
+    if clash:
+        raise call.fail(
+            f"{cause} leaves the result owing a sum over {clash}, but the output '{call.dst}' is "
+            f"also split over {clash}, so the devices' partial sums belong to different blocks",
+            "split the reduced dimension over a different mesh axis, or gather the output's "
+            "dimension first",
+        )
+
+
 def einsum_unreduced(spec: str, *operands: jax.Array, preferred_element_type=None) -> jax.Array:
     """A local einsum over per-device blocks; no communication.
 
     ``einsum_unreduced('B/d L F/t, M F/t -> B/d L M', y, w)`` contracts F, which is split over
     t, so the result is a partial sum that still owes a sum over t: the caller reduces it
     (``psum_scatter`` or ``psum``). A dimension must have the same split in every operand
-    and in the output. The output may state what it owes (``'... -> B/d L M{U_t}'``).
+    and in the output, and no axis the result owes may also split the output. The output may
+    state what it owes (``'... -> B/d L M{U_t}'``).
     """
     call = _Call("einsum_unreduced", spec, list(operands), None)
     splits: dict[str, tuple[str, ...]] = {}
@@ -424,6 +440,7 @@ def einsum_unreduced(spec: str, *operands: jax.Array, preferred_element_type=Non
                 letters[d.label] = _LETTERS[len(letters)]
     contracted = set(splits) - set(call.dst.labels)
     owed = {a for label in contracted for a in splits[label]}
+    _check_owed_not_split(call, owed, f"contracting {sorted(contracted)}")
     if call.dst.unreduced and set(call.dst.unreduced) != owed:
         raise call.fail(
             f"the output is marked as owing {sorted(call.dst.unreduced)}, but contracting "
@@ -441,7 +458,8 @@ def index_unreduced(spec: str, table: jax.Array, ids: jax.Array) -> jax.Array:
 
     The bracketed dimension is indexed by ``ids`` (global indices). Each device holds a block
     of it and returns the rows it has, zeros elsewhere: a partial sum that owes a sum over the
-    bracketed dimension's axes (here t). Output: the ids' dimensions, then the table's others.
+    bracketed dimension's axes (here t), which must not also split the output (not
+    ``'[V/d] M, B/d L -> ...'``). Output: the ids' dimensions, then the table's others.
     """
     call = _Call("index_unreduced", spec, [table, ids], 2)
     table_shape, ids_shape = call.op.inputs
@@ -461,6 +479,7 @@ def index_unreduced(spec: str, table: jax.Array, ids: jax.Array) -> jax.Array:
             "fix the output",
         )
     owed = table_shape.dims[k].axes
+    _check_owed_not_split(call, set(owed), f"looking up {table_shape.dims[k]}")
     if call.dst.unreduced and set(call.dst.unreduced) != set(owed):
         raise call.fail(
             f"the output is marked as owing {list(call.dst.unreduced)}, but the lookup owes {list(owed)}",

@@ -67,7 +67,7 @@ class ArrayType:
 
     @property
     def partition_spec(self) -> PartitionSpec:
-        """``'d_model/t/d n/d'`` -> ``P(('t', 'd'), 'd')``; an unsplit dimension is None."""
+        """``'d_model/t/d n'`` -> ``P(('t', 'd'), None)``; an unsplit dimension is None."""
         return PartitionSpec(*(_axes_entry(d.axes) for d in self.shape.dims))
 
     def global_shape(self, sizes: Mapping[str, int], where: str = "") -> tuple[int, ...]:

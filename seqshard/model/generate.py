@@ -1,0 +1,531 @@
+"""Text generation with a KV cache: a prefill shard_map, then one decode-step shard_map per token.
+
+    mesh = decode_mesh(batch=1, cfg=cfg)                   # a mesh the batch and model fit
+    out = generate(weights, prompt, cfg, mesh, max_new_tokens=32, temperature=0.8, top_k=40,
+                   key=jax.random.key(0))                  # i32[B, P + 32]: prompt, then new
+    texts = generate_text(weights, tok, ["def f(x):"], cfg, None, max_new_tokens=32,
+                          temperature=0.0, top_k=None, seed=0)
+
+Dimensions are the training forward's (see ``transformer.py``): B, M, F, V, Q, K, D; L is the
+prompt length in prefill and 1 (the fed token) in a decode step; S is the cache length, the
+longest sequence (prompt + generated) the cache holds; C is the top-k candidates that the t
+shards pool. Mesh axes: d (batch, and FSDP weight rows) and t (heads, d_ff, vocab, M).
+
+Everything runs in the training layout, one shard_map per phase, in one jit per shapes:
+
+    prefill   'B/d L' prompt -> cache 'layers 2 B/d S K/t D' (k at [:, 0], v at [:, 1]) and
+              the last position's logits 'B/d V/t'
+    decode    'B/d' token, cache -> cache with the token's k, v written at its index, logits
+    sampling  inside both shard_maps, on the vocab-sharded logits, in a ``lax.while_loop``
+
+Per layer and decode step the communication is the training forward's with L = 1: the
+all-gathers of every weight over d (FSDP; none when d = 1, which is why :func:`decode_mesh`
+fills t first), the residual's all-gather over t and two psum_scatters over t.
+
+Sampling never gathers the vocabulary. Softmax sampling at temperature T is the Gumbel-max
+trick: ``argmax(logits / T + g)`` with g standard Gumbel noise, drawn for the global
+'B V' array (partitionable threefry, so every device makes only its block and the same key
+gives the same tokens on every mesh). Each t shard takes its block's max and argmax; two
+``pmax`` over t of 'B/d' scalars pick the winner (the lowest id on ties, as ``jnp.argmax``).
+top-k pools each shard's k largest logits ('B/d C/t', all-gathered over t: B*t*k values),
+takes the k-th largest of the pool as the threshold, and masks the logits below it (ties at
+the threshold all stay in). Temperature 0 is greedy: the same argmax without noise.
+
+Prompts are single documents at positions 0.. and may differ in length: rows are
+*left-padded* to a common length P, with ``prompt_lengths`` giving each row's real length.
+Padding never enters attention (masked keys) and each row's RoPE positions start at 0 at its
+first real token, so a padded row generates what it would alone (up to f32 rounding).
+"""
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from seqshard import shardops
+from seqshard.data.tokenizer import Tokenizer, decode, encode_batch, eot_id
+from seqshard.model.attention import apply_rope, attention, rope_tables
+from seqshard.model.config import ModelConfig
+from seqshard.model.transformer import rms_norm
+from seqshard.model.weights import Layer, Weights
+from seqshard.shardtypes import bf16, f32, i32, shardings, typed_shard_map
+
+__all__ = ["decode_mesh", "generate", "generate_text"]
+
+_CACHE_DTYPES = {"float32": f32, "bfloat16": bf16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a mesh
+
+
+def _fits(cfg: ModelConfig, d: int, t: int) -> bool:
+    try:
+        cfg.check_mesh(d, t)
+    except ValueError:
+        return False
+    return True
+
+
+def decode_mesh(
+    batch: int,
+    cfg: ModelConfig,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    max_d: int | None = None,
+) -> Mesh:
+    """A (d, t) mesh for generating ``batch`` rows: t as large as the model splits, then d.
+
+    t comes first: a t split shards every weight with no weight traffic per token, while each
+    decode step all-gathers all weights over d (the training layout is FSDP). d is then the
+    largest divisor of ``batch`` (at most ``max_d``) for which the model still splits and
+    d * t devices exist. Devices default to ``jax.devices()``; the first d * t are used.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"decode_mesh: batch must be a positive int, got {batch!r}.")
+    if not devices:
+        raise ValueError("decode_mesh: no devices given; pass a non-empty list of devices.")
+    n = len(devices)
+    t = max(t for t in range(1, n + 1) if _fits(cfg, 1, t))
+    d_cap = min(batch, n // t, max_d if max_d is not None else batch)
+    d = max(d for d in range(1, d_cap + 1) if batch % d == 0 and _fits(cfg, d, t))
+    return jax.make_mesh(
+        (d, t), ("d", "t"), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[: d * t]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-device pieces (inside the shard_maps)
+
+
+def _embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
+    """'B/d L' ids -> residual 'B/d L M/t' in compute dtype."""
+    embed = shardops.all_gather("V/t M/d -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype)))
+    x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", embed, tokens)
+    # Each t shard looked up only the rows of its vocab block: sum the shards, keep M/t.
+    return shardops.psum_scatter("B/d L M -> B/d L M/t", x)
+
+
+def _qkv(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[jax.Array, ...]:
+    """The layer's rotated q 'B/d L Q K/t D' and k, v 'B/d L K/t D' (as in training)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    cos, sin = rope
+    # The norm needs all of M: gather the residual over t.
+    ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
+    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+    nx = rms_norm(gx, ln1, cfg.norm_eps).astype(dt)
+    w_q = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt))
+    q = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
+    w_kv = shardops.all_gather("2 M/d K/t D -> 2 M K/t D", w.w_kv.astype(dt))
+    k, v = shardops.einsum_unreduced("B/d L M, 2 M K/t D -> 2 B/d L K/t D", nx, w_kv)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _after_attention(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Output projection, residual, SwiGLU FFN, residual: 'B/d L M/t' (as in training)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    w_o = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt))
+    out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
+    # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
+    h = x + shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+    ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
+    gh = shardops.all_gather("B/d L M/t -> B/d L M", h)
+    nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
+    w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt))
+    gate = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_gate)
+    w_up = shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt))
+    up = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_up)
+    w_down = shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt))
+    out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", jax.nn.silu(gate) * up, w_down)
+    # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
+    return (h + shardops.psum_scatter("B/d L M -> B/d L M/t", out)).astype(dt)
+
+
+def _next_logits(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
+    """The last residual 'B/d M/t' -> final norm -> logits 'B/d V/t' f32 (each t shard its block)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    ln = shardops.all_gather("M/t/d -> M", w.final_norm)
+    nx = rms_norm(shardops.all_gather("B/d M/t -> B/d M", x), ln, cfg.norm_eps).astype(dt)
+    unembed = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(dt))
+    return shardops.einsum_unreduced(
+        "B/d M, V/t M -> B/d V/t", nx, unembed, preferred_element_type=jnp.float32
+    )
+
+
+def _sample(
+    logits: jax.Array,
+    noise: jax.Array,
+    temperature: jax.Array,
+    greedy: bool,
+    top_k: int | None,
+    vocab: int,
+) -> jax.Array:
+    """Sample 'B/d' ids from vocab-sharded logits 'B/d V/t' without gathering the vocabulary."""
+    block = logits.shape[-1]
+    scores = logits
+    if not greedy:
+        if top_k is not None and top_k < vocab:
+            # The k-th largest logit of the whole vocab is among the shards' own k largest.
+            local_top = lax.top_k(logits, min(top_k, block))[0]
+            pool = shardops.all_gather("B/d C/t -> B/d C", local_top)
+            kth = lax.top_k(pool, top_k)[0][:, -1:]
+            scores = jnp.where(logits >= kth, logits, -jnp.inf)
+        # Gumbel-max: argmax(logits / T + Gumbel noise) is a sample of softmax(logits / T).
+        scores = scores / temperature + noise
+    local_best = jnp.max(scores, axis=-1)
+    local_id = jnp.argmax(scores, axis=-1).astype(jnp.int32) + shardops.axis_index("t") * block
+    # The winner lives on one t shard: reduce this row's best score, then its id, over t.
+    best = shardops.pmax("B/d{U_t} -> B/d", local_best)
+    # On a tie across shards the lowest id wins (max of the negated ids), as jnp.argmax.
+    neg_id = jnp.where(local_best == best, -local_id, -vocab)
+    return -shardops.pmax("B/d{U_t} -> B/d", neg_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# The jitted generator, built once per (cfg, mesh, static options)
+
+
+@functools.lru_cache(maxsize=32)
+def _generator(
+    cfg: ModelConfig,
+    mesh: Mesh,
+    max_new_tokens: int,
+    cache_len: int,
+    greedy: bool,
+    top_k: int | None,
+    stop_token: int | None,
+    padded: bool,
+    return_logits: bool,
+):
+    kv_type = _CACHE_DTYPES[cfg.compute_dtype][b"layers 2 B/d S K/t D"]
+    sample = functools.partial(_sample, greedy=greedy, top_k=top_k, vocab=cfg.vocab)
+
+    def prefill_layer(rope, mask, x, w: Layer):
+        q, k, v = _qkv(cfg, w, x, rope)
+        # Without padding the mask is exactly causal, which fused kernels take as is_causal.
+        attn = attention(q, k, v, mask, cfg.attention_impl, causal_only=not padded)
+        return _after_attention(cfg, w, x, attn), jnp.stack([k, v])
+
+    @functools.partial(typed_shard_map, mesh=mesh)
+    def prefill(
+        w: Weights,
+        prompt: i32[b"B/d L"],
+        start: i32[b"B/d"],
+        noise: f32[b"B/d V/t"],
+        temperature: f32[()],
+    ) -> tuple[i32[b"B/d"], f32[b"B/d V/t"], kv_type]:
+        length = prompt.shape[1]
+        index = jnp.arange(length, dtype=jnp.int32)
+        # Row b's first real token is at index start[b]: RoPE position 0 there.
+        positions = jnp.maximum(index[None, :] - start[:, None], 0)
+        rope = rope_tables(positions, cfg.d_head, cfg.rope_theta)
+        real_key = index[None, None, :] >= start[:, None, None]
+        # A padding query attends to itself only, so no softmax row is empty (fused kernels
+        # would give NaN there, and padding's k, v must stay finite: they sit in the cache).
+        diagonal = (index[:, None] == index[None, :])[None]
+        causal = (index[:, None] >= index[None, :])[None]
+        mask = causal & (real_key | diagonal)
+        x = _embed(cfg, w, prompt)
+        x, kv = lax.scan(functools.partial(prefill_layer, rope, mask), x, w.layers)
+        # kv: 'layers 2 B/d L K/t D'; the cache holds S positions, the rest filled by decode.
+        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, cache_len - length), (0, 0), (0, 0)))
+        logits = _next_logits(cfg, w, x[:, -1])
+        return sample(logits, noise, temperature), logits, kv
+
+    def decode_layer(rope, mask, index, carry, xs):
+        x, kv = carry
+        w, layer = xs
+        q, k, v = _qkv(cfg, w, x, rope)
+        # Write this token's k, v in place at cache index `index`, then read the layer's cache.
+        new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/d L K/t D', L = 1
+        zero = jnp.int32(0)
+        kv = lax.dynamic_update_slice(kv, new, (layer, zero, zero, index, zero, zero))
+        cache_k, cache_v = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
+        # One query against the cache is a matrix-vector product: plain einsum attention.
+        attn = attention(q, cache_k, cache_v, mask, "einsum", causal_only=False)
+        return (_after_attention(cfg, w, x, attn), kv), None
+
+    @functools.partial(typed_shard_map, mesh=mesh)
+    def decode(
+        w: Weights,
+        kv: kv_type,
+        token: i32[b"B/d"],
+        index: i32[()],
+        start: i32[b"B/d"],
+        noise: f32[b"B/d V/t"],
+        temperature: f32[()],
+    ) -> tuple[i32[b"B/d"], f32[b"B/d V/t"], kv_type]:
+        rope = rope_tables((index - start)[:, None], cfg.d_head, cfg.rope_theta)
+        keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
+        # Keys from the row's first real token up to and including this one.
+        mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]
+        x = _embed(cfg, w, token[:, None])
+        layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+        body = functools.partial(decode_layer, rope, mask, index)
+        (x, kv), _ = lax.scan(body, (x, kv), (w.layers, layers))
+        logits = _next_logits(cfg, w, x[:, 0])
+        return sample(logits, noise, temperature), logits, kv
+
+    noise_sharding = NamedSharding(mesh, PartitionSpec("d", "t"))
+
+    @jax.jit
+    def run(weights: Weights, prompt, start, key, temperature):
+        batch, length = prompt.shape
+
+        def noise(step):
+            if greedy:
+                return jnp.zeros((batch, cfg.vocab), jnp.float32)
+            g = jax.random.gumbel(jax.random.fold_in(key, step), (batch, cfg.vocab), jnp.float32)
+            return lax.with_sharding_constraint(g, noise_sharding)
+
+        token, logits, kv = prefill(weights, prompt, start, noise(0), temperature)
+        fill = 0 if stop_token is None else stop_token
+        out = jnp.full((batch, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
+        seen = None
+        if return_logits:
+            seen = jnp.zeros((batch, max_new_tokens, cfg.vocab), jnp.float32)
+            seen = seen.at[:, 0].set(logits)
+        done = jnp.zeros((batch,), jnp.bool_) if stop_token is None else token == stop_token
+
+        def cond(state):
+            step, _, _, _, _, done = state
+            return (step < max_new_tokens) & ~jnp.all(done)
+
+        def body(state):
+            step, token, kv, out, seen, done = state
+            # new token `step - 1` goes into the cache right after the prompt and its followers.
+            index = length + step - 1
+            token, logits, kv = decode(weights, kv, token, index, start, noise(step), temperature)
+            if stop_token is not None:
+                token = jnp.where(done, stop_token, token)
+                done = done | (token == stop_token)
+            out = lax.dynamic_update_index_in_dim(out, token, step, axis=1)
+            if seen is not None:
+                seen = lax.dynamic_update_index_in_dim(seen, logits, step, axis=1)
+            return step + 1, token, kv, out, seen, done
+
+        state = (jnp.int32(1), token, kv, out, seen, done)
+        _, _, _, out, seen, _ = lax.while_loop(cond, body, state)
+        return out, seen
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking the arguments
+
+
+def _mesh_axes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, int]:
+    if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {"d", "t"}:
+        raise ValueError(
+            f"generate: mesh must be a jax.sharding.Mesh with axes ('d', 't'), got "
+            f"{getattr(mesh, 'shape', mesh)!r}. Make one with decode_mesh(batch, cfg)."
+        )
+    d, t = mesh.shape["d"], mesh.shape["t"]
+    cfg.check_mesh(d, t)
+    return d, t
+
+
+def _check_prompt(
+    prompt_tokens, prompt_lengths, cfg: ModelConfig, d: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The prompt with padding zeroed, and each row's first real index, as numpy int32."""
+    prompt = np.asarray(prompt_tokens)
+    if prompt.ndim != 2 or prompt.shape[1] < 1 or prompt.shape[0] < 1:
+        raise ValueError(
+            f"generate: prompt_tokens must be a 2-D [batch, prompt_len] array with at least one "
+            f"row and one token, got shape {prompt.shape}. Wrap a single prompt as [ids]."
+        )
+    if prompt.dtype == np.bool_ or not np.issubdtype(prompt.dtype, np.integer):
+        raise ValueError(f"generate: prompt_tokens must be integer ids, got dtype {prompt.dtype}.")
+    batch, length = prompt.shape
+    if batch % d:
+        raise ValueError(
+            f"generate: batch {batch} cannot be split over the mesh's d={d}. Use "
+            f"mesh=decode_mesh({batch}, cfg), or pad the batch to a multiple of {d} rows."
+        )
+    if prompt_lengths is None:
+        lengths = np.full((batch,), length, np.int64)
+    else:
+        lengths = np.asarray(prompt_lengths)
+        if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(
+                f"generate: prompt_lengths must be {batch} ints (one per row), got "
+                f"{prompt_lengths!r}."
+            )
+        bad = np.flatnonzero((lengths < 1) | (lengths > length))
+        if bad.size:
+            raise ValueError(
+                f"generate: prompt_lengths[{bad[0]}] = {lengths[bad[0]]} is outside [1, "
+                f"{length}]: each row needs at least one real token, left-padded to the "
+                f"prompt width {length}."
+            )
+    start = (length - lengths).astype(np.int32)
+    real = np.arange(length)[None, :] >= start[:, None]
+    outside = real & ((prompt < 0) | (prompt >= cfg.vocab))
+    if outside.any():
+        row, col = np.argwhere(outside)[0]
+        raise ValueError(
+            f"generate: prompt_tokens[{row}, {col}] = {prompt[row, col]} is not a token id of "
+            f"the model's vocabulary [0, {cfg.vocab}). Encode with the tokenizer the model was "
+            f"trained with (model.vocab >= its vocabulary size)."
+        )
+    return np.where(real, prompt, 0).astype(np.int32), start
+
+
+def generate(
+    weights: Weights,
+    prompt_tokens,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    key: jax.Array | None = None,
+    prompt_lengths: Sequence[int] | None = None,
+    max_len: int | None = None,
+    stop_token: int | None = None,
+    return_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Continue each prompt by ``max_new_tokens`` tokens: i32[B, P + max_new_tokens].
+
+    ``prompt_tokens``: integer ids [B, P], each row a document from position 0. Rows shorter
+    than P are left-padded: row b's prompt is ``prompt_tokens[b, P - prompt_lengths[b]:]``
+    (padding values are ignored). The output is the prompt as given, then the new tokens.
+
+    ``temperature`` 0 is greedy (argmax); otherwise sampling from softmax(logits /
+    temperature), restricted to the ``top_k`` largest logits when given, with randomness from
+    ``key`` (the same key gives the same tokens on any mesh). ``weights`` may live on any mesh;
+    they are resharded onto ``mesh``, whose d must divide B (see :func:`decode_mesh`).
+    ``max_len`` sizes the cache (default P + max_new_tokens). With ``stop_token``, a row that
+    emits it emits only it from then on, and generation ends once every row has.
+    ``return_logits`` also returns f32[B, max_new_tokens, vocab]: each new token's logits.
+    """
+    d, _ = _mesh_axes(cfg, mesh)
+    if not isinstance(weights, Weights):
+        raise TypeError(f"generate: weights must be a Weights, got {type(weights).__name__}.")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+    if (
+        not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or (temperature < 0)
+    ):
+        raise ValueError(
+            f"generate: temperature must be a finite number >= 0 (0 is greedy), got "
+            f"{temperature!r}."
+        )
+    greedy = temperature == 0
+    if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= cfg.vocab):
+        raise ValueError(
+            f"generate: top_k must be None or an int in [1, vocab={cfg.vocab}], got {top_k!r}."
+        )
+    if stop_token is not None and (
+        not isinstance(stop_token, int) or not 0 <= stop_token < cfg.vocab
+    ):
+        raise ValueError(
+            f"generate: stop_token must be None or an id in [0, {cfg.vocab}), got {stop_token!r}."
+        )
+    if not greedy and key is None:
+        raise ValueError(
+            f"generate: sampling (temperature={temperature}) needs a key: pass "
+            f"key=jax.random.key(seed), or temperature=0 for greedy decoding."
+        )
+    prompt, start = _check_prompt(prompt_tokens, prompt_lengths, cfg, d)
+    length = prompt.shape[1]
+    cache_len = length + max_new_tokens if max_len is None else max_len
+    if not isinstance(cache_len, int) or length + max_new_tokens > cache_len:
+        raise ValueError(
+            f"generate: the prompt ({length} tokens) plus max_new_tokens={max_new_tokens} needs "
+            f"a cache of {length + max_new_tokens} positions, but max_len={max_len!r}. Raise "
+            f"max_len, shorten the prompt, or ask for fewer tokens."
+        )
+    key = jax.random.key(0) if key is None else key
+    weights = jax.device_put(weights, shardings(Weights, mesh))
+    run = _generator(
+        cfg,
+        mesh,
+        max_new_tokens,
+        cache_len,
+        greedy,
+        None if greedy else top_k,
+        stop_token,
+        bool((start > 0).any()),
+        return_logits,
+    )
+    new, seen = run(weights, prompt, start, key, jnp.float32(temperature))
+    tokens = jnp.concatenate([jnp.asarray(prompt_tokens).astype(jnp.int32), new], axis=1)
+    return (tokens, seen) if return_logits else tokens
+
+
+def generate_text(
+    weights: Weights,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    cfg: ModelConfig,
+    mesh: Mesh | None,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+) -> list[str]:
+    """Each prompt's continuation (without the prompt), cut before its first ``<|endoftext|>``.
+
+    Prompts are encoded and left-padded into one batch; an empty prompt is ``<|endoftext|>``
+    alone (the token before every document in the training data). ``mesh=None`` picks
+    :func:`decode_mesh`; with a mesh whose d does not divide the batch, the batch is padded
+    with copies of the first prompt, which are dropped from the result.
+    """
+    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"generate_text: prompts must be a list of strings, got {prompts!r}.")
+    if not prompts:
+        return []
+    if tokenizer.get_vocab_size() > cfg.vocab:
+        raise ValueError(
+            f"generate_text: the tokenizer has {tokenizer.get_vocab_size()} tokens but the model "
+            f"only {cfg.vocab} (model.vocab). Use the tokenizer the model was trained with."
+        )
+    eot = eot_id(tokenizer)
+    ids = encode_batch(tokenizer, prompts)
+    if any(not row for row in ids):
+        if eot is None:
+            raise ValueError(
+                "generate_text: an empty prompt needs the tokenizer's <|endoftext|> token to "
+                "start from, and this tokenizer has none; give every prompt some text."
+            )
+        ids = [row or [eot] for row in ids]
+    n = len(ids)
+    if mesh is None:
+        mesh = decode_mesh(n, cfg)
+    d = mesh.shape["d"] if isinstance(mesh, Mesh) and "d" in mesh.shape else 1
+    ids += [ids[0]] * (-n % d)
+    width = max(len(row) for row in ids)
+    prompt = np.zeros((len(ids), width), np.int32)
+    for b, row in enumerate(ids):
+        prompt[b, width - len(row) :] = row
+    out = generate(
+        weights,
+        prompt,
+        cfg,
+        mesh,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        key=jax.random.key(seed),
+        prompt_lengths=[len(row) for row in ids],
+        stop_token=eot,
+    )
+    texts = []
+    for row in np.asarray(out[:n, width:]).tolist():
+        if eot is not None and eot in row:
+            row = row[: row.index(eot)]
+        texts.append(decode(tokenizer, row))
+    return texts

@@ -1,0 +1,308 @@
+"""Tests for seqshard/train/metrics.py and seqshard/train/plot.py."""
+
+import json
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from seqshard.train.metrics import MetricsLogger, format_line, read_metrics, tb_tag
+from seqshard.train.plot import plot_main, plot_runs
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _metrics(step: int) -> dict[str, float]:
+    return {
+        "loss": 5.0 / step,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 4512.0,
+        "mfu": 0.012,
+        "step_time_s": 0.91,
+    }
+
+
+def _write_run(run_dir: Path, steps: range, *, val_every: int = 0) -> None:
+    with MetricsLogger(run_dir, total_steps=steps.stop, tty=False) as log:
+        for step in steps:
+            metrics = _metrics(step)
+            if val_every and step % val_every == 0:
+                metrics["val_loss"] = 6.0 / step
+            log.log(step, metrics)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir)]
+
+
+# -- metrics.jsonl ----------------------------------------------------------------------------
+
+
+def test_jsonl_round_trip(tmp_path, capsys):
+    with MetricsLogger(tmp_path, total_steps=3, tty=False) as log:
+        log.log(1, _metrics(1))
+        # numpy scalars (and 0-d JAX arrays) are written as plain floats.
+        log.log(2, {**_metrics(2), "val_loss": np.float32(3.5), "extra": np.int32(7)})
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    for key, value in _metrics(1).items():
+        assert records[0][key] == pytest.approx(value)
+    assert records[1]["val_loss"] == 3.5 and records[1]["extra"] == 7.0
+    assert "val_loss" not in records[0]
+    assert all(isinstance(r["time"], float) for r in records)
+    assert records[0]["time"] <= records[1]["time"]
+    # One JSON object per line, each line complete.
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["step"] for line in lines)
+
+
+def test_line_is_flushed_before_close(tmp_path, capsys):
+    log = MetricsLogger(tmp_path, total_steps=3, tty=False)
+    log.log(1, _metrics(1))
+    assert _steps(tmp_path) == [1]  # readable while the logger is still open (kill-safe)
+    log.close()
+    log.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        log.log(2, _metrics(2))
+
+
+def test_resumed_run_appends(tmp_path, capsys):
+    _write_run(tmp_path, range(1, 4))
+    _write_run(tmp_path, range(4, 6))
+    assert _steps(tmp_path) == [1, 2, 3, 4, 5]
+
+
+def test_truncate_after(tmp_path, capsys):
+    _write_run(tmp_path, range(1, 8))  # crashed after step 7; last checkpoint at step 4
+    with MetricsLogger(tmp_path, total_steps=10, start_step=4, tty=False) as log:
+        assert log.truncate_after(4) == 3
+        assert _steps(tmp_path) == [1, 2, 3, 4]
+        log.log(5, _metrics(5))
+        assert log.truncate_after(5) == 0
+    assert _steps(tmp_path) == [1, 2, 3, 4, 5]
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic rewrite left no temp file
+
+
+def test_bad_metrics_rejected(tmp_path, capsys):
+    with MetricsLogger(tmp_path, total_steps=3, tty=False) as log:
+        with pytest.raises(ValueError, match="reserved"):
+            log.log(1, {"step": 1.0})
+        with pytest.raises(TypeError, match="'loss' must be a number"):
+            log.log(1, {"loss": "low"})
+
+
+# -- torn lines -------------------------------------------------------------------------------
+
+
+def test_truncated_last_line_is_skipped_with_warning(tmp_path, capsys):
+    _write_run(tmp_path, range(1, 4))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 1.2')  # killed mid-write
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert _steps(tmp_path) == [1, 2, 3]
+
+
+def test_bad_line_in_the_middle_raises(tmp_path, capsys):
+    _write_run(tmp_path, range(1, 3))
+    text = (tmp_path / "metrics.jsonl").read_text()
+    (tmp_path / "metrics.jsonl").write_text("garbage\n" + text)
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        read_metrics(tmp_path)
+
+
+def test_append_after_torn_line_repairs_the_file(tmp_path, capsys):
+    _write_run(tmp_path, range(1, 3))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    with pytest.warns(UserWarning, match="dropping the torn last line"):
+        log = MetricsLogger(tmp_path, total_steps=5, start_step=2, tty=False)
+    with log:
+        log.log(3, _metrics(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _steps(tmp_path) == [1, 2, 3]
+
+
+def test_lost_newline_keeps_the_record(tmp_path, capsys):
+    _write_run(tmp_path, range(1, 3))
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(path.read_text().rstrip("\n"))
+    _write_run(tmp_path, range(3, 4))
+    assert _steps(tmp_path) == [1, 2, 3]
+
+
+def test_read_metrics_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl in run dir"):
+        read_metrics(tmp_path)
+
+
+# -- TensorBoard ------------------------------------------------------------------------------
+
+
+def _read_events(tb_dir: Path) -> list:
+    """Every Event in tb_dir's event files (TFRecord framing: u64 length, u32 crc, data, u32 crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            events.append(Event.FromString(data[pos + 12 : pos + 12 + length]))
+            pos += 12 + length + 4
+    return events
+
+
+def _scalars(events: list) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for event in events:
+        for value in event.summary.value:
+            out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_tensorboard_events(tmp_path, capsys):
+    _write_run(tmp_path, range(1, 5), val_every=2)
+    files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    scalars = _scalars(_read_events(tmp_path / "tb"))
+    expected = {"train/" + k for k in _metrics(1)} | {"val/loss"}
+    assert set(scalars) == expected
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
+    assert scalars["train/loss"][1][1] == pytest.approx(2.5)
+    assert scalars["val/loss"] == [(2, pytest.approx(3.0)), (4, pytest.approx(1.5))]
+
+
+def test_tensorboard_purged_on_truncate(tmp_path, capsys):
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    _write_run(tmp_path, range(1, 8))
+    with MetricsLogger(tmp_path, total_steps=10, start_step=4, tty=False) as log:
+        log.truncate_after(4)
+        log.log(5, _metrics(5))
+    # TensorBoard drops earlier events with step >= 5 when it meets this START at step 5.
+    starts = [
+        e.step for e in _read_events(tmp_path / "tb") if e.session_log.status == SessionLog.START
+    ]
+    assert starts == [5]
+
+
+def test_tb_tag():
+    assert tb_tag("loss") == "train/loss"
+    assert tb_tag("val_loss") == "val/loss"
+    assert tb_tag("tokens_per_s") == "train/tokens_per_s"
+
+
+# -- progress display -------------------------------------------------------------------------
+
+
+def test_non_tty_line_format(tmp_path, capsys):
+    metrics = {
+        "loss": 3.4121,
+        "val_loss": 3.5,
+        "lr": 2.9e-3,
+        "grad_norm": 0.61,
+        "tokens_per_s": 4512.3,
+        "mfu": 0.012,
+        "step_time_s": 0.91,
+    }
+    expected = (
+        "step 120/300  loss 3.412  val_loss 3.5  lr 2.9e-03  grad_norm 0.61  tok/s 4,512  "
+        "mfu 1.2%  (0.91 s/step)"
+    )
+    assert format_line(120, 300, metrics) == expected
+    with MetricsLogger(tmp_path, total_steps=300, tty=False) as log:
+        log.log(120, metrics)
+        log.message("saved checkpoint 120")
+    assert capsys.readouterr().out.splitlines() == [expected, "saved checkpoint 120"]
+
+
+def test_format_line_partial_and_extra_keys():
+    line = format_line(1, 2, {"loss": float("nan"), "z": 0.25, "tokens_counted": 16384.0})
+    assert line == "step 1/2  loss nan  z 0.25  tokens_counted 16,384"
+
+
+def test_tty_progress_bar(tmp_path, capsys):
+    with MetricsLogger(tmp_path, total_steps=10, start_step=2, tty=True) as log:
+        log.log(3, _metrics(3))
+        log.message("hello")
+        log.log(5, _metrics(5))
+        assert log._bar.n == 5
+    out = capsys.readouterr().out
+    assert "hello" in out and "tok/s 4,512" in out and "loss" in out
+    assert "step 3/10" not in out  # the plain lines are for non-TTY output only
+
+
+# -- plot -------------------------------------------------------------------------------------
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 5_000
+
+
+def test_plot_one_run_default_path(tmp_path, capsys):
+    run = tmp_path / "run_a"
+    _write_run(run, range(1, 21), val_every=5)
+    out = plot_runs([run])
+    assert out == run / "loss.png"
+    _assert_png(out)
+
+
+def test_plot_two_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path / "a", range(1, 21), val_every=5)
+    _write_run(tmp_path / "b", range(1, 11))
+    out = plot_runs([tmp_path / "a", str(tmp_path / "b")])
+    assert out.resolve() == (tmp_path / "loss_compare.png").resolve()
+    _assert_png(out)
+    explicit = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "sub" / "x.png")
+    assert explicit == tmp_path / "sub" / "x.png"
+    _assert_png(explicit)
+
+
+def test_plot_does_not_touch_pyplot(tmp_path, capsys):
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    _write_run(tmp_path, range(1, 4))
+    plot_runs([tmp_path])
+    assert matplotlib.get_backend() == backend
+
+
+def test_plot_missing_run(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        plot_runs([missing])
+    missing.mkdir()
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl in run dir.*nope"):
+        plot_runs([missing])
+
+
+def test_plot_empty_run(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="is empty; run dir .*empty"):
+        plot_runs([tmp_path / "empty"])
+    with pytest.raises(ValueError, match="no run dirs"):
+        plot_runs([])
+
+
+def test_plot_main(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write_run(run, range(1, 6))
+    capsys.readouterr()
+    assert plot_main([str(run), "--out", str(tmp_path / "o.png")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "o.png")
+    _assert_png(tmp_path / "o.png")
+
+    assert plot_main([str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert plot_main([]) == 2  # argparse usage error
+    assert plot_main(["--help"]) == 0
+    assert "RUN_DIR" in capsys.readouterr().out

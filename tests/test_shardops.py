@@ -1,0 +1,1027 @@
+"""Tests for seqshard/shardops.py: every op against a numpy reference on several meshes.
+
+Each op runs inside ``jax.shard_map`` on global integer-valued float inputs (so sums are exact
+whatever the reduction order). In/out specs come from the op's spec strings. An input that is
+a partial sum (``{U_t}``, or what ``psum_scatter`` reduces) gets a leading dimension split over
+those axes: its global value is the sum over that dimension. Every output gets a leading
+dimension split over the mesh axes its spec does not split, so each device's copy comes back:
+copies along the axes the output still owes a sum over are summed, and every other copy must
+equal the reference exactly.
+"""
+
+import dataclasses
+import functools
+import inspect
+import math
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import typeguard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Float, Int, TypeCheckError, jaxtyped
+
+from seqshard import shardops as so
+from seqshard.notation import Shape, parse_op
+from seqshard.shapecheck import ShapeError
+from seqshard.shardtypes import ArrayType, f32, i32, typed_shard_map
+from seqshard.testing import count_collectives, fake_cpu_mesh
+
+# ---------------------------------------------------------------------------------------------
+# Harness
+
+MESH_AXES = {
+    (1, 8): ("d", "t"),
+    (8, 1): ("d", "t"),
+    (2, 4): ("d", "t"),
+    (4, 2): ("d", "t"),
+    (2, 2, 2): ("a", "b", "c"),
+}
+MESHES_2D = [(1, 8), (8, 1), (2, 4), (4, 2)]
+
+
+@functools.cache
+def mesh_of(shape: tuple[int, ...]) -> jax.sharding.Mesh:
+    return fake_cpu_mesh(shape, MESH_AXES[shape])
+
+
+def pspec(shape: Shape) -> P:
+    """The PartitionSpec of an operand (brackets and markers do not change the layout)."""
+    return ArrayType(jnp.float32, Shape(shape.dims), "f32").partition_spec
+
+
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One op call (``op(spec, ...)``), optionally followed by a reduction ``then=(op, spec)``."""
+
+    op: str
+    spec: str
+    then: tuple[str, str] | None = None
+    to: str = "varying"
+
+    def __str__(self) -> str:
+        text = f"{self.op}({self.spec!r})"
+        if self.to != "varying":
+            text += f"[to={self.to}]"
+        if self.then:
+            text += f"+{self.then[0]}({self.then[1]!r})"
+        return text
+
+    @property
+    def parsed(self):
+        return parse_op(self.spec)
+
+    @property
+    def final(self) -> Shape:
+        return parse_op(self.then[1]).output if self.then else self.parsed.output
+
+    def partial_axes(self, i: int) -> tuple[str, ...]:
+        """The axes input ``i`` is a partial sum (or partial max) over."""
+        src = self.parsed.inputs[i]
+        axes = list(src.unreduced)
+        if self.op == "psum_scatter":
+            for a, b in zip(src.dims, self.parsed.output.dims, strict=True):
+                axes += [x for x in b.axes if x not in a.axes and x not in axes]
+        return tuple(axes)
+
+    def owed_axes(self) -> set[str]:
+        """The axes the final output still owes a sum over (independently of shardops)."""
+        owed = set(self.final.unreduced)
+        if self.then is None and self.op == "einsum_unreduced":
+            out = set(self.parsed.output.labels)
+            owed |= {
+                a for s in self.parsed.inputs for d in s.dims if d.label not in out for a in d.axes
+            }
+        if self.then is None and self.op == "index_unreduced":
+            owed |= {a for d in self.parsed.inputs[0].dims if d.indexed for a in d.axes}
+        return owed
+
+    def all_dims(self):
+        shapes = [*self.parsed.inputs, self.parsed.output]
+        if self.then:
+            shapes.append(parse_op(self.then[1]).output)
+        return [d for s in shapes for d in s.dims]
+
+
+OPS = {
+    "all_gather": so.all_gather,
+    "psum_scatter": so.psum_scatter,
+    "psum": so.psum,
+    "pmax": so.pmax,
+    "all_to_all": so.all_to_all,
+    "einsum_unreduced": so.einsum_unreduced,
+    "index_unreduced": so.index_unreduced,
+}
+
+
+def apply(case: Case, blocks):
+    if case.op == "all_gather":
+        y = so.all_gather(case.spec, blocks[0], to=case.to)
+    elif case.op == "pmax":
+        y = so.pmax(case.spec, lax.stop_gradient(blocks[0]))
+    else:
+        y = OPS[case.op](case.spec, *blocks)
+    if case.then:
+        y = OPS[case.then[0]](case.then[1], y)
+    return y
+
+
+def replica_axes(case: Case, mesh_shape) -> tuple[str, ...]:
+    return tuple(a for a in MESH_AXES[mesh_shape] if a not in case.final.split_axes)
+
+
+@functools.cache
+def sharded(case: Case, mesh_shape: tuple[int, ...], check_vma: bool):
+    """A jitted shard_map of the case; jit caches one compile per input shape."""
+    mesh = mesh_of(mesh_shape)
+    in_specs = tuple(
+        P(_entry(case.partial_axes(i)), *pspec(s)) for i, s in enumerate(case.parsed.inputs)
+    )
+    out_spec = P(_entry(replica_axes(case, mesh_shape)), *pspec(case.final))
+
+    def body(*blocks):
+        return apply(case, [b[0] for b in blocks])[None]
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)
+    )
+
+
+def global_sizes(case: Case, mesh_shape, ks: dict[str, int]) -> dict[str, int]:
+    mesh = dict(zip(MESH_AXES[mesh_shape], mesh_shape, strict=True))
+    axes: dict[str, set[str]] = {}
+    for d in case.all_dims():
+        axes.setdefault(d.label, set()).update(d.axes)
+    return {
+        label: int(label) if label[0].isdigit() else math.prod(mesh[a] for a in ax) * ks[label]
+        for label, ax in axes.items()
+    }
+
+
+def make_inputs(case: Case, mesh_shape, sizes, rng) -> list[np.ndarray]:
+    mesh = dict(zip(MESH_AXES[mesh_shape], mesh_shape, strict=True))
+    out = []
+    for i, s in enumerate(case.parsed.inputs):
+        lead = math.prod(mesh[a] for a in case.partial_axes(i))
+        shape = (lead, *(sizes[label] for label in s.labels))
+        if case.op == "index_unreduced" and i == 1:
+            (vocab,) = [d.label for d in case.parsed.inputs[0].dims if d.indexed]
+            out.append(rng.integers(0, sizes[vocab], shape).astype(np.int32))
+        else:
+            out.append(rng.integers(-3, 4, shape).astype(np.float32))
+    return out
+
+
+def _letters(labels, table):
+    return "".join(
+        table.setdefault(lab, "abcdefghijklmnopqrstuvwxyz"[len(table)]) for lab in labels
+    )
+
+
+def reference(case: Case, inputs, xp=np):
+    """The global result of the case, computed on global arrays with ``xp`` (numpy or jnp)."""
+    combined = [x.max(0) if case.op == "pmax" else x.sum(0) for x in inputs]
+    op = case.parsed
+    if case.op == "einsum_unreduced":
+        table: dict[str, str] = {}
+        lhs = ",".join(_letters(s.labels, table) for s in op.inputs)
+        return xp.einsum(f"{lhs}->{_letters(op.output.labels, table)}", *combined)
+    if case.op == "index_unreduced":
+        values, ids = combined[0], inputs[1][0]
+        k = next(i for i, d in enumerate(op.inputs[0].dims) if d.indexed)
+        looked_up = xp.take(values, ids, axis=k)
+        return xp.moveaxis(looked_up, tuple(range(k, k + ids.ndim)), tuple(range(ids.ndim)))
+    return combined[0]
+
+
+def check_case(case: Case, mesh_shape, check_vma: bool, ks: dict[str, int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    sizes = global_sizes(case, mesh_shape, ks)
+    inputs = make_inputs(case, mesh_shape, sizes, rng)
+    want = reference(case, inputs)
+    got = np.asarray(sharded(case, mesh_shape, check_vma)(*inputs))
+    rest = replica_axes(case, mesh_shape)
+    mesh = dict(zip(MESH_AXES[mesh_shape], mesh_shape, strict=True))
+    got = got.reshape(*(mesh[a] for a in rest), *want.shape)
+    owed = case.owed_axes()
+    assert owed <= set(rest), (owed, rest)
+    got = got.sum(axis=tuple(rest.index(a) for a in owed), keepdims=True)
+    np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape), err_msg=str(case))
+
+
+def label_ks(case: Case):
+    labels = sorted({d.label for d in case.all_dims() if not d.label[0].isdigit()})
+    return st.fixed_dictionaries({label: st.integers(1, 2) for label in labels})
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases: every op, axis orders major/minor, gathers of minor and non-minor axes, markers
+
+AG, RS, PS, PM, A2A, EIN, IDX = (
+    "all_gather",
+    "psum_scatter",
+    "psum",
+    "pmax",
+    "all_to_all",
+    "einsum_unreduced",
+    "index_unreduced",
+)
+
+CASES_2D = [
+    # all_gather: one axis, both orders, minor and non-minor axes removed, several dims
+    Case(AG, "M/d -> M"),
+    Case(AG, "M/t -> M"),
+    Case(AG, "M/d/t -> M"),
+    Case(AG, "M/t/d -> M"),
+    Case(AG, "M/d/t -> M/d"),
+    Case(AG, "M/t/d -> M/t"),
+    Case(AG, "M/t/d -> M/d"),
+    Case(AG, "M/d/t -> M/t"),
+    Case(AG, "M/d F/t -> M F/t"),
+    Case(AG, "M/d F/t -> M F"),
+    Case(AG, "M/d F/t -> M/d F"),
+    Case(AG, "B/d L M/t -> B/d L M"),
+    Case(AG, "V/t M/d -> V/t M"),
+    Case(AG, "2 M/d K/t D -> 2 M K/t D"),
+    Case(AG, "N M/t/d -> N M"),
+    Case(AG, "M/d F/t -> M F/t", to="invarying"),
+    Case(AG, "M/t/d -> M/d", to="invarying"),
+    # psum_scatter: one or two axes, either order, onto split or unsplit dims, markers
+    Case(RS, "B/d L M -> B/d L M/t"),
+    Case(RS, "M -> M/d"),
+    Case(RS, "M -> M/t"),
+    Case(RS, "M -> M/t/d"),
+    Case(RS, "M -> M/d/t"),
+    Case(RS, "M/d -> M/d/t"),
+    Case(RS, "M/t -> M/t/d"),
+    Case(RS, "M F -> M/d F/t"),
+    Case(RS, "M F -> M/t F/d"),
+    Case(RS, "M F/t -> M/d F/t"),
+    Case(RS, "L M{U_t} -> L M/t"),
+    Case(RS, "L M{U_t,d} -> L M/t{U_d}"),
+    # psum / pmax with markers, partial reductions, scalars
+    Case(PS, "B/d L{U_t} -> B/d L"),
+    Case(PS, "M{U_d} -> M"),
+    Case(PS, "M{U_t,d} -> M"),
+    Case(PS, "M{U_d,t} -> M{U_d}"),
+    Case(PS, "M/t{U_d} -> M/t"),
+    Case(PS, "(){U_d,t} -> ()"),
+    Case(PM, "B/d L{U_t} -> B/d L"),
+    Case(PM, "M{U_t,d} -> M"),
+    Case(PM, "M/d{U_t} -> M/d"),
+    Case(PM, "(){U_t} -> ()"),
+    # all_to_all: move one or two axes between dims, onto split dims
+    Case(A2A, "B/d L -> B L/d"),
+    Case(A2A, "B L/t -> B/t L"),
+    Case(A2A, "B/t/d L -> B/t L/d"),
+    Case(A2A, "B/d/t L -> B L/d/t"),
+    Case(A2A, "B/d L/t -> B L/t/d"),
+    Case(A2A, "B/d L/t -> B/d/t L"),
+    Case(A2A, "B/d L M/t -> B/d L/t M"),
+    # einsum_unreduced: local; contracting a split dim owes a sum, then psum(_scatter)
+    Case(EIN, "B/d L M, M F/t -> B/d L F/t"),
+    Case(EIN, "B/d L F/t, M F/t -> B/d L M"),
+    Case(EIN, "B/d L F/t, M F/t -> B/d L M{U_t}"),
+    Case(EIN, "B/d L M/t, M/t F -> B/d L F"),
+    Case(EIN, "B L M/t/d, M/t/d F -> B L F"),
+    Case(EIN, "B/d Q K/t D, B/d S K/t D -> B/d Q S K/t"),
+    Case(EIN, "M/d, M/d -> ()"),
+    Case(EIN, "B/d L F/t, M F/t -> B/d L M", then=(RS, "B/d L M -> B/d L M/t")),
+    Case(EIN, "B/d L F/t, M F/t -> B/d L M", then=(PS, "B/d L M{U_t} -> B/d L M")),
+    Case(EIN, "B L M/t/d, M/t/d F -> B L F", then=(RS, "B L F -> B/t L F/d")),
+    Case(EIN, "B L M/d/t, M/d/t F -> B L F", then=(PS, "B L F{U_t,d} -> B L F")),
+    # index_unreduced: vocab over one or two axes, table dim not first, then the reduction
+    Case(IDX, "[V/t] M, B/d L -> B/d L M"),
+    Case(IDX, "[V/d] M, B/t L -> B/t L M"),
+    Case(IDX, "[V/t/d] M, B L -> B L M"),
+    Case(IDX, "[V/d/t] M, B L -> B L M{U_d,t}"),
+    Case(IDX, "[V/t] M/d, B L -> B L M/d"),
+    Case(IDX, "M [V/t], B/d L -> B/d L M"),
+    Case(IDX, "[V/t] M, B/d L -> B/d L M", then=(RS, "B/d L M -> B/d L M/t")),
+    Case(IDX, "[V/t/d] M, B L -> B L M", then=(PS, "B L M{U_t,d} -> B L M")),
+]
+
+CASES_3D = [
+    Case(AG, "M/a/b/c -> M"),
+    Case(AG, "M/a/b/c -> M/a"),
+    Case(AG, "M/a/b/c -> M/a/c"),
+    Case(AG, "M/a/b/c -> M/b"),
+    Case(AG, "M/c/a/b -> M/a/b"),
+    Case(AG, "M/b F/c/a -> M F/c"),
+    Case(AG, "M/c/b F/a -> M/b F"),
+    Case(RS, "M -> M/a/b/c"),
+    Case(RS, "M/b -> M/b/c/a"),
+    Case(RS, "M F -> M/c F/a/b"),
+    Case(RS, "M/a F{U_b,c} -> M/a/c F/b"),
+    Case(PS, "M{U_a,c} -> M"),
+    Case(PS, "M/b{U_c,a} -> M/b{U_a}"),
+    Case(PM, "M/a{U_b,c} -> M/a"),
+    Case(A2A, "B/a/b L/c -> B/a L/c/b"),
+    Case(A2A, "B/c L -> B L/c"),
+    Case(A2A, "B/a/b/c L -> B/a L/b/c"),
+    Case(EIN, "B/a L M/b/c, M/b/c F -> B/a L F"),
+    Case(EIN, "B/a L M/b/c, M/b/c F -> B/a L F", then=(RS, "B/a L F -> B/a L F/c/b")),
+    Case(IDX, "[V/b/c] M, B/a L -> B/a L M"),
+    Case(IDX, "[V/c/a] M, B/b L -> B/b L M"),
+]
+
+VALUE_PARAMS = [
+    pytest.param(case, mesh, id=f"{case}-{'x'.join(map(str, mesh))}")
+    for case in CASES_2D
+    for mesh in MESHES_2D
+] + [pytest.param(case, (2, 2, 2), id=f"{case}-2x2x2") for case in CASES_3D]
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize(("case", "mesh_shape"), VALUE_PARAMS)
+@settings(deadline=None, max_examples=2)
+@given(data=st.data())
+def test_op_matches_numpy_reference(case, mesh_shape, check_vma, data):
+    ks = data.draw(label_ks(case), label="sizes / mesh-axis product")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    check_case(case, mesh_shape, check_vma, ks, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random layouts: hypothesis draws the spec, the mesh and the sizes
+
+
+@st.composite
+def layouts(draw, axes, rank):
+    """Each mesh axis splits one dimension (or none), in a random major-to-minor order."""
+    dims = [[] for _ in range(rank)]
+    for axis in draw(st.permutations(axes)):
+        where = draw(st.integers(-1, rank - 1))
+        if where >= 0:
+            dims[where].append(axis)
+    return dims
+
+
+def _spec(dims, labels="ABC") -> str:
+    return " ".join("/".join((labels[i], *axes)) for i, axes in enumerate(dims))
+
+
+@st.composite
+def random_cases(draw, op):
+    mesh_shape = draw(st.sampled_from(list(MESH_AXES)))
+    axes = MESH_AXES[mesh_shape]
+    rank = draw(st.integers(1, 3))
+    src = draw(layouts(axes, rank))
+    if op == AG:
+        if not any(src):
+            src[draw(st.integers(0, rank - 1))].append(draw(st.sampled_from(axes)))
+        dst = [[a for a in d if draw(st.booleans())] for d in src]
+        if dst == src:
+            i = next(i for i, d in enumerate(src) if d)
+            dst[i] = dst[i][:-1]
+    elif op == RS:
+        free = [a for a in axes if not any(a in d for d in src)]
+        if not free:
+            src[next(i for i, d in enumerate(src) if d)].pop()
+            free = [a for a in axes if not any(a in d for d in src)]
+        new = draw(st.permutations(free))[: draw(st.integers(1, len(free)))]
+        dst = [list(d) for d in src]
+        for a in new:
+            dst[draw(st.integers(0, rank - 1))].append(a)
+    else:
+        if rank == 1:
+            src.append([])
+            rank = 2
+        if not any(src):
+            src[0].append(draw(st.sampled_from(axes)))
+        i = draw(st.sampled_from([i for i, d in enumerate(src) if d]))
+        j = draw(st.sampled_from([j for j in range(rank) if j != i]))
+        n = draw(st.integers(1, len(src[i])))
+        dst = [list(d) for d in src]
+        dst[i], dst[j] = src[i][: len(src[i]) - n], src[j] + src[i][len(src[i]) - n :]
+    return Case(op, f"{_spec(src)} -> {_spec(dst)}"), mesh_shape
+
+
+@pytest.mark.parametrize("op", [AG, RS, A2A])
+@settings(deadline=None, max_examples=60)
+@given(data=st.data())
+def test_random_layout_change_matches_reference(op, data):
+    case, mesh_shape = data.draw(random_cases(op), label="case")
+    check_vma = data.draw(st.booleans(), label="check_vma")
+    ks = data.draw(label_ks(case), label="sizes")
+    check_case(case, mesh_shape, check_vma, ks, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients: equal the reference gradient; a gather's gradient is a reduce-scatter
+
+GRAD_CASES = [
+    Case(AG, "M/d F/t -> M F/t"),
+    Case(AG, "M/t/d -> M/d"),
+    Case(AG, "M/d/t -> M"),
+    Case(AG, "M/d F/t -> M F/t", to="invarying"),
+    Case(RS, "B/d L M -> B/d L M/t"),
+    Case(RS, "M -> M/t/d"),
+    Case(PS, "M{U_t,d} -> M"),
+    Case(A2A, "B/d L -> B L/d"),
+    Case(EIN, "B/d L F/t, M F/t -> B/d L M", then=(RS, "B/d L M -> B/d L M/t")),
+    Case(IDX, "[V/t] M, B/d L -> B/d L M", then=(RS, "B/d L M -> B/d L M/t")),
+]
+GRAD_PARAMS = [
+    pytest.param(case, mesh, id=f"{case}-{'x'.join(map(str, mesh))}")
+    for case in GRAD_CASES
+    for mesh in [(2, 4), (4, 2)]
+] + [
+    pytest.param(Case(AG, "M/a/b/c -> M/b"), (2, 2, 2), id="all_gather('M/a/b/c -> M/b')-2x2x2"),
+    pytest.param(
+        Case(RS, "M F -> M/c F/a/b"), (2, 2, 2), id="psum_scatter('M F -> M/c F/a/b')-2x2x2"
+    ),
+]
+
+
+def _grad_fns(case, mesh_shape, check_vma, inputs):
+    fn = sharded(case, mesh_shape, check_vma)
+    want = reference(case, inputs)
+    n_rep = math.prod(mesh_of(mesh_shape).shape[a] for a in replica_axes(case, mesh_shape))
+    cot = np.random.default_rng(1).integers(-3, 4, (n_rep, *want.shape)).astype(np.float32)
+    argnums = tuple(i for i, x in enumerate(inputs) if x.dtype == np.float32)
+
+    def loss(*xs):
+        return jnp.sum(fn(*xs) * cot)
+
+    def ref_loss(*xs):
+        out = reference(case, xs, xp=jnp)
+        return jnp.sum(jnp.broadcast_to(out, cot.shape) * cot)
+
+    return jax.jit(jax.grad(loss, argnums)), jax.jit(jax.grad(ref_loss, argnums))
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize(("case", "mesh_shape"), GRAD_PARAMS)
+def test_gradient_matches_reference(case, mesh_shape, check_vma):
+    ks = {label: 1 for label in {d.label for d in case.all_dims()}}
+    inputs = make_inputs(
+        case, mesh_shape, global_sizes(case, mesh_shape, ks), np.random.default_rng(0)
+    )
+    grad, ref_grad = _grad_fns(case, mesh_shape, check_vma, inputs)
+    for got, want in zip(grad(*inputs), ref_grad(*inputs), strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=str(case))
+    if not check_vma:
+        return
+    counts = count_collectives(grad, *inputs)
+    if case.op == AG and case.to == "varying":
+        # FSDP's backward: the transpose of a (varying) gather is a reduce-scatter, and nothing
+        # needs gathering in the backward pass of a linear op.
+        assert counts["reduce-scatter"] >= 1 and counts["all-gather"] == 0, counts
+    if case.op == RS:
+        assert counts["all-gather"] >= 1 and counts["reduce-scatter"] == 0, counts
+
+
+def test_fsdp_gather_gradient_is_one_reduce_scatter():
+    """The forward gathers w over d; the backward reduce-scatters its gradient over d."""
+    mesh = mesh_of((2, 4))
+
+    def body(x, w):
+        w = so.all_gather("M/d F/t -> M F/t", w)
+        y = so.einsum_unreduced("B/d M, M F/t -> B/d F/t", x, w)
+        return so.psum("(){U_d,t} -> ()", jnp.sum(y * y))
+
+    loss = jax.shard_map(
+        body, mesh=mesh, in_specs=(P("d", None), P("d", "t")), out_specs=P(), check_vma=True
+    )
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (4, 8)).astype(np.float32)
+    w = rng.integers(-3, 4, (8, 8)).astype(np.float32)
+    grad = jax.jit(jax.grad(loss, argnums=1))
+    want = jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+    np.testing.assert_array_equal(grad(x, w), want)
+    counts = count_collectives(grad, x, w)
+    assert counts["reduce-scatter"] == 1, counts
+    assert counts["all-gather"] == 1, counts  # the forward gather, recomputed for the backward
+
+
+# ---------------------------------------------------------------------------------------------
+# HLO: each op lowers to exactly the collectives it names
+
+
+def expected_collectives(case: Case) -> dict[str, int]:
+    want = dict.fromkeys(("all-gather", "reduce-scatter", "all-reduce", "all-to-all"), 0)
+    for op, spec in [(case.op, case.spec), *([case.then] if case.then else [])]:
+        parsed = parse_op(spec)
+        changed = sum(
+            a.axes != b.axes
+            for a, b in zip(parsed.inputs[0].dims, parsed.output.dims, strict=False)
+        )
+        if op == AG:
+            want["all-gather"] += changed
+        elif op == RS:
+            want["reduce-scatter"] += changed
+        elif op in (PS, PM):
+            want["all-reduce"] += 1
+        elif op == A2A:
+            want["all-to-all"] += 1
+    return want
+
+
+HLO_PARAMS = [
+    pytest.param(case, mesh, id=f"{case}-{'x'.join(map(str, mesh))}")
+    for case in CASES_2D
+    for mesh in [(2, 4), (4, 2)]
+] + [pytest.param(case, (2, 2, 2), id=f"{case}-2x2x2") for case in CASES_3D]
+
+
+@pytest.mark.parametrize(("case", "mesh_shape"), HLO_PARAMS)
+def test_op_lowers_to_the_collective_it_names(case, mesh_shape):
+    ks = {label: 1 for label in {d.label for d in case.all_dims()}}
+    inputs = make_inputs(
+        case, mesh_shape, global_sizes(case, mesh_shape, ks), np.random.default_rng(0)
+    )
+    counts = count_collectives(sharded(case, mesh_shape, True), *inputs)
+    assert counts == {**expected_collectives(case), "collective-permute": 0}, str(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# The seed's call forms, as written, on an Auto mesh, with and without replication checks
+
+
+def typeguard_checked(fn):
+    """A typechecker for ``jaxtyped``: ``typeguard.check_type`` on each argument and the result.
+
+    typeguard's own ``@typechecked`` re-parses the function's source: it cannot find the
+    signature-only function ``jaxtyped`` hands it, and it parses ``'b l f'`` as Python.
+    """
+    signature, hints = inspect.signature(fn), typing.get_type_hints(fn)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        for name, value in signature.bind(*args, **kwargs).arguments.items():
+            if name in hints:
+                typeguard.check_type(value, hints[name])
+        out = fn(*args, **kwargs)
+        if "return" in hints:
+            typeguard.check_type(out, hints["return"])
+        return out
+
+    return checked
+
+
+@jaxtyped(typechecker=typeguard_checked)
+def reference_embed_ffn(
+    embed: Float[jax.Array, "v m"], ids: Int[jax.Array, "b l"], w: Float[jax.Array, "m f"]
+) -> Float[jax.Array, "b l f"]:
+    """Single-device reference: look up the tokens, then one matmul."""
+    return jnp.einsum("blm,mf->blf", embed[ids], w)
+
+
+def test_reference_rejects_mismatched_shapes():
+    embed, ids = jnp.zeros((16, 8)), jnp.zeros((4, 3), jnp.int32)
+    with pytest.raises(TypeCheckError, match="parameter 'w'"):
+        reference_embed_ffn(embed, ids, jnp.zeros((6, 16)))  # m is 8 in embed, 6 in w
+    with pytest.raises(TypeCheckError, match="parameter 'ids'"):
+        reference_embed_ffn(embed, ids.astype(jnp.float32), jnp.zeros((8, 16)))
+    assert reference_embed_ffn(embed, ids, jnp.zeros((8, 5))).shape == (4, 3, 5)
+
+
+def seed_embed_ffn(embed, ids, w):
+    """seed 001: gather the embedding over d, look up, reduce-scatter, gather, project."""
+    embed = so.all_gather("V/t M/d -> V/t M", embed)
+    x = so.index_unreduced("[V/t] M, B/d L -> B/d L M", embed, ids)
+    # the lookup is a partial sum over t (each t shard holds some vocab rows)
+    x = so.psum_scatter("B/d L M -> B/d L M/t", x)
+    x = so.all_gather("B/d L M/t -> B/d L M", x)
+    w = so.all_gather("M/d F/t -> M F/t", w)
+    return so.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", x, w)
+
+
+def _seed_inputs():
+    rng = np.random.default_rng(0)
+    embed = rng.integers(-3, 4, (16, 8)).astype(np.float32)
+    ids = rng.integers(0, 16, (4, 3)).astype(np.int32)
+    w = rng.integers(-3, 4, (8, 16)).astype(np.float32)
+    return embed, ids, w
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_seed_001_call_forms(mesh_shape, check_vma):
+    mesh = mesh_of(mesh_shape)
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    f = jax.jit(
+        jax.shard_map(
+            seed_embed_ffn,
+            mesh=mesh,
+            in_specs=(P("t", "d"), P("d", None), P("d", "t")),
+            out_specs=P("d", None, "t"),
+            check_vma=check_vma,
+        )
+    )
+    embed, ids, w = _seed_inputs()
+    want = reference_embed_ffn(jnp.asarray(embed), jnp.asarray(ids), jnp.asarray(w))
+    np.testing.assert_array_equal(f(embed, ids, w), want)
+    assert count_collectives(f, embed, ids, w) == {
+        "all-gather": 3,
+        "reduce-scatter": 1,
+        "all-reduce": 0,
+        "all-to-all": 0,
+        "collective-permute": 0,
+    }
+
+    def loss(embed, w):
+        return jnp.sum(f(embed, ids, w) ** 2)
+
+    def ref_loss(embed, w):
+        return jnp.sum(reference_embed_ffn(embed, jnp.asarray(ids), w) ** 2)
+
+    got = jax.grad(loss, (0, 1))(embed, w)
+    want = jax.grad(ref_loss, (0, 1))(jnp.asarray(embed), jnp.asarray(w))
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, r)
+
+
+def seed_typed(
+    embed: f32["vocab/t d_model/d"], ids: i32[b"B/d L"], w: f32["d_model/d d_ff/t"]
+) -> f32[b"B/d L F/t"]:
+    return seed_embed_ffn(embed, ids, w)
+
+
+def test_typed_shard_map_adds_no_collective():
+    mesh = mesh_of((2, 4))
+    typed = jax.jit(typed_shard_map(seed_typed, mesh=mesh))
+    raw = jax.jit(
+        jax.shard_map(
+            seed_embed_ffn,
+            mesh=mesh,
+            in_specs=(P("t", "d"), P("d", None), P("d", "t")),
+            out_specs=P("d", None, "t"),
+        )
+    )
+    args = _seed_inputs()
+    np.testing.assert_array_equal(typed(*args), raw(*args))
+    assert count_collectives(typed, *args) == count_collectives(raw, *args)
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda e, w: jnp.sum(f(e, args[1], w) ** 2), (0, 1)))
+
+    assert count_collectives(grads(typed), args[0], args[2]) == count_collectives(
+        grads(raw), args[0], args[2]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh queries
+
+
+def test_axis_size_and_index():
+    mesh = mesh_of((2, 4))
+
+    def body():
+        assert so.axis_size("t") == 4 and so.axis_size(("d", "t")) == 8
+        assert isinstance(so.axis_size("d"), int)
+        return jnp.stack(
+            [so.axis_index("d"), so.axis_index(("d", "t")), so.axis_index(("t", "d"))]
+        )[None]
+
+    out = jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=P(("d", "t")))()
+    d, t = np.divmod(np.arange(8), 4)
+    np.testing.assert_array_equal(out, np.stack([d, d * 4 + t, t * 2 + d], axis=1))
+
+
+@pytest.mark.parametrize("query", [so.axis_size, so.axis_index])
+def test_axis_query_errors(query):
+    mesh = mesh_of((2, 4))
+    f = jax.shard_map(lambda: query("x") * jnp.ones(()), mesh=mesh, in_specs=(), out_specs=P())
+    with pytest.raises(ShapeError, match=r"no manual mesh axis 'x'.*'d': 2, 't': 4"):
+        jax.eval_shape(f)
+    with pytest.raises(ShapeError, match="outside"):
+        query("d")
+
+
+# ---------------------------------------------------------------------------------------------
+# Error messages: the op, the spec, the dimension, both sizes
+
+
+def trace(body, mesh_shape, in_specs, shapes, check_vma=True, dtypes=None):
+    """Trace ``body`` under shard_map with global arrays of ``shapes`` (no compile)."""
+    dtypes = dtypes or [jnp.float32] * len(shapes)
+    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in zip(shapes, dtypes, strict=True)]
+    f = jax.shard_map(
+        body, mesh=mesh_of(mesh_shape), in_specs=in_specs, out_specs=P(), check_vma=check_vma
+    )
+    return jax.eval_shape(f, *args)
+
+
+ERRORS = [
+    # (id, body, in_specs, global shapes, exception, substrings of the message)
+    (
+        "wrong rank",
+        lambda x: so.all_gather("M/d F/t -> M F/t", x),
+        (P("d", "t", None),),
+        [(8, 8, 4)],
+        ShapeError,
+        ["all_gather('M/d F/t -> M F/t')", "spec 'M/d F/t' has 2 dimensions", "(4, 2, 4)"],
+    ),
+    (
+        "per-device size not divisible (psum_scatter)",
+        lambda x: so.psum_scatter("M -> M/t", x),
+        (P("t"),),
+        [(24,)],
+        ShapeError,
+        ["psum_scatter('M -> M/t')", "dimension M", "per-device size 6", "t = 4"],
+    ),
+    (
+        "per-device size not divisible (all_to_all)",
+        lambda x: so.all_to_all("B/d L -> B L/d", x),
+        (P("d", None),),
+        [(4, 3)],
+        ShapeError,
+        ["all_to_all('B/d L -> B L/d')", "dimension L", "per-device size 3", "d = 2"],
+    ),
+    (
+        "unknown mesh axis in an input",
+        lambda x: so.all_gather("M/x -> M", x),
+        (P("d"),),
+        [(8,)],
+        ShapeError,
+        ["all_gather('M/x -> M')", "spec 'M/x'", "mesh axis 'x'", "'d': 2, 't': 4"],
+    ),
+    (
+        "unknown mesh axis in the output",
+        lambda x: so.psum_scatter("M -> M/x", x),
+        (P(),),
+        [(8,)],
+        ShapeError,
+        ["psum_scatter('M -> M/x')", "output names mesh axis 'x'"],
+    ),
+    (
+        "one name, two sizes in one op",
+        lambda x, w: so.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", x, w),
+        (P("d", None, None), P(None, "t")),
+        [(4, 3, 8), (16, 8)],
+        ShapeError,
+        ["einsum_unreduced('B/d L M, M F/t -> B/d L F/t') input 1", "'M'", "16", "8"],
+    ),
+    (
+        "psum over an axis the value does not vary over",
+        lambda x: so.psum("M/d{U_t} -> M/d", x),
+        (P("d"),),
+        [(8,)],
+        ShapeError,
+        ["psum('M/d{U_t} -> M/d')", "does not vary over ['t']", "check_vma=True"],
+    ),
+    (
+        "psum_scatter over an axis the value does not vary over",
+        lambda x: so.psum_scatter("B/d M -> B/d M/t", x),
+        (P("d", None),),
+        [(2, 8)],
+        ShapeError,
+        ["psum_scatter('B/d M -> B/d M/t')", "does not vary over ['t']"],
+    ),
+    (
+        "gather that adds an axis",
+        lambda x: so.all_gather("M/d -> M/d/t", x),
+        (P("d"),),
+        [(8,)],
+        ShapeError,
+        ["all_gather('M/d -> M/d/t')", "dimension M goes from 'M/d' to 'M/d/t'", "only remove"],
+    ),
+    (
+        "gather that swaps an axis",
+        lambda x: so.all_gather("M/d -> M/t", x),
+        (P("d"),),
+        [(8,)],
+        ShapeError,
+        ["all_gather('M/d -> M/t')", "only remove axes"],
+    ),
+    (
+        "gather of nothing",
+        lambda x: so.all_gather("M/d -> M/d", x),
+        (P("d"),),
+        [(8,)],
+        ShapeError,
+        ["nothing is gathered"],
+    ),
+    (
+        "gather changing dimensions",
+        lambda x: so.all_gather("M/d F -> F M", x),
+        (P("d", None),),
+        [(8, 4)],
+        ShapeError,
+        ["the dimensions differ: M F -> F M"],
+    ),
+    (
+        "reduce-scatter inserting a major axis",
+        lambda x: so.psum_scatter("M/d -> M/t/d", x),
+        (P("d"),),
+        [(8,)],
+        ShapeError,
+        ["psum_scatter('M/d -> M/t/d')", "append minor axes"],
+    ),
+    (
+        "reduce-scatter with a marker naming other axes",
+        lambda x: so.psum_scatter("M{U_d} -> M/t", x),
+        (P(),),
+        [(8,)],
+        ShapeError,
+        ["owes sums over ['d'] but the output scatters over ['t']"],
+    ),
+    (
+        "psum without a marker",
+        lambda x: so.psum("B/d L -> B/d L", x),
+        (P("d", None),),
+        [(4, 2)],
+        ShapeError,
+        ["psum('B/d L -> B/d L')", "no '{U_axis}' marker"],
+    ),
+    (
+        "psum changing the layout",
+        lambda x: so.psum("M{U_t} -> M/t", x),
+        (P(),),
+        [(8,)],
+        ShapeError,
+        ["'M' and 'M/t' differ"],
+    ),
+    (
+        "all_to_all moving to two dims",
+        lambda x: so.all_to_all("B/d/t L M -> B L/d M/t", x),
+        (P(("d", "t")),),
+        [(8, 4, 4)],
+        ShapeError,
+        ["exactly one dimension to exactly one other"],
+    ),
+    (
+        "einsum with disagreeing splits",
+        lambda x, w: so.einsum_unreduced("B/d M/t, M F -> B/d F", x, w),
+        (P("d", "t"), P()),
+        [(4, 8), (8, 4)],
+        ShapeError,
+        ["dimension M is split as 'M/t' in one operand and 'M' in another"],
+    ),
+    (
+        "einsum with a wrong marker",
+        lambda x, w: so.einsum_unreduced("L F/t, M F/t -> L M{U_d}", x, w),
+        (P(None, "t"), P(None, "t")),
+        [(4, 8), (4, 8)],
+        ShapeError,
+        ["marked as owing ['d']", "leaves it owing ['t']"],
+    ),
+    (
+        "einsum owing a sum over an axis that splits the output",
+        lambda x, k: so.einsum_unreduced("X/d, K/d -> X/d", x, k),
+        (P("d"), P("d")),
+        [(4,), (4,)],
+        ShapeError,
+        ["einsum_unreduced('X/d, K/d -> X/d')", "owing a sum over ['d']", "also split over ['d']"],
+    ),
+    (
+        "lookup owing a sum over an axis that splits the output",
+        lambda table, ids: so.index_unreduced("[V/d] M, B/d L -> B/d L M", table, ids),
+        (P("d"), P("d")),
+        [(8, 4), (4, 2)],
+        ShapeError,
+        ["index_unreduced('[V/d] M, B/d L -> B/d L M')", "also split over ['d']"],
+    ),
+    (
+        "lookup without brackets",
+        lambda table, ids: so.index_unreduced("V/t M, B/d L -> B/d L M", table, ids),
+        (P("t"), P("d")),
+        [(8, 4), (4, 2)],
+        ShapeError,
+        ["must bracket exactly one dimension"],
+    ),
+    (
+        "lookup with the wrong output",
+        lambda table, ids: so.index_unreduced("[V/t] M, B/d L -> B/d M L", table, ids),
+        (P("t"), P("d")),
+        [(8, 4), (4, 2)],
+        ShapeError,
+        ["'B/d L M'", "'B/d M L'"],
+    ),
+    (
+        "wrong number of arrays",
+        lambda x: so.einsum_unreduced("B M, M F -> B F", x),
+        (P(),),
+        [(4, 8)],
+        ShapeError,
+        ["2 input operand(s) but 1 array(s)"],
+    ),
+    (
+        "two operands for a one-operand op",
+        lambda x: so.all_gather("M/d, M -> M", x),
+        (P("d"),),
+        [(8,)],
+        ShapeError,
+        ["all_gather takes 1 input operand(s)"],
+    ),
+    (
+        "malformed spec",
+        lambda x: so.all_gather("M//d -> M", x),
+        (P("d"),),
+        [(8,)],
+        ValueError,
+        ["'M//d -> M'", "^"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "in_specs", "shapes", "exc", "words"),
+    [pytest.param(*e[1:], id=e[0]) for e in ERRORS],
+)
+def test_error_message(body, in_specs, shapes, exc, words):
+    with pytest.raises(exc) as info:
+        trace(body, (2, 4), in_specs, shapes)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_lookup_ids_must_be_integers():
+    with pytest.raises(TypeError, match="ids must be integers, got float32"):
+        trace(
+            lambda t, i: so.index_unreduced("[V/t] M, B/d L -> B/d L M", t, i),
+            (2, 4),
+            (P("t"), P("d")),
+            [(8, 4), (4, 2)],
+        )
+
+
+def test_all_gather_rejects_unknown_to():
+    with pytest.raises(ValueError, match="to must be 'varying' or 'invarying'"):
+        trace(lambda x: so.all_gather("M/d -> M", x, to="replicated"), (2, 4), (P("d"),), [(8,)])
+
+
+def test_psum_without_vma_check_multiplies():
+    """What seqshard's check prevents: lax.psum over an invariant axis multiplies silently."""
+    mesh = mesh_of((2, 4))
+    f = jax.shard_map(
+        lambda x: so.psum("M/d{U_t} -> M/d", x),
+        mesh=mesh,
+        in_specs=P("d"),
+        out_specs=P("d"),
+        check_vma=False,
+    )
+    x = np.arange(8, dtype=np.float32)
+    np.testing.assert_array_equal(f(x), 4 * x)
+
+
+def test_pmax_gradient_needs_stop_gradient():
+    mesh = mesh_of((2, 4))
+    f = jax.shard_map(
+        lambda x: so.pmax("M{U_t} -> M", x[0]),
+        mesh=mesh,
+        in_specs=P("t"),
+        out_specs=P(),
+    )
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    np.testing.assert_array_equal(f(x), x.max(0))
+    with pytest.raises(ValueError, match=r"pmax has no gradient.*stop_gradient"):
+        jax.grad(lambda x: jnp.sum(f(x)))(x)
+    g = jax.shard_map(
+        lambda x: so.pmax("M{U_t} -> M", lax.stop_gradient(x[0])),
+        mesh=mesh,
+        in_specs=P("t"),
+        out_specs=P(),
+    )
+    np.testing.assert_array_equal(jax.grad(lambda x: jnp.sum(g(x)))(x), np.zeros_like(x))
+
+
+def test_op_outside_shard_map():
+    with pytest.raises(ShapeError, match=r"all_gather\('M/d -> M'\).*outside one \(no mesh"):
+        so.all_gather("M/d -> M", jnp.ones(4))
+    with (
+        jax.set_mesh(mesh_of((2, 4))),
+        pytest.raises(ShapeError, match=r"outside one \(the mesh \{'d': 2, 't': 4\} has no manual"),
+    ):
+        so.psum_scatter("M -> M/t", jnp.ones(4))
+
+
+# Inside typed_shard_map a scope holds every argument's declared sizes and layout.
+
+
+def scope_size(w: f32["M/d F/t"]) -> f32["M F/t"]:
+    return so.all_gather("F/d M/t -> F M/t", w, to="invarying")  # reads M as F
+
+
+def scope_order(w: f32["M/t/d"]) -> f32["M"]:  # noqa: F821 (a spec, not a forward reference)
+    return so.all_gather("M/d/t -> M", w, to="invarying")  # declared t-major
+
+
+def test_scope_size_conflict():
+    f = typed_shard_map(scope_size, mesh=mesh_of((2, 4)))
+    with pytest.raises(ShapeError) as info:
+        f(np.zeros((8, 16), np.float32))
+    message = str(info.value)
+    for word in ["all_gather('F/d M/t -> F M/t')", "'F'", "global size 8", "size 16", "'w'"]:
+        assert word in message, (word, message)
+
+
+def test_scope_axis_order_conflict():
+    f = typed_shard_map(scope_order, mesh=mesh_of((2, 4)))
+    with pytest.raises(ShapeError) as info:
+        f(np.zeros((16,), np.float32))
+    message = str(info.value)
+    for word in ["all_gather('M/d/t -> M')", "declared 'M/t/d'", "'M/d/t'", "dimension M"]:
+        assert word in message, (word, message)
