@@ -25,15 +25,17 @@ def mesh_from_devices(shape: Sequence[int], axis_names: Sequence[str], devices: 
     """A mesh of ``shape`` over the first ``prod(shape)`` of ``devices``, with Auto axes."""
     need = math.prod(shape)
     if len(devices) < need:
-        platform = devices[0].platform if devices else "none"
+        platform = devices[0].platform if devices else "no"
         hint = (
-            f" On CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts."
+            f" Set XLA_FLAGS=--xla_force_host_platform_device_count={need} in the environment "
+            f"before JAX is imported (tests: in conftest.py)."
             if platform == "cpu"
             else ""
         )
         raise RuntimeError(
-            f"a {' x '.join(map(str, shape))} mesh over {tuple(axis_names)} needs {need} devices but "
-            f"{len(devices)} {platform} devices are available. Choose a smaller mesh.{hint}"
+            f"a {' x '.join(map(str, shape))} mesh over {tuple(axis_names)} needs {need} "
+            f"{platform.upper()} devices but this process has {len(devices)}. Choose a smaller "
+            f"mesh.{hint}"
         )
     return jax.make_mesh(
         tuple(shape),

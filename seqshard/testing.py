@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
+
+from seqshard.mesh import mesh_from_devices
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -76,17 +77,7 @@ def fake_cpu_mesh(shape: Sequence[int], axis_names: Sequence[str]) -> Mesh:
             f"fake_cpu_mesh: shape {shape} has {len(shape)} axes but axis_names {axis_names} "
             f"has {len(axis_names)}; give one name per axis."
         )
-    need = math.prod(shape)
-    devices = jax.devices("cpu")
-    if len(devices) < need:
-        raise RuntimeError(
-            f"fake_cpu_mesh{shape}: needs {need} CPU devices but this process has "
-            f"{len(devices)}. Set XLA_FLAGS=--xla_force_host_platform_device_count={need} in "
-            f"the environment before JAX is imported (tests: in conftest.py)."
-        )
-    return jax.make_mesh(
-        shape, axis_names, axis_types=(AxisType.Auto,) * len(shape), devices=devices[:need]
-    )
+    return mesh_from_devices(shape, axis_names, jax.devices("cpu"))
 
 
 def compiled_hlo(fn: Callable, *args, **kwargs) -> str:

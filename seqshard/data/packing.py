@@ -12,9 +12,12 @@ epoch's last document or documents) are dropped, so every epoch has the same
 token appears exactly once per epoch. ``is_seq_start`` is True where a document begins; a row
 that begins inside a document has False at position 0.
 
-Row ``r`` of the stream is row ``r % rows_per_epoch`` of epoch ``r // rows_per_epoch``: found
-by a binary search over the cumulative document lengths of that epoch's order, so reading row
-``r`` never needs rows ``0 .. r - 1``.
+The rows of an epoch are then emitted in a second seeded permutation, so consecutive rows of
+the stream (one batch) come from all over the corpus rather than from one or two long
+documents: a batch of neighbouring rows would make the loss swing with whichever file it
+landed in. Row ``r`` of the stream is packed row ``row_order(e)[r % rows_per_epoch]`` of epoch
+``e = r // rows_per_epoch``, found by a binary search over the cumulative document lengths of
+that epoch's order, so reading row ``r`` never needs rows ``0 .. r - 1``.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class PackedStream:
                 f"{seq_len}; use a smaller seq_len or prepare more text."
             )
         self._lengths = split.doc_lengths()
-        self._epochs: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = (
+        self._epochs: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()  # the prefetch thread and batch_at may both read
@@ -59,20 +62,30 @@ class PackedStream:
         """Tokens of each epoch's tail that no row holds."""
         return self.split.n_tokens - self.rows_per_epoch * self.seq_len
 
-    def epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """The document permutation of ``epoch`` and its cumulative lengths (n_docs + 1)."""
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         with self._lock:
             if epoch in self._epochs:
                 self._epochs.move_to_end(epoch)
                 return self._epochs[epoch]
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.split.n_docs)
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = rng.permutation(self.split.n_docs)
         cum = np.zeros(len(perm) + 1, np.int64)
         np.cumsum(self._lengths[perm], out=cum[1:])
+        row_order = rng.permutation(self.rows_per_epoch)
         with self._lock:
-            self._epochs[epoch] = (perm, cum)
+            self._epochs[epoch] = (perm, cum, row_order)
             while len(self._epochs) > self._CACHED_EPOCHS:
                 self._epochs.popitem(last=False)
+        return perm, cum, row_order
+
+    def epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The document permutation of ``epoch`` and its cumulative lengths (n_docs + 1)."""
+        perm, cum, _ = self._epoch(epoch)
         return perm, cum
+
+    def row_order(self, epoch: int) -> np.ndarray:
+        """Which packed row of ``epoch`` the stream emits j-th: a permutation of its rows."""
+        return self._epoch(epoch)[2]
 
     def rows(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tokens (int32) and is_seq_start (bool), both ``[len(row_ids), seq_len]``."""
@@ -85,8 +98,8 @@ class PackedStream:
         data, offsets = self.split.tokens, self.split.offsets
         for out, row in enumerate(row_ids):
             epoch, j = divmod(int(row), self.rows_per_epoch)
-            perm, cum = self.epoch_order(epoch)
-            pos = j * L  # position in this epoch's concatenation
+            perm, cum, row_order = self._epoch(epoch)
+            pos = int(row_order[j]) * L  # position in this epoch's concatenation
             k = int(np.searchsorted(cum, pos, side="right")) - 1  # the document holding pos
             filled = 0
             while filled < L:
