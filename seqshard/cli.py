@@ -135,7 +135,7 @@ def _show(args) -> int:
     from seqshard.show import describe
 
     cfg = _load(args.config, args.overrides)
-    print(describe(cfg))
+    print(describe(cfg, compile_step=not args.no_compile))
     return 0
 
 
@@ -201,6 +201,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("config")
     s.add_argument("overrides", nargs="*")
+    s.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="skip compiling the train step (no communication table, no XLA memory figures)",
+    )
     s.set_defaults(fn=_show)
     return p
 

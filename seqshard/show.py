@@ -1,13 +1,18 @@
-"""``seqshard show``: what a config means on its mesh, read off the types and the counts.
+"""``seqshard show``: what a config means on its mesh, read off the types and the compiled step.
 
 Resolved config; parameter count; each weight's global and per-device shape and layout;
-FLOPs per token; estimated bytes per device (weights, grads, optimizer state, activations).
+FLOPs per token; estimated bytes per device (weights, grads, optimizer state, activations);
+and, from the train step compiled for the config's mesh (nothing runs, nothing is allocated),
+every collective per step with its axes, calls and bytes, and XLA's own memory figures.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
+from seqshard.comms import collectives, format_comm_table
 from seqshard.config import Config, config_to_yaml
 from seqshard.flops import (
     flops_per_token,
@@ -56,7 +61,44 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def describe(cfg: Config) -> str:
+def compiled_step_report(cfg: Config) -> str:
+    """Collectives and XLA memory of the train step compiled for ``cfg``'s mesh."""
+    from seqshard.mesh import make_mesh
+    from seqshard.train.optimizer import make_optimizer
+    from seqshard.train.state import train_state_structs
+    from seqshard.train.step import make_train_step
+
+    mesh = make_mesh(cfg.mesh)
+    opt = make_optimizer(cfg.train)
+    batch = NamedSharding(mesh, PartitionSpec("d", None))
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    compiled = (
+        make_train_step(cfg, mesh, opt)
+        .lower(
+            train_state_structs(cfg.model, mesh, opt),
+            jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch),
+            jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=batch),
+        )
+        .compile()
+    )
+    lines = [
+        f"communication per train step, from the step compiled for mesh d={cfg.mesh.d} x t={cfg.mesh.t} "
+        f"(per device; scanned layer bodies counted x{cfg.model.n_layers}; bytes for ring algorithms):",
+        format_comm_table(collectives(compiled.as_text(), mesh)),
+    ]
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        lines += [
+            "",
+            "compiled memory per device (XLA memory_analysis): "
+            f"arguments {format_bytes(mem.argument_size_in_bytes)}, outputs {format_bytes(mem.output_size_in_bytes)} "
+            f"(aliased with donated arguments {format_bytes(mem.alias_size_in_bytes)}), "
+            f"temporaries {format_bytes(mem.temp_size_in_bytes)}",
+        ]
+    return "\n".join(lines)
+
+
+def describe(cfg: Config, compile_step: bool = True) -> str:
     m, t = cfg.model, cfg.train
     mesh = f"d={cfg.mesh.d} x t={cfg.mesh.t}"
     parts = ["# resolved config", config_to_yaml(cfg).rstrip(), ""]
@@ -96,4 +138,6 @@ def describe(cfg: Config) -> str:
     for name in ("weights", "grads", "optimizer", "activations", "logits"):
         parts.append(f"  {name:<12}{format_bytes(getattr(mem, name)):>12}")
     parts.append(f"  {'total':<12}{format_bytes(mem.total):>12}")
+    if compile_step:
+        parts += ["", compiled_step_report(cfg)]
     return "\n".join(parts)

@@ -12,13 +12,12 @@ times it runs, so counts do not grow with the number of layers.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import re
 from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import Mesh
 
+from seqshard.comms import KINDS, Collective, collectives
 from seqshard.mesh import mesh_from_devices
 
 __all__ = [
@@ -31,38 +30,7 @@ __all__ = [
     "list_collectives",
 ]
 
-COLLECTIVE_KINDS = (
-    "all-gather",
-    "reduce-scatter",
-    "all-reduce",
-    "all-to-all",
-    "collective-permute",
-)
-
-# An HLO instruction line: '%name = TYPE OPCODE(operands), attributes'. The opcode follows the
-# result type; names never precede a '(' directly, so matching 'opcode(' finds instructions.
-_INSTRUCTION = re.compile(
-    r"=\s*(?P<type>.*?)\s(?P<op>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
-    r"(?P<start>-start)?\("
-)
-_GROUPS = re.compile(r"replica_groups=(\{[^=]*?\}\}|\[[^\]]*\][^,\s]*)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective instruction of compiled HLO: its kind, result type and replica groups."""
-
-    kind: str
-    result_type: str
-    replica_groups: str
-
-    @property
-    def result_shapes(self) -> list[tuple[int, ...]]:
-        """The shapes in the result type (several for a tuple-shaped, combined collective)."""
-        shapes = []
-        for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", self.result_type):
-            shapes.append(tuple(int(d) for d in dims.split(",") if d))
-        return shapes
+COLLECTIVE_KINDS = KINDS
 
 
 def fake_cpu_mesh(shape: Sequence[int], axis_names: Sequence[str]) -> Mesh:
@@ -86,15 +54,12 @@ def compiled_hlo(fn: Callable, *args, **kwargs) -> str:
     return jitted.lower(*args, **kwargs).compile().as_text()
 
 
-def list_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
-    """Every collective instruction in the compiled HLO of ``fn(*args)``, in text order."""
-    found = []
-    for line in compiled_hlo(fn, *args, **kwargs).splitlines():
-        m = _INSTRUCTION.search(line)
-        if m:
-            groups = _GROUPS.search(line)
-            found.append(Collective(m["op"], m["type"], groups.group(1) if groups else ""))
-    return found
+def list_collectives(fn: Callable, *args, mesh: Mesh | None = None, **kwargs) -> list[Collective]:
+    """Every collective instruction in the compiled HLO of ``fn(*args)``, in text order.
+
+    With ``mesh``, each also names the mesh axes it runs over (see :mod:`seqshard.comms`).
+    """
+    return collectives(compiled_hlo(fn, *args, **kwargs), mesh)
 
 
 def count_collectives(fn: Callable, *args, **kwargs) -> dict[str, int]:
