@@ -46,7 +46,7 @@ def measure_matmul_flops(n: int = 2048, dtype=jnp.float32, repeats: int = 3, dev
     return 2 * n**3 / best
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def peak_flops(n_devices: int) -> float:
     """Peak FLOP/s of ``n_devices`` devices of this machine's default backend, all together."""
     device = jax.devices()[0]

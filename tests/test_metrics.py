@@ -143,7 +143,7 @@ def test_read_metrics_missing_file(tmp_path):
 
 
 def _read_events(tb_dir: Path) -> list:
-    """Every Event in tb_dir's event files (TFRecord framing: u64 length, u32 crc, data, u32 crc)."""
+    """Every Event in tb_dir's event files (TFRecords: u64 length, u32 crc, data, u32 crc)."""
     from tensorboardX.proto.event_pb2 import Event
 
     events = []

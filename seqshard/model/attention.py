@@ -49,7 +49,7 @@ def document_positions(is_seq_start: jax.Array) -> jax.Array:
 def rope_tables(positions: jax.Array, d_head: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos and sin, ``[B, L, D/2]`` f32, for rotating pairs (i, i + D/2) by position * theta^(-2i/D)."""
     inv_freq = theta ** (-jnp.arange(0, d_head // 2, dtype=jnp.float32) * 2 / d_head)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
 

@@ -19,7 +19,7 @@ __all__ = ["reference_logits_fn", "reference_loss_fn"]
 
 def _norm(x, gain, eps):
     x = x.astype(jnp.float32)
-    return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * gain
+    return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * gain[None, None, :]
 
 
 def _positions(is_seq_start):
@@ -35,7 +35,7 @@ def _rope(x, positions, theta):
     """x: [B, L, heads..., D]; pairs (i, i + D/2) rotate as complex numbers."""
     half = x.shape[-1] // 2
     freq = 1.0 / theta ** (jnp.arange(half) * 2 / x.shape[-1])
-    angle = positions[:, :, None].astype(jnp.float32) * freq  # [B, L, D/2]
+    angle = positions[:, :, None].astype(jnp.float32) * freq[None, None, :]  # [B, L, D/2]
     angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
     xf = x.astype(jnp.float32)
     z = (xf[..., :half] + 1j * xf[..., half:]) * jnp.exp(1j * angle)

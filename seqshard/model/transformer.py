@@ -48,6 +48,7 @@ __all__ = ["logits_fn", "loss_fn", "loss_sum_and_count", "next_token_targets"]
 def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
     """x / rms(x) * gain over the last dimension, in f32."""
     x = x.astype(jnp.float32)
+    gain = gain.reshape((1,) * (x.ndim - 1) + gain.shape)
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
 
 

@@ -50,7 +50,8 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> st
 
     ``step 120/300  loss 3.412  val_loss 3.5  lr 2.9e-03  grad_norm 0.61  tok/s 4,512  mfu 1.2%
     (0.91 s/step)``. Missing keys are left out; keys without a known format follow as
-    ``key 0.1234`` or, for whole numbers, ``key 16,384``. ``mfu`` is a fraction (``0.012`` prints as ``1.2%``).
+    ``key 0.1234`` or, for whole numbers, ``key 16,384``. ``mfu`` is a fraction (``0.012``
+    prints as ``1.2%``).
     """
     known = {
         "loss": ("loss", "{:.4g}"),
@@ -155,7 +156,7 @@ class MetricsLogger:
             print(text, flush=True)
 
     def truncate_after(self, step: int) -> int:
-        """Drop the lines logged after ``step`` (a crashed run's tail); returns how many were dropped.
+        """Drop the lines logged after ``step`` (a crashed run's tail); returns the count dropped.
 
         The file is rewritten atomically (temp file + ``os.replace``). TensorBoard is told to
         purge its events after ``step`` too (``purge_step``), so its curves do not double back.
