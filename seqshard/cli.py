@@ -68,7 +68,8 @@ def _train(args) -> int:
         samples = _generate(
             cfg, result.run_dir, [args.sample_prompt], args.sample_tokens, 0.8, 40, 0
         )
-        print(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):\n{samples[0]}")
+        print(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):")
+        print(args.sample_prompt + samples[0])
     print(f"run directory: {result.run_dir}")
     return 0
 
@@ -86,6 +87,7 @@ def _generate(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -
         tokenizer,
         prompts,
         cfg.model,
+        None,  # generate_text picks a decode mesh the batch and model fit
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -126,7 +128,7 @@ def _generate_cmd(args) -> int:
     for text in _generate(
         cfg, args.run_dir, prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed
     ):
-        print(text)
+        print(args.prompt + text)
         print("-" * 40)
     return 0
 

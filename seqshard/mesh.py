@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import AxisType, Mesh
 
-from seqshard.config import MeshConfig
+if TYPE_CHECKING:  # seqshard.config imports the model, which imports this module
+    from seqshard.config import MeshConfig
 
 __all__ = ["AXES", "initialize_distributed", "make_mesh", "mesh_from_devices"]
 

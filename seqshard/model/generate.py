@@ -45,14 +45,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from seqshard import shardops
 from seqshard.data.tokenizer import Tokenizer, decode, encode_batch, eot_id
-from seqshard.model.attention import apply_rope, attention, rope_tables
+from seqshard.mesh import AXES, mesh_from_devices
+from seqshard.model.attention import attention, rope_tables
 from seqshard.model.config import ModelConfig
-from seqshard.model.transformer import rms_norm
+from seqshard.model.transformer import attention_inputs, embed, final_norm, layer_output, unembed
 from seqshard.model.weights import Layer, Weights
+from seqshard.shapecheck import shape_scope
 from seqshard.shardtypes import bf16, f32, i32, shardings, typed_shard_map
 
 __all__ = ["decode_mesh", "generate", "generate_text"]
@@ -95,67 +97,19 @@ def decode_mesh(
     t = max(t for t in range(1, n + 1) if _fits(cfg, 1, t))
     d_cap = min(batch, n // t, max_d if max_d is not None else batch)
     d = max(d for d in range(1, d_cap + 1) if batch % d == 0 and _fits(cfg, d, t))
-    return jax.make_mesh(
-        (d, t), ("d", "t"), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[: d * t]
-    )
+    return mesh_from_devices((d, t), AXES, devices)
 
 
 # ---------------------------------------------------------------------------------------------
 # Per-device pieces (inside the shard_maps)
 
 
-def _embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
-    """'B/d L' ids -> residual 'B/d L M/t' in compute dtype."""
-    embed = shardops.all_gather("V/t M/d -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype)))
-    x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", embed, tokens)
-    # Each t shard looked up only the rows of its vocab block: sum the shards, keep M/t.
-    return shardops.psum_scatter("B/d L M -> B/d L M/t", x)
-
-
-def _qkv(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[jax.Array, ...]:
-    """The layer's rotated q 'B/d L Q K/t D' and k, v 'B/d L K/t D' (as in training)."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    cos, sin = rope
-    # The norm needs all of M: gather the residual over t.
-    ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
-    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
-    nx = rms_norm(gx, ln1, cfg.norm_eps).astype(dt)
-    w_q = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt))
-    q = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
-    w_kv = shardops.all_gather("2 M/d K/t D -> 2 M K/t D", w.w_kv.astype(dt))
-    k, v = shardops.einsum_unreduced("B/d L M, 2 M K/t D -> 2 B/d L K/t D", nx, w_kv)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def _after_attention(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Output projection, residual, SwiGLU FFN, residual: 'B/d L M/t' (as in training)."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    w_o = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt))
-    out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
-    # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
-    h = x + shardops.psum_scatter("B/d L M -> B/d L M/t", out)
-    ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
-    gh = shardops.all_gather("B/d L M/t -> B/d L M", h)
-    nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
-    w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt))
-    gate = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_gate)
-    w_up = shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt))
-    up = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_up)
-    w_down = shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt))
-    out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", jax.nn.silu(gate) * up, w_down)
-    # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
-    return (h + shardops.psum_scatter("B/d L M -> B/d L M/t", out)).astype(dt)
-
-
 def _next_logits(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
-    """The last residual 'B/d M/t' -> final norm -> logits 'B/d V/t' f32 (each t shard its block)."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    ln = shardops.all_gather("M/t/d -> M", w.final_norm)
-    nx = rms_norm(shardops.all_gather("B/d M/t -> B/d M", x), ln, cfg.norm_eps).astype(dt)
-    unembed = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(dt))
-    return shardops.einsum_unreduced(
-        "B/d M, V/t M -> B/d V/t", nx, unembed, preferred_element_type=jnp.float32
-    )
+    """The last residual 'B/d M/t' -> final norm -> logits 'B/d V/t' f32 (each t shard its block).
+
+    A scope of its own: its L is 1, while the prompt around it binds L to the prompt length."""
+    with shape_scope():
+        return unembed(cfg, w, final_norm(cfg, w, x[:, None]))[:, 0]
 
 
 def _sample(
@@ -207,10 +161,10 @@ def _generator(
     sample = functools.partial(_sample, greedy=greedy, top_k=top_k, vocab=cfg.vocab)
 
     def prefill_layer(rope, mask, x, w: Layer):
-        q, k, v = _qkv(cfg, w, x, rope)
+        q, k, v = attention_inputs(cfg, w, x, rope)
         # Without padding the mask is exactly causal, which fused kernels take as is_causal.
         attn = attention(q, k, v, mask, cfg.attention_impl, causal_only=not padded)
-        return _after_attention(cfg, w, x, attn), jnp.stack([k, v])
+        return layer_output(cfg, w, x, attn), jnp.stack([k, v])
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def prefill(
@@ -231,7 +185,7 @@ def _generator(
         diagonal = (index[:, None] == index[None, :])[None]
         causal = (index[:, None] >= index[None, :])[None]
         mask = causal & (real_key | diagonal)
-        x = _embed(cfg, w, prompt)
+        x = embed(cfg, w, prompt)
         x, kv = lax.scan(functools.partial(prefill_layer, rope, mask), x, w.layers)
         # kv: 'layers 2 B/d L K/t D'; the cache holds S positions, the rest filled by decode.
         kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, cache_len - length), (0, 0), (0, 0)))
@@ -241,7 +195,7 @@ def _generator(
     def decode_layer(rope, mask, index, carry, xs):
         x, kv = carry
         w, layer = xs
-        q, k, v = _qkv(cfg, w, x, rope)
+        q, k, v = attention_inputs(cfg, w, x, rope)
         # Write this token's k, v in place at cache index `index`, then read the layer's cache.
         new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/d L K/t D', L = 1
         zero = jnp.int32(0)
@@ -249,7 +203,7 @@ def _generator(
         cache_k, cache_v = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
         # One query against the cache is a matrix-vector product: plain einsum attention.
         attn = attention(q, cache_k, cache_v, mask, "einsum", causal_only=False)
-        return (_after_attention(cfg, w, x, attn), kv), None
+        return (layer_output(cfg, w, x, attn), kv), None
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def decode(
@@ -265,7 +219,7 @@ def _generator(
         keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
         # Keys from the row's first real token up to and including this one.
         mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]
-        x = _embed(cfg, w, token[:, None])
+        x = embed(cfg, w, token[:, None])
         layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
         body = functools.partial(decode_layer, rope, mask, index)
         (x, kv), _ = lax.scan(body, (x, kv), (w.layers, layers))

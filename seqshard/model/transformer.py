@@ -42,7 +42,18 @@ from seqshard.model.weights import Layer, Weights
 from seqshard.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.shardtypes import bool_, f32, i32, typed_shard_map
 
-__all__ = ["logits_fn", "loss_fn", "loss_sum_and_count", "next_token_targets"]
+__all__ = [
+    "attention_inputs",
+    "embed",
+    "final_norm",
+    "layer_output",
+    "logits_fn",
+    "loss_fn",
+    "loss_sum_and_count",
+    "next_token_targets",
+    "rms_norm",
+    "unembed",
+]
 
 
 def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
@@ -63,12 +74,19 @@ def next_token_targets(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.
     return targets, has_next
 
 
-def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
-    """One pre-norm layer on the residual 'B/d L M/t'."""
+def embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
+    """'B/d L' ids -> the residual 'B/d L M/t' in compute dtype."""
+    table = shardops.all_gather("V/t M/d -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype)))
+    x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", table, tokens)
+    # Each t shard looked up only the rows of its vocab block: sum the shards, keep M/t.
+    return shardops.psum_scatter("B/d L M -> B/d L M/t", x)
+
+
+def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[jax.Array, ...]:
+    """Pre-norm, then q 'B/d L Q K/t D' and k, v 'B/d L K/t D', q and k rotated by RoPE."""
     dt = jnp.dtype(cfg.compute_dtype)
     cos, sin = rope
-
-    # Attention. The norm needs all of M: gather the residual over t.
+    # The norm needs all of M: gather the residual over t.
     ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
     gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
     nx = rms_norm(gx, ln1, cfg.norm_eps).astype(dt)
@@ -76,18 +94,18 @@ def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Ar
     q = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
     w_kv = shardops.all_gather("2 M/d K/t D -> 2 M K/t D", w.w_kv.astype(dt))
     k, v = shardops.einsum_unreduced("B/d L M, 2 M K/t D -> 2 B/d L K/t D", nx, w_kv)
-    q = save_for_backward(apply_rope(q, cos, sin))
-    k = save_for_backward(apply_rope(k, cos, sin))
-    v = save_for_backward(v)
-    causal_only = cfg.attention_mask == "causal"
-    attn = save_for_backward(attention(q, k, v, mask, cfg.attention_impl, causal_only))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def layer_output(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Output projection and residual, then the pre-norm SwiGLU FFN and residual: 'B/d L M/t'."""
+    dt = jnp.dtype(cfg.compute_dtype)
     w_o = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt))
     out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
     # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
     out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
     h = save_for_backward(x + out)
 
-    # SwiGLU FFN.
     ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
     gh = shardops.all_gather("B/d L M/t -> B/d L M", h)
     nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
@@ -100,36 +118,41 @@ def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Ar
     out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, w_down)
     # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
     out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
-    return (h + out).astype(dt), None
+    return (h + out).astype(dt)
+
+
+def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
+    """One pre-norm layer on the residual 'B/d L M/t', marking what the backward pass keeps."""
+    q, k, v = (save_for_backward(a) for a in attention_inputs(cfg, w, x, rope))
+    causal_only = cfg.attention_mask == "causal"
+    attn = save_for_backward(attention(q, k, v, mask, cfg.attention_impl, causal_only))
+    return layer_output(cfg, w, x, attn), None
+
+
+def final_norm(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
+    """The residual 'B/d L M/t' -> final RMSNorm 'B/d L M' in compute dtype."""
+    ln = shardops.all_gather("M/t/d -> M", w.final_norm)
+    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+    return rms_norm(gx, ln, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
 
 
 def _final_hidden(
     cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
 ) -> jax.Array:
     """Embedding, the scanned layers and the final norm: 'B/d L M' in compute dtype."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    embed = shardops.all_gather("V/t M/d -> V/t M", w.embed.astype(dt))
-    x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", embed, tokens)
-    # Each t shard looked up only the rows of its vocab block: sum the shards, keep M/t.
-    x = shardops.psum_scatter("B/d L M -> B/d L M/t", x)
-
+    x = embed(cfg, w, tokens)
     rope = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
     mask = attention_mask(is_seq_start, cfg.attention_mask)
     body = explicit_activation_checkpointing(functools.partial(_layer, cfg, rope, mask), cfg.remat)
     x, _ = lax.scan(body, x, w.layers)
-
-    ln = shardops.all_gather("M/t/d -> M", w.final_norm)
-    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
-    return rms_norm(gx, ln, cfg.norm_eps).astype(dt)
+    return final_norm(cfg, w, x)
 
 
-def _logits(cfg: ModelConfig, w: Weights, nx: jax.Array) -> jax.Array:
-    """'B/d L V/t' f32: each t shard computes the logits of its vocab block."""
-    unembed = shardops.all_gather(
-        "V/t M/d -> V/t M", w.unembed.astype(jnp.dtype(cfg.compute_dtype))
-    )
+def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array) -> jax.Array:
+    """'B/d L M' -> logits 'B/d L V/t' f32: each t shard computes the logits of its vocab block."""
+    table = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(jnp.dtype(cfg.compute_dtype)))
     return shardops.einsum_unreduced(
-        "B/d L M, V/t M -> B/d L V/t", nx, unembed, preferred_element_type=jnp.float32
+        "B/d L M, V/t M -> B/d L V/t", nx, table, preferred_element_type=jnp.float32
     )
 
 
@@ -166,14 +189,14 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str):
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def loss_terms(w: Weights, tokens: i32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32["2"]:
-        logits = _logits(cfg, w, _final_hidden(cfg, w, tokens, is_seq_start))
+        logits = unembed(cfg, w, _final_hidden(cfg, w, tokens, is_seq_start))
         return _loss_terms(logits, tokens, is_seq_start)
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def logits(
         w: Weights, tokens: i32[b"B/d L"], is_seq_start: bool_[b"B/d L"]
     ) -> f32[b"B/d L V/t"]:
-        return _logits(cfg, w, _final_hidden(cfg, w, tokens, is_seq_start))
+        return unembed(cfg, w, _final_hidden(cfg, w, tokens, is_seq_start))
 
     return {"loss_terms": loss_terms, "logits": logits}[output]
 

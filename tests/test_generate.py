@@ -1,0 +1,329 @@
+"""Tests of seqshard.model.generate: the KV-cache decoder against the no-cache reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from seqshard.data.tokenizer import EOT, decode, encode_batch, eot_id, train_tokenizer
+from seqshard.model import ModelConfig, init_weights, reference_logits_fn
+from seqshard.model.generate import _generator, decode_mesh, generate, generate_text
+from seqshard.testing import fake_cpu_mesh
+
+CFG = ModelConfig(
+    vocab=64,
+    d_model=32,
+    n_layers=2,
+    n_q_per_kv=2,
+    n_kv=2,
+    d_head=8,
+    d_ff=64,
+    compute_dtype="float32",
+    attention_impl="einsum",
+)
+# Weights are made on one mesh (as a training run would leave them) and generated on others.
+TRAIN_MESH = (4, 2)
+
+
+def mesh(shape):
+    return fake_cpu_mesh(shape, ("d", "t"))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return init_weights(CFG, mesh(TRAIN_MESH), jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def host_weights(weights):
+    return jax.device_get(weights)
+
+
+def prompts(batch, length, seed=0, vocab=CFG.vocab):
+    return np.random.default_rng(seed).integers(0, vocab, (batch, length), dtype=np.int32)
+
+
+_reference = jax.jit(reference_logits_fn, static_argnums=3)
+WIDTH = 16  # every reference call is padded to this length at the end: one compilation
+
+
+def reference_logits(host_weights, seq, cfg=CFG):
+    """f32[len(seq), vocab]: the no-cache reference logits of one document.
+
+    Padding after the document changes nothing before it (the model is causal).
+    """
+    tokens = np.zeros((1, WIDTH), np.int32)
+    tokens[0, : len(seq)] = seq
+    starts = np.zeros((1, WIDTH), bool)
+    starts[:, 0] = True
+    return np.asarray(_reference(host_weights, tokens, starts, cfg))[0, : len(seq)]
+
+
+def test_decode_mesh_fills_t_then_divides_the_batch():
+    # n_kv = 2 caps t at 2; d is the largest divisor of the batch that fits the rest.
+    assert dict(decode_mesh(1, CFG).shape) == {"d": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG).shape) == {"d": 4, "t": 2}
+    assert dict(decode_mesh(8, CFG).shape) == {"d": 4, "t": 2}
+    # d = 3 does not divide d_model = 32 (norm gains are d_model/t/d): d falls back to 1.
+    assert dict(decode_mesh(3, CFG).shape) == {"d": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG, max_d=1).shape) == {"d": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG, jax.devices()[:1]).shape) == {"d": 1, "t": 1}
+
+
+@pytest.mark.parametrize(
+    "batch, shape",
+    [(1, (1, 1)), (1, (1, 2)), (4, (1, 1)), (4, (2, 2)), (4, (1, 2))],
+    ids=lambda x: str(x),
+)
+def test_greedy_equals_step_by_step_reference_argmax(weights, host_weights, batch, shape):
+    prompt, new = prompts(batch, 5, seed=batch), 5
+    out = np.asarray(
+        generate(weights, prompt, CFG, mesh(shape), max_new_tokens=new, temperature=0.0)
+    )
+    assert out.shape == (batch, 5 + new) and out.dtype == np.int32
+    np.testing.assert_array_equal(out[:, :5], prompt)
+    for b in range(batch):
+        seq = list(prompt[b])
+        for _ in range(new):  # no cache: the whole growing sequence each step
+            seq.append(int(np.argmax(reference_logits(host_weights, seq)[-1])))
+        np.testing.assert_array_equal(out[b], seq, err_msg=f"row {b} on mesh {shape}")
+
+
+def test_cached_logits_match_reference_with_left_padding(weights, host_weights):
+    lengths = [5, 2, 4, 1]
+    prompt = prompts(4, 5, seed=1)
+    for b, n in enumerate(lengths):
+        prompt[b, : 5 - n] = -1
+    new = 6
+    out, logits = generate(
+        weights,
+        prompt,
+        CFG,
+        mesh((2, 2)),
+        max_new_tokens=new,
+        temperature=1.0,  # sampled, so the cache sees tokens that are not the argmax
+        key=jax.random.key(3),
+        prompt_lengths=lengths,
+        return_logits=True,
+    )
+    out, logits = np.asarray(out), np.asarray(logits)
+    assert logits.shape == (4, new, CFG.vocab)
+    assert ((out[:, 5:] >= 0) & (out[:, 5:] < CFG.vocab)).all()
+    for b, n in enumerate(lengths):
+        seq = out[b, 5 - n :]  # the row's document without its padding
+        ref = reference_logits(host_weights, seq)[n - 1 : n - 1 + new]
+        np.testing.assert_allclose(logits[b], ref, rtol=1e-5, atol=1e-5, err_msg=f"row {b}")
+
+
+def test_left_padded_rows_generate_what_they_generate_alone(weights):
+    lengths = [3, 6]
+    prompt = prompts(2, 6, seed=2)
+    out = np.asarray(
+        generate(
+            weights,
+            prompt,
+            CFG,
+            mesh((2, 2)),
+            max_new_tokens=5,
+            temperature=0.0,
+            prompt_lengths=lengths,
+        )
+    )
+    for b, n in enumerate(lengths):
+        alone = generate(
+            weights, prompt[b : b + 1, 6 - n :], CFG, mesh((1, 2)), max_new_tokens=5, temperature=0
+        )
+        np.testing.assert_array_equal(out[b, 6:], np.asarray(alone)[0, n:], err_msg=f"row {b}")
+
+
+def test_top_k_1_equals_greedy(weights):
+    prompt = prompts(4, 4, seed=4)
+    greedy = generate(weights, prompt, CFG, mesh((2, 2)), max_new_tokens=8, temperature=0.0)
+    top1 = generate(
+        weights,
+        prompt,
+        CFG,
+        mesh((2, 2)),
+        max_new_tokens=8,
+        temperature=2.0,
+        top_k=1,
+        key=jax.random.key(9),
+    )
+    np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
+
+
+def test_sampling_is_a_function_of_the_key_on_any_mesh(weights):
+    prompt = prompts(4, 3, seed=5)
+
+    def sample(shape, seed):
+        out = generate(
+            weights,
+            prompt,
+            CFG,
+            mesh(shape),
+            max_new_tokens=8,
+            temperature=1.0,
+            top_k=5,
+            key=jax.random.key(seed),
+        )
+        return np.asarray(out)
+
+    first = sample((2, 2), 0)
+    np.testing.assert_array_equal(sample((2, 2), 0), first)
+    assert not np.array_equal(sample((2, 2), 1), first)
+    # The Gumbel noise is drawn for the global [B, V] array, and the top-k threshold is the
+    # same however the vocab is split: the same tokens on every mesh.
+    np.testing.assert_array_equal(sample((1, 1), 0), first)
+
+
+@pytest.mark.parametrize("top_k", [3, 40])  # 40 > the 32 logits of a t shard
+def test_sampled_ids_are_in_the_vocab_and_among_the_top_k(weights, top_k):
+    prompt = prompts(8, 3, seed=6)
+    new = 12
+    out, logits = generate(
+        weights,
+        prompt,
+        CFG,
+        mesh((2, 2)),
+        max_new_tokens=new,
+        temperature=5.0,  # flat, so that a sample outside the top k would show
+        top_k=top_k,
+        key=jax.random.key(1),
+        return_logits=True,
+    )
+    sampled, logits = np.asarray(out)[:, 3:], np.asarray(logits)
+    assert ((sampled >= 0) & (sampled < CFG.vocab)).all()
+    kth = np.sort(logits, axis=-1)[..., -top_k]
+    picked = np.take_along_axis(logits, sampled[..., None], axis=-1)[..., 0]
+    assert (picked >= kth).all()
+    # At temperature 5 the samples are not all the argmax.
+    assert (sampled != logits.argmax(-1)).any()
+
+
+def test_stop_token_ends_rows_and_fills_them(weights):
+    prompt = prompts(4, 4, seed=7)
+    kwargs = dict(max_new_tokens=8, temperature=0.0)
+    free = np.asarray(generate(weights, prompt, CFG, mesh((2, 2)), **kwargs))[:, 4:]
+    stop = int(free[0, 2])
+    out = np.asarray(generate(weights, prompt, CFG, mesh((2, 2)), stop_token=stop, **kwargs))
+    for b in range(4):
+        hits = np.flatnonzero(free[b] == stop)
+        end = hits[0] + 1 if hits.size else 8
+        np.testing.assert_array_equal(out[b, 4 : 4 + end], free[b, :end])
+        assert (out[b, 4 + end :] == stop).all()
+
+
+def test_bfloat16_cache(weights, host_weights):
+    # The same f32 master weights; matmul inputs and the cache in bfloat16.
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
+    prompt = prompts(2, 4, seed=8)
+    out, logits = generate(
+        weights, prompt, cfg, mesh((2, 2)), max_new_tokens=4, temperature=0.0, return_logits=True
+    )
+    ref = reference_logits(host_weights, np.asarray(out)[0], cfg)[3:7]
+    np.testing.assert_allclose(np.asarray(logits)[0], ref, atol=0.1, rtol=0.05)
+
+
+def test_one_compilation_serves_every_key_and_temperature(weights):
+    prompt = prompts(2, 4, seed=10)
+    m = mesh((2, 2))
+    before = _generator.cache_info().misses
+    for seed, temperature in [(0, 0.7), (1, 1.3), (2, 0.9)]:
+        generate(
+            weights,
+            prompt,
+            CFG,
+            m,
+            max_new_tokens=3,
+            temperature=temperature,
+            top_k=4,
+            key=jax.random.key(seed),
+        )
+    assert _generator.cache_info().misses == before + 1
+    run = _generator(CFG, m, 3, 7, False, 4, None, False, False)
+    assert run._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(max_len=6), r"needs a cache of 8 positions, but max_len=6"),
+        (dict(prompt=np.zeros((3, 5), np.int32)), r"batch 3 .* d=2.*decode_mesh\(3, cfg\)"),
+        (dict(prompt=np.full((2, 5), 64, np.int32)), r"prompt_tokens\[0, 0\] = 64 .*\[0, 64\)"),
+        (dict(prompt=np.full((2, 5), -1, np.int32)), r"prompt_tokens\[0, 0\] = -1"),
+        (dict(prompt=np.zeros((5,), np.int32)), r"2-D \[batch, prompt_len\]"),
+        (dict(prompt_lengths=[0, 5]), r"prompt_lengths\[0\] = 0 is outside \[1, 5\]"),
+        (dict(top_k=65), r"top_k must be .* \[1, vocab=64\], got 65"),
+        (dict(temperature=-1.0), r"temperature must be a finite number >= 0"),
+        (dict(temperature=1.0, key=None), r"needs a key: pass key=jax.random.key"),
+        (dict(max_new_tokens=0), r"max_new_tokens must be an int >= 1, got 0"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else ",".join(x),
+)
+def test_bad_input_raises_a_clear_value_error(weights, change, match):
+    args = dict(
+        prompt=np.zeros((2, 5), np.int32),
+        max_new_tokens=3,
+        temperature=0.0,
+        key=jax.random.key(0),
+    )
+    args.update(change)
+    prompt = args.pop("prompt")
+    with pytest.raises(ValueError, match=match):
+        generate(weights, prompt, CFG, mesh((2, 2)), **args)
+
+
+def test_mesh_the_model_does_not_split_is_refused(weights):
+    with pytest.raises(ValueError, match=r"model.n_kv=2 is not divisible by mesh axis t"):
+        generate(weights, prompts(1, 3), CFG, mesh((1, 4)), max_new_tokens=2, temperature=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# generate_text
+
+TEXT = ["the cat sat on the mat", "a dog ran in the park", "the sun is hot today"] * 8
+
+
+@pytest.fixture(scope="module")
+def text_setup():
+    tok = train_tokenizer(TEXT, vocab_size=280)
+    cfg = dataclasses.replace(CFG, vocab=288)
+    w = init_weights(cfg, mesh(TRAIN_MESH), jax.random.key(1))
+    return tok, cfg, w
+
+
+def test_generate_text_stops_each_row_at_endoftext(text_setup):
+    tok, cfg, w = text_setup
+    eot = eot_id(tok)
+    texts = ["the cat", "a dog ran in", ""]
+    kwargs = dict(max_new_tokens=10, temperature=0.0, top_k=None, seed=0)
+    # Make <|endoftext|> win wherever a token the model likes already would: give it that
+    # token's unembedding, slightly scaled up.
+    ids = encode_batch(tok, [t or EOT for t in texts])
+    width = max(map(len, ids))
+    padded = np.array([[0] * (width - len(r)) + r for r in ids], np.int32)
+    lengths = [len(r) for r in ids]
+    greedy = dict(max_new_tokens=10, temperature=0, prompt_lengths=lengths)
+    free = generate(w, padded, cfg, mesh((1, 2)), **greedy)
+    liked = int(np.asarray(free)[1, width + 3])
+    unembed = w.unembed.at[eot].set(1.5 * w.unembed[liked])
+    w = dataclasses.replace(w, unembed=unembed)
+
+    got = generate_text(w, tok, texts, cfg, None, **kwargs)
+    out = np.asarray(generate(w, padded, cfg, mesh((1, 2)), **greedy))[:, width:]
+    stopped = [eot in row for row in out.tolist()]
+    assert any(stopped), "the test should make some row emit <|endoftext|>"
+    expected = [decode(tok, row[: row.index(eot)] if eot in row else row) for row in out.tolist()]
+    assert got == expected
+    assert all(EOT not in t for t in got)
+    # A mesh whose d = 2 does not divide the 3 prompts: padded to 4 rows, the extra dropped.
+    assert generate_text(w, tok, texts, cfg, mesh((2, 2)), **kwargs) == got
+
+
+def test_generate_text_refuses_a_tokenizer_larger_than_the_model(text_setup):
+    tok, _, w = text_setup
+    with pytest.raises(ValueError, match=r"tokenizer has \d+ tokens but the model only 64"):
+        generate_text(w, tok, ["x"], CFG, None, max_new_tokens=2, temperature=0, top_k=None, seed=0)
