@@ -146,6 +146,16 @@ class _Call:
                 "axis, to='varying')) if repeating it per device is really meant",
             )
 
+    def require_divisible(self, x: jax.Array, dim: int, axes: Sequence[str]) -> None:
+        """The per-device size of ``dim`` must split evenly over ``axes``."""
+        n = math.prod(self.axes[a] for a in axes)
+        if x.shape[dim] % n:
+            raise self.fail(
+                f"dimension {self.src.dims[dim].label} has per-device size {x.shape[dim]}, which "
+                f"{'x'.join(axes)} = {n} shards do not divide",
+                "choose sizes divisible by the mesh axes",
+            )
+
     def finish(self, y: jax.Array) -> jax.Array:
         check_block(self.dst, jnp.shape(y), self.axes, f"{self.where} output", self.scope)
         self.scope.remember_layout(y, self.dst)
@@ -265,13 +275,7 @@ def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
     call.require_varying(x, reduced, "a partial sum")
     y = x
     for dim, new in plan:
-        n = math.prod(call.axes[a] for a in new)
-        if y.shape[dim] % n:
-            raise call.fail(
-                f"dimension {call.src.dims[dim].label} has per-device size {y.shape[dim]}, which "
-                f"{'x'.join(new)} = {n} shards do not divide",
-                "choose sizes divisible by the mesh axes",
-            )
+        call.require_divisible(y, dim, new)
         y = lax.psum_scatter(y, _axis_arg(new), scatter_dimension=dim, tiled=True)
     return call.finish(y)
 
@@ -369,13 +373,7 @@ def all_to_all(spec: str, x: jax.Array) -> jax.Array:
         )
     (src_dim, moved), (dst_dim, _) = sources[0], targets[0]
     call.require_varying(x, moved, "split")
-    n = math.prod(call.axes[a] for a in moved)
-    if x.shape[dst_dim] % n:
-        raise call.fail(
-            f"dimension {call.src.dims[dst_dim].label} has per-device size {x.shape[dst_dim]}, "
-            f"which {'x'.join(moved)} = {n} shards do not divide",
-            "choose sizes divisible by the mesh axes",
-        )
+    call.require_divisible(x, dst_dim, moved)
     y = lax.all_to_all(x, _axis_arg(moved), split_axis=dst_dim, concat_axis=src_dim, tiled=True)
     return call.finish(y)
 
