@@ -11,6 +11,7 @@ seqshard show CONFIG [key=value ...]               sizes, layouts, FLOPs, memory
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -57,10 +58,13 @@ def _train(args) -> int:
     print(f"run directory: {run_dir_of(cfg)}", flush=True)
     result = train(cfg)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
-    print(
-        f"step {result.step}: train loss {result.train_loss:.4f}, val loss {val}, "
-        f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.2%}, wall {result.wall_s:.0f} s"
-    )
+    if math.isnan(result.train_loss):  # nothing left to train: the run was already finished
+        print(f"step {result.step}: val loss {val} (train.steps={cfg.train.steps} already reached)")
+    else:
+        print(
+            f"step {result.step}: train loss {result.train_loss:.4f}, val loss {val}, "
+            f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.2%}, wall {result.wall_s:.0f} s"
+        )
     if result.interrupted:
         print(f"stopped early; `seqshard train {args.config}` resumes from the checkpoint.")
         return 0
@@ -227,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.top_k = None
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # OSError: unwritable run.dir, data.dir, ...
         print(f"seqshard {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -199,7 +199,8 @@ def check_config(cfg: Config) -> None:
     micro = t.batch_size // t.microbatches
     if micro % m.d:
         raise ConfigError(
-            f"each microbatch has train.batch_size / train.microbatches = {micro} sequences, which "
+            f"each microbatch has train.batch_size / train.microbatches = {t.batch_size} / "
+            f"{t.microbatches} = {micro} sequences, which "
             f"mesh axis d={m.d} does not divide (the batch is split over d). Choose "
             f"train.batch_size divisible by mesh.d * train.microbatches = {m.d * t.microbatches}."
         )

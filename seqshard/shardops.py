@@ -146,9 +146,13 @@ class _Call:
                 "axis, to='varying')) if repeating it per device is really meant",
             )
 
+    def size(self, axes: Sequence[str]) -> int:
+        """The number of shards over ``axes``."""
+        return math.prod(self.axes[a] for a in axes)
+
     def require_divisible(self, x: jax.Array, dim: int, axes: Sequence[str]) -> None:
         """The per-device size of ``dim`` must split evenly over ``axes``."""
-        n = math.prod(self.axes[a] for a in axes)
+        n = self.size(axes)
         if x.shape[dim] % n:
             raise self.fail(
                 f"dimension {self.src.dims[dim].label} has per-device size {x.shape[dim]}, which "
@@ -204,7 +208,8 @@ def all_gather(
     the blocks of ``M/d`` live on other ``d`` shards.
 
     ``to='varying'`` (default) keeps the result varying over the gathered axes, so its gradient
-    is a reduce-scatter (FSDP's backward). ``to='invarying'`` makes it replicated, as needed to
+    is a reduce-scatter (FSDP's backward). Axes of size 1 move nothing: gathering over them
+    emits no collective. ``to='invarying'`` makes it replicated, as needed to
     return it from a shard_map as replicated; its gradient is then an all-reduce when the
     result meets varying values. Without replication checking, ``invarying`` would give wrong
     gradients, so there it is ignored.
@@ -233,6 +238,8 @@ def all_gather(
     mode = "invarying" if (to == "invarying" and call.checked) else "varying"
     y = x
     for dim, gathered, sliced in plan:
+        if mode == "varying" and call.size(gathered) == 1:
+            continue  # one shard: the block is already whole, nothing moves
         y = lax.all_gather(y, _axis_arg(gathered), axis=dim, tiled=True, to=mode)
         if sliced:
             size = y.shape[dim] // math.prod(call.axes[a] for a in sliced)
@@ -246,7 +253,8 @@ def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
     ``psum_scatter('B/d L M -> B/d L M/t', y)`` is one reduce-scatter over t: the input owes a
     sum over t (e.g. an einsum that contracted a t-split dimension) and each t shard keeps its
     block of M. Axes are appended as the minor-most split of a dimension. The input may say
-    what it owes with a marker (``'B/d L M{U_t} -> B/d L M/t'``); it must match.
+    what it owes with a marker (``'B/d L M{U_t} -> B/d L M/t'``); it must match. Over axes of
+    size 1 the value is already reduced: no collective is emitted.
     """
     call = _Call("psum_scatter", spec, [x], 1)
     call.require_same_labels()
@@ -276,6 +284,8 @@ def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
     y = x
     for dim, new in plan:
         call.require_divisible(y, dim, new)
+        if call.size(new) == 1:
+            continue  # a sum over one shard: the value is already reduced and in place
         y = lax.psum_scatter(y, _axis_arg(new), scatter_dimension=dim, tiled=True)
     return call.finish(y)
 

@@ -10,3 +10,118 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+# -- a tiny prepared corpus and model for the run-level tests (config, checkpoint, loop, cli) --
+
+import random  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+# Model sizes every mesh of 8 devices used by the run tests divides (4x2, 2x4, 8x1):
+# vocab and d_ff and n_kv by t <= 4, d_model by d * t = 8. vocab >= the tokenizer's 300.
+TINY_MODEL = {
+    "vocab": 320,
+    "d_model": 32,
+    "n_layers": 2,
+    "n_q_per_kv": 2,
+    "n_kv": 4,
+    "d_head": 8,
+    "d_ff": 64,
+    "compute_dtype": "float32",
+    "attention_impl": "einsum",
+}
+TINY_VOCAB = 300  # the BPE the corpus fixture trains
+
+
+def _write_corpus(root: Path, n_docs: int = 60) -> None:
+    """Short documents of prose and Python, deterministic."""
+    rng = random.Random(0)
+    words = (  # noqa: SIM905 (a sentence reads better than a 27-line list)
+        "the of and to in is was for on that with as by at from data model train step loss "
+        "value batch mesh shard token layer head"
+    ).split()
+    root.mkdir(parents=True)
+    for i in range(n_docs):
+        if i % 2:
+            body = "\n".join(
+                f"def f{i}_{j}(x, y):\n    return x * {j} + y  # {rng.choice(words)}\n"
+                for j in range(rng.randint(3, 8))
+            )
+            (root / f"code{i:02d}.py").write_text(body)
+        else:
+            body = " ".join(rng.choice(words) for _ in range(rng.randint(80, 200)))
+            (root / f"text{i:02d}.txt").write_text(body.capitalize() + ".\n")
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus") / "text"
+    _write_corpus(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, corpus_dir) -> Path:
+    """A prepared data directory: a 300-token BPE, ~13k train and ~1.3k val tokens."""
+    from seqshard.data import prepare
+
+    out = tmp_path_factory.mktemp("data") / "tokens"
+    prepare(out, inputs=[corpus_dir], vocab_size=TINY_VOCAB, val_fraction=0.1, log=None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_overrides(data_dir):
+    """``tiny_overrides(run_dir, name="tiny", **train)``: overrides for a run of the tiny model
+    on a 4x2 mesh over ``data_dir``: 6 steps of 8 x 32 tokens, every step logged, val loss every
+    3 steps, a checkpoint at the end. ``train`` replaces train.* values."""
+
+    def make(run_dir: Path, name: str = "tiny", **train) -> list[str]:
+        t = {
+            "steps": 6,
+            "batch_size": 8,
+            "seq_len": 32,
+            "warmup_steps": 2,
+            "log_every": 1,
+            "eval_every": 3,
+            "eval_batches": 2,
+            "checkpoint_every": 0,
+            "peak_flops": 1e10,  # skip measuring the CPU's peak (seconds of matmuls)
+            **train,
+        }
+        return [
+            *(f"model.{k}={v}" for k, v in TINY_MODEL.items()),
+            "mesh.d=4",
+            "mesh.t=2",
+            *(f"train.{k}={v}" for k, v in t.items()),
+            f"data.dir={data_dir}",
+            f"data.vocab_size={TINY_VOCAB}",
+            f"run.dir={run_dir}",
+            f"run.name={name}",
+        ]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_yaml(data_dir):
+    """``tiny_yaml(path, run_dir, data=data_dir)``: write a config at ``path``, layered over the
+    shipped tiny-cpu.yaml, that trains the tiny model of ``tiny_overrides`` (6 steps) on
+    ``data`` into ``run_dir``."""
+    tiny_cpu = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
+
+    def make(path: Path, run_dir: Path, data: Path = data_dir) -> Path:
+        model = ", ".join(f"{k}: {v}" for k, v in TINY_MODEL.items())
+        path.write_text(
+            f"base: {tiny_cpu}\n"
+            f"model: {{{model}}}\n"
+            f"data: {{dir: {data}, vocab_size: {TINY_VOCAB}}}\n"
+            "train: {steps: 6, batch_size: 8, seq_len: 32, warmup_steps: 2, log_every: 1,\n"
+            "        eval_every: 3, eval_batches: 2, checkpoint_every: 0, peak_flops: 1.0e+10}\n"
+            f"run: {{dir: {run_dir}}}\n"
+        )
+        return path
+
+    return make

@@ -1025,3 +1025,34 @@ def test_scope_axis_order_conflict():
     message = str(info.value)
     for word in ["all_gather('M/d/t -> M')", "declared 'M/t/d'", "'M/d/t'", "dimension M"]:
         assert word in message, (word, message)
+
+
+def test_collectives_over_size_one_axes_are_skipped():
+    """On an 8x1 mesh t has one shard: gathers and reduce-scatters over t move nothing, so
+    none is emitted; over d they still are. psum and invarying gathers, which change the
+    replication type, keep theirs."""
+    mesh = fake_cpu_mesh((8, 1), ("d", "t"))
+    x = jnp.arange(8 * 4 * 8, dtype=jnp.float32).reshape(8, 4, 8)
+
+    def run(body, out_spec, check_vma=True):
+        f = jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=P("d", None, "t"), out_specs=out_spec, check_vma=check_vma
+            )
+        )
+        return f(x), count_collectives(f, x)
+
+    y, counts = run(lambda b: so.all_gather("B/d L M/t -> B/d L M", b), P("d", None, None), False)
+    np.testing.assert_array_equal(y, x)
+    assert sum(counts.values()) == 0
+    y, counts = run(lambda b: so.psum_scatter("B/d L M -> B/d L M/t", b), P("d", None, "t"))
+    np.testing.assert_array_equal(y, x)
+    assert sum(counts.values()) == 0
+    y, counts = run(lambda b: so.all_gather("B/d L M/t -> B L M/t", b), P(None, None, "t"), False)
+    np.testing.assert_array_equal(y, x)
+    assert counts["all-gather"] == 1
+    y, counts = run(
+        lambda b: so.all_gather("B/d L M/t -> B/d L M", b, to="invarying"), P("d", None, None)
+    )
+    np.testing.assert_array_equal(y, x)
+    assert counts["all-gather"] == 1

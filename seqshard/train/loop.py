@@ -102,10 +102,19 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a finished checkpoint (orbax names those by their step alone)."""
+    ckpts = run_dir / "checkpoints"
+    return ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+
+
 def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
-    """True if ``run_dir`` holds this run already (resume); raise if it holds another config."""
+    """True if ``run_dir`` holds a checkpoint of this run (resume); raise if of another config.
+
+    A run directory without a finished checkpoint (a run that failed before saving) is fresh:
+    nothing in it would be lost, so it does not hold its old config against a new one."""
     saved_path = run_dir / "config.yaml"
-    if not saved_path.exists():
+    if not saved_path.exists() or not _has_checkpoint(run_dir):
         return False
     saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
     current = _flatten(yaml.safe_load(config_to_yaml(cfg)))
@@ -162,7 +171,8 @@ def train(
 ) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; returns its final figures."""
     wall_start = time.perf_counter()
-    run_dir = run_dir_of(cfg)
+    run_dir, t = run_dir_of(cfg), cfg.train
+    # Everything that can fail on bad input is checked before the run directory is written.
     resuming = _check_run_dir(run_dir, cfg)
     data_dir = ensure_data(cfg, log)
     mesh = make_mesh(cfg.mesh)
@@ -170,9 +180,16 @@ def train(
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
 
     opt = make_optimizer(cfg.train)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=t.keep_checkpoints)
+    try:
+        return _train(cfg, run_dir, data_dir, mesh, opt, ckpt, resuming, log, tty, wall_start)
+    finally:
+        ckpt.close()
+
+
+def _train(cfg, run_dir, data_dir, mesh, opt, ckpt, resuming, log, tty, wall_start) -> TrainResult:
     t = cfg.train
-    if resuming and ckpt.latest_step() is not None:
+    if resuming:
         restored = ckpt.restore(cfg, mesh, opt)
         state, start = restored.state, int(jax.device_get(restored.state.step))
         log(f"resuming {run_dir} at step {start} on mesh d={cfg.mesh.d} x t={cfg.mesh.t}")
@@ -194,7 +211,22 @@ def train(
     if restored is not None:
         loader.check_state(restored.meta["loader"])
     eval_batches = list(loader.eval_batches(t.eval_batches))
-    step_fn, eval_step = make_train_step(cfg, mesh, opt), make_eval_step(cfg, mesh)
+    eval_step = make_eval_step(cfg, mesh)
+    if start >= t.steps:
+        loader.close()
+        val_loss = evaluate(eval_step, state.weights, eval_batches)
+        log(f"{run_dir} is already at step {start} of train.steps={t.steps}: nothing to train")
+        return TrainResult(
+            run_dir,
+            start,
+            float("nan"),
+            val_loss,
+            0.0,
+            0.0,
+            time.perf_counter() - wall_start,
+            False,
+        )
+    step_fn = make_train_step(cfg, mesh, opt)
     n_devices = cfg.mesh.d * cfg.mesh.t
     peak = t.peak_flops * n_devices if t.peak_flops > 0 else peak_flops(n_devices)
     step_flops = flops_per_token(cfg.model, t.seq_len).total
@@ -216,7 +248,11 @@ def train(
                         f"compiled and ran the first step in {time.perf_counter() - window_start:.1f} s"
                     )
                     window_start, window_steps = time.perf_counter(), 0
-                last = step == t.steps or stop.requested
+                # Read the flag once: a signal that lands after this (while logging, say)
+                # stops after the next step, which then saves; breaking on it here would
+                # stop without a checkpoint.
+                stopping = stop.requested
+                last = step == t.steps or stopping
                 evaluate_now = last or (t.eval_every and step % t.eval_every == 0)
                 if step % t.log_every == 0 or evaluate_now:
                     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -236,11 +272,10 @@ def train(
                     window_start, window_steps = time.perf_counter(), 0
                 if last or (t.checkpoint_every and step % t.checkpoint_every == 0):
                     ckpt.save(state, cfg, loader.state())
-                if stop.requested:
+                if stopping:
                     break
             interrupted = stop.requested and step < t.steps
     finally:
-        ckpt.close()
         metrics_log.close()
     return TrainResult(
         run_dir,

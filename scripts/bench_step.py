@@ -1,0 +1,479 @@
+#!/usr/bin/env python
+"""Time seqshard's train step against a plain-``jax.jit`` GSPMD baseline, on 8 fake CPU devices.
+
+    python scripts/bench_step.py                       # f32, meshes 8x1 4x2 2x4: ~4.5 min on 2 cores
+    python scripts/bench_step.py --dtype bfloat16 --meshes 4x2 --steps 5
+    python scripts/bench_step.py --remat full --hlo-dir /tmp/hlo   # also writes each variant's HLO
+    python scripts/bench_step.py --impls seqshard,gspmd,gspmd-act --meshes 8x1,4x2
+
+The model (both variants): 2 layers, d_model 256, 2 kv heads x 2 query heads each, d_head 32,
+d_ff 1024, vocab 1280, packed documents (``attention_mask='document'``), einsum attention;
+batch 32 x 128 tokens; AdamW + clipping from :func:`seqshard.train.optimizer.make_optimizer`.
+
+* **seqshard**: :func:`seqshard.train.step.make_train_step` (one ``shard_map``, every
+  collective written), state from :func:`seqshard.train.state.init_train_state`.
+* **gspmd** (the baseline): the same math as one plain single-program forward (adapted from
+  ``seqshard/model/reference.py``: ``lax.scan`` over layers, the same ``jax.checkpoint``
+  policy on the same saved values), jitted with in/out shardings only: weights and optimizer
+  state in the NamedShardings of ``seqshard.shardtypes.shardings(Weights, mesh)``, the batch
+  ``P('d', None)``; XLA's SPMD partitioner chooses every collective. It starts from the very
+  same initial state, so the two first-step losses printed must agree.
+* **gspmd-act** (only with ``--impls``, not in the default run): the baseline plus one
+  ``with_sharding_constraint`` of the residual stream to ``P('d', None, None)`` at each layer
+  boundary. Weights-only annotations leave XLA free to keep the FSDP-sharded weights in place
+  and move full-batch activations instead; this variant shows what GSPMD does when steered.
+
+**The 2x4 mesh.** The kv heads are split over t, so t=4 needs ``n_kv % 4 == 0``, and the
+specified ``n_kv=2`` cannot split. The script does not skip it: it runs 2x4 (both variants)
+with the smallest change that keeps the query-head count and sizes, ``n_kv=4, n_q_per_kv=1``
+(4 query heads of 32, but 4 kv heads instead of 2: +8% model FLOPs, counted with that config's
+own ``flops_per_token``), labelled ``2x4*`` in the table. Because it is another model, the
+ratio on the last line is taken over the meshes that run the specified config only; an
+earlier line gives the ratio with ``2x4*`` included.
+
+Timing: every variant is compiled and warmed up first; then the timed steps run round-robin
+(one step of each variant per round, the order rotated each round), each step timed alone
+with ``block_until_ready``; the table shows medians. Peak FLOP/s (for MFU) is measured in the
+same run by :func:`seqshard.hardware.measure_matmul_flops` (2048^3 f32 and bf16 matmuls on
+one fake device, i.e. the host's cores; best of 8), once before and once after the timed
+rounds, best kept; MFU uses the peak of the run's compute dtype. The last line is
+``ratio_vs_gspmd=X``: seqshard tokens/s at its best mesh over the baseline's at its best mesh.
+
+Columns: step time (median and min over the timed steps), tokens/s (all B x L tokens),
+GFLOP/s of model FLOPs (``seqshard.flops.flops_per_token``: no credit for recomputation), MFU,
+the compiled collectives (``seqshard.testing.count_collectives``: a scan body counts once),
+collective calls and ring-model bytes sent per device per step (``seqshard.comms``: scan bodies
+times their trip count), XLA's ``temp_size_in_bytes``, and the first step's loss.
+"""
+
+# ruff: noqa: E402  (XLA_FLAGS must be set before JAX is imported)
+from __future__ import annotations
+
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import collections
+import dataclasses
+import functools
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from seqshard.comms import collectives
+from seqshard.config import Config, MeshConfig, TrainConfig
+from seqshard.flops import flops_per_token, format_bytes
+from seqshard.hardware import measure_matmul_flops
+from seqshard.mesh import AXES, mesh_from_devices
+from seqshard.model.attention import (
+    apply_rope,
+    attention_mask,
+    document_positions,
+    rope_tables,
+)
+from seqshard.model.config import ModelConfig
+from seqshard.model.transformer import next_token_targets, rms_norm
+from seqshard.model.weights import Layer, Weights
+from seqshard.shardtypes import shardings
+from seqshard.testing import COLLECTIVE_KINDS, count_collectives
+from seqshard.train.optimizer import lr_schedule, make_optimizer
+from seqshard.train.state import TrainState, init_train_state, shardings_of, train_state_structs
+from seqshard.train.step import make_train_step
+
+MODEL = dict(
+    vocab=1280,
+    d_model=256,
+    n_layers=2,
+    n_q_per_kv=2,
+    n_kv=2,
+    d_head=32,
+    d_ff=1024,
+    attention_impl="einsum",
+    attention_mask="document",
+)
+BATCH, SEQ_LEN = 32, 128
+
+
+# ---------------------------------------------------------------------------------------------
+# The baseline: one plain jitted program, sharding annotations on its inputs and outputs only
+
+_SAVED = "bench_saved"  # the baseline's own checkpoint name, saved under the same policy
+
+
+def _save(x: jax.Array) -> jax.Array:
+    return checkpoint_name(x, _SAVED)
+
+
+def _remat(fn, policy: str):
+    """The same choice as ``seqshard.remat.explicit_activation_checkpointing``."""
+    if policy == "none":
+        return fn
+    keep = {
+        "saved": jax.checkpoint_policies.save_only_these_names(_SAVED),
+        "full": jax.checkpoint_policies.nothing_saveable,
+    }[policy]
+    return jax.checkpoint(fn, policy=keep, prevent_cse=False)
+
+
+def gspmd_loss_sum_and_count(
+    w: Weights, tokens, is_seq_start, cfg: ModelConfig, act: NamedSharding | None = None
+) -> jax.Array:
+    """f32[2] (summed next-token loss, positions counted): seqshard's model, single-program.
+
+    ``act`` (the ``gspmd-act`` variant only): a sharding constraint on the residual stream at
+    every layer boundary; the plain baseline has none.
+    """
+    dt = jnp.dtype(cfg.compute_dtype)
+    constrain = (lambda x: x) if act is None else (lambda x: lax.with_sharding_constraint(x, act))
+    cos, sin = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
+    mask = attention_mask(is_seq_start, cfg.attention_mask)
+    scale = 1 / np.sqrt(cfg.d_head)
+
+    def layer(x, lw: Layer):
+        nx = rms_norm(x, lw.ln1, cfg.norm_eps).astype(dt)
+        q = jnp.einsum("blm,mqkd->blqkd", nx, lw.w_q.astype(dt))
+        k, v = jnp.einsum("blm,smkd->sblkd", nx, lw.w_kv.astype(dt))
+        q = _save(apply_rope(q, cos, sin))
+        k = _save(apply_rope(k, cos, sin))
+        v = _save(v)
+        scores = jnp.einsum("bsqkd,btkd->bstqk", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, :, :, None, None], scores * scale, -1e30)
+        probs = jax.nn.softmax(scores, axis=2).astype(dt)
+        attn = _save(jnp.einsum("bstqk,btkd->bsqkd", probs, v))
+        h = _save(constrain(x + jnp.einsum("blqkd,mqkd->blm", attn, lw.w_o.astype(dt))))
+        nh = rms_norm(h, lw.ln2, cfg.norm_eps).astype(dt)
+        gate = _save(jnp.einsum("blm,mf->blf", nh, lw.w_gate.astype(dt)))
+        up = _save(jnp.einsum("blm,mf->blf", nh, lw.w_up.astype(dt)))
+        out = jnp.einsum("blf,mf->blm", jax.nn.silu(gate) * up, lw.w_down.astype(dt))
+        return constrain((h + out).astype(dt)), None
+
+    x = constrain(jnp.take(w.embed.astype(dt), tokens, axis=0))
+    x, _ = lax.scan(_remat(layer, cfg.remat), x, w.layers)
+    nx = rms_norm(x, w.final_norm, cfg.norm_eps).astype(dt)
+    logits = jnp.einsum("blm,vm->blv", nx, w.unembed.astype(dt), preferred_element_type=jnp.float32)
+    targets, counted = next_token_targets(tokens, is_seq_start)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+    counted = counted.astype(jnp.float32)
+    return jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
+
+
+def make_gspmd_step(
+    cfg: Config, mesh: Mesh, opt: optax.GradientTransformation, constrain_acts: bool = False
+):
+    """The baseline's jitted step, the same signature and update as ``make_train_step``'s.
+
+    ``constrain_acts``: also pin the residual stream to ``P('d', None, None)`` (batch over d,
+    replicated over t), which steers XLA to FSDP + Megatron; the plain baseline does not.
+    """
+    act = NamedSharding(mesh, PartitionSpec("d", None, None)) if constrain_acts else None
+    schedule = lr_schedule(cfg.train)
+    state_shardings = shardings_of(train_state_structs(cfg.model, mesh, opt))
+    weight_shardings = shardings(Weights, mesh)
+    if jax.tree.leaves(state_shardings.weights) != jax.tree.leaves(weight_shardings):
+        raise AssertionError("train_state_structs' weight shardings differ from the types'")
+    state_shardings = dataclasses.replace(state_shardings, weights=weight_shardings)
+    batch_sharding = NamedSharding(mesh, PartitionSpec("d", None))
+
+    def summed(w, tokens, is_seq_start):
+        total, count = gspmd_loss_sum_and_count(w, tokens, is_seq_start, cfg.model, act)
+        return total, count
+
+    def step(state: TrainState, tokens, is_seq_start):
+        (total, count), grads = jax.value_and_grad(summed, has_aux=True)(
+            state.weights, tokens.astype(jnp.int32), is_seq_start.astype(jnp.bool_)
+        )
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = opt.update(grads, state.opt_state, state.weights)
+        weights = optax.apply_updates(state.weights, updates)
+        metrics = {
+            "loss": total / count,
+            "grad_norm": optax.global_norm(grads),
+            "lr": schedule(state.step),
+            "tokens_counted": count,
+        }
+        return TrainState(step=state.step + 1, weights=weights, opt_state=opt_state), metrics
+
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, batch_sharding, batch_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants
+
+
+IMPLS = {
+    "seqshard": make_train_step,
+    "gspmd": make_gspmd_step,
+    "gspmd-act": functools.partial(make_gspmd_step, constrain_acts=True),
+}
+
+
+@dataclasses.dataclass
+class Variant:
+    impl: str  # a key of IMPLS
+    mesh_name: str  # '4x2', or '2x4*' when the model had to change to split
+    cfg: Config
+    mesh: Mesh
+    make: object = None  # (cfg, mesh, opt) -> jitted step; None: by impl
+    step: object = None  # the compiled executable
+    state: TrainState | None = None
+    times: list = dataclasses.field(default_factory=list)
+    loss0: float = float("nan")
+    compile_s: float = 0.0
+    counts: dict = dataclasses.field(default_factory=dict)
+    per_step: dict = dataclasses.field(default_factory=dict)  # kind -> (calls, bytes sent)
+    temp_bytes: int = 0
+    hlo: str = ""
+    tok: jax.Array | None = None
+    st: jax.Array | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.impl}@{self.mesh_name}"
+
+    @property
+    def spec_config(self) -> bool:
+        return not self.mesh_name.endswith("*")
+
+
+def make_batch(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random tokens, packed documents: every row starts one, more start at random (p=1/48)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, size=(BATCH, SEQ_LEN), dtype=np.int32)
+    starts = rng.random((BATCH, SEQ_LEN)) < 1 / 48
+    starts[:, 0] = True
+    return tokens, starts
+
+
+def model_for_mesh(base: ModelConfig, d: int, t: int) -> tuple[ModelConfig, str]:
+    """The specified model, or (t does not divide n_kv) the smallest change that splits."""
+    try:
+        base.check_mesh(d, t)
+        return base, ""
+    except ValueError as e:
+        why = str(e).split(". Choose")[0]
+    n_heads = base.n_heads
+    for n_kv in range(t, n_heads + 1, t):
+        if n_heads % n_kv == 0:
+            changed = dataclasses.replace(base, n_kv=n_kv, n_q_per_kv=n_heads // n_kv)
+            try:
+                changed.check_mesh(d, t)
+            except ValueError:
+                continue
+            return changed, (
+                f"{why}; running it with n_kv={n_kv}, n_q_per_kv={n_heads // n_kv} (same "
+                f"{n_heads} query heads, {n_kv} kv heads): a different model, labelled '*'"
+            )
+    raise SystemExit(f"mesh t={t}: {why}, and no kv-head split of {n_heads} heads fits; drop it.")
+
+
+def build(v: Variant, tokens: np.ndarray, starts: np.ndarray, warmup: int, hlo_dir: Path | None):
+    """Compile, count collectives, read memory, warm up; the first step's loss is kept."""
+    opt = make_optimizer(v.cfg.train)
+    make = v.make or IMPLS[v.impl]
+    jitted = make(v.cfg, v.mesh, opt)
+    state = init_train_state(v.cfg.model, v.mesh, opt, jax.random.key(v.cfg.train.seed))
+    batch = NamedSharding(v.mesh, PartitionSpec("d", None))
+    tok, st = jax.device_put(tokens, batch), jax.device_put(starts, batch)
+    start = time.perf_counter()
+    compiled = jitted.lower(state, tok, st).compile()
+    v.compile_s = time.perf_counter() - start
+    v.counts = count_collectives(jitted, state, tok, st)  # the compiled HLO, scan body once
+    v.hlo = compiled.as_text()
+    per_step = collections.defaultdict(lambda: [0, 0.0])
+    for c in collectives(v.hlo, v.mesh):  # calls per step: scan bodies x trip count
+        per_step[c.kind][0] += c.calls_per_step
+        per_step[c.kind][1] += c.calls_per_step * c.bytes_sent
+    v.per_step = dict(per_step)
+    mem = compiled.memory_analysis()
+    v.temp_bytes = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
+    if hlo_dir is not None:
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        (hlo_dir / f"{v.impl}_{v.mesh_name.rstrip('*')}.hlo.txt").write_text(v.hlo)
+    v.step, v.tok, v.st = compiled, tok, st
+    for i in range(max(warmup, 1)):
+        state, metrics = compiled(state, tok, st)
+        if i == 0:
+            v.loss0 = float(metrics["loss"])
+    jax.block_until_ready(state)
+    v.state = state
+
+
+def run_round(variants: list[Variant], order: list[int]) -> None:
+    for i in order:
+        v = variants[i]
+        start = time.perf_counter()
+        state, metrics = v.step(v.state, v.tok, v.st)
+        jax.block_until_ready((state, metrics))
+        v.times.append(time.perf_counter() - start)
+        v.state = state
+
+
+def measure_peaks(n: int) -> dict[str, float]:
+    return {
+        "float32": measure_matmul_flops(n, jnp.float32, repeats=8),
+        "bfloat16": measure_matmul_flops(n, jnp.bfloat16, repeats=8),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in (header, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant (default 8)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps per variant after compiling"
+    )
+    p.add_argument(
+        "--meshes", default="8x1,4x2,2x4", help="comma-separated DxT (default 8x1,4x2,2x4)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="compute_dtype (default float32, the CPU configs' choice)",
+    )
+    p.add_argument("--remat", default="saved", choices=("saved", "full", "none"))
+    p.add_argument("--impls", default="seqshard,gspmd", help="which variants (default both)")
+    p.add_argument(
+        "--peak-n", type=int, default=2048, help="matmul size for the peak (default 2048)"
+    )
+    p.add_argument(
+        "--hlo-dir", type=Path, default=None, help="write each variant's compiled HLO here"
+    )
+    args = p.parse_args(argv)
+
+    n_dev = len(jax.devices())
+    model = ModelConfig(**MODEL, compute_dtype=args.dtype, remat=args.remat)
+    train = TrainConfig(batch_size=BATCH, seq_len=SEQ_LEN, warmup_steps=10, steps=1000)
+    tokens, starts = make_batch(model.vocab)
+    print(
+        f"jax {jax.__version__} on {n_dev} {jax.devices()[0].platform} devices, "
+        f"{os.cpu_count()} host cores; model {MODEL}, compute_dtype={args.dtype}, "
+        f"remat={args.remat}; batch {BATCH} x {SEQ_LEN} = {BATCH * SEQ_LEN} tokens"
+    )
+
+    variants: list[Variant] = []
+    for spec in args.meshes.split(","):
+        d, t = (int(x) for x in spec.lower().split("x"))
+        if d * t > n_dev:
+            print(f"skipping {spec}: it needs {d * t} devices, this process has {n_dev}")
+            continue
+        if BATCH % d:
+            print(f"skipping {spec}: the batch of {BATCH} does not split over d={d}")
+            continue
+        m, why = model_for_mesh(model, d, t)
+        if why:
+            print(f"mesh {spec}: {why}")
+        mesh = mesh_from_devices((d, t), AXES, jax.devices())
+        cfg = Config(model=m, mesh=MeshConfig(d=d, t=t), train=train)
+        for impl in args.impls.split(","):
+            variants.append(Variant(impl, spec + ("*" if why else ""), cfg, mesh))
+
+    t_start = time.perf_counter()
+    peaks = measure_peaks(args.peak_n)
+    for v in variants:
+        build(v, tokens, starts, args.warmup, args.hlo_dir)
+        print(f"  compiled {v.name:<16} in {v.compile_s:5.1f} s; first-step loss {v.loss0:.6f}")
+    for r in range(args.steps):  # round-robin, the starting variant rotating
+        run_round(variants, [(r + i) % len(variants) for i in range(len(variants))])
+    after = measure_peaks(args.peak_n)
+    peaks = {k: max(peaks[k], after[k]) for k in peaks}
+    print(
+        f"measured peak (best of before/after, {args.peak_n}^3 matmul): "
+        f"f32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s; "
+        f"MFU below uses the {args.dtype} peak. Total {time.perf_counter() - t_start:.0f} s."
+    )
+
+    peak = peaks[args.dtype]
+    tokens_per_step = BATCH * SEQ_LEN
+    rows, tps = [], {}
+    short = {
+        "all-gather": "AG",
+        "reduce-scatter": "RS",
+        "all-reduce": "AR",
+        "all-to-all": "A2A",
+        "collective-permute": "CP",
+    }
+    for v in variants:
+        med = statistics.median(v.times)
+        tps[v.name] = tokens_per_step / med
+        flops = flops_per_token(v.cfg.model, SEQ_LEN).total * tokens_per_step / med
+        calls = sum(n for n, _ in v.per_step.values())
+        sent = sum(b for _, b in v.per_step.values())
+        counts = " ".join(f"{short[k]}{v.counts[k]}" for k in COLLECTIVE_KINDS if v.counts[k])
+        rows.append(
+            [v.impl, v.mesh_name, f"{med * 1e3:.0f}", f"{min(v.times) * 1e3:.0f}"]
+            + [f"{tps[v.name]:.0f}", f"{flops / 1e9:.1f}", f"{100 * flops / peak:.1f}%"]
+            + [counts or "-", str(calls), format_bytes(sent), format_bytes(v.temp_bytes)]
+            + [f"{v.loss0:.5f}"]
+        )
+    header = ["impl", "mesh", "step ms (med)", "min ms", "tokens/s", "GFLOP/s", "MFU"]
+    header += ["collectives in HLO", "calls/step", "sent/dev/step", "temp", "loss0"]
+    print()
+    print(table(rows, header))
+    print(
+        f"(median of {args.steps} steps each, interleaved; model FLOPs "
+        f"{flops_per_token(model, SEQ_LEN).total / 1e6:.2f} M/token; collectives in HLO: "
+        f"count_collectives, a scan body once; calls/step: x trip count; '*': changed model)"
+    )
+
+    def best(impl: str, spec_only: bool) -> tuple[str, float] | None:
+        got = [
+            (v.mesh_name, tps[v.name])
+            for v in variants
+            if v.impl == impl and (v.spec_config or not spec_only)
+        ]
+        return max(got, key=lambda x: x[1]) if got else None
+
+    if any(v.impl == "gspmd-act" for v in variants):
+        s, g = best("seqshard", True), best("gspmd-act", True)
+        if s and g:
+            print(
+                f"(vs gspmd-act, the baseline with the residual constrained: seqshard@{s[0]} "
+                f"vs gspmd-act@{g[0]}: {s[1] / g[1]:.3f})"
+            )
+    for spec_only in (False, True):
+        s, g = best("seqshard", spec_only), best("gspmd", spec_only)
+        if s is None or g is None:
+            print("ratio_vs_gspmd=nan" if spec_only else "(no ratio: a variant is missing)")
+            continue
+        line = f"ratio_vs_gspmd={s[1] / g[1]:.3f}"
+        if spec_only:
+            print(f"best: seqshard@{s[0]} {s[1]:.0f} tokens/s, gspmd@{g[0]} {g[1]:.0f} tokens/s")
+            print(line)
+        else:
+            print(f"(with '*' meshes too: seqshard@{s[0]} vs gspmd@{g[0]}: {line})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

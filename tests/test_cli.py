@@ -1,0 +1,172 @@
+"""Tests of the ``seqshard`` command: prepare -> train -> eval -> generate -> plot, show, --help
+of every subcommand, and errors that exit 2 with a message instead of a traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seqshard.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def seqshard(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*SEQSHARD, *map(str, args)],
+        cwd=cwd,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stdout
+
+
+def test_end_to_end(tmp_path, corpus_dir, tiny_yaml, capsys):
+    data = tmp_path / "data"
+    out = ok(
+        seqshard(
+            "prepare", "--out", data, "--vocab-size", "300", "--val-fraction", "0.1",
+            corpus_dir, cwd=tmp_path,
+        )
+    )  # fmt: skip
+    assert (data / "meta.json").is_file() and (data / "tokenizer.json").is_file()
+    assert str(data) in out
+
+    config = tiny_yaml(tmp_path / "tiny.yaml", tmp_path / "runs", data)
+    run_dir = tmp_path / "runs" / "tiny"  # run.name defaults to the config's stem
+    out = ok(
+        seqshard(
+            "train", config, "train.steps=5", "train.eval_every=0", "--sample-tokens", "8",
+            cwd=tmp_path,
+        )
+    )  # fmt: skip
+    assert f"run directory: {run_dir}" in out
+    final = re.search(r"^step 5: train loss (\d+\.\d+), val loss (\d+\.\d+), ", out, re.M)
+    assert final, out
+    assert re.search(r"^sample \(8 tokens after 'def '\):$", out, re.M), out
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "5").is_dir()
+
+    out = ok(seqshard("eval", run_dir, cwd=tmp_path))
+    # The same validation batches as the run's own final evaluation.
+    assert f"step 5: val loss {final[2]} over 2 batches of 8x32" in out
+    # On another mesh (in this process: it already has 8 devices), the same loss.
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "mesh.d=2", "mesh.t=4"]) == 0
+    assert f"step 5: val loss {final[2]} over 2 batches" in capsys.readouterr().out
+
+    out = ok(
+        seqshard(
+            "generate", run_dir, "--prompt", "def ", "--max-new-tokens", "8",
+            "--num-samples", "2", "--temperature", "0", cwd=tmp_path,
+        )
+    )  # fmt: skip
+    samples = out.split("-" * 40 + "\n")
+    assert len(samples) == 3 and samples[-1] == ""
+    assert samples[0] == samples[1]  # greedy: the same continuation twice
+
+    out = ok(seqshard("plot", run_dir, cwd=tmp_path))
+    png = run_dir / "loss.png"
+    assert out.strip() == str(png)
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+    out = ok(seqshard("show", config, cwd=tmp_path))
+    for needle in (
+        "# resolved config",
+        "d_model: 32",
+        "parameters:",
+        "PartitionSpec",
+        "FLOPs per token",
+        "estimated memory per device",
+        "communication per train step",
+    ):
+        assert needle in out, needle
+
+
+@pytest.mark.parametrize(
+    ("command", "needles"),
+    [
+        ([], ["prepare", "train", "eval", "generate", "plot", "show"]),
+        (["prepare"], ["--out", "--vocab-size", "--tokenizer", "INPUTS"]),
+        (["train"], ["config", "overrides", "resumes", "SIGTERM", "--sample-tokens"]),
+        (["eval"], ["run_dir", "mesh.d=2", "--batches"]),
+        (["generate"], ["run_dir", "--prompt", "--max-new-tokens", "--temperature", "--top-k"]),
+        (["plot"], ["RUN_DIR", "--out", "loss.png"]),
+        (["show"], ["config", "overrides", "--no-compile"]),
+    ],
+)
+def test_help_of_every_subcommand(capsys, command, needles):
+    try:
+        code = main([*command, "--help"])
+    except SystemExit as e:
+        code = e.code
+    assert code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("usage: seqshard")
+    for needle in needles:
+        assert needle in out, needle
+
+
+def test_a_bad_config_exits_2_with_the_error_and_no_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {d_modle: 3}\n")
+    # The installed console script, as users run it.
+    script = Path(sys.executable).parent / "seqshard"
+    cmd = [str(script)] if script.exists() else SEQSHARD
+    result = subprocess.run(
+        [*cmd, "train", str(bad)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("seqshard train: error:")
+    assert "d_modle" in result.stderr and "d_model" in result.stderr
+    assert str(bad) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["train", "{missing}"], ["seqshard train: error:", "does not exist"]),
+        (["train", "{tiny}", "mesh.d=3"], ["seqshard train: error:", "d=3"]),
+        (["train", "{tiny}", "train.steps"], ["seqshard train: error:", "not key=value"]),
+        (
+            ["train", "{tiny}", "data.dir={file}/data", "data.inputs=[{corpus}]"],
+            ["seqshard train: error:", "Not a directory", "data.tmp"],
+        ),
+        (["show", "{tiny}", "model.d_modle=3"], ["seqshard show: error:", "d_model"]),
+        (["eval", "{tmp}"], ["seqshard eval: error:", "not a run directory"]),
+        (["generate", "{tmp}", "--prompt", "x"], ["seqshard generate: error:", "config.yaml"]),
+        (["plot", "{tmp}/nope"], ["seqshard plot: error:", "nope"]),
+        (["prepare", "--out", "{tmp}/d", "{tmp}/no-text"], ["seqshard prepare: error:", "no-text"]),
+    ],
+)
+def test_errors_exit_2_with_a_message(tmp_path, tiny_yaml, corpus_dir, capsys, argv, needles):
+    tiny = tiny_yaml(tmp_path / "tiny.yaml", tmp_path / "runs")
+    file = tmp_path / "a-file"
+    file.touch()
+    names = {
+        "missing": tmp_path / "missing.yaml",
+        "tiny": tiny,
+        "tmp": tmp_path,
+        "file": file,
+        "corpus": corpus_dir,
+    }
+    assert main([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "runs").exists()  # nothing was trained

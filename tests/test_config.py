@@ -1,0 +1,301 @@
+"""Tests of seqshard.config: layered YAML files, dotted overrides, typed errors, cross-field checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from seqshard.config import Config, ConfigError, config_to_yaml, load_config
+from seqshard.model.config import ModelConfig
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+
+# Small enough that every cross-field check passes on the meshes used below.
+OK = ["data.vocab_size=256"]
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def load(*overrides: str, path=None) -> Config:
+    return load_config(path, [*OK, *overrides])
+
+
+# -- the shipped configs --------------------------------------------------------------------
+
+
+def test_shipped_configs_load_and_layer():
+    base = load_config(CONFIGS / "base.yaml")
+    tiny = load_config(CONFIGS / "tiny-cpu.yaml")
+    assert (tiny.mesh.d, tiny.mesh.t) == (4, 2)
+    assert tiny.model.d_model == 128 and base.model.d_model == 256
+    # Keys tiny-cpu.yaml does not set come from base.yaml, not from the dataclass defaults.
+    assert tiny.model.vocab == base.model.vocab == 4096 != ModelConfig().vocab
+    assert tiny.train.weight_decay == base.train.weight_decay
+    assert tiny.run.name == "tiny-cpu" and base.run.name == "base"
+
+
+# -- layering -------------------------------------------------------------------------------
+
+
+def test_base_layering_later_layers_win(tmp_path):
+    write(
+        tmp_path / "root.yaml",
+        """
+        model: {vocab: 512, d_model: 64, d_ff: 256}
+        train: {steps: 50, lr: 1.0e-3, batch_size: 16}
+        data: {vocab_size: 512}
+        """,
+    )
+    # The base path is relative to the file naming it, not to the working directory.
+    write(
+        tmp_path / "sub" / "mid.yaml",
+        """
+        base: ../root.yaml
+        train: {steps: 20}
+        mesh: {d: 2}
+        """,
+    )
+    leaf = write(
+        tmp_path / "sub" / "leaf.yaml",
+        """
+        base: mid.yaml
+        train: {lr: 5.0e-4}
+        """,
+    )
+    cfg = load_config(leaf)
+    assert cfg.model.d_model == 64 and cfg.model.vocab == 512  # from root
+    assert cfg.train.steps == 20  # mid beats root
+    assert cfg.train.lr == 5e-4  # leaf beats root
+    assert cfg.train.batch_size == 16 and cfg.mesh.d == 2
+    assert cfg.run.name == "leaf"  # the file's stem
+
+    # Overrides beat every file, and a later override beats an earlier one.
+    cfg = load_config(leaf, ["train.steps=7", "model.d_model=32", "model.d_model=16"])
+    assert cfg.train.steps == 7 and cfg.model.d_model == 16
+    assert cfg.train.lr == 5e-4
+
+
+def test_dotted_overrides_parse_to_the_field_types():
+    cfg = load(
+        "train.lr=1e-3",
+        "train.steps=12",
+        "model.remat=full",
+        "data.inputs=[a.txt,b]",
+        "data.tokenizer=null",
+        "run.name=exp",
+        "mesh.d=2",
+    )
+    assert cfg.train.lr == 1e-3 and isinstance(cfg.train.lr, float)
+    assert cfg.train.steps == 12
+    assert cfg.model.remat == "full"
+    assert cfg.data.inputs == ("a.txt", "b")
+    assert cfg.data.tokenizer is None
+    assert cfg.run.name == "exp" and cfg.mesh.d == 2
+
+
+def test_yaml_float_without_a_dot_is_a_float(tmp_path):
+    # PyYAML reads `1e-3` as a string (YAML 1.1); the typed schema must still make it a float.
+    path = write(tmp_path / "c.yaml", "train: {lr: 1e-3}\ndata: {vocab_size: 256}\n")
+    assert load_config(path).train.lr == 1e-3
+
+
+def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
+    values = {
+        "vocab": 512,
+        "d_model": 64,
+        "n_layers": 3,
+        "n_q_per_kv": 4,
+        "n_kv": 4,
+        "d_head": 16,
+        "d_ff": 128,
+        "rope_theta": 500000.0,
+        "norm_eps": 1e-6,
+        "compute_dtype": "float32",
+        "remat": "none",
+        "attention_impl": "einsum",
+        "attention_mask": "causal",
+    }
+    assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (
+        "a ModelConfig field was added or renamed: add it here"
+    )
+    cfg = load(
+        *(f"model.{k}={v}" for k, v in values.items()), "mesh.d=2", "mesh.t=2", "train.steps=5"
+    )
+    assert dataclasses.asdict(cfg.model) == values
+    assert (cfg.mesh.d, cfg.mesh.t, cfg.train.steps) == (2, 2, 5)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(
+        CONFIGS / "tiny-cpu.yaml",
+        ["train.steps=17", "data.inputs=[x.txt]", "data.tokenizer=tok.json", "model.remat=full"],
+    )
+    path = write(tmp_path / "resolved.yaml", config_to_yaml(cfg))
+    again = load_config(path)
+    assert again == cfg
+    assert config_to_yaml(again) == config_to_yaml(cfg)
+
+
+# -- malformed files and overrides ----------------------------------------------------------
+
+
+def test_unknown_key_suggests_the_close_match(tmp_path):
+    with pytest.raises(ConfigError, match="d_modle") as e:
+        load("model.d_modle=3")
+    assert "d_model" in str(e.value).replace("d_modle", "")
+
+    with pytest.raises(ConfigError, match="modle") as e:
+        load("modle.d_model=3")
+    assert "'model'" in str(e.value)
+
+    path = write(tmp_path / "typo.yaml", "train: {stesp: 3}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(path) in str(e.value) and "stesp" in str(e.value) and "steps" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [("train.steps=abc", "Integer"), ("train.lr=fast", "Float"), ("train.steps=1.5", "Integer")],
+)
+def test_wrong_type_names_key_expected_type_and_value(override, expected):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        load(override)
+    msg = str(e.value)
+    assert key in msg and expected in msg and value in msg
+
+
+def test_wrong_type_in_a_file_names_the_file(tmp_path):
+    path = write(tmp_path / "bad.yaml", "mesh: {d: two}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg and "mesh.d" in msg and "two" in msg
+
+
+def test_bad_choice_lists_the_choices():
+    with pytest.raises(ConfigError, match=r"model\.remat") as e:
+        load("model.remat=bogus")
+    assert "bogus" in str(e.value) and "saved" in str(e.value) and "full" in str(e.value)
+    with pytest.raises(ConfigError, match=r"model\.compute_dtype.*f16"):
+        load("model.compute_dtype=f16")
+    with pytest.raises(ConfigError, match=r"model\.d_head.*even.*7"):
+        load("model.d_head=7")
+
+
+def test_malformed_yaml_names_the_file(tmp_path):
+    path = write(tmp_path / "broken.yaml", "model: {d_model: 64\ntrain: [\n")
+    with pytest.raises(ConfigError, match="malformed YAML") as e:
+        load_config(path)
+    assert str(path) in str(e.value)
+
+
+def test_a_file_that_is_not_a_mapping(tmp_path):
+    path = write(tmp_path / "list.yaml", "- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping") as e:
+        load_config(path)
+    assert str(path) in str(e.value)
+
+
+def test_empty_file_is_the_defaults(tmp_path):
+    path = write(tmp_path / "empty.yaml", "")
+    assert load_config(path, ["data.vocab_size=256"]) == load_config(
+        None, ["data.vocab_size=256", "run.name=empty"]
+    )
+
+
+def test_base_loop_is_an_error(tmp_path):
+    write(tmp_path / "a.yaml", "base: b.yaml\n")
+    write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match="loops") as e:
+        load_config(tmp_path / "a.yaml")
+    assert "a.yaml" in str(e.value) and "b.yaml" in str(e.value)
+    write(tmp_path / "self.yaml", "base: self.yaml\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(tmp_path / "self.yaml")
+
+
+def test_missing_file_and_missing_base(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist") as e:
+        load_config(tmp_path / "nope.yaml")
+    assert "nope.yaml" in str(e.value)
+    write(tmp_path / "child.yaml", "base: gone.yaml\n")
+    with pytest.raises(ConfigError, match="does not exist") as e:
+        load_config(tmp_path / "child.yaml")
+    assert "gone.yaml" in str(e.value)
+    write(tmp_path / "badbase.yaml", "base: [a, b]\n")
+    with pytest.raises(ConfigError, match="'base' must be a file name"):
+        load_config(tmp_path / "badbase.yaml")
+
+
+@pytest.mark.parametrize("override", ["train.steps", "=3", "train..steps=3", "mesh=3"])
+def test_bad_override_syntax(override):
+    with pytest.raises(ConfigError) as e:
+        load(override)
+    assert repr(override) in str(e.value)
+
+
+# -- cross-field checks: the key, its value and the axis size in the message ------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (
+            ["train.batch_size=12", "mesh.d=4", "train.microbatches=2", "model.d_model=128"],
+            ["train.batch_size", "12", "d=4", "mesh.d * train.microbatches = 8"],
+        ),
+        (["train.batch_size=10", "mesh.d=4"], ["train.batch_size", "10", "d=4"]),
+        (
+            ["train.batch_size=12", "train.microbatches=5"],
+            ["train.batch_size=12", "train.microbatches=5"],
+        ),
+        (["model.n_kv=2", "mesh.t=4"], ["model.n_kv=2", "mesh axis t", "= 4"]),
+        (["model.vocab=255", "mesh.t=2"], ["model.vocab=255", "mesh axis t", "= 2"]),
+        (["model.d_ff=100", "mesh.t=8", "model.n_kv=8"], ["model.d_ff=100", "= 8"]),
+        (
+            ["model.d_model=36", "mesh.d=4", "mesh.t=2"],
+            ["model.d_model=36", "d*t", "= 8", "d=4 x t=2"],
+        ),
+        (["data.vocab_size=4096"], ["data.vocab_size=4096", "model.vocab=256"]),
+        (["mesh.d=0"], ["mesh.d", "d=0"]),
+        (["train.steps=0"], ["train.steps", "0"]),
+        (["train.seq_len=1"], ["train.seq_len", "1"]),
+        (["train.warmup_steps=-1"], ["train.warmup_steps", "-1"]),
+        (["train.lr=0"], ["train.lr", "lr=0"]),
+        (["train.min_lr_ratio=2"], ["train.min_lr_ratio", "2"]),
+        (["data.val_fraction=0"], ["data.val_fraction", "0"]),
+    ],
+)
+def test_cross_field_checks_name_key_value_and_axis(overrides, needles):
+    with pytest.raises(ConfigError) as e:
+        load("model.vocab=256", *overrides)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_the_checks_accept_a_consistent_config():
+    cfg = load(
+        "mesh.d=4",
+        "mesh.t=2",
+        "train.batch_size=16",
+        "train.microbatches=2",
+        "model.n_kv=2",
+        "model.d_model=128",
+    )
+    assert cfg.train.batch_size // cfg.train.microbatches % cfg.mesh.d == 0
+
+
+def test_config_is_frozen():
+    cfg = load()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 3  # type: ignore[misc]

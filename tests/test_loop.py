@@ -1,0 +1,310 @@
+"""Tests of seqshard.train.loop: metrics, exact resumption (same mesh, other meshes, after SIGTERM),
+and refusing bad input before it costs anything."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from seqshard.config import ConfigError, load_config
+from seqshard.mesh import make_mesh
+from seqshard.train import loop
+from seqshard.train.checkpoint import Checkpointer, CheckpointError
+from seqshard.train.loop import train
+from seqshard.train.metrics import MetricsLogger, read_metrics
+from seqshard.train.optimizer import make_optimizer
+
+REPO = Path(__file__).resolve().parent.parent
+SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
+
+# train.steps changes the lr schedule (the cosine ends at train.steps), so "6 steps, then
+# resume to 12" only equals "12 steps" when the schedule does not depend on train.steps:
+# min_lr_ratio=1 makes it warmup, then constant.
+FLAT = {"min_lr_ratio": 1.0}
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+def run(overrides: list[str]):
+    return train(load_config(None, overrides), log=quiet, tty=False)
+
+
+def by_step(run_dir: Path) -> dict[int, dict]:
+    records = read_metrics(run_dir)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"steps repeat or go back: {steps}"
+    return {r["step"]: r for r in records}
+
+
+def latest_state(run_dir: Path, cfg):
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    try:
+        return ckpt.restore(cfg, make_mesh(cfg.mesh), make_optimizer(cfg.train)).state
+    finally:
+        ckpt.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_overrides):
+    """A 12-step run straight through, and a 6-step run of the same config to resume."""
+    root = tmp_path_factory.mktemp("loop_runs")
+    straight = run(tiny_overrides(root, "straight", steps=12, **FLAT))
+    half = run(tiny_overrides(root, "half", steps=6, **FLAT))
+    assert half.step == 6
+    return root, straight
+
+
+@pytest.fixture
+def half_copy(runs, tmp_path):
+    """A copy of the 6-step run, under ``tmp_path/runs/half``, to resume."""
+    root, _ = runs
+    shutil.copytree(root / "half", tmp_path / "runs" / "half")
+    return tmp_path / "runs"
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+def test_metrics_jsonl_tensorboard_and_result(runs, tiny_overrides):
+    root, result = runs
+    records = by_step(root / "straight")
+    assert sorted(records) == list(range(1, 13))  # log_every=1
+    for step, r in records.items():
+        assert {"step", "loss", "lr", "grad_norm", "time"} <= set(r)
+        assert np.isfinite(r["loss"]) and r["grad_norm"] > 0
+        # The first step compiles; it is kept out of the throughput figures.
+        if step > 1:
+            assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["mfu"] > 0
+    assert {s for s, r in records.items() if "val_loss" in r} == {3, 6, 9, 12}
+    assert records[1]["lr"] == 0.0 and records[3]["lr"] == pytest.approx(3e-3)  # warmup of 2
+    assert records[12]["loss"] < records[1]["loss"]  # it learns something
+
+    events = list((root / "straight" / "tb").glob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events)
+
+    assert result.run_dir == root / "straight"
+    assert result.step == 12 and not result.interrupted
+    assert result.train_loss == records[12]["loss"]
+    assert result.val_loss == records[12]["val_loss"]
+    assert result.tokens_per_s == records[12]["tokens_per_s"] and result.mfu == records[12]["mfu"]
+    # config.yaml is the resolved config: loading it gives the run's config back.
+    saved = load_config(root / "straight" / "config.yaml")
+    assert saved == load_config(None, tiny_overrides(root, "straight", steps=12, **FLAT))
+
+
+# -- resumption -------------------------------------------------------------------------------
+
+
+def test_resume_on_the_same_mesh_is_bit_for_bit(runs, half_copy, tiny_overrides):
+    root, _ = runs
+    result = run(tiny_overrides(half_copy, "half", steps=12, **FLAT))
+    assert result.step == 12 and not result.interrupted
+    resumed, straight = by_step(half_copy / "half"), by_step(root / "straight")
+    assert sorted(resumed) == list(range(1, 13))
+    for step in range(1, 13):
+        for key in ("loss", "grad_norm", "lr", "val_loss"):
+            assert resumed[step].get(key) == straight[step].get(key), (step, key)
+
+    cfg = load_config(None, tiny_overrides(root, "straight", steps=12, **FLAT))
+    a, b = latest_state(root / "straight", cfg), latest_state(half_copy / "half", cfg)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(("d", "t"), [(2, 4), (8, 1)])
+def test_resume_on_another_mesh_matches_within_tolerance(runs, half_copy, tiny_overrides, d, t):
+    root, _ = runs
+    overrides = tiny_overrides(half_copy, "half", steps=12, **FLAT)
+    run([*overrides, f"mesh.d={d}", f"mesh.t={t}"])
+    resumed, straight = by_step(half_copy / "half"), by_step(root / "straight")
+    assert sorted(resumed) == list(range(1, 13))
+    for step in range(7, 13):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in straight[step]:
+                np.testing.assert_allclose(
+                    resumed[step][key], straight[step][key], rtol=2e-5, err_msg=f"{step} {key}"
+                )
+    assert resumed[12]["lr"] == straight[12]["lr"]
+    # The saved config records the mesh it last ran on.
+    assert load_config(half_copy / "half" / "config.yaml").mesh.d == d
+
+
+def test_finished_run_resumed_again_does_nothing(runs, half_copy, tiny_overrides):
+    before = (half_copy / "half" / "metrics.jsonl").read_text()
+    result = run(tiny_overrides(half_copy, "half", steps=6, **FLAT))
+    assert result.step == 6 and not result.interrupted
+    assert result.val_loss == pytest.approx(by_step(half_copy / "half")[6]["val_loss"])
+    assert (half_copy / "half" / "metrics.jsonl").read_text() == before
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_does_not_lock_its_dir(
+    tmp_path, tiny_overrides
+):
+    """A failure before anything was saved loses nothing, so the next config may use the dir."""
+    run_dir = tmp_path / "runs" / "tiny"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("model: {d_model: 999}\n")  # left by a failed start
+    result = run(tiny_overrides(tmp_path / "runs", steps=2, eval_every=0))
+    assert result.step == 2
+    assert load_config(run_dir / "config.yaml").model.d_model == 32
+
+
+def test_a_signal_while_logging_still_stops_with_a_checkpoint(
+    runs, tmp_path, tiny_overrides, monkeypatch
+):
+    """SIGTERM landing while step 3 is logged, after the loop decided step 3 is not the last,
+    stops after step 4 with a checkpoint (not after step 3 without one); resuming then gives
+    the uninterrupted run's losses."""
+
+    class SignalWhileLogging(MetricsLogger):
+        def log(self, step, metrics):
+            super().log(step, metrics)
+            if step == 3:
+                handler = signal.getsignal(signal.SIGTERM)
+                if type(getattr(handler, "__self__", None)).__name__ != "_StopOnSignal":
+                    pytest.skip("the loop installs its handler only on the main thread")
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    overrides = tiny_overrides(tmp_path, "signalled", steps=12, **FLAT)
+    with monkeypatch.context() as m:
+        m.setattr(loop, "MetricsLogger", SignalWhileLogging)
+        result = run(overrides)
+    assert result.interrupted and result.step == 4
+    run_dir = tmp_path / "signalled"
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    try:
+        assert ckpt.latest_step() == 4
+    finally:
+        ckpt.close()
+    assert "val_loss" in by_step(run_dir)[4]  # the stopping step is evaluated too
+
+    result = run(overrides)
+    assert result.step == 12 and not result.interrupted
+    resumed, straight = by_step(run_dir), by_step(runs[0] / "straight")
+    assert sorted(resumed) == list(range(1, 13))
+    for step in range(1, 13):
+        assert resumed[step]["loss"] == straight[step]["loss"], step
+
+
+def test_sigterm_checkpoints_and_resuming_loses_nothing(tmp_path, tiny_overrides):
+    """`seqshard train` stopped by SIGTERM mid-run exits 0 with a checkpoint; resuming it gives
+    the uninterrupted run's losses, step for step."""
+    steps = 120
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"base: {REPO / 'configs' / 'tiny-cpu.yaml'}\n")
+    overrides = tiny_overrides(
+        tmp_path / "runs", "killed", steps=steps, eval_every=40, checkpoint_every=0
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    cmd = [*SEQSHARD, "train", str(config), *overrides, "--sample-tokens", "0"]
+    metrics = tmp_path / "runs" / "killed" / "metrics.jsonl"
+
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and metrics.read_text().count("\n") >= 3:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "SIGTERM" in out and "stopped early" in out
+    assert "Traceback" not in err
+    stopped_at = max(by_step(metrics.parent))
+    assert 3 <= stopped_at < steps
+    ckpt = Checkpointer(metrics.parent / "checkpoints")
+    try:
+        assert ckpt.latest_step() == stopped_at
+    finally:
+        ckpt.close()
+
+    resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming {metrics.parent} at step {stopped_at}" in resumed.stdout
+
+    # The uninterrupted run: same config, a fresh run directory, in this process.
+    straight = train(load_config(config, [*overrides, "run.name=straight"]), log=quiet, tty=False)
+    killed, reference = by_step(metrics.parent), by_step(straight.run_dir)
+    assert sorted(killed) == sorted(reference) == list(range(1, steps + 1))
+    for step in reference:
+        assert killed[step]["loss"] == reference[step]["loss"], step
+    assert killed[steps]["val_loss"] == reference[steps]["val_loss"]
+
+
+# -- bad input: refused with the values, before anything is written or compiled -----------------
+
+
+def test_run_dir_of_another_config_is_refused(runs, half_copy, tiny_overrides):
+    run_dir = half_copy / "half"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    overrides = tiny_overrides(half_copy, "half", steps=12, **FLAT)
+    with pytest.raises(ConfigError) as e:
+        run([*overrides, "model.d_model=64"])
+    msg = str(e.value)
+    assert str(run_dir) in msg and "model.d_model: 32 -> 64" in msg
+    with pytest.raises(ConfigError, match=r"train\.lr: 0\.003 -> 0\.001"):
+        run([*overrides, "train.lr=1e-3"])
+    with pytest.raises(ConfigError, match=r"data\.seed: 0 -> 1"):
+        run([*overrides, "data.seed=1"])
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_a_corrupt_checkpoint_stops_the_resume_with_a_checkpoint_error(half_copy, tiny_overrides):
+    run_dir = half_copy / "half"
+    for path in (run_dir / "checkpoints" / "6" / "state" / "d").iterdir():
+        path.write_bytes(b"\0" * path.stat().st_size)
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError) as e:
+        run(tiny_overrides(half_copy, "half", steps=12, **FLAT))
+    assert str(run_dir / "checkpoints" / "6") in str(e.value)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing was truncated
+
+
+def test_an_unpreparable_data_dir(tmp_path, tiny_overrides):
+    overrides = tiny_overrides(tmp_path / "runs")
+    missing = tmp_path / "no-such-text"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        run([*overrides, f"data.dir={tmp_path / 'new-data'}", f"data.inputs=[{missing}]"])
+    assert not (tmp_path / "new-data").exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_truncated_token_file_is_named(tmp_path, data_dir, tiny_overrides):
+    broken = tmp_path / "data"
+    shutil.copytree(data_dir, broken)
+    train_bin = broken / "train.bin"
+    with open(train_bin, "r+b") as f:
+        f.truncate(train_bin.stat().st_size - 1)
+    with pytest.raises(ValueError, match="not a multiple of 2") as e:
+        run([*tiny_overrides(tmp_path / "runs"), f"data.dir={broken}"])
+    assert str(train_bin) in str(e.value)
+
+
+def test_a_model_vocab_below_the_tokenizers_is_refused_before_training(
+    tmp_path, data_dir, tiny_overrides
+):
+    overrides = [*tiny_overrides(tmp_path / "runs"), "model.vocab=256", "data.vocab_size=256"]
+    with pytest.raises(ConfigError) as e:
+        run(overrides)
+    msg = str(e.value)
+    assert "300" in msg and "model.vocab=256" in msg and str(data_dir) in msg
+    assert not (tmp_path / "runs").exists()
