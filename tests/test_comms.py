@@ -52,8 +52,18 @@ def test_model_step_phases_places_and_layer_counts(mesh):
     tokens, starts = np.zeros((8, 16), np.int32), np.zeros((8, 16), bool)
     per_layers = {}
     for n_layers in (2, 3):
-        cfg = ModelConfig(vocab=64, d_model=32, n_layers=n_layers, n_q_per_kv=2, n_kv=4, d_head=8,
-                          d_ff=64, compute_dtype="float32", attention_impl="einsum", remat="saved")
+        cfg = ModelConfig(
+            vocab=64,
+            d_model=32,
+            n_layers=n_layers,
+            n_q_per_kv=2,
+            n_kv=4,
+            d_head=8,
+            d_ff=64,
+            compute_dtype="float32",
+            attention_impl="einsum",
+            remat="saved",
+        )
         w = init_weights(cfg, mesh, jax.random.key(0))
         grad = jax.jit(jax.grad(lambda w, cfg=cfg: loss_fn(w, tokens, starts, cfg, mesh)))
         calls = collectives(compiled_hlo(grad, w), mesh)
@@ -62,15 +72,30 @@ def test_model_step_phases_places_and_layer_counts(mesh):
         assert looped and all(c.calls_per_step == n_layers for c in looped)
         assert all(c.calls_per_step == 1 for c in calls if not c.in_loop)
         # Weight gathers over d happen in the forward pass and again in the recompute.
-        fwd = [c for c in looped if c.phase == "forward" and c.kind == "all-gather" and c.axes == ("d",)]
-        rec = [c for c in looped if c.phase == "recompute" and c.kind == "all-gather" and c.axes == ("d",)]
+        fwd = [
+            c
+            for c in looped
+            if c.phase == "forward" and c.kind == "all-gather" and c.axes == ("d",)
+        ]
+        rec = [
+            c
+            for c in looped
+            if c.phase == "recompute" and c.kind == "all-gather" and c.axes == ("d",)
+        ]
         assert len(fwd) == len(rec) == 6  # w_q, w_kv, w_o, w_gate, w_up, w_down
         # Their transposes: one reduce-scatter over d per weight, in the backward pass.
-        bwd = [c for c in looped if c.phase == "backward" and c.kind == "reduce-scatter" and c.axes == ("d",)]
+        bwd = [
+            c
+            for c in looped
+            if c.phase == "backward" and c.kind == "reduce-scatter" and c.axes == ("d",)
+        ]
         assert len(bwd) == 6
         # The norm gains are 'd_model/t/d': gathered over t then d, in that order.
         assert any(c.axes == ("t", "d") and c.kind == "all-gather" for c in looped)
-    sent = {n: sum(c.calls_per_step * c.bytes_sent for c in calls if c.in_loop) for n, calls in per_layers.items()}
+    sent = {
+        n: sum(c.calls_per_step * c.bytes_sent for c in calls if c.in_loop)
+        for n, calls in per_layers.items()
+    }
     assert sent[3] == pytest.approx(sent[2] * 3 / 2)
     table = format_comm_table(per_layers[2])
     assert "recompute" in table and "total sent per device per step" in table

@@ -16,5 +16,7 @@ def test_each_module_imports_first():
         m: subprocess.Popen([sys.executable, "-c", code, m], stderr=subprocess.PIPE, text=True)
         for m in MODULES
     }
-    failures = {m: p.communicate()[1].strip().splitlines()[-1] for m, p in procs.items() if p.wait()}
+    failures = {
+        m: p.communicate()[1].strip().splitlines()[-1] for m, p in procs.items() if p.wait()
+    }
     assert not failures, failures

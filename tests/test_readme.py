@@ -26,6 +26,8 @@ def test_ci_runs_the_readme_test_command():
 
 def test_notation_example_runs():
     example = re.findall(r"```python\n(.*?)```", README, re.S)[0]
-    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert "'all-gather': 3, 'reduce-scatter': 1" in out.stdout
