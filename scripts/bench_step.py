@@ -88,10 +88,9 @@ from seqshard.model.attention import (
 from seqshard.model.config import ModelConfig
 from seqshard.model.transformer import next_token_targets, rms_norm
 from seqshard.model.weights import Layer, Weights
-from seqshard.shardtypes import shardings
 from seqshard.testing import COLLECTIVE_KINDS, count_collectives
-from seqshard.train.optimizer import lr_schedule, make_optimizer
-from seqshard.train.state import TrainState, init_train_state, shardings_of, train_state_structs
+from seqshard.train.optimizer import make_optimizer
+from seqshard.train.state import TrainState, init_train_state
 from seqshard.train.step import make_train_step
 
 MODEL = dict(
@@ -175,46 +174,20 @@ def gspmd_loss_sum_and_count(
 def make_gspmd_step(
     cfg: Config, mesh: Mesh, opt: optax.GradientTransformation, constrain_acts: bool = False
 ):
-    """The baseline's jitted step, the same signature and update as ``make_train_step``'s.
+    """The baseline's jitted step: seqshard's own ``make_train_step`` (same update, same state
+    shardings from the types, same donation) with the plain-jit loss in place of the model's.
 
     ``constrain_acts``: also pin the residual stream to ``P('d', None, None)`` (batch over d,
     replicated over t), which steers XLA to FSDP + Megatron; the plain baseline does not.
     """
     act = NamedSharding(mesh, PartitionSpec("d", None, None)) if constrain_acts else None
-    schedule = lr_schedule(cfg.train)
-    state_shardings = shardings_of(train_state_structs(cfg.model, mesh, opt))
-    weight_shardings = shardings(Weights, mesh)
-    if jax.tree.leaves(state_shardings.weights) != jax.tree.leaves(weight_shardings):
-        raise AssertionError("train_state_structs' weight shardings differ from the types'")
-    state_shardings = dataclasses.replace(state_shardings, weights=weight_shardings)
-    batch_sharding = NamedSharding(mesh, PartitionSpec("d", None))
 
-    def summed(w, tokens, is_seq_start):
-        total, count = gspmd_loss_sum_and_count(w, tokens, is_seq_start, cfg.model, act)
-        return total, count
-
-    def step(state: TrainState, tokens, is_seq_start):
-        (total, count), grads = jax.value_and_grad(summed, has_aux=True)(
-            state.weights, tokens.astype(jnp.int32), is_seq_start.astype(jnp.bool_)
+    def loss_terms(w, tokens, is_seq_start):
+        return gspmd_loss_sum_and_count(
+            w, tokens.astype(jnp.int32), is_seq_start.astype(jnp.bool_), cfg.model, act
         )
-        count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
-        updates, opt_state = opt.update(grads, state.opt_state, state.weights)
-        weights = optax.apply_updates(state.weights, updates)
-        metrics = {
-            "loss": total / count,
-            "grad_norm": optax.global_norm(grads),
-            "lr": schedule(state.step),
-            "tokens_counted": count,
-        }
-        return TrainState(step=state.step + 1, weights=weights, opt_state=opt_state), metrics
 
-    return jax.jit(
-        step,
-        in_shardings=(state_shardings, batch_sharding, batch_sharding),
-        out_shardings=(state_shardings, None),
-        donate_argnums=(0,),
-    )
+    return make_train_step(cfg, mesh, opt, loss_terms=loss_terms)
 
 
 # ---------------------------------------------------------------------------------------------

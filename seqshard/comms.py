@@ -40,7 +40,13 @@ _WHILE_BODY = re.compile(r"\swhile\(.*body=%([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]")  # every device, e.g. mesh['axis_0'=8]
+# mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: the devices as a mesh (optionally permuted by a
+# device_ids iota), grouped over the axes in braces (all of them when there are none).
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[(?P<ids>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\))?"
+    r"(?:\s*\{(?P<over>[^}]*)\})?"
+)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
 _BYTES = {
@@ -135,7 +141,18 @@ def _groups(line: str) -> list[list[int]]:
         return ids.reshape(n_groups, size).tolist()
     m = _GROUPS_MESH.search(line)
     if m:
-        return [list(range(math.prod(int(n) for n in re.findall(r"=(\d+)", m.group(1)))))]
+        names = re.findall(r"'([^']+)'=\d+", m["axes"])
+        sizes = [int(n) for n in re.findall(r"=(\d+)", m["axes"])]
+        ids = np.arange(math.prod(sizes))
+        if m["ids"]:
+            ids = ids.reshape([int(x) for x in m["ids"].split(",")])
+            if m["perm"]:
+                ids = ids.transpose([int(x) for x in m["perm"].split(",")])
+        ids = ids.reshape(sizes)
+        over_names = re.findall(r"'([^']+)'", m["over"] or "")
+        over = [names.index(a) for a in over_names] if over_names else list(range(len(sizes)))
+        rest = [i for i in range(len(sizes)) if i not in over]
+        return ids.transpose(rest + over).reshape(-1, math.prod(sizes[i] for i in over)).tolist()
     return []
 
 

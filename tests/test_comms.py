@@ -28,6 +28,10 @@ def mesh():
         ("[2,4]<=[8]", ("t",)),  # iota form: reshape 0..7 into 2 groups of 4
         ("[4,2]<=[2,4]T(1,0)", ("d",)),
         ("mesh['axis_0'=8]", ("d", "t")),  # every device
+        ("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", ("t",)),  # grouped over one mesh axis
+        ("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", ("d",)),
+        ("mesh['axis_0'=8], device_ids=([2,4]T(1,0)) {'axis_0'}", ("t", "d")),
+        ("mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}", ("t",)),
     ],
 )
 def test_replica_groups_name_mesh_axes(mesh, groups, axes):

@@ -37,7 +37,8 @@ def test_shipped_configs_load_and_layer():
     assert (tiny.mesh.d, tiny.mesh.t) == (4, 2)
     assert tiny.model.d_model == 128 and base.model.d_model == 256
     # Keys tiny-cpu.yaml does not set come from base.yaml, not from the dataclass defaults.
-    assert tiny.model.vocab == base.model.vocab == 4096 != ModelConfig().vocab
+    assert tiny.model.vocab == base.model.vocab == 4096
+    assert base.model.n_layers == 4 != ModelConfig().n_layers  # base.yaml beats the defaults
     assert tiny.train.weight_decay == base.train.weight_decay
     assert tiny.run.name == "tiny-cpu" and base.run.name == "base"
 

@@ -35,7 +35,7 @@ class ModelConfig:
     compute_dtype: matmul input dtype; master weights, norms, softmax, logits and loss are f32.
     """
 
-    vocab: int = 256
+    vocab: int = 4096
     d_model: int = 128
     n_layers: int = 2
     n_q_per_kv: int = 2

@@ -17,6 +17,7 @@ starts at unit scale and the residual stream grows like sqrt(layers), as in GPT-
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -83,22 +84,27 @@ def init_weights(cfg: ModelConfig, mesh: Mesh, key: jax.Array) -> Weights:
     One jitted function with ``out_shardings`` from the types: XLA partitions the random
     number generation, so no device ever holds the whole model.
     """
-    structs = weight_structs(cfg, mesh)
-    stds = _init_stds(cfg)
-    leaves, treedef = jax.tree.flatten(structs)
-    std_leaves = treedef.flatten_up_to(stds)
+    return _initializer(cfg, mesh)(key)
 
-    def make() -> Weights:
+
+@functools.lru_cache(maxsize=16)
+def _initializer(cfg: ModelConfig, mesh: Mesh):
+    """The jitted ``key -> Weights`` for a config and mesh, compiled once and reused."""
+    structs = weight_structs(cfg, mesh)
+    leaves, treedef = jax.tree.flatten(structs)
+    stds = treedef.flatten_up_to(_init_stds(cfg))
+
+    def make(key: jax.Array) -> Weights:
         keys = jax.random.split(key, len(leaves))
         out = []
-        for k, s, std in zip(keys, leaves, std_leaves, strict=True):
+        for k, s, std in zip(keys, leaves, stds, strict=True):
             if std == "ones":
                 out.append(jnp.ones(s.shape, s.dtype))
             else:
                 out.append(std * jax.random.normal(k, s.shape, s.dtype))
         return treedef.unflatten(out)
 
-    return jax.jit(make, out_shardings=jax.tree.map(lambda s: s.sharding, structs))()
+    return jax.jit(make, out_shardings=jax.tree.map(lambda s: s.sharding, structs))
 
 
 def param_count(cfg: ModelConfig) -> int:

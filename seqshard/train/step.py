@@ -12,6 +12,7 @@ Microbatch m takes rows m, m+k, m+2k, ... of the global batch, so every device's
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +28,27 @@ from seqshard.train.state import TrainState, shardings_of, train_state_structs
 __all__ = ["grads_and_loss", "make_eval_step", "make_train_step"]
 
 
+LossTerms = Callable[[Weights, jax.Array, jax.Array], jax.Array]
+"""``(weights, tokens, is_seq_start) -> f32[2]``: the summed loss and the positions counted."""
+
+
 def grads_and_loss(
-    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: Config, mesh: Mesh
+    weights: Weights,
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    cfg: Config,
+    mesh: Mesh,
+    loss_terms: LossTerms | None = None,
 ) -> tuple[Weights, jax.Array, jax.Array]:
-    """(mean gradient, mean loss, positions counted) over ``microbatches`` slices of the batch."""
+    """(mean gradient, mean loss, positions counted) over ``microbatches`` slices of the batch.
+
+    ``loss_terms`` defaults to the sharded model's :func:`loss_sum_and_count`."""
     k = cfg.train.microbatches
+    if loss_terms is None:
+        loss_terms = functools.partial(loss_sum_and_count, cfg=cfg.model, mesh=mesh)
 
     def summed(w, tok, start):
-        total, count = loss_sum_and_count(w, tok, start, cfg.model, mesh)
+        total, count = loss_terms(w, tok, start)
         return total, count  # differentiate the sum; carry the count along
 
     grad_of_sum = jax.value_and_grad(summed, has_aux=True)
@@ -66,19 +80,25 @@ def grads_and_loss(
     return jax.tree.map(lambda g: g / count, grads), total / count, count
 
 
-def make_train_step(cfg: Config, mesh: Mesh, opt: optax.GradientTransformation):
-    """``step(state, tokens, is_seq_start) -> (state, metrics)``, jitted once, state donated."""
+def make_train_step(
+    cfg: Config, mesh: Mesh, opt: optax.GradientTransformation, loss_terms: LossTerms | None = None
+):
+    """``step(state, tokens, is_seq_start) -> (state, metrics)``, jitted once, state donated.
+
+    ``loss_terms`` swaps the model (the benchmark's plain-jit baseline uses the same step)."""
     schedule = lr_schedule(cfg.train)
     state_shardings = shardings_of(train_state_structs(cfg.model, mesh, opt))
     batch_sharding = NamedSharding(mesh, PartitionSpec("d", None))
 
     def step(state: TrainState, tokens: jax.Array, is_seq_start: jax.Array):
-        grads, loss, count = grads_and_loss(state.weights, tokens, is_seq_start, cfg, mesh)
+        grads, loss, count = grads_and_loss(
+            state.weights, tokens, is_seq_start, cfg, mesh, loss_terms
+        )
         updates, opt_state = opt.update(grads, state.opt_state, state.weights)
         weights = optax.apply_updates(state.weights, updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
             "tokens_counted": count,
         }
