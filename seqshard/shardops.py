@@ -508,29 +508,25 @@ def index_unreduced(spec: str, table: jax.Array, ids: jax.Array) -> jax.Array:
 # Mesh queries
 
 
-def _axes_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:
-    return (axes,) if isinstance(axes, str) else tuple(axes)
+def _axes_here(op: str, axes: str | Sequence[str]) -> tuple[tuple[str, ...], dict[str, int]]:
+    """``axes`` as a tuple, and the manual axes' sizes; every one of ``axes`` must be manual."""
+    sizes = _manual_axes(f"{op}({axes!r})")
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    for a in names:
+        if a not in sizes:
+            raise ShapeError(
+                f"{op}({axes!r}): no manual mesh axis {a!r}; the axes here are {sizes}."
+            )
+    return names, sizes
 
 
 def axis_size(axes: str | Sequence[str]) -> int:
     """The number of shards over ``axes`` (a name or a tuple, major to minor), as a Python int."""
-    sizes = _manual_axes(f"axis_size({axes!r})")
-    names = _axes_tuple(axes)
-    for a in names:
-        if a not in sizes:
-            raise ShapeError(
-                f"axis_size({axes!r}): no manual mesh axis {a!r}; the axes here are {sizes}."
-            )
+    names, sizes = _axes_here("axis_size", axes)
     return math.prod(sizes[a] for a in names)
 
 
 def axis_index(axes: str | Sequence[str]) -> jax.Array:
     """This device's block index over ``axes`` (a name or a tuple, major to minor)."""
-    sizes = _manual_axes(f"axis_index({axes!r})")
-    names = _axes_tuple(axes)
-    for a in names:
-        if a not in sizes:
-            raise ShapeError(
-                f"axis_index({axes!r}): no manual mesh axis {a!r}; the axes here are {sizes}."
-            )
+    names, sizes = _axes_here("axis_index", axes)
     return _linear_index(names, sizes)

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from model_weights import random_weights
 
 from seqshard import shardops
 from seqshard.config import ConfigError, load_config
@@ -64,6 +65,7 @@ CFG = ModelConfig(
     compute_dtype="float32",
     attention_impl="einsum",
 )
+
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8)]
 BATCH, LENGTH = 8, 16
 
@@ -98,26 +100,6 @@ def packed_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 TOKENS, IS_SEQ_START = packed_batch(0)
-
-
-NORM_GAINS = ("layers.ln1", "layers.ln2", "final_norm")
-
-
-def random_weights(cfg: ModelConfig, seed: int) -> Weights:
-    """numpy weights of ``cfg``'s shapes: matrices N(0, 1/d_model), norm gains 1 + N(0, 0.25).
-
-    Not init_weights: its gains are all ones, under which a gain gathered in the wrong order
-    ('M/d/t' for 'M/t/d') would go unnoticed. (And every config variant here shares them.)
-    """
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        x = rng.standard_normal(s.shape)
-        if jax.tree_util.keystr(path, simple=True, separator=".") in NORM_GAINS:
-            return (1 + 0.5 * x).astype(s.dtype)
-        return (x / math.sqrt(cfg.d_model)).astype(s.dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, weight_structs(cfg))
 
 
 WEIGHTS = random_weights(CFG, seed=0)  # for CFG and its variants (same shapes)

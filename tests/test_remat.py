@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_weights import random_weights
 
-from seqshard.model import ModelConfig, loss_fn, weight_structs
+from seqshard.model import ModelConfig, loss_fn
 from seqshard.remat import SAVED, explicit_activation_checkpointing, save_for_backward
 from seqshard.testing import fake_cpu_mesh
 
@@ -93,25 +93,6 @@ CFG = ModelConfig(
 )
 MESH_SHAPE = (4, 2)
 BATCH, LENGTH = 8, 32
-
-NORM_GAINS = ("layers.ln1", "layers.ln2", "final_norm")
-
-
-def random_weights(cfg: ModelConfig, mesh, seed: int = 0):
-    """Weights of ``cfg``'s shapes in their declared layouts on ``mesh``: matrices
-    N(0, 1/d_model), norm gains 1 + N(0, 0.25). (init_weights compiles a partitioned RNG,
-    seconds of CPU per call; these tests need only some weights.)"""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        x = rng.standard_normal(s.shape)
-        if jax.tree_util.keystr(path, simple=True, separator=".") in NORM_GAINS:
-            x = 1 + 0.5 * x
-        else:
-            x = x / math.sqrt(cfg.d_model)
-        return jax.device_put(x.astype(s.dtype), s.sharding)
-
-    return jax.tree_util.tree_map_with_path(draw, weight_structs(cfg, mesh))
 
 
 @functools.cache

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from model_weights import random_weights
 
 from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_config
-from seqshard.model import ModelConfig, loss_sum_and_count, weight_structs
+from seqshard.model import ModelConfig, loss_sum_and_count
 from seqshard.testing import count_collectives, fake_cpu_mesh, list_collectives
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import TrainState, shardings_of, train_state_structs
@@ -40,6 +40,7 @@ MODEL = ModelConfig(
     compute_dtype="float32",
     attention_impl="einsum",
 )
+
 BATCH, LENGTH = 8, 16
 # Row r packs documents of DOC_LENGTHS[r] tokens: rows count 8 to 15 positions each.
 DOC_LENGTHS = [2, 16, 3, 8, 2, 5, 16, 4]
@@ -78,26 +79,6 @@ def counted_per_microbatch(k: int) -> list[int]:
     """Positions with a next token in their document, per microbatch (rows m, m+k, ...)."""
     counted = ~IS_SEQ_START[:, 1:]
     return [int(counted[m::k].sum()) for m in range(k)]
-
-
-NORM_GAINS = ("layers.ln1", "layers.ln2", "final_norm")
-
-
-def random_weights(cfg: ModelConfig, mesh, seed: int = 0):
-    """Weights of ``cfg``'s shapes in their declared layouts on ``mesh``: matrices
-    N(0, 1/d_model), norm gains 1 + N(0, 0.25). (init_weights compiles a partitioned RNG,
-    seconds of CPU per call; these tests need only some weights.)"""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        x = rng.standard_normal(s.shape)
-        if jax.tree_util.keystr(path, simple=True, separator=".") in NORM_GAINS:
-            x = 1 + 0.5 * x
-        else:
-            x = x / math.sqrt(cfg.d_model)
-        return jax.device_put(x.astype(s.dtype), s.sharding)
-
-    return jax.tree_util.tree_map_with_path(draw, weight_structs(cfg, mesh))
 
 
 @functools.cache
