@@ -168,7 +168,9 @@ def _parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 mesh.d=4 mesh.t=2"
     )
     t.add_argument(
-        "--sample-prompt", default="def ", help="prompt for the text sample printed at the end"
+        "--sample-prompt",
+        default="def __init__(self",
+        help="prompt for the text sample printed at the end",
     )
     t.add_argument(
         "--sample-tokens", type=int, default=64, help="tokens to sample at the end (0: none)"

@@ -57,7 +57,7 @@ def test_end_to_end(tmp_path, corpus_dir, tiny_yaml, capsys):
     assert f"run directory: {run_dir}" in out
     final = re.search(r"^step 5: train loss (\d+\.\d+), val loss (\d+\.\d+), ", out, re.M)
     assert final, out
-    assert re.search(r"^sample \(8 tokens after 'def '\):$", out, re.M), out
+    assert re.search(r"^sample \(8 tokens after 'def __init__\(self'\):$", out, re.M), out
     assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "5").is_dir()
 
     out = ok(seqshard("eval", run_dir, cwd=tmp_path))
