@@ -80,11 +80,11 @@ def _train(args) -> int:
 
 def _generate(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -> list[str]:
     from seqshard.data import load_tokenizer
-    from seqshard.mesh import make_mesh
+    from seqshard.mesh import training_mesh
     from seqshard.model.generate import generate_text
     from seqshard.train.loop import latest_weights
 
-    weights = latest_weights(run_dir, cfg, make_mesh(cfg.mesh)).weights
+    weights = latest_weights(run_dir, cfg, training_mesh(cfg.mesh)).weights
     tokenizer = load_tokenizer(Path(cfg.data.dir) / "tokenizer.json")
     return generate_text(
         weights,
@@ -101,12 +101,12 @@ def _generate(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -
 
 def _eval(args) -> int:
     from seqshard.data import Loader
-    from seqshard.mesh import make_mesh
+    from seqshard.mesh import training_mesh
     from seqshard.train.loop import evaluate, latest_weights
     from seqshard.train.step import make_eval_step
 
     cfg = _run_config(args.run_dir, args.overrides)
-    mesh = make_mesh(cfg.mesh)
+    mesh = training_mesh(cfg.mesh)
     state = latest_weights(args.run_dir, cfg, mesh)
     t = cfg.train
     with Loader(

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, Mesh
 if TYPE_CHECKING:  # seqshard.config imports the model, which imports this module
     from seqshard.config import MeshConfig
 
-__all__ = ["AXES", "initialize_distributed", "make_mesh", "mesh_from_devices"]
+__all__ = ["AXES", "initialize_distributed", "training_mesh", "mesh_from_devices"]
 
 AXES = ("d", "t")
 
@@ -39,15 +39,13 @@ def mesh_from_devices(shape: Sequence[int], axis_names: Sequence[str], devices: 
             f"{platform.upper()} devices but this process has {len(devices)}. Choose a smaller "
             f"mesh.{hint}"
         )
+    auto = (AxisType.Auto,) * len(shape)
     return jax.make_mesh(
-        tuple(shape),
-        tuple(axis_names),
-        axis_types=(AxisType.Auto,) * len(shape),
-        devices=list(devices)[:need],
+        tuple(shape), tuple(axis_names), axis_types=auto, devices=list(devices)[:need]
     )
 
 
-def make_mesh(cfg: MeshConfig) -> Mesh:
+def training_mesh(cfg: MeshConfig) -> Mesh:
     """The (d, t) training mesh over all processes' devices."""
     return mesh_from_devices((cfg.d, cfg.t), AXES, jax.devices())
 

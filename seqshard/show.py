@@ -63,12 +63,12 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
 
 def compiled_step_report(cfg: Config) -> str:
     """Collectives and XLA memory of the train step compiled for ``cfg``'s mesh."""
-    from seqshard.mesh import make_mesh
+    from seqshard.mesh import training_mesh
     from seqshard.train.optimizer import make_optimizer
     from seqshard.train.state import train_state_structs
     from seqshard.train.step import make_train_step
 
-    mesh = make_mesh(cfg.mesh)
+    mesh = training_mesh(cfg.mesh)
     opt = make_optimizer(cfg.train)
     batch = NamedSharding(mesh, PartitionSpec("d", None))
     shape = (cfg.train.batch_size, cfg.train.seq_len)

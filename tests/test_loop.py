@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from seqshard.config import ConfigError, load_config
-from seqshard.mesh import make_mesh
+from seqshard.mesh import training_mesh
 from seqshard.train import loop
 from seqshard.train.checkpoint import Checkpointer, CheckpointError
 from seqshard.train.loop import train
@@ -50,7 +50,7 @@ def by_step(run_dir: Path) -> dict[int, dict]:
 def latest_state(run_dir: Path, cfg):
     ckpt = Checkpointer(run_dir / "checkpoints")
     try:
-        return ckpt.restore(cfg, make_mesh(cfg.mesh), make_optimizer(cfg.train)).state
+        return ckpt.restore(cfg, training_mesh(cfg.mesh), make_optimizer(cfg.train)).state
     finally:
         ckpt.close()
 

@@ -25,7 +25,7 @@ from seqshard.config import Config, ConfigError, config_to_yaml
 from seqshard.data import Loader, prepare, read_meta
 from seqshard.flops import flops_per_token
 from seqshard.hardware import peak_flops
-from seqshard.mesh import make_mesh
+from seqshard.mesh import training_mesh
 from seqshard.train.checkpoint import Checkpointer
 from seqshard.train.metrics import MetricsLogger
 from seqshard.train.optimizer import make_optimizer
@@ -175,7 +175,7 @@ def train(
     # Everything that can fail on bad input is checked before the run directory is written.
     resuming = _check_run_dir(run_dir, cfg)
     data_dir = ensure_data(cfg, log)
-    mesh = make_mesh(cfg.mesh)
+    mesh = training_mesh(cfg.mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
 
