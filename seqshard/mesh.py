@@ -39,10 +39,8 @@ def mesh_from_devices(shape: Sequence[int], axis_names: Sequence[str], devices: 
             f"{platform.upper()} devices but this process has {len(devices)}. Choose a smaller "
             f"mesh.{hint}"
         )
-    auto = (AxisType.Auto,) * len(shape)
-    return jax.make_mesh(
-        tuple(shape), tuple(axis_names), axis_types=auto, devices=list(devices)[:need]
-    )
+    shape, names, auto = tuple(shape), tuple(axis_names), (AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, axis_types=auto, devices=list(devices)[:need])
 
 
 def training_mesh(cfg: MeshConfig) -> Mesh:
