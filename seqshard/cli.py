@@ -11,6 +11,7 @@ seqshard show CONFIG [key=value ...]               sizes, layouts, FLOPs, memory
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -44,9 +45,33 @@ def _run_config(run_dir: str, overrides: Sequence[str]):
             f"`seqshard train` printed (e.g. runs/tiny-cpu)."
         )
     run_name = Path(run_dir)
-    return _load(
+    cfg = _load(
         str(config), [f"run.dir={run_name.parent}", f"run.name={run_name.name}", *overrides]
     )
+    if any(o.startswith("data.dir=") for o in overrides):
+        return cfg
+    data_dir = _launch_relative(Path(cfg.data.dir), run_name, config)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(data_dir)))
+
+
+def _launch_relative(path: Path, run_dir: Path, config: Path) -> Path:
+    """``path`` from a run's config.yaml, relative to the directory `seqshard train` ran in.
+
+    The saved ``run.dir/run.name`` is the run directory relative to that launch directory, so
+    stripping it from ``run_dir`` finds it: ``seqshard eval ../seqshard/runs/tiny-cpu`` finds
+    ``data/stdlib`` at ``../seqshard/data/stdlib``. Absolute paths, and paths that exist from
+    here, are kept."""
+    import yaml
+
+    if path.is_absolute() or path.exists():
+        return path
+    saved_run = (yaml.safe_load(config.read_text()) or {}).get("run") or {}
+    saved = Path(str(saved_run.get("dir", ""))) / str(saved_run.get("name", ""))
+    resolved = run_dir.resolve()
+    if saved.is_absolute() or resolved.parts[-len(saved.parts) :] != saved.parts:
+        return path
+    launch_dir = Path(*resolved.parts[: -len(saved.parts)])
+    return launch_dir / path if (launch_dir / path).exists() else path
 
 
 def _train(args) -> int:

@@ -170,3 +170,24 @@ def test_errors_exit_2_with_a_message(tmp_path, tiny_yaml, corpus_dir, capsys, a
     for needle in needles:
         assert needle in err, (needle, err)
     assert not (tmp_path / "runs").exists()  # nothing was trained
+
+
+def test_a_runs_relative_data_dir_is_found_from_any_directory(tmp_path, tiny_yaml, monkeypatch):
+    """``data.dir: data/x`` in a run's config.yaml is relative to where `seqshard train` ran,
+    so `seqshard eval proj/runs/tiny` from elsewhere finds ``proj/data/x``."""
+    from seqshard.cli import _run_config
+    from seqshard.config import config_to_yaml, load_config
+
+    project = tmp_path / "proj"
+    (project / "data" / "x").mkdir(parents=True)
+    monkeypatch.chdir(project)
+    config = tiny_yaml(project / "tiny.yaml", Path("runs"), Path("data/x"))
+    (project / "runs" / "tiny").mkdir(parents=True)
+    (project / "runs" / "tiny" / "config.yaml").write_text(config_to_yaml(load_config(config)))
+
+    assert _run_config("runs/tiny", []).data.dir == "data/x"  # from the launch directory
+    monkeypatch.chdir(tmp_path)
+    assert Path(_run_config("proj/runs/tiny", []).data.dir) == project / "data" / "x"
+    assert _run_config("proj/runs/tiny", ["data.dir=elsewhere"]).data.dir == "elsewhere"
+    (project / "data" / "x").rmdir()  # gone: the path stays as written, for the error to name
+    assert _run_config("proj/runs/tiny", []).data.dir == "data/x"

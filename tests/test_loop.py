@@ -3,6 +3,7 @@ and refusing bad input before it costs anything."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -138,6 +139,24 @@ def test_resume_on_another_mesh_matches_within_tolerance(runs, half_copy, tiny_o
     assert resumed[12]["lr"] == straight[12]["lr"]
     # The saved config records the mesh it last ran on.
     assert load_config(half_copy / "half" / "config.yaml").mesh.d == d
+
+
+def test_a_changed_train_steps_is_noted_with_the_lr_it_changes():
+    """Resuming with another train.steps recomputes the schedule; the log says what it does."""
+    base = load_config(None, ["train.steps=300", "train.warmup_steps=30", "train.lr=1e-3"]).train
+    meta = {"config": "train: {steps: 300}\n"}
+    assert loop._schedule_change(meta, base, 300) is None  # unchanged
+    cosine = loop._schedule_change(
+        meta, dataclasses.replace(base, schedule="cosine", steps=600), 300
+    )
+    # The finished cosine ended at lr * min_lr_ratio; at half of 600 steps it is back near the middle.
+    assert cosine.startswith("train.steps changed 300 -> 600: the cosine lr schedule"), cosine
+    assert cosine.endswith(f"lr at step 300: {1e-3 * base.min_lr_ratio:.3g} -> 0.000587"), cosine
+    wsd = dataclasses.replace(base, schedule="wsd", decay_fraction=0.2)
+    # Extended from the stable phase (step 200 of 300), WSD keeps lr.
+    assert loop._schedule_change(meta, dataclasses.replace(wsd, steps=600), 200).endswith(
+        "lr at step 200: 0.001 -> 0.001"
+    )
 
 
 def test_finished_run_resumed_again_does_nothing(runs, half_copy, tiny_overrides):

@@ -21,14 +21,14 @@ import jax
 import numpy as np
 import yaml
 
-from seqshard.config import Config, ConfigError, config_to_yaml
+from seqshard.config import Config, ConfigError, TrainConfig, config_to_yaml
 from seqshard.data import Loader, prepare, read_meta
 from seqshard.flops import flops_per_token
 from seqshard.hardware import peak_flops
 from seqshard.mesh import training_mesh
 from seqshard.train.checkpoint import Checkpointer
 from seqshard.train.metrics import MetricsLogger
-from seqshard.train.optimizer import make_optimizer
+from seqshard.train.optimizer import lr_schedule, make_optimizer
 from seqshard.train.state import TrainState, init_train_state
 from seqshard.train.step import make_eval_step, make_train_step
 
@@ -158,6 +158,22 @@ class _StopOnSignal:
             signal.signal(sig, handler)
 
 
+def _schedule_change(meta: dict, t: TrainConfig, step: int) -> str | None:
+    """A note when ``train.steps`` changed since the checkpoint: the lr schedule is a function
+    of ``train.steps`` (cosine or WSD), so the resumed run continues on the new schedule, and
+    the learning rate at ``step`` changes (a WSD run extended from its stable phase keeps
+    ``lr``; a finished cosine run goes back up)."""
+    saved_steps = (yaml.safe_load(meta.get("config") or "") or {}).get("train", {}).get("steps")
+    if not isinstance(saved_steps, int) or saved_steps == t.steps:
+        return None
+    before = float(lr_schedule(dataclasses.replace(t, steps=saved_steps))(step))
+    after = float(lr_schedule(t)(step))
+    return (
+        f"train.steps changed {saved_steps} -> {t.steps}: the {t.schedule} lr schedule now spans "
+        f"{t.steps} steps; lr at step {step}: {before:.3g} -> {after:.3g}"
+    )
+
+
 def evaluate(eval_step, weights, batches) -> float:
     """Mean next-token loss over ``batches`` (summed losses over summed counts)."""
     totals = sum(
@@ -193,6 +209,9 @@ def _train(cfg, run_dir, data_dir, mesh, opt, ckpt, resuming, log, tty, wall_sta
         restored = ckpt.restore(cfg, mesh, opt)
         state, start = restored.state, int(jax.device_get(restored.state.step))
         log(f"resuming {run_dir} at step {start} on mesh d={cfg.mesh.d} x t={cfg.mesh.t}")
+        note = _schedule_change(restored.meta, t, start)
+        if note:
+            log(note)
     else:
         restored, start = None, 0
         state = init_train_state(cfg.model, mesh, opt, jax.random.key(t.seed))
