@@ -1,24 +1,40 @@
 """The ``seqshard`` command: prepare, train, eval, generate, plot, show.
 
-seqshard prepare [--out DIR] [INPUTS ...]          text -> tokenizer + token files
-seqshard train CONFIG [key=value ...]              train or resume runs/<name>
-seqshard eval RUN_DIR [key=value ...]              validation loss of the latest checkpoint
-seqshard generate RUN_DIR --prompt TEXT            sample from the latest checkpoint
-seqshard plot RUN_DIR [RUN_DIR ...]                loss curves -> PNG
-seqshard show CONFIG [key=value ...]               sizes, layouts, FLOPs, memory per device
+    seqshard prepare [--out DIR] [INPUTS ...]          text -> tokenizer + token files
+    seqshard train CONFIG [key=value ...]              train or resume runs/<name>
+    seqshard eval RUN_DIR [key=value ...]              validation loss of the latest checkpoint
+    seqshard generate RUN_DIR --prompt TEXT            sample from the latest checkpoint
+    seqshard plot RUN_DIR [RUN_DIR ...]                loss curves -> PNG
+    seqshard show CONFIG [key=value ...]               sizes, layouts, FLOPs, memory per device
+
+Each subcommand is one :class:`Command`: its arguments and the function that runs it, side by
+side. Options and dotted overrides may come in any order (``seqshard train CONFIG
+--sample-tokens 0 train.steps=5``). Heavy imports (JAX, the model) happen inside the run
+functions, after the CPU device count is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
+import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "Command", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A subcommand: ``arguments`` adds its arguments to its parser, ``run`` runs it."""
+
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    description: str = ""
 
 
 def _use_host_devices(n: int) -> None:
@@ -33,45 +49,109 @@ def _load(path: str, overrides: Sequence[str]):
     from seqshard.config import load_config
 
     cfg = load_config(path, overrides)
-    _use_host_devices(max(cfg.mesh.d * cfg.mesh.t, 1))
+    _use_host_devices(cfg.mesh.n_devices)
     return cfg
 
 
 def _run_config(run_dir: str, overrides: Sequence[str]):
-    config = Path(run_dir) / "config.yaml"
-    if not config.exists():
-        raise FileNotFoundError(
-            f"{config} does not exist: {run_dir} is not a run directory. Pass the directory "
-            f"`seqshard train` printed (e.g. runs/tiny-cpu)."
-        )
-    run_name = Path(run_dir)
-    cfg = _load(
-        str(config), [f"run.dir={run_name.parent}", f"run.name={run_name.name}", *overrides]
+    """A run's own config, with ``overrides``; ``data.dir`` is the directory the run trained
+    on (saved resolved in its ``run.json``) unless an override names another."""
+    from seqshard.config import read_run_config
+    from seqshard.train.loop import RUN_INFO
+
+    read_run_config(run_dir)  # a clear error if run_dir is not a run directory
+    run = Path(run_dir)
+    data = []
+    info = run / RUN_INFO
+    if info.is_file() and not any(o.startswith("data.dir=") for o in overrides):
+        data = [f"data.dir={json.loads(info.read_text())['data_dir']}"]
+    location = [f"run.dir={run.parent}", f"run.name={run.name}"]
+    return _load(str(run / "config.yaml"), [*location, *data, *overrides])
+
+
+def _config_arguments(p: argparse.ArgumentParser, what: str = "config") -> None:
+    if what == "config":
+        p.add_argument("config", help="YAML config, e.g. configs/tiny-cpu.yaml")
+    else:
+        p.add_argument("run_dir", help="a run directory, e.g. runs/tiny-cpu")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 mesh.d=4 mesh.t=2"
     )
-    if any(o.startswith("data.dir=") for o in overrides):
-        return cfg
-    data_dir = _launch_relative(Path(cfg.data.dir), run_name, config)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(data_dir)))
 
 
-def _launch_relative(path: Path, run_dir: Path, config: Path) -> Path:
-    """``path`` from a run's config.yaml, relative to the directory `seqshard train` ran in.
+# -- prepare ----------------------------------------------------------------------------------
 
-    The saved ``run.dir/run.name`` is the run directory relative to that launch directory, so
-    stripping it from ``run_dir`` finds it: ``seqshard eval ../seqshard/runs/tiny-cpu`` finds
-    ``data/stdlib`` at ``../seqshard/data/stdlib``. Absolute paths, and paths that exist from
-    here, are kept."""
-    import yaml
 
-    if path.is_absolute() or path.exists():
-        return path
-    saved_run = (yaml.safe_load(config.read_text()) or {}).get("run") or {}
-    saved = Path(str(saved_run.get("dir", ""))) / str(saved_run.get("name", ""))
-    resolved = run_dir.resolve()
-    if saved.is_absolute() or resolved.parts[-len(saved.parts) :] != saved.parts:
-        return path
-    launch_dir = Path(*resolved.parts[: -len(saved.parts)])
-    return launch_dir / path if (launch_dir / path).exists() else path
+def _prepare_arguments(p: argparse.ArgumentParser) -> None:
+    from seqshard.data.prepare import DEFAULT_OUT, DEFAULT_VOCAB
+
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUTS",
+        help="text files or directories (recursive: .txt .md .py .jsonl; a .jsonl line is one "
+        "document, its --text-field)",
+    )
+    p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB,
+        help="size of the BPE to train (ignored with --tokenizer)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="use this tokenizer.json instead of training one (e.g. another data dir's)",
+    )
+    p.add_argument(
+        "--hf-dataset",
+        metavar="NAME",
+        help="Hugging Face dataset, streamed; NAME or NAME:CONFIG (needs "
+        "`pip install 'seqshard[hf]'`)",
+    )
+    p.add_argument("--hf-split", default="train", help="split of --hf-dataset to read")
+    p.add_argument("--text-field", default="text", help="text field of .jsonl / HF records")
+    p.add_argument(
+        "--val-fraction", type=float, default=0.01, help="fraction of documents held out as val"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    p.add_argument("--max-docs", type=int, help="read at most this many documents")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+
+def _prepare(args) -> int:
+    from seqshard.data.prepare import prepare
+
+    prepare(
+        args.out,
+        inputs=args.inputs or None,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        tokenizer_path=args.tokenizer,
+        hf_dataset=args.hf_dataset,
+        hf_split=args.hf_split,
+        text_field=args.text_field,
+        max_docs=args.max_docs,
+        seed=args.seed,
+        overwrite=args.force,
+    )
+    return 0
+
+
+# -- train ------------------------------------------------------------------------------------
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    _config_arguments(p)
+    p.add_argument(
+        "--sample-prompt",
+        default="def __init__(self",
+        help="prompt for the text sample printed at the end",
+    )
+    p.add_argument(
+        "--sample-tokens", type=int, default=64, help="tokens to sample at the end (0: none)"
+    )
 
 
 def _train(args) -> int:
@@ -83,7 +163,7 @@ def _train(args) -> int:
     print(f"run directory: {run_dir_of(cfg)}", flush=True)
     result = train(cfg)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
-    if math.isnan(result.train_loss):  # nothing left to train: the run was already finished
+    if result.already_finished:
         print(f"step {result.step}: val loss {val} (train.steps={cfg.train.steps} already reached)")
     else:
         print(
@@ -94,22 +174,60 @@ def _train(args) -> int:
         print(f"stopped early; `seqshard train {args.config}` resumes from the checkpoint.")
         return 0
     if args.sample_tokens > 0:
-        samples = _generate(
-            cfg, result.run_dir, [args.sample_prompt], args.sample_tokens, 0.8, 40, 0
-        )
+        samples = _sample(cfg, result.run_dir, [args.sample_prompt], args.sample_tokens, 0.8, 40, 0)
         print(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):")
         print(args.sample_prompt + samples[0])
     print(f"run directory: {result.run_dir}")
     return 0
 
 
-def _generate(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -> list[str]:
+# -- eval and generate ------------------------------------------------------------------------
+
+
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    _config_arguments(p, "run_dir")
+    p.add_argument(
+        "--batches", type=int, default=0, help="validation batches (default: train.eval_batches)"
+    )
+
+
+def _eval(args) -> int:
+    from seqshard.data import Loader
+    from seqshard.mesh import training_mesh
+    from seqshard.train.checkpoint import latest_state
+    from seqshard.train.loop import evaluate
+    from seqshard.train.step import make_eval_step
+
+    cfg = _run_config(args.run_dir, args.overrides)
+    mesh = training_mesh(cfg.mesh.sizes())
+    state = latest_state(args.run_dir, cfg, mesh)
+    train_cfg = cfg.train
+    with Loader(
+        cfg.data.dir,
+        "train",
+        batch_size=train_cfg.batch_size,
+        seq_len=train_cfg.seq_len,
+        mesh=mesh,
+        vocab=cfg.model.vocab,
+        prefetch=0,
+    ) as loader:
+        batches = list(loader.eval_batches(args.batches or train_cfg.eval_batches))
+    loss = evaluate(make_eval_step(cfg, mesh), state.weights, batches)
+    print(
+        f"{args.run_dir} step {int(state.step)}: val loss {loss:.4f} over {len(batches)} "
+        f"batches of {train_cfg.batch_size}x{train_cfg.seq_len}"
+    )
+    return 0
+
+
+def _sample(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -> list[str]:
+    """Continuations of ``prompts`` by the latest checkpoint of ``run_dir``."""
     from seqshard.data import load_tokenizer
     from seqshard.mesh import training_mesh
-    from seqshard.model.generate import generate_text
-    from seqshard.train.loop import latest_weights
+    from seqshard.sample import generate_text
+    from seqshard.train.checkpoint import latest_state
 
-    weights = latest_weights(run_dir, cfg, training_mesh(cfg.mesh)).weights
+    weights = latest_state(run_dir, cfg, training_mesh(cfg.mesh.sizes())).weights
     tokenizer = load_tokenizer(Path(cfg.data.dir) / "tokenizer.json")
     return generate_text(
         weights,
@@ -124,42 +242,54 @@ def _generate(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -
     )
 
 
-def _eval(args) -> int:
-    from seqshard.data import Loader
-    from seqshard.mesh import training_mesh
-    from seqshard.train.loop import evaluate, latest_weights
-    from seqshard.train.step import make_eval_step
-
-    cfg = _run_config(args.run_dir, args.overrides)
-    mesh = training_mesh(cfg.mesh)
-    state = latest_weights(args.run_dir, cfg, mesh)
-    t = cfg.train
-    with Loader(
-        cfg.data.dir,
-        "train",
-        batch_size=t.batch_size,
-        seq_len=t.seq_len,
-        mesh=mesh,
-        vocab=cfg.model.vocab,
-        prefetch=0,
-    ) as loader:
-        batches = list(loader.eval_batches(args.batches or t.eval_batches))
-    loss = evaluate(make_eval_step(cfg, mesh), state.weights, batches)
-    print(
-        f"{args.run_dir} step {int(state.step)}: val loss {loss:.4f} over {len(batches)} batches of {t.batch_size}x{t.seq_len}"
-    )
-    return 0
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    _config_arguments(p, "run_dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0 for no top-k cut")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
 
 
-def _generate_cmd(args) -> int:
+def _generate(args) -> int:
     cfg = _run_config(args.run_dir, args.overrides)
     prompts = [args.prompt] * args.num_samples
-    for text in _generate(
-        cfg, args.run_dir, prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed
+    top_k = args.top_k or None
+    for text in _sample(
+        cfg, args.run_dir, prompts, args.max_new_tokens, args.temperature, top_k, args.seed
     ):
         print(args.prompt + text)
         print("-" * 40)
     return 0
+
+
+# -- plot and show ----------------------------------------------------------------------------
+
+
+def _plot_arguments(p: argparse.ArgumentParser) -> None:
+    from seqshard.train.metrics import METRICS_FILE
+
+    p.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help=f"a training run dir holding {METRICS_FILE}"
+    )
+    p.add_argument("--out", type=Path, metavar="PATH", help="where to write the PNG")
+
+
+def _plot(args) -> int:
+    from seqshard.train.plot import plot_runs
+
+    print(plot_runs(args.run_dirs, args.out))
+    return 0
+
+
+def _show_arguments(p: argparse.ArgumentParser) -> None:
+    _config_arguments(p)
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="skip compiling the train step (no communication table, no XLA memory figures)",
+    )
 
 
 def _show(args) -> int:
@@ -170,96 +300,98 @@ def _show(args) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "prepare",
+        "tokenize text into a data directory",
+        _prepare_arguments,
+        _prepare,
+        "Tokenize text into a seqshard data directory (train.bin, val.bin, offsets, meta.json, "
+        "tokenizer.json). With no INPUTS and no --hf-dataset, the corpus is the Python standard "
+        "library's own source (~12 MB, no network needed).",
+    ),
+    Command(
+        "train",
+        "train, or resume, the run a config describes",
+        _train_arguments,
+        _train,
+        "Train runs/<run.name> from CONFIG; an existing run directory resumes from its latest "
+        "checkpoint. The data directory is prepared on first use. SIGTERM / Ctrl-C checkpoints "
+        "and stops.",
+    ),
+    Command(
+        "eval",
+        "validation loss of a run's latest checkpoint",
+        _eval_arguments,
+        _eval,
+        "Validation loss of RUN_DIR's latest checkpoint, on the data it trained on (or "
+        "data.dir=...), on its mesh or another (mesh.d=2 mesh.t=4).",
+    ),
+    Command(
+        "generate",
+        "sample text from a run's latest checkpoint",
+        _generate_arguments,
+        _generate,
+    ),
+    Command(
+        "plot",
+        "plot train/val loss of runs to a PNG",
+        _plot_arguments,
+        _plot,
+        "Plot train loss (lines) and val loss (markers) vs step from each RUN_DIR/metrics.jsonl. "
+        "One run is written to RUN_DIR/loss.png, several to ./loss_compare.png, unless --out "
+        "is given.",
+    ),
+    Command(
+        "show",
+        "resolved config, parameter count, layouts, FLOPs and memory per device",
+        _show_arguments,
+        _show,
+    ),
+)
+
+
+def _top_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="seqshard",
-        description="Train language models on device meshes, every layout and transfer written in a checked notation.",
+        description="Train language models on device meshes, every layout and transfer written "
+        "in a checked notation.",
+        epilog="`seqshard COMMAND --help` describes a command's arguments.",
     )
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser(
-        "prepare",
-        help="tokenize text into a data directory (see `seqshard prepare --help`)",
-        add_help=False,
-    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        sub.add_parser(command.name, help=command.help, add_help=False)
+    return p
 
-    t = sub.add_parser(
-        "train",
-        help="train, or resume, the run a config describes",
-        description="Train runs/<run.name> from CONFIG; an existing run directory resumes from its latest checkpoint. "
-        "The data directory is prepared on first use. SIGTERM / Ctrl-C checkpoints and stops.",
-    )
-    t.add_argument("config", help="YAML config, e.g. configs/tiny-cpu.yaml")
-    t.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 mesh.d=4 mesh.t=2"
-    )
-    t.add_argument(
-        "--sample-prompt",
-        default="def __init__(self",
-        help="prompt for the text sample printed at the end",
-    )
-    t.add_argument(
-        "--sample-tokens", type=int, default=64, help="tokens to sample at the end (0: none)"
-    )
-    t.set_defaults(fn=_train)
 
-    e = sub.add_parser("eval", help="validation loss of a run's latest checkpoint")
-    e.add_argument("run_dir")
-    e.add_argument(
-        "overrides", nargs="*", help="e.g. mesh.d=2 mesh.t=4 to evaluate on another mesh"
+def _command_parser(command: Command) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"seqshard {command.name}",
+        description=command.description or command.help,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    e.add_argument(
-        "--batches", type=int, default=0, help="validation batches (default: train.eval_batches)"
-    )
-    e.set_defaults(fn=_eval)
-
-    g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
-    g.add_argument("run_dir")
-    g.add_argument("overrides", nargs="*", help="e.g. mesh.d=1 mesh.t=1")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=100)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    g.add_argument("--top-k", type=int, default=40, help="0 for no top-k cut")
-    g.add_argument("--num-samples", type=int, default=1)
-    g.add_argument("--seed", type=int, default=0)
-    g.set_defaults(fn=_generate_cmd)
-
-    sub.add_parser(
-        "plot",
-        help="plot train/val loss of runs to a PNG (see `seqshard plot --help`)",
-        add_help=False,
-    )
-
-    s = sub.add_parser(
-        "show", help="resolved config, parameter count, layouts, FLOPs and memory per device"
-    )
-    s.add_argument("config")
-    s.add_argument("overrides", nargs="*")
-    s.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="skip compiling the train step (no communication table, no XLA memory figures)",
-    )
-    s.set_defaults(fn=_show)
+    command.arguments(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "prepare":
-        from seqshard.data import prepare_main
-
-        return prepare_main(argv[1:])
-    if argv and argv[0] == "plot":
-        from seqshard.train.plot import plot_main
-
-        return plot_main(argv[1:])
-    args = _parser().parse_args(argv)
-    if args.command == "generate" and args.top_k == 0:
-        args.top_k = None
+    by_name = {c.name: c for c in COMMANDS}
     try:
-        return args.fn(args)
-    except (ValueError, OSError, RuntimeError) as e:  # OSError: unwritable run.dir, data.dir, ...
-        print(f"seqshard {args.command}: error: {e}", file=sys.stderr)
+        if not argv or argv[0] not in by_name:
+            _top_parser().parse_args(argv)  # prints usage (or --help) and exits
+            return 2
+        command = by_name[argv[0]]
+        # Intermixed: options may come after the dotted overrides (plain parse_args stops
+        # collecting a positional list at the first option).
+        args = _command_parser(command).parse_intermixed_args(argv[1:])
+    except SystemExit as e:  # --help exits 0, usage errors 2: return the status instead
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return command.run(args)
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
+        # OSError: unwritable run.dir, missing files; ImportError: an optional extra missing.
+        print(f"seqshard {command.name}: error: {e}", file=sys.stderr)
         return 2
 
 

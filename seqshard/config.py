@@ -17,6 +17,7 @@ compiles. Keys users rely on: ``model.<any ModelConfig field>``, ``mesh.d``, ``m
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -25,6 +26,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from seqshard.mesh import axis_sizes
 from seqshard.model.config import ModelConfig
 
 __all__ = [
@@ -34,8 +36,11 @@ __all__ = [
     "MeshConfig",
     "RunConfig",
     "TrainConfig",
+    "config_changes",
+    "config_from_yaml",
     "config_to_yaml",
     "load_config",
+    "read_run_config",
 ]
 
 
@@ -45,10 +50,25 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh: d (FSDP / data) x t (tensor). d * t devices are used."""
+    """The size of each mesh axis (``seqshard.mesh.MESH_AXES``); an axis left out has size 1.
+
+    d: data / FSDP (batch rows, weight rows); t: tensor (heads, d_ff, vocab). The product of
+    the sizes is the number of devices used."""
 
     d: int = 1
     t: int = 1
+
+    def sizes(self) -> dict[str, int]:
+        """``{'d': 4, 't': 2}``: every mesh axis's size, in mesh order."""
+        return axis_sizes({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def n_devices(self) -> int:
+        return math.prod(self.sizes().values())
+
+    def describe(self) -> str:
+        """``'d=4 x t=2'``."""
+        return " x ".join(f"{a}={n}" for a, n in self.sizes().items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,11 +189,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def check_config(cfg: Config) -> None:
     """Cross-field checks, with the values in the message. Raises ConfigError."""
-    m, t = cfg.mesh, cfg.train
-    if m.d < 1 or m.t < 1:
-        raise ConfigError(f"mesh.d and mesh.t must be >= 1, got d={m.d}, t={m.t}.")
+    mesh, train = cfg.mesh, cfg.train
     try:
-        cfg.model.check_mesh(m.d, m.t)
+        cfg.model.check_mesh(mesh.sizes())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for name in (
@@ -185,36 +203,36 @@ def check_config(cfg: Config) -> None:
         "eval_batches",
         "keep_checkpoints",
     ):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}.")
-    if t.seq_len < 2:
+        if getattr(train, name) < 1:
+            raise ConfigError(f"train.{name} must be >= 1, got {getattr(train, name)}.")
+    if train.seq_len < 2:
         raise ConfigError(
-            f"train.seq_len must be >= 2 (a next-token target needs two tokens), got {t.seq_len}."
+            f"train.seq_len must be >= 2 (a next-token target needs two tokens), got {train.seq_len}."
         )
-    if t.batch_size % t.microbatches:
+    if train.batch_size % train.microbatches:
         raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}. "
+            f"train.batch_size={train.batch_size} is not divisible by train.microbatches={train.microbatches}. "
             f"Choose a batch size that is a multiple of the microbatch count."
         )
-    micro = t.batch_size // t.microbatches
-    if micro % m.d:
+    micro = train.batch_size // train.microbatches
+    if micro % mesh.d:
         raise ConfigError(
-            f"each microbatch has train.batch_size / train.microbatches = {t.batch_size} / "
-            f"{t.microbatches} = {micro} sequences, which "
-            f"mesh axis d={m.d} does not divide (the batch is split over d). Choose "
-            f"train.batch_size divisible by mesh.d * train.microbatches = {m.d * t.microbatches}."
+            f"each microbatch has train.batch_size / train.microbatches = {train.batch_size} / "
+            f"{train.microbatches} = {micro} sequences, which "
+            f"mesh axis d={mesh.d} does not divide (the batch is split over d). Choose "
+            f"train.batch_size divisible by mesh.d * train.microbatches = {mesh.d * train.microbatches}."
         )
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}.")
-    if not 0 <= t.min_lr_ratio <= 1 or not 0 < t.decay_fraction <= 1:
+    if train.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}.")
+    if not 0 <= train.min_lr_ratio <= 1 or not 0 < train.decay_fraction <= 1:
         raise ConfigError(
             f"train.min_lr_ratio must be in [0, 1] and train.decay_fraction in (0, 1]; got "
-            f"{t.min_lr_ratio} and {t.decay_fraction}."
+            f"{train.min_lr_ratio} and {train.decay_fraction}."
         )
-    if t.lr <= 0 or t.grad_clip < 0 or t.weight_decay < 0:
+    if train.lr <= 0 or train.grad_clip < 0 or train.weight_decay < 0:
         raise ConfigError(
-            f"train.lr must be > 0 and train.grad_clip, train.weight_decay >= 0; got lr={t.lr}, "
-            f"grad_clip={t.grad_clip}, weight_decay={t.weight_decay}."
+            f"train.lr must be > 0 and train.grad_clip, train.weight_decay >= 0; got lr={train.lr}, "
+            f"grad_clip={train.grad_clip}, weight_decay={train.weight_decay}."
         )
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}.")
@@ -229,3 +247,53 @@ def check_config(cfg: Config) -> None:
 def config_to_yaml(cfg: Config) -> str:
     """The resolved config as YAML; ``load_config`` of it gives back an equal Config."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_from_yaml(text: str, where: str) -> Config:
+    """A config saved by :func:`config_to_yaml` (a run's ``config.yaml``, a checkpoint's
+    metadata), parsed into a Config as it was saved: field checks, no cross-field checks.
+    ``where`` names the source in errors."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: malformed YAML: {e}.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{where}: expected a saved seqshard config (a mapping), got {data!r:.80}."
+        )
+    merged = _merge(OmegaConf.structured(Config), data, where)
+    try:
+        return OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
+
+
+def read_run_config(run_dir: str | Path) -> Config:
+    """The config a run was started with: ``RUN_DIR/config.yaml``."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} does not exist: {run_dir} is not a run directory. Pass the directory "
+            f"`seqshard train` printed (e.g. runs/tiny-cpu)."
+        )
+    return config_from_yaml(path.read_text(), str(path))
+
+
+def config_changes(old: Config, new: Config) -> dict[str, tuple[object, object]]:
+    """``{'train.steps': (300, 600), ...}``: every dotted key whose value differs."""
+    before, after = _flatten(dataclasses.asdict(old)), _flatten(dataclasses.asdict(new))
+    return {
+        k: (before.get(k), after.get(k))
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k)
+    }
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -33,23 +33,38 @@ Memory (:func:`memory_per_device`) is an estimate of what lives on one device of
 ``d x t`` mesh through a training step: f32 master weights, f32 grads and AdamW's two f32
 moments, all fully sharded over ``d*t``; the activations each layer saves for the backward
 pass under ``cfg.remat``; and the f32 logits.
+
+What ``cfg.remat`` recomputes and keeps is the policy's to say (:mod:`seqshard.remat`):
+
+    policy = remat_policy(cfg.remat)
+    policy.recompute_flops(matmul_flops_per_token(cfg, seq_len))               # per layer
+    policy.saved_bytes(layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len))  # per layer
+
+Parameter counts are read off the weight types (:mod:`seqshard.model.weights`), not a formula.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
+
+import jax
+
+from seqshard.remat import remat_policy
 
 if TYPE_CHECKING:  # only its fields are read; importing seqshard.flops stays light
     from seqshard.model.config import ModelConfig
 
 __all__ = [
     "FlopsPerToken",
+    "LayerBytes",
     "MatmulFlops",
     "MemoryEstimate",
     "flops_per_token",
     "format_bytes",
     "hardware_flops_per_token",
+    "layer_bytes",
     "matmul_flops_per_token",
     "memory_per_device",
     "mfu",
@@ -80,6 +95,11 @@ class MatmulFlops:
     def attention(self) -> int:
         """Per layer: qkv + scores + values + output projection."""
         return self.qkv + self.attn_scores + self.attn_values + self.out_proj
+
+    @property
+    def ffn_down(self) -> int:
+        """Per layer: the down projection, one of SwiGLU's three equal ``2 M F`` matmuls."""
+        return self.ffn // 3
 
     @property
     def layer(self) -> int:
@@ -136,35 +156,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
     """:func:`flops_per_token` plus the matmuls ``cfg.remat`` re-runs in the backward pass.
 
-    Per layer, per token, ``recompute`` is:
-
-    * ``none``: 0.
-    * ``saved``: ``attn_scores``. q, k, v, the attention output before ``w_o``, the
-      post-attention residual and gate/up are saved, so the backward re-runs ``q . k^T``
-      (and softmax, RoPE, norms, ``swish(gate) * up``: not matmuls) to get the probabilities
-      that the softmax and ``probs . v`` backward need. ``probs . v`` itself is not re-run:
-      its output is saved.
-    * ``full``: the layer forward except the FFN down projection: ``qkv + attn_scores +
-      attn_values + out_proj + 2/3 ffn``. Nothing in the backward pass needs the down
-      projection's output (only its input and weight), so JAX / XLA drop it from the
-      recomputation (checked against XLA's count in tests/test_flops.py).
-
-    Fused attention kernels (cudnn) recompute ``q . k^T`` in their own backward whatever the
-    policy; that is not included. The LM head runs outside the checkpointed layer scan and is
-    never recomputed.
+    ``recompute`` is ``n_layers`` times the policy's
+    :meth:`~seqshard.remat.RematPolicy.recompute_flops` per layer: 0 for ``none``,
+    ``attn_scores`` for ``saved``, the layer but ``ffn_down`` for ``full`` (each policy's
+    docstring in :mod:`seqshard.remat` says why). The LM head runs outside the checkpointed
+    layer scan and is never recomputed.
     """
-    parts = matmul_flops_per_token(cfg, seq_len)
-    if cfg.remat == "none":
-        per_layer = 0
-    elif cfg.remat == "saved":
-        per_layer = parts.attn_scores
-    elif cfg.remat == "full":
-        per_layer = parts.attention + 2 * 2 * cfg.d_model * cfg.d_ff
-    else:  # ModelConfig validates remat; keep this loud if a policy is added there.
-        raise ValueError(
-            f"hardware_flops_per_token: no recompute count for remat={cfg.remat!r}; "
-            f"known: 'none', 'saved', 'full'."
-        )
+    per_layer = remat_policy(cfg.remat).recompute_flops(matmul_flops_per_token(cfg, seq_len))
     model = flops_per_token(cfg, seq_len)
     return dataclasses.replace(model, recompute=cfg.n_layers * per_layer)
 
@@ -188,23 +186,25 @@ def mfu(tokens_per_s: float, cfg: ModelConfig, peak_flops: float, *, seq_len: in
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Number of weight elements: embed, unembed, final norm and, per layer, w_q, w_kv, w_o,
-    w_gate, w_up, w_down, ln1, ln2."""
-    m, v = cfg.d_model, cfg.vocab
-    qkd = cfg.n_heads * cfg.d_head
-    per_layer = (
-        m * qkd  # w_q    'd_model n_q_per_kv n_kv d_head'
-        + 2 * m * cfg.n_kv * cfg.d_head  # w_kv   '2 d_model n_kv d_head'
-        + m * qkd  # w_o    'd_model n_q_per_kv n_kv d_head'
-        + 3 * m * cfg.d_ff  # w_gate, w_up, w_down 'd_model d_ff'
-        + 2 * m  # ln1, ln2
-    )
-    return 2 * v * m + cfg.n_layers * per_layer + m
+    """Number of weight elements, read off the weight types (:class:`seqshard.model.Weights`):
+    embed, unembed, final norm and, per layer, w_q, w_kv, w_o, w_gate, w_up, w_down, ln1, ln2."""
+    return sum(math.prod(s.shape) for s in _weight_structs(cfg))
 
 
-def param_bytes(cfg: ModelConfig, dtype: str = "float32") -> int:
-    """Bytes of all weights in ``dtype`` (the master copy is float32)."""
-    return param_count(cfg) * _dtype_bytes(dtype)
+def param_bytes(cfg: ModelConfig, dtype: str | None = None) -> int:
+    """Bytes of all weights: in their declared dtypes (the f32 master copy) by default, or
+    all in ``dtype`` (``'float32'``, ``'bfloat16'``)."""
+    if dtype is not None:
+        return param_count(cfg) * _dtype_bytes(dtype)
+    return sum(math.prod(s.shape) * s.dtype.itemsize for s in _weight_structs(cfg))
+
+
+def _weight_structs(cfg: ModelConfig) -> list[jax.ShapeDtypeStruct]:
+    """Every weight's global ``jax.ShapeDtypeStruct``, from the types."""
+    # Imported here: seqshard.model loads the whole model (attention, generation, data).
+    from seqshard.model.weights import weight_structs
+
+    return jax.tree.leaves(weight_structs(cfg))
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -238,42 +238,37 @@ class MemoryEstimate:
         return f"{format_bytes(self.total)} per device ({body})"
 
 
-def memory_per_device(
-    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int
-) -> MemoryEstimate:
-    """Estimate per-device memory on a ``d x t`` mesh for global batch ``batch`` of ``seq_len``.
+@dataclasses.dataclass(frozen=True)
+class LayerBytes:
+    """Bytes on one device of each array one layer's forward pass makes, for a remat policy
+    to choose from (:meth:`seqshard.remat.RematPolicy.saved_bytes`).
 
-    Weights, grads and AdamW moments are f32 and fully sharded: ``param_bytes / (d*t)`` each
-    (x2 for the moments). Activations are per device with the batch split over d and
-    heads / d_ff / d_model over t (b = batch/d, c = bytes of ``cfg.compute_dtype``); per layer:
+    Per device: the batch split over d (b = batch/d rows), heads / d_ff / d_model over t;
+    c = bytes of ``cfg.compute_dtype``. See :func:`layer_bytes`."""
 
-    * ``full``: the layer input x ``'b L M/t'`` only.
-    * ``saved``: x; q ``'b L Q K/t D'``; k and v ``'b L K/t D'`` each; the attention output
-      before ``w_o`` ``'b L Q K/t D'``; the post-attention residual h ``'b L M/t'``; gate and
-      up ``'b L F/t'`` each. All in c.
-    * ``none`` (an upper estimate of what autodiff keeps without remat): everything ``saved``
-      keeps, plus the layer's gathered weights (``w_q, w_kv, w_o`` ``'M Q|2 K/t D'``, ``w_gate,
-      w_up, w_down`` ``'M F/t'`` in c, ``ln1, ln2`` ``'M'`` f32); the gathered and the
-      normalized input of both blocks ``'b L M'`` (4 arrays, c); RoPE'd q and k (c); the
-      attention probabilities ``'b L L Q K/t'`` in f32, plus their c copy (the ``probs . v``
-      operand) when c is not f32; ``swish(gate)`` and ``swish(gate) * up`` ``'b L F/t'`` (c).
+    # What the layer marks with save_for_backward, and its input; all in c.
+    x: int  # the layer input 'b L M/t'
+    q: int  # after RoPE 'b L Q K/t D'
+    k: int  # after RoPE 'b L K/t D'
+    v: int  # 'b L K/t D'
+    attn: int  # the attention output before w_o 'b L Q K/t D'
+    h: int  # the post-attention residual 'b L M/t'
+    gate: int  # 'b L F/t'
+    up: int  # 'b L F/t'
+    # Unmarked: an upper estimate of what autodiff keeps of the rest without remat.
+    # The gathered w_q, w_kv, w_o 'M Q|2 K/t D' and w_gate, w_up, w_down 'M F/t' in c;
+    # ln1, ln2 'M' in f32.
+    weights: int
+    block_inputs: int  # gathered and normalized input of both blocks: 4 x 'b L M' in c
+    q_k_before_rope: int  # 'b L Q K/t D' + 'b L K/t D' in c
+    probs: int  # 'b L L Q K/t' in f32, plus its c copy (the probs . v operand) when c is not f32
+    swiglu: int  # swish(gate) and swish(gate) * up: 2 x 'b L F/t' in c
 
-    Plus the logits ``'b L V/t'`` in f32, once. Not included: one layer's transient working
-    set while it runs or recomputes (under ``saved``/``full`` that includes its ``'b L L Q K/t'``
-    scores on the einsum path, and its gathered weights), gradients in flight, collective
-    buffers, XLA temporaries and allocator fragmentation: leave headroom.
-    """
-    for name, value in (("d", d), ("t", t), ("batch", batch), ("seq_len", seq_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(
-                f"memory_per_device: {name} must be a positive integer, got {value!r}."
-            )
-    cfg.check_mesh(d, t)
-    if batch % d:
-        raise ValueError(
-            f"memory_per_device: batch={batch} is not divisible by mesh axis d={d} (the batch "
-            f"is split 'B/d'). Choose a batch divisible by {d}."
-        )
+
+def layer_bytes(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int) -> LayerBytes:
+    """The per-device arrays of one layer on a ``d x t`` mesh, global batch ``batch`` of
+    ``seq_len`` tokens (raises ValueError if the mesh cannot split the model or the batch)."""
+    _check_step(cfg, d=d, t=t, batch=batch, seq_len=seq_len)
     c = _dtype_bytes(cfg.compute_dtype)
     b, L = batch // d, seq_len
     m, f, q, k_t, dh = cfg.d_model, cfg.d_ff, cfg.n_q_per_kv, cfg.n_kv // t, cfg.d_head
@@ -283,27 +278,47 @@ def memory_per_device(
     q_el = b * L * q * k_t * dh  # 'b L Q K/t D'
     kv_el = b * L * k_t * dh  # 'b L K/t D'
     ff_el = b * L * (f // t)  # 'b L F/t'
-    full_m_el = b * L * m  # 'b L M'
     probs_el = b * L * L * q * k_t  # 'b L L Q K/t'
+    return LayerBytes(
+        x=c * x_el,
+        q=c * q_el,
+        k=c * kv_el,
+        v=c * kv_el,
+        attn=c * q_el,
+        h=c * x_el,
+        gate=c * ff_el,
+        up=c * ff_el,
+        weights=c * (2 * m * q * k_t * dh + 2 * m * k_t * dh + 3 * m * (f // t)) + 4 * 2 * m,
+        block_inputs=c * 4 * b * L * m,
+        q_k_before_rope=c * (q_el + kv_el),
+        probs=(4 + (c if c != 4 else 0)) * probs_el,
+        swiglu=c * 2 * ff_el,
+    )
 
-    if cfg.remat == "full":
-        per_layer = c * x_el
-    else:
-        # x, q, k, v, attention output, h, gate, up: what the layer marks save_for_backward.
-        per_layer = c * (2 * x_el + 2 * q_el + 2 * kv_el + 2 * ff_el)
-        if cfg.remat == "none":
-            gathered = c * (2 * m * q * k_t * dh + 2 * m * k_t * dh + 3 * m * (f // t)) + 4 * 2 * m
-            inputs = c * 4 * full_m_el  # gathered x and normed x, for attention and FFN
-            roped = c * (q_el + kv_el)
-            probs = (4 + (c if c != 4 else 0)) * probs_el
-            swiglu = c * 2 * ff_el
-            per_layer += gathered + inputs + roped + probs + swiglu
-        elif cfg.remat != "saved":
-            raise ValueError(
-                f"memory_per_device: no activation estimate for remat={cfg.remat!r}; "
-                f"known: 'none', 'saved', 'full'."
-            )
 
+def memory_per_device(
+    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int
+) -> MemoryEstimate:
+    """Estimate per-device memory on a ``d x t`` mesh for global batch ``batch`` of ``seq_len``.
+
+    Weights, grads and AdamW moments are f32 and fully sharded: ``param_bytes / (d*t)`` each
+    (x2 for the moments). Activations per layer are what the remat policy keeps of the
+    layer's arrays (:func:`layer_bytes`; b = batch/d, c = bytes of ``cfg.compute_dtype``):
+
+    * ``full``: the layer input x ``'b L M/t'`` only.
+    * ``saved``: x and the marked q, k, v, attention output, h, gate and up, all in c.
+    * ``none``: everything ``saved`` keeps, plus the gathered weights, the blocks' normalized
+      inputs, the f32 attention probabilities ``'b L L Q K/t'`` and the SwiGLU products
+      (see :class:`LayerBytes`).
+
+    Plus the logits ``'b L V/t'`` in f32, once. Not included: one layer's transient working
+    set while it runs or recomputes (under ``saved``/``full`` that includes its ``'b L L Q K/t'``
+    scores on the einsum path, and its gathered weights), gradients in flight, collective
+    buffers, XLA temporaries and allocator fragmentation: leave headroom.
+    """
+    per_layer = remat_policy(cfg.remat).saved_bytes(
+        layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len)
+    )
     weights = -(-param_bytes(cfg) // (d * t))  # ceil: exact whenever check_mesh passes
     return MemoryEstimate(
         weights=weights,
@@ -311,8 +326,20 @@ def memory_per_device(
         optimizer=2 * weights,
         activations_per_layer=per_layer,
         activations=cfg.n_layers * per_layer,
-        logits=4 * b * L * (cfg.vocab // t),
+        logits=4 * (batch // d) * seq_len * (cfg.vocab // t),
     )
+
+
+def _check_step(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int) -> None:
+    for name, value in (("d", d), ("t", t), ("batch", batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    cfg.check_mesh({"d": d, "t": t})
+    if batch % d:
+        raise ValueError(
+            f"batch={batch} is not divisible by mesh axis d={d} (the batch "
+            f"is split 'B/d'). Choose a batch divisible by {d}."
+        )
 
 
 def format_bytes(n: float) -> str:

@@ -1,26 +1,51 @@
 """Explicit activation checkpointing: the layer body keeps only what it marks.
 
     q = save_for_backward(einsum_unreduced(...))     # kept for the backward pass
-    body = explicit_activation_checkpointing(layer, policy='saved')
+    body = explicit_activation_checkpointing(layer, 'saved')   # or remat_policy('saved')
 
-``saved`` keeps exactly the values wrapped in :func:`save_for_backward` (and the body's
-inputs); everything else, gathered weights included, is recomputed in the backward pass, so
-a weight all-gathered in the forward pass is all-gathered again there (as FSDP does).
-``full`` keeps only the inputs. ``none`` applies no checkpointing: every intermediate of every
-layer, each layer's gathered weights included, stays alive until its backward step.
+A remat policy is a small typed object, one per value of the config key
+``model.remat: saved | full | none``. Besides the ``jax.checkpoint`` policy it wraps the layer
+with, it owns what that choice costs, so the accounting in :mod:`seqshard.flops` asks it
+instead of matching strings:
+
+    policy = remat_policy(cfg.remat)               # SavedRemat(), FullRemat() or NoRemat()
+    policy.checkpoint_policy                       # for jax.checkpoint; None: no checkpointing
+    policy.recompute_flops(matmul_flops_per_token(cfg, seq_len))   # per layer, per token
+    policy.saved_bytes(layer_bytes(cfg, d=2, t=4, batch=8, seq_len=1024))  # per layer, device
+
+:class:`SavedRemat` keeps exactly the values wrapped in :func:`save_for_backward` (and the
+body's inputs); :class:`FullRemat` keeps only the inputs; :class:`NoRemat` applies no
+checkpointing. Each class's docstring says what it keeps and why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal, TypeVar
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["SAVED", "RematPolicy", "explicit_activation_checkpointing", "save_for_backward"]
+if TYPE_CHECKING:  # the accounting types; seqshard.flops imports this module
+    from seqshard.flops import LayerBytes, MatmulFlops
 
-RematPolicy = Literal["saved", "full", "none"]
+__all__ = [
+    "REMAT_POLICIES",
+    "SAVED",
+    "FullRemat",
+    "NoRemat",
+    "RematName",
+    "RematPolicy",
+    "SavedRemat",
+    "explicit_activation_checkpointing",
+    "remat_policy",
+    "save_for_backward",
+]
+
+RematName = Literal["saved", "full", "none"]
+"""The values of the config key ``model.remat``; :data:`REMAT_POLICIES` maps each to its policy."""
 
 SAVED = "seqshard_saved"
 """The checkpoint name that :func:`save_for_backward` gives a value."""
@@ -33,16 +58,148 @@ def save_for_backward(x: T) -> T:
     return checkpoint_name(x, SAVED)
 
 
-def explicit_activation_checkpointing(fn: Callable, policy: RematPolicy) -> Callable:
-    """Wrap ``fn`` (a scanned layer body) so the backward pass keeps what ``policy`` says."""
-    if policy == "none":
+@runtime_checkable
+class RematPolicy(Protocol):
+    """What a scanned layer keeps for the backward pass, and what that costs per layer."""
+
+    name: ClassVar[str]
+    """Its value of ``model.remat``."""
+
+    @property
+    def checkpoint_policy(self) -> Callable[..., bool] | None:
+        """The ``jax.checkpoint`` policy the layer body is wrapped with; None: not wrapped."""
+        ...
+
+    def recompute_flops(self, parts: MatmulFlops) -> int:
+        """Matmul FLOPs per token that one layer's backward pass re-runs of its forward."""
+        ...
+
+    def saved_bytes(self, layer: LayerBytes) -> int:
+        """Bytes on one device that one layer keeps from its forward pass for its backward."""
+        ...
+
+
+# One policy function for every use, so equal configs trace to equal jaxprs.
+_SAVE_MARKED = jax.checkpoint_policies.save_only_these_names(SAVED)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRemat:
+    """``saved``: keep the layer input and what the layer marks with :func:`save_for_backward`.
+
+    The model marks q, k and v (after RoPE), the attention output before ``w_o``, the
+    post-attention residual h, and the FFN's gate and up: the operands the matmuls' backward
+    needs, and the outputs whose recomputation would cost a matmul. Everything else is
+    recomputed, the gathered weights included: a weight all-gathered in the forward pass is
+    all-gathered again in the backward pass, as FSDP does, so no layer's gathered weights
+    outlive its step.
+
+    Recomputed matmuls: ``q . k^T`` only, for the probabilities that the softmax's and
+    ``probs . v``'s backward need (with softmax, RoPE, norms and ``swish(gate) * up``, which
+    are not matmuls). ``probs . v`` is not re-run: its output is marked. A fused attention
+    kernel (cudnn) recomputes ``q . k^T`` in its own backward whatever the policy; that is not
+    counted here.
+    """
+
+    name: ClassVar[str] = "saved"
+
+    @property
+    def checkpoint_policy(self) -> Callable[..., bool]:
+        return _SAVE_MARKED
+
+    def recompute_flops(self, parts: MatmulFlops) -> int:
+        return parts.attn_scores
+
+    def saved_bytes(self, layer: LayerBytes) -> int:
+        return layer.x + layer.q + layer.k + layer.v + layer.attn + layer.h + layer.gate + layer.up
+
+
+@dataclasses.dataclass(frozen=True)
+class FullRemat:
+    """``full``: keep only the layer input; the backward pass re-runs the layer's forward.
+
+    The least memory (one ``'B/d L M/t'`` residual per layer) for the most recomputation:
+    every matmul of the layer but the FFN down projection. Nothing in the backward pass needs
+    the down projection's output (only its input and weight), so JAX / XLA drop it from the
+    recomputation (checked against XLA's count in tests/test_flops.py).
+    """
+
+    name: ClassVar[str] = "full"
+
+    @property
+    def checkpoint_policy(self) -> Callable[..., bool]:
+        return jax.checkpoint_policies.nothing_saveable
+
+    def recompute_flops(self, parts: MatmulFlops) -> int:
+        return parts.layer - parts.ffn_down
+
+    def saved_bytes(self, layer: LayerBytes) -> int:
+        return layer.x
+
+
+@dataclasses.dataclass(frozen=True)
+class NoRemat:
+    """``none``: no checkpointing; autodiff keeps every residual the backward pass needs.
+
+    Nothing is recomputed, and every intermediate of every layer stays alive until its
+    backward step: the marked values, the layer's gathered weights, the normalized inputs,
+    the ``'B/d L L Q K/t'`` attention probabilities (quadratic in the sequence length) and
+    the SwiGLU products. For small models or short sequences, where memory is not the limit.
+    """
+
+    name: ClassVar[str] = "none"
+
+    @property
+    def checkpoint_policy(self) -> None:
+        return None
+
+    def recompute_flops(self, parts: MatmulFlops) -> int:
+        return 0
+
+    def saved_bytes(self, layer: LayerBytes) -> int:
+        # Every array the layer makes: an array added to LayerBytes is kept here too.
+        return sum(getattr(layer, f.name) for f in dataclasses.fields(layer))
+
+
+REMAT_POLICIES: Mapping[str, RematPolicy] = types.MappingProxyType(
+    {p.name: p for p in (SavedRemat(), FullRemat(), NoRemat())}
+)
+"""``model.remat`` value -> policy, in the order of :data:`RematName`."""
+
+
+def _choices() -> str:
+    names = [repr(n) for n in REMAT_POLICIES]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def remat_policy(policy: RematName | RematPolicy) -> RematPolicy:
+    """The policy named ``policy`` (a value of ``model.remat``); a policy object is returned as is.
+
+    ``remat_policy('saved') == SavedRemat()``; an unknown name is a ValueError naming the
+    allowed ones."""
+    if isinstance(policy, str):
+        if policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat policy must be {_choices()}, got {policy!r}. Set model.remat to one "
+                f"of them."
+            )
+        return REMAT_POLICIES[policy]
+    if isinstance(policy, RematPolicy) and not isinstance(policy, type):
+        return policy
+    raise TypeError(
+        f"remat policy must be a name ({_choices()}) or a policy object such as SavedRemat(), "
+        f"got {type(policy).__name__} {policy!r}."
+    )
+
+
+def explicit_activation_checkpointing(fn: Callable, policy: RematName | RematPolicy) -> Callable:
+    """Wrap ``fn`` (a scanned layer body) so the backward pass keeps what ``policy`` says.
+
+    ``policy`` is a name (``'saved'``, ``'full'``, ``'none'``) or a policy object; under
+    ``'none'`` ``fn`` itself is returned."""
+    keep = remat_policy(policy).checkpoint_policy
+    if keep is None:
         return fn
-    if policy == "saved":
-        keep = jax.checkpoint_policies.save_only_these_names(SAVED)
-    elif policy == "full":
-        keep = jax.checkpoint_policies.nothing_saveable
-    else:
-        raise ValueError(f"remat policy must be 'saved', 'full' or 'none', got {policy!r}.")
     # prevent_cse=False: inside lax.scan there is no CSE across iterations to prevent, and
     # the extra optimization barriers would cost speed (JAX's advice for scanned bodies).
     return jax.checkpoint(fn, policy=keep, prevent_cse=False)

@@ -6,6 +6,11 @@ same scope is an error naming both places. ``typed_shard_map`` opens a scope aro
 so every op inside checks against the argument types; without one, each op checks its own spec
 alone. Scopes also remember the layout an array was declared with (a ``typed_shard_map``
 argument, or an op's output), so an op whose spec disagrees with it is an error.
+
+:func:`block_axes` tells the ops which mesh axes a block lives on: every axis's size, those of
+size 1 included, and which axes are manual. ``typed_shard_map`` makes only the axes of size > 1
+manual (a 1x1 mesh: none, and no shard_map at all) and states the rest with
+:func:`block_axes_scope`; inside a plain ``jax.shard_map`` they come from the abstract mesh.
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
+import jax
+
 from seqshard.notation import Shape
 
 __all__ = [
+    "BlockAxes",
     "ShapeError",
     "ShapeScope",
+    "block_axes",
+    "block_axes_scope",
     "check_block",
     "check_global",
     "current_scope",
@@ -83,6 +93,53 @@ def shape_scope(sizes: Mapping[str, int] | None = None) -> Iterator[ShapeScope]:
         yield scope
     finally:
         _SCOPE.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockAxes:
+    """The mesh axes a per-device block lives on: each one's size (size 1 included), in mesh
+    order, and the manual ones (those ``lax`` collectives and ``lax.axis_index`` may name)."""
+
+    sizes: Mapping[str, int]
+    manual: frozenset[str]
+
+
+_BLOCK_AXES: contextvars.ContextVar[BlockAxes | None] = contextvars.ContextVar(
+    "seqshard_block_axes", default=None
+)
+
+
+@contextlib.contextmanager
+def block_axes_scope(sizes: Mapping[str, int], manual: frozenset[str]) -> Iterator[BlockAxes]:
+    """State the block's mesh axes while tracing a body (``typed_shard_map`` does)."""
+    axes = BlockAxes(dict(sizes), frozenset(manual))
+    token = _BLOCK_AXES.set(axes)
+    try:
+        yield axes
+    finally:
+        _BLOCK_AXES.reset(token)
+
+
+def block_axes() -> BlockAxes | None:
+    """The mesh axes of the block being traced, or None outside any shard_map.
+
+    Inside ``typed_shard_map``: the axes it stated (when the manual axes agree). Else, inside a
+    plain ``jax.shard_map``: its manual axes, plus the mesh's other axes of size 1 (one shard
+    each, so a block is whole along them).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    manual = frozenset(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Manual
+    )
+    stated = _BLOCK_AXES.get()
+    if stated is not None and stated.manual == manual:
+        return stated
+    if not manual:
+        return None
+    return BlockAxes({a: n for a, n in shape.items() if a in manual or n == 1}, manual)
 
 
 def _check_rank(spec: Shape, shape: Sequence[int], where: str) -> None:

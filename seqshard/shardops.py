@@ -17,13 +17,20 @@ reduction to the caller are named ``*_unreduced``; ``psum`` and ``pmax`` need th
 ``{U_axis}`` marker to say which axes they reduce, and, when replication is checked
 (``check_vma=True``), refuse to reduce over an axis the value does not vary over (where
 ``lax.psum`` would silently multiply by the axis size).
+
+An axis of size 1 costs nothing: no op emits a collective over a mesh axis of size 1 (specs
+still name it; ``'M/t/d'`` is ``'M/d'`` when t = 1), and ``axis_index`` of it is 0. The one
+exception is a plain ``jax.shard_map`` that makes such an axis manual, with ``check_vma=True``:
+there ``psum``, ``pmax`` and ``all_gather(..., to='invarying')`` of a value that varies over it
+keep their collective, the only way to make the value invariant. ``typed_shard_map`` makes only
+axes of size > 1 manual, so inside it none is ever emitted.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import jax
@@ -32,7 +39,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from seqshard.notation import OpSpec, Shape, parse_op
-from seqshard.shapecheck import ShapeError, check_block, current_scope
+from seqshard.shapecheck import BlockAxes, ShapeError, block_axes, check_block, current_scope
 from seqshard.vma import replication_checked, varying_axes
 
 __all__ = [
@@ -52,25 +59,26 @@ __all__ = [
 # Shared checking
 
 
-def _manual_axes(where: str) -> dict[str, int]:
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = {
-        name: size
-        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
-        if kind == jax.sharding.AxisType.Manual
-    }
-    if not manual:
+def _block_axes(where: str) -> BlockAxes:
+    """The block's mesh axes (see :func:`seqshard.shapecheck.block_axes`), or a clear error."""
+    axes = block_axes()
+    if axes is None:
         # A mesh set with jax.set_mesh outside shard_map has no manual axes: still not a block.
+        mesh = jax.sharding.get_abstract_mesh()
         raise ShapeError(
             f"{where}: shardops run on per-device blocks inside jax.shard_map or "
             f"seqshard.typed_shard_map, but this call is outside one ("
             f"{'no mesh is active' if mesh.empty else f'the mesh {dict(mesh.shape)} has no manual axes'})."
         )
-    return manual
+    return axes
 
 
 class _Call:
-    """One op call being checked: its name, spec, the manual mesh axes, the shape scope."""
+    """One op call being checked: its name, spec, the block's mesh axes, the shape scope.
+
+    ``axes`` holds every mesh axis of the block with its size, axes of size 1 included (which
+    need not be manual); collectives run only over the axes :meth:`over` keeps.
+    """
 
     def __init__(self, name: str, spec: str, arrays: Sequence[jax.Array], n_inputs: int | None):
         self.name, self.text = name, spec
@@ -86,9 +94,9 @@ class _Call:
                 f"{self.where}: the spec has {len(self.op.inputs)} input operand(s) but "
                 f"{len(arrays)} array(s) were passed."
             )
-        self.axes = _manual_axes(self.where)
+        self.axes = dict(_block_axes(self.where).sizes)
         self.scope = current_scope()
-        self.checked = replication_checked(tuple(self.axes))
+        self.checked = replication_checked()
         for i, (shape, x) in enumerate(zip(self.op.inputs, arrays, strict=True)):
             where = f"{self.where} input {i}" if len(arrays) > 1 else f"{self.where} input"
             check_block(shape, jnp.shape(x), self.axes, where, self.scope)
@@ -133,10 +141,11 @@ class _Call:
                 )
 
     def require_varying(self, x: jax.Array, axes: Sequence[str], why: str) -> None:
-        """With replication checked, a block split or unreduced over ``axes`` must vary there."""
+        """With replication checked, a block split or unreduced over ``axes`` must vary there
+        (over those of size > 1: over one shard, split, partial and whole are all the same)."""
         if not self.checked:
             return
-        missing = [a for a in axes if a not in varying_axes(x)]
+        missing = [a for a in axes if self.axes[a] > 1 and a not in varying_axes(x)]
         if missing:
             raise self.fail(
                 f"the spec says the input is {why} over {missing}, but the value does not vary "
@@ -145,6 +154,17 @@ class _Call:
                 "over it: fix the spec, or make the value vary over the axis (lax.pcast(x, "
                 "axis, to='varying')) if repeating it per device is really meant",
             )
+
+    def over(self, axes: Sequence[str]) -> list[str]:
+        """``axes`` less those of size 1, over which a collective would move nothing."""
+        return [a for a in axes if self.axes[a] > 1]
+
+    def stuck(self, x: jax.Array, axes: Sequence[str]) -> list[str]:
+        """Those of ``axes`` of size 1 that ``x`` varies over: manual axes of a plain
+        ``jax.shard_map`` with ``check_vma=True``. ``lax.pcast`` cannot make a value invariant
+        (its ``to`` is varying, reduced or unreduced), so only a collective over them can;
+        inside ``typed_shard_map`` axes of size 1 are not manual and this is always empty."""
+        return [a for a in axes if self.axes[a] == 1 and a in varying_axes(x)]
 
     def size(self, axes: Sequence[str]) -> int:
         """The number of shards over ``axes``."""
@@ -169,11 +189,12 @@ class _Call:
         return _linear_index(axes, self.axes)
 
 
-def _linear_index(axes: Sequence[str], sizes: dict[str, int]) -> jax.Array:
+def _linear_index(axes: Sequence[str], sizes: Mapping[str, int]) -> jax.Array:
     """The block index of this device over ``axes`` taken major to minor."""
     index = jnp.int32(0)
     for axis in axes:
-        index = index * sizes[axis] + lax.axis_index(axis)
+        if sizes[axis] > 1:  # over one shard the index is 0 (and the axis may not be manual)
+            index = index * sizes[axis] + lax.axis_index(axis)
     return index
 
 
@@ -229,21 +250,29 @@ def all_gather(
             )
         keep = _common_prefix(a.axes, b.axes)
         if a.axes[keep:]:
-            plan.append((i, a.axes[keep:], b.axes[keep:]))
+            plan.append((i, a.axes, b.axes))
     if not plan:
         raise call.fail(
             "nothing is gathered: input and output have the same layout", "drop the call"
         )
-    call.require_varying(x, [a for _, gathered, _ in plan for a in gathered], "split")
-    mode = "invarying" if (to == "invarying" and call.checked) else "varying"
+    call.require_varying(x, [ax for _, a, b in plan for ax in a[_common_prefix(a, b) :]], "split")
+    # Removed axes of size 1 that x varies over (see _Call.stuck) stay in the invarying gather:
+    # it is the only way to make x invariant over them.
+    removed = [ax for _, a, b in plan for ax in a if ax not in b]
+    stuck = call.stuck(x, removed) if to == "invarying" else []
+    mode = "invarying" if (to == "invarying" and (call.checked or stuck)) else "varying"
     y = x
-    for dim, gathered, sliced in plan:
-        if mode == "varying" and call.size(gathered) == 1:
-            continue  # one shard: the block is already whole, nothing moves
+    for dim, a, b in plan:
+        # Without axes of size 1 the layouts are the same ('M/t/d' is 'M/d' when t = 1).
+        src, dst = call.over(a), call.over(b)
+        keep = _common_prefix(src, dst)
+        gathered = [ax for ax in a if ax in src[keep:] or ax in stuck]
+        if not gathered:
+            continue  # one shard: the block is already whole along this dimension
         y = lax.all_gather(y, _axis_arg(gathered), axis=dim, tiled=True, to=mode)
-        if sliced:
-            size = y.shape[dim] // math.prod(call.axes[a] for a in sliced)
-            y = lax.dynamic_slice_in_dim(y, call.index(sliced) * size, size, axis=dim)
+        if dst[keep:]:
+            size = y.shape[dim] // call.size(dst[keep:])
+            y = lax.dynamic_slice_in_dim(y, call.index(dst[keep:]) * size, size, axis=dim)
     return call.finish(y)
 
 
@@ -284,9 +313,9 @@ def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
     y = x
     for dim, new in plan:
         call.require_divisible(y, dim, new)
-        if call.size(new) == 1:
+        if not call.over(new):
             continue  # a sum over one shard: the value is already reduced and in place
-        y = lax.psum_scatter(y, _axis_arg(new), scatter_dimension=dim, tiled=True)
+        y = lax.psum_scatter(y, _axis_arg(call.over(new)), scatter_dimension=dim, tiled=True)
     return call.finish(y)
 
 
@@ -314,11 +343,15 @@ def psum(spec: str, x: jax.Array) -> jax.Array:
 
     The ``{U_..}`` marker names the axes reduced (an output marker keeps some unreduced).
     The result is replicated (invariant) over them, so it may be returned as replicated.
+    Over axes of size 1 the sum is the value itself: no collective is emitted.
     """
     call = _Call("psum", spec, [x], 1)
     reduced = _reduce_plan(call)
     call.require_varying(x, reduced, "a partial sum")
-    return call.finish(lax.psum(x, _axis_arg(reduced)))
+    # Axes of size 1 drop out, except those x still varies over (see _Call.stuck): only an
+    # all-reduce makes it invariant there, as the caller's replicated result must be.
+    axes = [a for a in reduced if a in call.over(reduced) or a in call.stuck(x, reduced)]
+    return call.finish(lax.psum(x, _axis_arg(axes)) if axes else x)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -350,14 +383,17 @@ def pmax(spec: str, x: jax.Array) -> jax.Array:
     call = _Call("pmax", spec, [x], 1)
     reduced = _reduce_plan(call)
     call.require_varying(x, reduced, "a partial max")
-    return call.finish(_pmax_no_tangent(x, _axis_arg(reduced)))
+    # As in psum: axes of size 1 drop out unless x varies over them.
+    axes = [a for a in reduced if a in call.over(reduced) or a in call.stuck(x, reduced)]
+    return call.finish(_pmax_no_tangent(x, _axis_arg(axes)) if axes else x)
 
 
 def all_to_all(spec: str, x: jax.Array) -> jax.Array:
     """Move a split from one dimension to another: ``all_to_all('B/d L -> B L/d', x)``.
 
     The moved axes are the minor-most split of the source dimension and become the minor-most
-    split of the target. One all-to-all over them.
+    split of the target. One all-to-all over those of size > 1 (none when all have size 1:
+    ``'B/t L'`` and ``'B L/t'`` are the same layout when t = 1).
     """
     call = _Call("all_to_all", spec, [x], 1)
     call.require_same_labels()
@@ -384,7 +420,11 @@ def all_to_all(spec: str, x: jax.Array) -> jax.Array:
     (src_dim, moved), (dst_dim, _) = sources[0], targets[0]
     call.require_varying(x, moved, "split")
     call.require_divisible(x, dst_dim, moved)
-    y = lax.all_to_all(x, _axis_arg(moved), split_axis=dst_dim, concat_axis=src_dim, tiled=True)
+    if not call.over(moved):
+        return call.finish(x)  # one shard: the block is already in place
+    y = lax.all_to_all(
+        x, _axis_arg(call.over(moved)), split_axis=dst_dim, concat_axis=src_dim, tiled=True
+    )
     return call.finish(y)
 
 
@@ -508,9 +548,9 @@ def index_unreduced(spec: str, table: jax.Array, ids: jax.Array) -> jax.Array:
 # Mesh queries
 
 
-def _axes_here(op: str, axes: str | Sequence[str]) -> tuple[tuple[str, ...], dict[str, int]]:
-    """``axes`` as a tuple, and the manual axes' sizes; every one of ``axes`` must be manual."""
-    sizes = _manual_axes(f"{op}({axes!r})")
+def _axes_here(op: str, axes: str | Sequence[str]) -> tuple[tuple[str, ...], Mapping[str, int]]:
+    """``axes`` as a tuple, and the block's axis sizes; every one of ``axes`` must be there."""
+    sizes = _block_axes(f"{op}({axes!r})").sizes
     names = (axes,) if isinstance(axes, str) else tuple(axes)
     for a in names:
         if a not in sizes:
@@ -527,6 +567,7 @@ def axis_size(axes: str | Sequence[str]) -> int:
 
 
 def axis_index(axes: str | Sequence[str]) -> jax.Array:
-    """This device's block index over ``axes`` (a name or a tuple, major to minor)."""
+    """This device's block index over ``axes`` (a name or a tuple, major to minor); 0 over
+    axes of size 1."""
     names, sizes = _axes_here("axis_index", axes)
     return _linear_index(names, sizes)

@@ -13,7 +13,9 @@ A weight's dtype, shape and sharding are declared once, in a field type::
 From the annotations alone come ``partition_specs`` (``P('d', 't')``), ``shardings`` for a
 mesh, and ``shape_dtype_structs`` for given sizes (for ``jax.eval_shape``, orbax restore, and
 init directly in the sharded layout). ``typed_shard_map`` runs a function whose parameters
-and return value are annotated this way under ``jax.shard_map``, checking every block.
+and return value are annotated this way under ``jax.shard_map``, checking every block. Mesh
+axes of size 1 are not manual there (a 1x1 mesh runs without shard_map), so the ops in it
+emit no collective over them.
 
 Scalars are ``f32[()]``. Activation types may be written with bytes, as in the seed:
 ``bf16[b'B/d L M/t']``.
@@ -34,7 +36,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from seqshard.notation import Shape, parse_shape
-from seqshard.shapecheck import ShapeError, ShapeScope, check_block, check_global, shape_scope
+from seqshard.shapecheck import (
+    ShapeError,
+    ShapeScope,
+    block_axes_scope,
+    check_block,
+    check_global,
+    shape_scope,
+)
 from seqshard.vma import replication_checked, varying_axes
 
 __all__ = [
@@ -94,6 +103,14 @@ def _axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else axes
+
+
+def _block_spec(t: ArrayType, sizes: Mapping[str, int]) -> PartitionSpec:
+    """``t.partition_spec`` without axes of size 1: a dimension split over one shard is laid
+    out as if unsplit (``'M/t/d'`` is ``P('d')`` when t = 1)."""
+    return PartitionSpec(
+        *(_axes_entry(tuple(a for a in d.axes if sizes.get(a) != 1)) for d in t.shape.dims)
+    )
 
 
 class _DtypeAnnotation:
@@ -298,7 +315,12 @@ def _check_explicit_sharding(where: str, value: Any, t: ArrayType, mesh: Mesh) -
         return
     want = PartitionSpec(*t.partition_spec, *([None] * (value.ndim - len(t.partition_spec))))
     have = PartitionSpec(*sharding.spec, *([None] * (value.ndim - len(sharding.spec))))
-    if want != have:
+
+    def layout(spec: PartitionSpec) -> tuple:  # axes of size 1 split nothing
+        entries = ((e,) if isinstance(e, str) else tuple(e or ()) for e in spec)
+        return tuple(tuple(a for a in e if mesh.shape.get(a) != 1) for e in entries)
+
+    if layout(want) != layout(have):
         raise ShapeError(
             f"{where}: on a mesh with Explicit axes {explicit} the array must already be "
             f"sharded as its type {t!r} says, {want}, but it is sharded {have}. Reshard it with "
@@ -325,22 +347,30 @@ def typed_shard_map(
     (``check_vma=True``): produce it with ``shardops.psum`` or
     ``shardops.all_gather(..., to='invarying')``. A plain gather stays varying (its gradient is
     a reduce-scatter) and is rejected here with an error that says so.
+
+    Only the mesh axes of size > 1 are manual (``axis_names`` of ``jax.shard_map``), and the
+    specs name only those: an axis of size 1 splits nothing, nothing varies over it, and the
+    shardops emit no collective over it. With no axis of size > 1 (a 1x1 mesh) ``f`` runs
+    directly on the whole arrays, under whatever jit the caller has, with no shard_map.
     """
     if f is None:
         return functools.partial(typed_shard_map, mesh=mesh, check_vma=check_vma)
     names, in_types, out_type = _signature_types(f)
-    in_specs = tuple(partition_specs(t) for t in in_types)
-    out_specs = partition_specs(out_type)
+    sizes = dict(mesh.shape)
+    manual = frozenset(a for a, n in sizes.items() if n > 1)
+    block_spec = functools.partial(_block_spec, sizes=sizes)
+    in_specs = tuple(_map_types(block_spec, annotation) for annotation in in_types)
+    out_specs = _map_types(block_spec, out_type)
     fname = f.__qualname__
 
     def body(*blocks):
-        with shape_scope() as scope:
+        with shape_scope() as scope, block_axes_scope(sizes, manual):
             for name, block, t in zip(names, blocks, in_types, strict=True):
                 for where, leaf, lt in _leaves_with_types(block, t, f"{fname} argument {name!r}"):
                     check_block(lt.shape, leaf.shape, mesh.shape, where, scope)
                     scope.remember_layout(leaf, lt.shape)
             out = f(*blocks)
-            checked = replication_checked(tuple(mesh.axis_names))
+            checked = replication_checked()
             for where, leaf, lt in _leaves_with_types(out, out_type, f"{fname} output"):
                 leaf = jnp.asarray(leaf)
                 _check_dtype(where, leaf, lt)
@@ -356,9 +386,19 @@ def typed_shard_map(
                     )
         return out
 
-    mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
-    )
+    if manual:
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=manual,
+            check_vma=check_vma,
+        )
+    else:  # one device: each block is the whole array (axis_names=frozenset() means all axes)
+
+        def mapped(*args):
+            return body(*jax.tree.map(jnp.asarray, args))
 
     @functools.wraps(f)
     def wrapper(*args):

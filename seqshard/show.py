@@ -9,9 +9,8 @@ every collective per step with its axes, calls and bytes, and XLA's own memory f
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
+from seqshard.batch import batch_structs
 from seqshard.comms import collectives, format_comm_table
 from seqshard.config import Config, config_to_yaml
 from seqshard.flops import (
@@ -33,7 +32,7 @@ def _shape(s) -> str:
 
 def weight_table(cfg: Config) -> list[tuple[str, str, str, str, str]]:
     """(name, type, global shape, per-device shape, PartitionSpec) per weight."""
-    sizes, axes = cfg.model.dim_sizes(), {"d": cfg.mesh.d, "t": cfg.mesh.t}
+    sizes, axes = cfg.model.dim_sizes(), cfg.mesh.sizes()
     rows = []
     for path, t in jax.tree_util.tree_flatten_with_path(
         type_tree(Weights), is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype_name")
@@ -68,21 +67,18 @@ def compiled_step_report(cfg: Config) -> str:
     from seqshard.train.state import train_state_structs
     from seqshard.train.step import make_train_step
 
-    mesh = training_mesh(cfg.mesh)
+    mesh = training_mesh(cfg.mesh.sizes())
     opt = make_optimizer(cfg.train)
-    batch = NamedSharding(mesh, PartitionSpec("d", None))
-    shape = (cfg.train.batch_size, cfg.train.seq_len)
     compiled = (
         make_train_step(cfg, mesh, opt)
         .lower(
             train_state_structs(cfg.model, mesh, opt),
-            jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch),
-            jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=batch),
+            batch_structs(cfg.train.batch_size, cfg.train.seq_len, mesh),
         )
         .compile()
     )
     lines = [
-        f"communication per train step, from the step compiled for mesh d={cfg.mesh.d} x t={cfg.mesh.t} "
+        f"communication per train step, from the step compiled for mesh {cfg.mesh.describe()} "
         f"(per device; scanned layer bodies counted x{cfg.model.n_layers}; bytes for ring algorithms):",
         format_comm_table(collectives(compiled.as_text(), mesh)),
     ]
@@ -99,8 +95,8 @@ def compiled_step_report(cfg: Config) -> str:
 
 
 def describe(cfg: Config, compile_step: bool = True) -> str:
-    m, t = cfg.model, cfg.train
-    mesh = f"d={cfg.mesh.d} x t={cfg.mesh.t}"
+    m, train_cfg = cfg.model, cfg.train
+    mesh = cfg.mesh.describe()
     parts = ["# resolved config", config_to_yaml(cfg).rstrip(), ""]
     n = param_count(m)
     non_embed = n - m.vocab * m.d_model
@@ -111,12 +107,12 @@ def describe(cfg: Config, compile_step: bool = True) -> str:
         _table(weight_table(cfg), ("weight", "type", "global", "per device", "PartitionSpec"))
     )
     parts.append("")
-    per_part = matmul_flops_per_token(m, t.seq_len)
-    model = flops_per_token(m, t.seq_len)
-    hw = hardware_flops_per_token(m, t.seq_len)
-    tokens = t.batch_size * t.seq_len
+    per_part = matmul_flops_per_token(m, train_cfg.seq_len)
+    model = flops_per_token(m, train_cfg.seq_len)
+    hw = hardware_flops_per_token(m, train_cfg.seq_len)
+    tokens = train_cfg.batch_size * train_cfg.seq_len
     parts.append(
-        f"FLOPs per token at seq_len {t.seq_len} (matmuls, 2 per multiply-add, attention unmasked):"
+        f"FLOPs per token at seq_len {train_cfg.seq_len} (matmuls, 2 per multiply-add, attention unmasked):"
     )
     parts.append(
         f"  forward {model.forward:,}  (per layer: qkv {per_part.qkv:,}, scores {per_part.attn_scores:,}, "
@@ -126,14 +122,18 @@ def describe(cfg: Config, compile_step: bool = True) -> str:
         f"  forward + backward {model.total:,} (model FLOPs, for MFU); with remat={m.remat} recompute {hw.total:,}"
     )
     parts.append(
-        f"  per step ({t.batch_size} x {t.seq_len} tokens): {model.total * tokens / 1e12:.3f} TFLOP"
+        f"  per step ({train_cfg.batch_size} x {train_cfg.seq_len} tokens): {model.total * tokens / 1e12:.3f} TFLOP"
     )
     parts.append("")
     mem = memory_per_device(
-        m, d=cfg.mesh.d, t=cfg.mesh.t, batch=t.batch_size // t.microbatches, seq_len=t.seq_len
+        m,
+        d=cfg.mesh.d,
+        t=cfg.mesh.t,
+        batch=train_cfg.batch_size // train_cfg.microbatches,
+        seq_len=train_cfg.seq_len,
     )
     parts.append(
-        f"estimated memory per device (microbatch of {t.batch_size // t.microbatches}, remat={m.remat}):"
+        f"estimated memory per device (microbatch of {train_cfg.batch_size // train_cfg.microbatches}, remat={m.remat}):"
     )
     for name in ("weights", "grads", "optimizer", "activations", "logits"):
         parts.append(f"  {name:<12}{format_bytes(getattr(mem, name)):>12}")

@@ -26,9 +26,18 @@ def varying_axes(x) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", ()))  # JAX 0.7 - 0.9
 
 
-def replication_checked(axes: Iterable[str]) -> bool:
-    """True inside a shard_map that checks replication (``check_vma=True``) over ``axes``."""
-    axes = tuple(axes)
-    if not axes:
-        return False
-    return axes[0] in varying_axes(lax.axis_index(axes[0]))
+def replication_checked(axes: Iterable[str] | None = None) -> bool:
+    """True inside a shard_map that checks replication (``check_vma=True``).
+
+    Probes a manual mesh axis of size > 1 (among ``axes`` when given): only over such an axis
+    can replication checking refuse anything seqshard does, and an axis of size 1 may not be
+    manual at all (``typed_shard_map`` leaves those out). False when there is none.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    wanted = None if axes is None else set(axes)
+    probe = [
+        name
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Manual and size > 1 and (wanted is None or name in wanted)
+    ]
+    return bool(probe) and probe[0] in varying_axes(lax.axis_index(probe[0]))

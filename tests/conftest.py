@@ -56,6 +56,14 @@ def _write_corpus(root: Path, n_docs: int = 60) -> None:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_config():
+    """``tiny_model_config(**changes)``: the tests' tiny ModelConfig (tests/model_weights.py)."""
+    from model_weights import tiny_model
+
+    return tiny_model
+
+
+@pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("corpus") / "text"
     _write_corpus(root)

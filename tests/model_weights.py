@@ -1,4 +1,5 @@
-"""Random weights for model tests (imported by test_model, test_remat, test_step)."""
+"""The tests' tiny model and random weights for it (imported by the model, step, remat,
+generation and comms tests; ``conftest.py``'s ``tiny_model_config`` fixture hands out the same)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,25 @@ import numpy as np
 from seqshard.model import ModelConfig, Weights, weight_structs
 
 NORM_GAINS = ("layers.ln1", "layers.ln2", "final_norm")
+
+TINY = {
+    "vocab": 64,
+    "d_model": 32,
+    "n_layers": 2,
+    "n_q_per_kv": 2,
+    "n_kv": 8,
+    "d_head": 8,
+    "d_ff": 64,
+    "compute_dtype": "float32",
+    "attention_impl": "einsum",
+}
+"""Sizes every test mesh of 8 devices splits (n_kv, d_ff, vocab by t <= 8; d_model by d*t
+<= 32), GQA (n_q_per_kv and n_kv > 1), f32 so the sharded model equals its reference tightly."""
+
+
+def tiny_model(**changes) -> ModelConfig:
+    """The tiny model, with ``changes`` (e.g. ``n_kv=2``, ``remat='full'``)."""
+    return ModelConfig(**{**TINY, **changes})
 
 
 def random_weights(cfg: ModelConfig, mesh=None, seed: int = 0) -> Weights:

@@ -49,7 +49,7 @@ def ckpt_copy(trained, tmp_path):
 
 
 def restore(cfg: Config, directory: Path):
-    mesh = training_mesh(cfg.mesh)
+    mesh = training_mesh(cfg.mesh.sizes())
     ckpt = Checkpointer(directory)
     try:
         return ckpt.restore(cfg, mesh, make_optimizer(cfg.train)), mesh
@@ -79,7 +79,7 @@ def test_checkpoint_holds_state_loader_and_config(trained):
         with pytest.raises(CheckpointError, match="no checkpoint for step 2"):
             ckpt.read_meta(2)
 
-        restored = ckpt.restore(cfg, training_mesh(cfg.mesh), make_optimizer(cfg.train))
+        restored = ckpt.restore(cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train))
     finally:
         ckpt.close()
     state = restored.state
@@ -127,7 +127,7 @@ def test_save_then_restore_round_trips_exactly(trained, tmp_path):
     original, _ = restore(cfg, run_dir / "checkpoints")
     on_8x1 = replace(cfg, "mesh", d=8, t=1)
     state = restore(on_8x1, run_dir / "checkpoints")[0].state
-    mesh, opt = training_mesh(cfg.mesh), make_optimizer(cfg.train)
+    mesh, opt = training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train)
     ckpt = Checkpointer(tmp_path / "ck")
     try:
         assert ckpt.latest_step() is None
@@ -217,7 +217,7 @@ def test_a_damaged_checkpoint_is_a_checkpoint_error(ckpt_copy, damage):
     # The older checkpoint is still there to fall back on.
     ckpt = Checkpointer(directory)
     try:
-        older = ckpt.restore(cfg, training_mesh(cfg.mesh), make_optimizer(cfg.train), step=4)
+        older = ckpt.restore(cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train), step=4)
     finally:
         ckpt.close()
     assert int(older.state.step) == 4
@@ -225,7 +225,7 @@ def test_a_damaged_checkpoint_is_a_checkpoint_error(ckpt_copy, damage):
 
 def test_optimizer_state_targets_carry_weight_shardings(tiny_overrides, tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path))
-    mesh = training_mesh(cfg.mesh)
+    mesh = training_mesh(cfg.mesh.sizes())
     structs = train_state_structs(cfg.model, mesh, make_optimizer(cfg.train))
     moments = optax.tree_utils.tree_get_all_with_path(structs.opt_state, "mu")
     assert moments

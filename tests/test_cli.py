@@ -3,15 +3,17 @@ of every subcommand, and errors that exit 2 with a message instead of a tracebac
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from seqshard.cli import main
+from seqshard.cli import _load, main
 
 REPO = Path(__file__).resolve().parent.parent
 SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
@@ -172,22 +174,35 @@ def test_errors_exit_2_with_a_message(tmp_path, tiny_yaml, corpus_dir, capsys, a
     assert not (tmp_path / "runs").exists()  # nothing was trained
 
 
-def test_a_runs_relative_data_dir_is_found_from_any_directory(tmp_path, tiny_yaml, monkeypatch):
-    """``data.dir: data/x`` in a run's config.yaml is relative to where `seqshard train` ran,
-    so `seqshard eval proj/runs/tiny` from elsewhere finds ``proj/data/x``."""
+def test_a_run_finds_the_data_it_trained_on_from_any_directory(
+    tmp_path, tiny_yaml, monkeypatch, data_dir
+):
+    """A run saves the resolved data directory in ``run.json``, so ``seqshard eval`` and
+    ``generate`` find ``data.dir: data/x`` (relative to where `seqshard train` ran) from any
+    directory; an explicit ``data.dir=`` still wins."""
     from seqshard.cli import _run_config
-    from seqshard.config import config_to_yaml, load_config
+    from seqshard.train.loop import train
 
     project = tmp_path / "proj"
-    (project / "data" / "x").mkdir(parents=True)
+    shutil.copytree(data_dir, project / "data" / "x")
     monkeypatch.chdir(project)
     config = tiny_yaml(project / "tiny.yaml", Path("runs"), Path("data/x"))
-    (project / "runs" / "tiny").mkdir(parents=True)
-    (project / "runs" / "tiny" / "config.yaml").write_text(config_to_yaml(load_config(config)))
+    cfg = _load(str(config), ["train.steps=1", "train.eval_every=0"])
+    train(cfg, log=lambda _: None, tty=False)
+    assert json.loads((project / "runs" / "tiny" / "run.json").read_text()) == {
+        "data_dir": str(project / "data" / "x")
+    }
 
-    assert _run_config("runs/tiny", []).data.dir == "data/x"  # from the launch directory
     monkeypatch.chdir(tmp_path)
     assert Path(_run_config("proj/runs/tiny", []).data.dir) == project / "data" / "x"
     assert _run_config("proj/runs/tiny", ["data.dir=elsewhere"]).data.dir == "elsewhere"
-    (project / "data" / "x").rmdir()  # gone: the path stays as written, for the error to name
-    assert _run_config("proj/runs/tiny", []).data.dir == "data/x"
+    assert main(["eval", "proj/runs/tiny", "--batches", "1"]) == 0
+
+
+def test_options_and_overrides_come_in_any_order(tmp_path, tiny_yaml, capsys):
+    """argparse alone stops collecting overrides at the first option; seqshard does not."""
+    config = tiny_yaml(tmp_path / "tiny.yaml", tmp_path / "runs")
+    assert main(["show", str(config), "--no-compile", "mesh.d=2", "mesh.t=4"]) == 0
+    assert "mesh d=2 x t=4" in capsys.readouterr().out
+    assert main(["show", "--no-compile", str(config), "mesh.d=8", "mesh.t=1"]) == 0
+    assert "mesh d=8 x t=1" in capsys.readouterr().out

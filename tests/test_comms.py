@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_weights import tiny_model
 
 from seqshard import f32, shardops, typed_shard_map
 from seqshard.comms import Collective, collectives, format_comm_table
-from seqshard.model import ModelConfig, init_weights, loss_fn
+from seqshard.model import init_weights, loss_fn
 from seqshard.testing import compiled_hlo, fake_cpu_mesh
 
 
@@ -56,18 +57,7 @@ def test_model_step_phases_places_and_layer_counts(mesh):
     tokens, starts = np.zeros((8, 16), np.int32), np.zeros((8, 16), bool)
     per_layers = {}
     for n_layers in (2, 3):
-        cfg = ModelConfig(
-            vocab=64,
-            d_model=32,
-            n_layers=n_layers,
-            n_q_per_kv=2,
-            n_kv=4,
-            d_head=8,
-            d_ff=64,
-            compute_dtype="float32",
-            attention_impl="einsum",
-            remat="saved",
-        )
+        cfg = tiny_model(n_layers=n_layers, n_kv=4, remat="saved")
         w = init_weights(cfg, mesh, jax.random.key(0))
         grad = jax.jit(jax.grad(lambda w, cfg=cfg: loss_fn(w, tokens, starts, cfg, mesh)))
         calls = collectives(compiled_hlo(grad, w), mesh)

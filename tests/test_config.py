@@ -265,10 +265,10 @@ def test_bad_override_syntax(override):
         (["model.d_ff=100", "mesh.t=8", "model.n_kv=8"], ["model.d_ff=100", "= 8"]),
         (
             ["model.d_model=36", "mesh.d=4", "mesh.t=2"],
-            ["model.d_model=36", "d*t", "= 8", "d=4 x t=2"],
+            ["model.d_model=36", "t*d", "= 8", "d=4 x t=2", "d_model/t/d"],
         ),
         (["data.vocab_size=4096"], ["data.vocab_size=4096", "model.vocab=256"]),
-        (["mesh.d=0"], ["mesh.d", "d=0"]),
+        (["mesh.d=0"], ["mesh axis d", "got 0"]),
         (["train.steps=0"], ["train.steps", "0"]),
         (["train.seq_len=1"], ["train.seq_len", "1"]),
         (["train.warmup_steps=-1"], ["train.warmup_steps", "-1"]),
@@ -300,3 +300,31 @@ def test_config_is_frozen():
     cfg = load()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train.steps = 3  # type: ignore[misc]
+
+
+# -- saved configs: one reader, one diff ------------------------------------------------------
+
+
+def test_a_saved_config_reads_back_equal_and_diffs_by_dotted_key(tmp_path):
+    from seqshard.config import config_changes, config_from_yaml, config_to_yaml, read_run_config
+
+    cfg = load_config(None, ["train.steps=300", "mesh.d=2"])
+    assert config_from_yaml(config_to_yaml(cfg), "saved") == cfg
+    other = load_config(None, ["train.steps=600", "mesh.d=2", "model.remat=full"])
+    assert config_changes(cfg, other) == {
+        "model.remat": ("saved", "full"),
+        "train.steps": (300, 600),
+    }
+    assert config_changes(cfg, cfg) == {}
+
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"config\.yaml does not exist: .* is not a run directory"):
+        read_run_config(run)
+    run.mkdir()
+    (run / "config.yaml").write_text(config_to_yaml(cfg))
+    assert read_run_config(run) == cfg
+    (run / "config.yaml").write_text("model: {d_modle: 3}\n")
+    with pytest.raises(ConfigError, match=r"config\.yaml: .*d_modle"):
+        read_run_config(run)
+    with pytest.raises(ConfigError, match="saved: expected a saved seqshard config"):
+        config_from_yaml("[1, 2]", "saved")

@@ -4,28 +4,31 @@ count, MFU arithmetic and the memory estimate."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.ad_checkpoint import checkpoint_name
 
 from seqshard.flops import (
     FlopsPerToken,
+    LayerBytes,
     MatmulFlops,
     flops_per_token,
     format_bytes,
     hardware_flops_per_token,
+    layer_bytes,
     matmul_flops_per_token,
     memory_per_device,
     mfu,
     param_bytes,
     param_count,
 )
+from seqshard.model import init_weights
 from seqshard.model.config import ModelConfig
+from seqshard.remat import explicit_activation_checkpointing, save_for_backward
+from seqshard.testing import fake_cpu_mesh
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -142,34 +145,47 @@ def test_param_count_by_hand():
         param_bytes(cfg, "float8")
 
 
-def _call_init_weights(init_weights, cfg: ModelConfig):
-    """``init_weights`` under ``jax.eval_shape``, its arguments chosen by parameter name."""
-    mesh = jax.make_mesh((1, 1), ("d", "t"), devices=jax.devices()[:1])
-    by_name = {
-        "cfg": cfg, "config": cfg, "model_config": cfg, "mesh": mesh,
-        "key": jax.random.key(0), "rng": jax.random.key(0), "seed": 0,
-    }  # fmt: skip
-    kwargs = {}
-    for name, p in inspect.signature(init_weights).parameters.items():
-        if name in by_name:
-            kwargs[name] = by_name[name]
-        elif p.default is inspect.Parameter.empty:
-            pytest.skip(f"init_weights has a parameter {name!r} this test does not know.")
-    return jax.eval_shape(lambda: init_weights(**kwargs))
+def _closed_form_param_count(cfg: ModelConfig) -> int:
+    """The count written out by hand, independent of the weight types."""
+    m, v = cfg.d_model, cfg.vocab
+    qkd = cfg.n_heads * cfg.d_head
+    per_layer = (
+        m * qkd  # w_q    'd_model n_q_per_kv n_kv d_head'
+        + 2 * m * cfg.n_kv * cfg.d_head  # w_kv   '2 d_model n_kv d_head'
+        + m * qkd  # w_o    'd_model n_q_per_kv n_kv d_head'
+        + 3 * m * cfg.d_ff  # w_gate, w_up, w_down 'd_model d_ff'
+        + 2 * m  # ln1, ln2
+    )
+    return 2 * v * m + cfg.n_layers * per_layer + m  # untied embed, unembed; final norm
 
 
-def test_param_count_matches_model_weights():
-    model = pytest.importorskip("seqshard.model")
-    if not hasattr(model, "init_weights"):
-        pytest.skip("seqshard.model.init_weights does not exist yet")
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        dict(vocab=10, d_model=4, n_layers=1, n_q_per_kv=1, n_kv=1, d_head=2, d_ff=6),
+        dict(vocab=48, d_model=32, n_layers=3, n_q_per_kv=2, n_kv=2, d_head=8, d_ff=40),
+        dict(vocab=1000, d_model=96, n_layers=5, n_q_per_kv=3, n_kv=4, d_head=10, d_ff=250),
+        dict(vocab=50304, d_model=768, n_layers=12, n_q_per_kv=1, n_kv=12, d_head=64, d_ff=2048),
+    ],
+)
+def test_param_count_from_the_types_matches_the_closed_form(sizes):
+    """param_count reads the weight types; the closed form, kept only here, is the check."""
+    cfg = ModelConfig(**sizes)
+    assert param_count(cfg) == _closed_form_param_count(cfg)
+    assert param_bytes(cfg) == 4 * _closed_form_param_count(cfg)  # f32 master weights
+
+
+def test_param_bytes_are_the_bytes_of_init_weights():
+    """The shapes and dtypes init_weights makes (on a 2x2 mesh, traced, not run)."""
     cfg = _cfg(vocab=48, d_model=32, n_layers=3, n_q_per_kv=2, n_kv=2, d_head=8, d_ff=40)
-    weights = _call_init_weights(model.init_weights, cfg)
-    leaves = jax.tree.leaves(weights)
-    assert sum(math.prod(x.shape) for x in leaves) == param_count(cfg)
-    # Master weights are f32, so param_bytes() is their size.
+    mesh = fake_cpu_mesh((2, 2), ("d", "t"))
+    leaves = jax.tree.leaves(jax.eval_shape(lambda: init_weights(cfg, mesh, jax.random.key(0))))
+    assert len(leaves) == 11  # embed, unembed, final_norm and 8 per-layer weights
+    # 2 * 48 * 32 (embed, unembed) + 32 (final norm) + 3 layers * (3 * 32 * 4 * 8 (w_q, w_kv,
+    # w_o) + 3 * 32 * 40 (FFN) + 2 * 32 (norms)).
+    assert sum(math.prod(x.shape) for x in leaves) == param_count(cfg) == 24_032
     assert sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) == param_bytes(cfg)
-    if hasattr(model, "param_count"):
-        assert model.param_count(cfg) == param_count(cfg)
+    assert param_bytes(cfg, "bfloat16") == 2 * param_count(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,22 +224,21 @@ def _rope(x, positions):
 
 def _layer(x, w):
     """One pre-norm layer in plain f32 JAX, the model's math: GQA + RoPE + causal softmax,
-    SwiGLU. Names marked with checkpoint_name('saved') are what remat='saved' keeps."""
+    SwiGLU. It marks with save_for_backward what seqshard/model/transformer.py marks."""
     seq_len = x.shape[1]
     positions = jnp.arange(seq_len, dtype=jnp.float32)
     nx = _rms_norm(x, w["ln1"])
-    q = checkpoint_name(jnp.einsum("blm,mqkd->blqkd", nx, w["w_q"]), "saved")
+    q = jnp.einsum("blm,mqkd->blqkd", nx, w["w_q"])
     k, v = jnp.einsum("blm,cmkd->cblkd", nx, w["w_kv"])
-    k, v = checkpoint_name(k, "saved"), checkpoint_name(v, "saved")
-    q, k = _rope(q, positions), _rope(k, positions)
+    q, k, v = (save_for_backward(a) for a in (_rope(q, positions), _rope(k, positions), v))
     scores = jnp.einsum("blqkd,bskd->blsqk", q, k) / np.sqrt(q.shape[-1])
     causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))[None, :, :, None, None]
     probs = jax.nn.softmax(jnp.where(causal, scores, -1e10), axis=2)
-    attn = checkpoint_name(jnp.einsum("blsqk,bskd->blqkd", probs, v), "saved")
-    h = checkpoint_name(x + jnp.einsum("blqkd,mqkd->blm", attn, w["w_o"]), "saved")
+    attn = save_for_backward(jnp.einsum("blsqk,bskd->blqkd", probs, v))
+    h = save_for_backward(x + jnp.einsum("blqkd,mqkd->blm", attn, w["w_o"]))
     nh = _rms_norm(h, w["ln2"])
-    gate = checkpoint_name(jnp.einsum("blm,mf->blf", nh, w["w_gate"]), "saved")
-    up = checkpoint_name(jnp.einsum("blm,mf->blf", nh, w["w_up"]), "saved")
+    gate = save_for_backward(jnp.einsum("blm,mf->blf", nh, w["w_gate"]))
+    up = save_for_backward(jnp.einsum("blm,mf->blf", nh, w["w_up"]))
     return h + jnp.einsum("blf,mf->blm", jax.nn.silu(gate) * up, w["w_down"])
 
 
@@ -263,12 +278,7 @@ def test_hardware_flops_match_xla_under_remat(remat):
     cfg = _cfg(d_model=64, n_layers=2, n_q_per_kv=1, n_kv=2, d_head=32, d_ff=512,
                compute_dtype="float32", remat=remat)  # fmt: skip
     batch, seq_len = 1, 512
-    policy = {
-        "none": None,
-        "saved": jax.checkpoint_policies.save_only_these_names("saved"),
-        "full": jax.checkpoint_policies.nothing_saveable,
-    }[remat]
-    body = _layer if policy is None else jax.checkpoint(_layer, policy=policy)
+    body = explicit_activation_checkpointing(_layer, remat)  # as the model wraps its layer
 
     def loss(x, ws):
         y, _ = jax.lax.scan(lambda carry, w: (body(carry, w), None), x, ws)
@@ -358,6 +368,67 @@ def test_memory_states_and_saved_activations_by_hand():
     )
     assert f32.activations == 2 * est.activations and f32.weights == est.weights
     assert "per device" in est.summary()
+
+
+def test_memory_none_by_hand():
+    """Without remat: the saved arrays plus the gathered weights, the blocks' inputs, q and k
+    before RoPE, the f32 probabilities (and their bf16 copy) and the SwiGLU products."""
+    cfg = _cfg(vocab=512, d_model=256, n_layers=3, n_q_per_kv=2, n_kv=4, d_head=32, d_ff=768)
+    d, t, batch, seq_len = 2, 4, 8, 64
+    b, m, q, k, dh, f = batch // d, 256, 2, 4 // t, 32, 768 // t
+    x, qs, kv, ff = (b * seq_len * n for n in (m // t, q * k * dh, k * dh, f))
+    probs = b * seq_len * seq_len * q * k
+    weights = 2 * m * q * k * dh + 2 * m * k * dh + 3 * m * f  # w_q, w_o; w_kv; FFN
+    for dtype, c, probs_bytes in (("bfloat16", 2, 4 + 2), ("float32", 4, 4)):
+        kept = c * (2 * x + 2 * qs + 2 * kv + 2 * ff)  # what 'saved' keeps
+        extra = (
+            c * weights + 4 * 2 * m  # gathered weights; ln1, ln2 in f32
+            + c * 4 * b * seq_len * m  # gathered and normalized x and h
+            + c * (qs + kv)  # q and k before RoPE
+            + probs_bytes * probs
+            + c * 2 * ff  # swish(gate), swish(gate) * up
+        )  # fmt: skip
+        none = dataclasses.replace(cfg, remat="none", compute_dtype=dtype)
+        est = memory_per_device(none, d=d, t=t, batch=batch, seq_len=seq_len)
+        assert est.activations_per_layer == kept + extra, dtype
+
+
+# Measured with the string-matching flops.py that remat policy objects replaced: model d=256,
+# n_q_per_kv=2, n_kv=4, d_head=32, d_ff=768, vocab=512, 3 layers; seq_len 128; memory on a
+# 2x4 mesh with batch 8. (recompute per token, total per token, activations per layer, total)
+PINNED = {
+    ("bfloat16", "saved"): (196_608, 16_318_464, 720_896, 7_671_296),
+    ("bfloat16", "full"): (3_932_160, 20_054_016, 65_536, 5_705_216),
+    ("bfloat16", "none"): (0, 16_121_856, 3_442_688, 15_836_672),
+    ("float32", "saved"): (196_608, 16_318_464, 1_441_792, 9_833_984),
+    ("float32", "full"): (3_932_160, 20_054_016, 131_072, 5_901_824),
+    ("float32", "none"): (0, 16_121_856, 5_834_752, 23_012_864),
+}
+
+
+@pytest.mark.parametrize("dtype, remat", list(PINNED))
+def test_numbers_are_unchanged_for_every_policy(dtype, remat):
+    cfg = _cfg(vocab=512, d_model=256, n_layers=3, n_q_per_kv=2, n_kv=4, d_head=32, d_ff=768,
+               compute_dtype=dtype, remat=remat)  # fmt: skip
+    hw = hardware_flops_per_token(cfg, 128)
+    mem = memory_per_device(cfg, d=2, t=4, batch=8, seq_len=128)
+    got = (hw.recompute, hw.total, mem.activations_per_layer, mem.total)
+    assert got == PINNED[dtype, remat]
+
+
+def test_layer_bytes_per_array():
+    """Each LayerBytes field is its array's per-device size (b = batch/d, t splits heads)."""
+    cfg = _cfg(vocab=512, d_model=256, n_q_per_kv=2, n_kv=4, d_head=32, d_ff=768)
+    lb = layer_bytes(cfg, d=2, t=4, batch=8, seq_len=64)
+    assert isinstance(lb, LayerBytes)
+    b, L = 4, 64
+    assert lb.x == lb.h == 2 * b * L * 256 // 4
+    assert lb.q == lb.attn == 2 * b * L * 2 * 1 * 32
+    assert lb.k == lb.v == 2 * b * L * 1 * 32
+    assert lb.gate == lb.up == 2 * b * L * 768 // 4
+    assert lb.probs == (4 + 2) * b * L * L * 2 * 1
+    with pytest.raises(ValueError, match="batch=6 is not divisible by mesh axis d=4"):
+        layer_bytes(cfg, d=4, t=1, batch=6, seq_len=64)
 
 
 def test_memory_none_scales_quadratically_in_seq_len():

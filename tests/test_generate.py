@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from seqshard.data.tokenizer import EOT, decode, encode_batch, eot_id, train_tokenizer
 from seqshard.model import ModelConfig, init_weights, reference_logits_fn
-from seqshard.model.generate import _generator, decode_mesh, generate, generate_text
+from seqshard.model.generate import DecodeSpec, _decoder, decode_mesh, generate
 from seqshard.testing import fake_cpu_mesh
+
+# The module, not the function seqshard.model re-exports under the same name.
+generate_module = importlib.import_module("seqshard.model.generate")
 
 CFG = ModelConfig(
     vocab=64,
@@ -227,24 +233,65 @@ def test_bfloat16_cache(weights, host_weights):
     np.testing.assert_allclose(np.asarray(logits)[0], ref, atol=0.1, rtol=0.05)
 
 
-def test_one_compilation_serves_every_key_and_temperature(weights):
+def test_the_decoder_is_built_once_per_decode_spec(weights, monkeypatch):
     prompt = prompts(2, 4, seed=10)
     m = mesh((2, 2))
-    before = _generator.cache_info().misses
-    for seed, temperature in [(0, 0.7), (1, 1.3), (2, 0.9)]:
+    _decoder.cache_clear()
+    traced = []  # the spec of each trace of the prefill shard_map: one per compilation
+    prefill = generate_module._prefill
+
+    def spy(spec, *args):
+        traced.append(spec)
+        return prefill(spec, *args)
+
+    monkeypatch.setattr(generate_module, "_prefill", spy)
+
+    def sample(seed, temperature, top_k=4):
+        key = jax.random.key(seed)
         generate(
-            weights,
-            prompt,
-            CFG,
-            m,
-            max_new_tokens=3,
-            temperature=temperature,
-            top_k=4,
-            key=jax.random.key(seed),
+            weights, prompt, CFG, m, max_new_tokens=3, temperature=temperature, top_k=top_k, key=key
         )
-    assert _generator.cache_info().misses == before + 1
-    run = _generator(CFG, m, 3, 7, False, 4, None, False, False)
-    assert run._cache_size() == 1
+
+    # Keys and temperatures are traced arguments: one spec, one decoder, one compilation.
+    for seed, temperature in [(0, 0.7), (1, 1.3), (2, 0.9)]:
+        sample(seed, temperature)
+    spec = DecodeSpec(
+        cfg=CFG,
+        mesh=m,
+        max_new_tokens=3,
+        cache_len=7,
+        greedy=False,
+        top_k=4,
+        stop_token=None,
+        padded=False,
+        return_logits=False,
+    )
+    assert traced == [spec]
+    assert (_decoder.cache_info().misses, _decoder.cache_info().hits) == (1, 2)
+    assert _decoder(spec) is _decoder(dataclasses.replace(spec))  # equal specs, one decoder
+    # A different option is another spec: another decoder, another compilation.
+    sample(0, 0.7, top_k=5)
+    assert traced == [spec, dataclasses.replace(spec, top_k=5)]
+    assert _decoder.cache_info().misses == 2
+
+
+def test_importing_the_model_loads_no_data_pipeline_or_tokenizer():
+    code = (
+        "import sys, seqshard.model\n"
+        "print([m for m in sys.modules if m.startswith(('seqshard.data', 'tokenizers'))])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_generation_writes_no_layout_by_hand():
+    # Every sharding comes from a type (seqshard.shardtypes.shardings), none from a hand-built
+    # PartitionSpec or NamedSharding.
+    root = pathlib.Path(__file__).resolve().parents[1] / "seqshard"
+    for path in (root / "model" / "generate.py", root / "sample.py"):
+        text = path.read_text()
+        for name in ("PartitionSpec", "NamedSharding"):
+            assert name not in text, f"{path.name} names {name}"
 
 
 @pytest.mark.parametrize(
@@ -279,51 +326,3 @@ def test_bad_input_raises_a_clear_value_error(weights, change, match):
 def test_mesh_the_model_does_not_split_is_refused(weights):
     with pytest.raises(ValueError, match=r"model.n_kv=2 is not divisible by mesh axis t"):
         generate(weights, prompts(1, 3), CFG, mesh((1, 4)), max_new_tokens=2, temperature=0)
-
-
-# ---------------------------------------------------------------------------------------------
-# generate_text
-
-TEXT = ["the cat sat on the mat", "a dog ran in the park", "the sun is hot today"] * 8
-
-
-@pytest.fixture(scope="module")
-def text_setup():
-    tok = train_tokenizer(TEXT, vocab_size=280)
-    cfg = dataclasses.replace(CFG, vocab=288)
-    w = init_weights(cfg, mesh(TRAIN_MESH), jax.random.key(1))
-    return tok, cfg, w
-
-
-def test_generate_text_stops_each_row_at_endoftext(text_setup):
-    tok, cfg, w = text_setup
-    eot = eot_id(tok)
-    texts = ["the cat", "a dog ran in", ""]
-    kwargs = dict(max_new_tokens=10, temperature=0.0, top_k=None, seed=0)
-    # Make <|endoftext|> win wherever a token the model likes already would: give it that
-    # token's unembedding, slightly scaled up.
-    ids = encode_batch(tok, [t or EOT for t in texts])
-    width = max(map(len, ids))
-    padded = np.array([[0] * (width - len(r)) + r for r in ids], np.int32)
-    lengths = [len(r) for r in ids]
-    greedy = dict(max_new_tokens=10, temperature=0, prompt_lengths=lengths)
-    free = generate(w, padded, cfg, mesh((1, 2)), **greedy)
-    liked = int(np.asarray(free)[1, width + 3])
-    unembed = w.unembed.at[eot].set(1.5 * w.unembed[liked])
-    w = dataclasses.replace(w, unembed=unembed)
-
-    got = generate_text(w, tok, texts, cfg, None, **kwargs)
-    out = np.asarray(generate(w, padded, cfg, mesh((1, 2)), **greedy))[:, width:]
-    stopped = [eot in row for row in out.tolist()]
-    assert any(stopped), "the test should make some row emit <|endoftext|>"
-    expected = [decode(tok, row[: row.index(eot)] if eot in row else row) for row in out.tolist()]
-    assert got == expected
-    assert all(EOT not in t for t in got)
-    # A mesh whose d = 2 does not divide the 3 prompts: padded to 4 rows, the extra dropped.
-    assert generate_text(w, tok, texts, cfg, mesh((2, 2)), **kwargs) == got
-
-
-def test_generate_text_refuses_a_tokenizer_larger_than_the_model(text_setup):
-    tok, _, w = text_setup
-    with pytest.raises(ValueError, match=r"tokenizer has \d+ tokens but the model only 64"):
-        generate_text(w, tok, ["x"], CFG, None, max_new_tokens=2, temperature=0, top_k=None, seed=0)

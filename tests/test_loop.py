@@ -51,7 +51,7 @@ def by_step(run_dir: Path) -> dict[int, dict]:
 def latest_state(run_dir: Path, cfg):
     ckpt = Checkpointer(run_dir / "checkpoints")
     try:
-        return ckpt.restore(cfg, training_mesh(cfg.mesh), make_optimizer(cfg.train)).state
+        return ckpt.restore(cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train)).state
     finally:
         ckpt.close()
 
@@ -95,7 +95,7 @@ def test_metrics_jsonl_tensorboard_and_result(runs, tiny_overrides):
     assert events and all(e.stat().st_size > 0 for e in events)
 
     assert result.run_dir == root / "straight"
-    assert result.step == 12 and not result.interrupted
+    assert result.step == 12 and not result.interrupted and not result.already_finished
     assert result.train_loss == records[12]["loss"]
     assert result.val_loss == records[12]["val_loss"]
     assert result.tokens_per_s == records[12]["tokens_per_s"] and result.mfu == records[12]["mfu"]
@@ -144,17 +144,16 @@ def test_resume_on_another_mesh_matches_within_tolerance(runs, half_copy, tiny_o
 def test_a_changed_train_steps_is_noted_with_the_lr_it_changes():
     """Resuming with another train.steps recomputes the schedule; the log says what it does."""
     base = load_config(None, ["train.steps=300", "train.warmup_steps=30", "train.lr=1e-3"]).train
-    meta = {"config": "train: {steps: 300}\n"}
-    assert loop._schedule_change(meta, base, 300) is None  # unchanged
+    assert loop._schedule_change(base, base, 300) is None  # unchanged
     cosine = loop._schedule_change(
-        meta, dataclasses.replace(base, schedule="cosine", steps=600), 300
+        base, dataclasses.replace(base, schedule="cosine", steps=600), 300
     )
     # The finished cosine ended at lr * min_lr_ratio; at half of 600 steps it is back near the middle.
     assert cosine.startswith("train.steps changed 300 -> 600: the cosine lr schedule"), cosine
     assert cosine.endswith(f"lr at step 300: {1e-3 * base.min_lr_ratio:.3g} -> 0.000587"), cosine
     wsd = dataclasses.replace(base, schedule="wsd", decay_fraction=0.2)
     # Extended from the stable phase (step 200 of 300), WSD keeps lr.
-    assert loop._schedule_change(meta, dataclasses.replace(wsd, steps=600), 200).endswith(
+    assert loop._schedule_change(wsd, dataclasses.replace(wsd, steps=600), 200).endswith(
         "lr at step 200: 0.001 -> 0.001"
     )
 
@@ -163,6 +162,7 @@ def test_finished_run_resumed_again_does_nothing(runs, half_copy, tiny_overrides
     before = (half_copy / "half" / "metrics.jsonl").read_text()
     result = run(tiny_overrides(half_copy, "half", steps=6, **FLAT))
     assert result.step == 6 and not result.interrupted
+    assert result.already_finished and result.train_loss is None
     assert result.val_loss == pytest.approx(by_step(half_copy / "half")[6]["val_loss"])
     assert (half_copy / "half" / "metrics.jsonl").read_text() == before
 

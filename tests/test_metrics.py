@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from seqshard.cli import main
 from seqshard.train.metrics import MetricsLogger, format_line, read_metrics, tb_tag
-from seqshard.train.plot import plot_main, plot_runs
+from seqshard.train.plot import plot_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -293,16 +294,16 @@ def test_plot_empty_run(tmp_path):
         plot_runs([])
 
 
-def test_plot_main(tmp_path, capsys):
+def test_plot_command(tmp_path, capsys):
     run = tmp_path / "run"
     _write_run(run, range(1, 6))
     capsys.readouterr()
-    assert plot_main([str(run), "--out", str(tmp_path / "o.png")]) == 0
+    assert main(["plot", str(run), "--out", str(tmp_path / "o.png")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "o.png")
     _assert_png(tmp_path / "o.png")
 
-    assert plot_main([str(tmp_path / "missing")]) == 2
+    assert main(["plot", str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
-    assert plot_main([]) == 2  # argparse usage error
-    assert plot_main(["--help"]) == 0
+    assert main(["plot"]) == 2  # argparse usage error
+    assert main(["plot", "--help"]) == 0
     assert "RUN_DIR" in capsys.readouterr().out

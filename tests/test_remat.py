@@ -2,6 +2,9 @@
 
     unit     on a small function: 'saved' recomputes exactly what save_for_backward does not
              mark, 'full' recomputes everything, 'none' nothing (counted in the grad's jaxpr)
+    policy   the objects behind model.remat: the registry, the checkpoint policy each hands to
+             jax.checkpoint (its saved residuals), and which layer parts each one recomputes
+             and keeps in the FLOP and memory accounting
     model    remat 'saved', 'full' and 'none' give the same loss and gradients, and the
              compiled value_and_grad's temporary memory orders full <= saved < none
              (>= 2 layers, so the scan stays rolled and keeps one layer's residuals per layer)
@@ -12,17 +15,34 @@ tests/test_model.py (COMM TABLE).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
+import re
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from model_weights import random_weights
 
+from seqshard.flops import LayerBytes, MatmulFlops
 from seqshard.model import ModelConfig, loss_fn
-from seqshard.remat import SAVED, explicit_activation_checkpointing, save_for_backward
+from seqshard.remat import (
+    REMAT_POLICIES,
+    SAVED,
+    FullRemat,
+    NoRemat,
+    RematName,
+    RematPolicy,
+    SavedRemat,
+    explicit_activation_checkpointing,
+    remat_policy,
+    save_for_backward,
+)
 from seqshard.testing import fake_cpu_mesh
 
 POLICIES = ["saved", "full", "none"]
@@ -65,11 +85,108 @@ def test_save_for_backward_names_the_value():
 
 def test_none_applies_no_checkpointing():
     assert explicit_activation_checkpointing(body, "none") is body
+    assert explicit_activation_checkpointing(body, NoRemat()) is body
 
 
 def test_unknown_policy_is_rejected_with_the_choices():
     with pytest.raises(ValueError, match=r"'saved', 'full' or 'none', got 'everything'"):
         explicit_activation_checkpointing(body, "everything")
+    with pytest.raises(ValueError, match=r"'saved', 'full' or 'none', got 'Saved'"):
+        remat_policy("Saved")
+    with pytest.raises(TypeError, match=r"a name \('saved', 'full' or 'none'\).*got int 3"):
+        remat_policy(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"policy object such as SavedRemat\(\), got type"):
+        remat_policy(SavedRemat)  # type: ignore[arg-type]  (the class, not an instance)
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy objects: one per model.remat value
+
+
+def test_registry_maps_each_config_value_to_its_policy():
+    assert tuple(REMAT_POLICIES) == typing.get_args(RematName) == ("saved", "full", "none")
+    expected = {"saved": SavedRemat(), "full": FullRemat(), "none": NoRemat()}
+    for name, policy in expected.items():
+        assert remat_policy(name) == policy and type(remat_policy(name)) is type(policy)
+        assert policy.name == name
+        assert isinstance(policy, RematPolicy)
+        assert remat_policy(policy) is policy  # an object passes through
+    assert len({type(p) for p in REMAT_POLICIES.values()}) == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SavedRemat().name = "full"  # type: ignore[misc]
+
+
+def saved_residuals(fn) -> list[str]:
+    """What the backward pass of ``fn`` keeps (``jax.ad_checkpoint.print_saved_residuals``):
+    one line per residual, without its source location."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(fn, jnp.ones(3))
+    lines = out.getvalue().splitlines()
+    return [re.sub(r" from \S+:\d+:\d+ \(\w+\)$", "", line) for line in lines]
+
+
+@pytest.mark.parametrize(
+    "name, kept",
+    [
+        ("saved", ["f32[3] from the argument x", f"f32[3] named '{SAVED}'"]),
+        ("full", ["f32[3] from the argument x"]),
+    ],
+)
+def test_checkpoint_policy_is_what_the_wrapper_uses(name, kept):
+    """The object's checkpoint_policy given to jax.checkpoint keeps what the wrapper keeps,
+    whether the wrapper is given the name or the object."""
+    policy = remat_policy(name)
+    assert saved_residuals(jax.checkpoint(body, policy=policy.checkpoint_policy)) == kept
+    assert saved_residuals(explicit_activation_checkpointing(body, name)) == kept
+    assert saved_residuals(explicit_activation_checkpointing(body, policy)) == kept
+
+
+def test_no_remat_keeps_every_residual_autodiff_needs():
+    """No checkpoint: not the input, but log1p's 1 + x, expm1's output and b (measured)."""
+    assert NoRemat().checkpoint_policy is None
+    kept = saved_residuals(explicit_activation_checkpointing(body, "none"))
+    assert len(kept) == 3 and "f32[3] from the argument x" not in kept, kept
+
+
+# Forward FLOPs per token whose digits name the part: a sum shows which parts it took.
+PARTS = MatmulFlops(
+    qkv=1, attn_scores=10, attn_values=100, out_proj=1_000, ffn=3 * 10_000, lm_head=10**6,
+    n_layers=7,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, recomputed",
+    [
+        ("none", 0),
+        ("saved", 10),  # q . k^T, for the probabilities
+        ("full", 1 + 10 + 100 + 1_000 + 2 * 10_000),  # the layer but the down projection
+    ],
+)
+def test_recompute_flops_per_layer(name, recomputed):
+    assert PARTS.ffn_down == 10_000
+    assert remat_policy(name).recompute_flops(PARTS) == recomputed
+
+
+MARKED = {"q", "k", "v", "attn", "h", "gate", "up"}  # save_for_backward in the model
+
+
+@pytest.mark.parametrize(
+    "name, kept",
+    [
+        ("full", {"x"}),
+        ("saved", {"x"} | MARKED),
+        ("none", {f.name for f in dataclasses.fields(LayerBytes)}),
+    ],
+)
+def test_saved_bytes_take_the_arrays_the_policy_keeps(name, kept):
+    """Each array's bytes a distinct power of two, so the sum names the arrays kept."""
+    names = [f.name for f in dataclasses.fields(LayerBytes)]
+    layer = LayerBytes(**{n: 2**i for i, n in enumerate(names)})
+    total = remat_policy(name).saved_bytes(layer)
+    assert {n for i, n in enumerate(names) if total >> i & 1} == kept
+    assert total == sum(getattr(layer, n) for n in kept)
 
 
 def test_model_config_rejects_an_unknown_policy():

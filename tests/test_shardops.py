@@ -27,10 +27,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Float, Int, TypeCheckError, jaxtyped
 
 from seqshard import shardops as so
-from seqshard.notation import Shape, parse_op
+from seqshard.notation import Dim, Shape, parse_op
 from seqshard.shapecheck import ShapeError
 from seqshard.shardtypes import ArrayType, f32, i32, typed_shard_map
-from seqshard.testing import count_collectives, fake_cpu_mesh
+from seqshard.testing import COLLECTIVE_KINDS, count_collectives, fake_cpu_mesh, list_collectives
 
 # ---------------------------------------------------------------------------------------------
 # Harness
@@ -43,11 +43,13 @@ MESH_AXES = {
     (2, 2, 2): ("a", "b", "c"),
 }
 MESHES_2D = [(1, 8), (8, 1), (2, 4), (4, 2)]
+# Every mesh a test here builds, the 1x1 mesh (both axes of size 1) included.
+AXIS_NAMES = {**MESH_AXES, (1, 1): ("d", "t")}
 
 
 @functools.cache
 def mesh_of(shape: tuple[int, ...]) -> jax.sharding.Mesh:
-    return fake_cpu_mesh(shape, MESH_AXES[shape])
+    return fake_cpu_mesh(shape, AXIS_NAMES[shape])
 
 
 def pspec(shape: Shape) -> P:
@@ -136,7 +138,7 @@ def apply(case: Case, blocks):
 
 
 def replica_axes(case: Case, mesh_shape) -> tuple[str, ...]:
-    return tuple(a for a in MESH_AXES[mesh_shape] if a not in case.final.split_axes)
+    return tuple(a for a in AXIS_NAMES[mesh_shape] if a not in case.final.split_axes)
 
 
 @functools.cache
@@ -156,8 +158,25 @@ def sharded(case: Case, mesh_shape: tuple[int, ...], check_vma: bool):
     )
 
 
+@functools.cache
+def typed_sharded(case: Case, mesh_shape: tuple[int, ...], check_vma: bool):
+    """The case (one input) as a jitted ``typed_shard_map``: its types are ``sharded``'s specs."""
+    (src,) = case.parsed.inputs
+    in_type = Shape((Dim("parts", case.partial_axes(0)), *src.dims))
+    out_type = Shape((Dim("copies", replica_axes(case, mesh_shape)), *case.final.dims))
+
+    def body(x):
+        return apply(case, [x[0]])[None]
+
+    body.__annotations__ = {
+        "x": ArrayType(jnp.float32, in_type, "f32"),
+        "return": ArrayType(jnp.float32, out_type, "f32"),
+    }
+    return jax.jit(typed_shard_map(body, mesh=mesh_of(mesh_shape), check_vma=check_vma))
+
+
 def global_sizes(case: Case, mesh_shape, ks: dict[str, int]) -> dict[str, int]:
-    mesh = dict(zip(MESH_AXES[mesh_shape], mesh_shape, strict=True))
+    mesh = dict(zip(AXIS_NAMES[mesh_shape], mesh_shape, strict=True))
     axes: dict[str, set[str]] = {}
     for d in case.all_dims():
         axes.setdefault(d.label, set()).update(d.axes)
@@ -168,7 +187,7 @@ def global_sizes(case: Case, mesh_shape, ks: dict[str, int]) -> dict[str, int]:
 
 
 def make_inputs(case: Case, mesh_shape, sizes, rng) -> list[np.ndarray]:
-    mesh = dict(zip(MESH_AXES[mesh_shape], mesh_shape, strict=True))
+    mesh = dict(zip(AXIS_NAMES[mesh_shape], mesh_shape, strict=True))
     out = []
     for i, s in enumerate(case.parsed.inputs):
         lead = math.prod(mesh[a] for a in case.partial_axes(i))
@@ -203,14 +222,17 @@ def reference(case: Case, inputs, xp=np):
     return combined[0]
 
 
-def check_case(case: Case, mesh_shape, check_vma: bool, ks: dict[str, int], seed: int) -> None:
+def check_case(
+    case: Case, mesh_shape, check_vma: bool, ks: dict[str, int], seed: int, wrap=None
+) -> None:
+    """Run the case (``sharded``, or ``wrap`` such as ``typed_sharded``) against numpy."""
     rng = np.random.default_rng(seed)
     sizes = global_sizes(case, mesh_shape, ks)
     inputs = make_inputs(case, mesh_shape, sizes, rng)
     want = reference(case, inputs)
-    got = np.asarray(sharded(case, mesh_shape, check_vma)(*inputs))
+    got = np.asarray((wrap or sharded)(case, mesh_shape, check_vma)(*inputs))
     rest = replica_axes(case, mesh_shape)
-    mesh = dict(zip(MESH_AXES[mesh_shape], mesh_shape, strict=True))
+    mesh = dict(zip(AXIS_NAMES[mesh_shape], mesh_shape, strict=True))
     got = got.reshape(*(mesh[a] for a in rest), *want.shape)
     owed = case.owed_axes()
     assert owed <= set(rest), (owed, rest)
@@ -1029,8 +1051,8 @@ def test_scope_axis_order_conflict():
 
 def test_collectives_over_size_one_axes_are_skipped():
     """On an 8x1 mesh t has one shard: gathers and reduce-scatters over t move nothing, so
-    none is emitted; over d they still are. psum and invarying gathers, which change the
-    replication type, keep theirs."""
+    none is emitted; over d they still are. In a plain jax.shard_map, t is manual: an invarying
+    gather of a value that varies over t keeps its collective (nothing else makes it invariant)."""
     mesh = fake_cpu_mesh((8, 1), ("d", "t"))
     x = jnp.arange(8 * 4 * 8, dtype=jnp.float32).reshape(8, 4, 8)
 
@@ -1056,3 +1078,125 @@ def test_collectives_over_size_one_axes_are_skipped():
     )
     np.testing.assert_array_equal(y, x)
     assert counts["all-gather"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# An axis of size 1 costs nothing: no op emits a collective over it
+
+NO_COLLECTIVES = dict.fromkeys(COLLECTIVE_KINDS, 0)
+
+# Each op over t alone (run where t = 1) and over d alone (run where d = 1).
+OVER_T = [
+    Case(PS, "B/d L{U_t} -> B/d L"),
+    Case(PM, "B/d L{U_t} -> B/d L"),
+    Case(A2A, "B L/t -> B/t L"),
+    Case(AG, "B/d L M/t -> B/d L M"),
+    Case(AG, "B/d L M/t -> B/d L M", to="invarying"),
+    Case(AG, "M/t/d -> M/d"),  # the same layout when t = 1
+    Case(RS, "B/d L M -> B/d L M/t"),
+]
+OVER_D = [
+    Case(PS, "M/t{U_d} -> M/t"),
+    Case(PM, "L/t{U_d} -> L/t"),
+    Case(A2A, "B/d L -> B L/d"),
+    Case(AG, "M/d F/t -> M F/t"),
+    Case(AG, "M/d F/t -> M F/t", to="invarying"),
+    Case(AG, "M/d/t -> M/t"),  # the same layout when d = 1
+    Case(RS, "M F/t -> M/d F/t"),
+]
+SIZE_ONE_PARAMS = [
+    pytest.param(case, mesh, id=f"{case}-{'x'.join(map(str, mesh))}")
+    for cases, meshes in [(OVER_T, [(8, 1), (1, 1)]), (OVER_D, [(1, 8), (1, 1)])]
+    for case in cases
+    for mesh in meshes
+]
+
+
+def _inputs(case: Case, mesh_shape, k: int = 2) -> list[np.ndarray]:
+    ks = {d.label: k for d in case.all_dims()}
+    return make_inputs(
+        case, mesh_shape, global_sizes(case, mesh_shape, ks), np.random.default_rng(0)
+    )
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize(("case", "mesh_shape"), SIZE_ONE_PARAMS)
+def test_typed_op_over_size_one_axes_emits_nothing(case, mesh_shape, check_vma):
+    """Inside typed_shard_map each op over axes of size 1 equals numpy and compiles to no
+    collective, with replication checked or not (axes of size 1 are not manual there)."""
+    ks = {d.label: 2 for d in case.all_dims()}
+    check_case(case, mesh_shape, check_vma, ks, seed=0, wrap=typed_sharded)
+    counts = count_collectives(
+        typed_sharded(case, mesh_shape, check_vma), *_inputs(case, mesh_shape)
+    )
+    assert counts == NO_COLLECTIVES, str(case)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize(("case", "mesh_shape"), SIZE_ONE_PARAMS)
+def test_plain_shard_map_op_over_size_one_axes(case, mesh_shape, check_vma):
+    """In a plain jax.shard_map the size-1 axes are manual. Unchecked, no op emits anything
+    over them. Checked, a value that varies over a manual axis becomes invariant over it only
+    through a collective, so psum, pmax and the invarying gather keep exactly one."""
+    ks = {d.label: 2 for d in case.all_dims()}
+    check_case(case, mesh_shape, check_vma, ks, seed=0)
+    counts = count_collectives(sharded(case, mesh_shape, check_vma), *_inputs(case, mesh_shape))
+    keeps = check_vma and (case.op in (PS, PM) or case.to == "invarying")
+    assert sum(counts.values()) == (1 if keeps else 0), (str(case), counts)
+
+
+MULTI_AXIS = [
+    (Case(PS, "M{U_t,d} -> M"), "all-reduce"),
+    (Case(PM, "M{U_t,d} -> M"), "all-reduce"),
+    (Case(AG, "M/t/d -> M"), "all-gather"),
+    (Case(AG, "M/t/d -> M", to="invarying"), "all-gather"),
+    (Case(RS, "M -> M/t/d"), "reduce-scatter"),
+    (Case(RS, "M F -> M/d F/t"), "reduce-scatter"),
+    (Case(A2A, "B/t/d L -> B L/t/d"), "all-to-all"),
+]
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (1, 8)], ids=["8x1", "1x8"])
+@pytest.mark.parametrize(("case", "kind"), [pytest.param(*c, id=str(c[0])) for c in MULTI_AXIS])
+def test_multi_axis_op_runs_over_its_axis_above_size_one(case, kind, mesh_shape, check_vma):
+    """An op over t and d runs one collective over the axis of size > 1 and none over the other."""
+    ks = {d.label: 2 for d in case.all_dims()}
+    check_case(case, mesh_shape, check_vma, ks, seed=0, wrap=typed_sharded)
+    fn, inputs = typed_sharded(case, mesh_shape, check_vma), _inputs(case, mesh_shape)
+    calls = list_collectives(fn, *inputs, mesh=mesh_of(mesh_shape))
+    axis = "d" if mesh_shape == (8, 1) else "t"
+    assert [(c.kind, c.axes) for c in calls] == [(kind, (axis,))], str(case)
+
+
+def test_ops_in_a_shard_map_over_some_axes():
+    """A plain jax.shard_map that leaves t (size 1) out of its manual axes: specs may still
+    name t, ops treat it as one shard, axis_index('t') is 0 without lax.axis_index."""
+    mesh = mesh_of((8, 1))
+
+    def body(x):
+        assert so.axis_size("t") == 1 and so.axis_size(("t", "d")) == 8
+        y = so.all_gather("B/d M/t -> B M", x, to="invarying")  # one all-gather, over d
+        s = so.psum("(){U_d,t} -> ()", jnp.sum(x))  # one all-reduce, over d
+        z = so.psum_scatter("B/d M{U_t} -> B/d M/t", x)  # nothing: t has one shard
+        return y, s, z, so.axis_index(("t", "d"))[None], so.axis_index("t")
+
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=P("d", None),
+            out_specs=(P(), P(), P("d", None), P("d"), P()),
+            axis_names=frozenset({"d"}),
+            check_vma=True,
+        )
+    )
+    x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    y, s, z, index, t_index = f(x)
+    np.testing.assert_array_equal(y, x)
+    np.testing.assert_array_equal(z, x)
+    assert s == x.sum() and t_index == 0
+    np.testing.assert_array_equal(index, np.arange(8))
+    counts = count_collectives(f, x)
+    assert counts["all-gather"] == 1 and counts["all-reduce"] == 1, counts
+    assert counts["reduce-scatter"] == 0 and counts["all-to-all"] == 0, counts

@@ -30,7 +30,7 @@ from seqshard.shardtypes import (
     type_tree,
     typed_shard_map,
 )
-from seqshard.testing import fake_cpu_mesh
+from seqshard.testing import count_collectives, fake_cpu_mesh
 
 
 @pytree_dataclass
@@ -337,3 +337,99 @@ def test_array_type_is_hashable_and_comparable():
     assert {f32["M/d"], f32["M/d"]} == {f32["M/d"]}
     assert f32["M/d"] != bf16["M/d"]
     assert isinstance(f32["M"], ArrayType)
+
+
+# ---------------------------------------------------------------------------------------------
+# Axes of size 1: not manual, no collective over them, one device runs without shard_map
+
+
+def gather_t(x: f32["B/d M/t"]) -> f32["B/d M"]:
+    return so.all_gather("B/d M/t -> B/d M", x)  # a varying gather, over t only
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_returning_replicated_over_a_size_one_axis(check_vma):
+    """With t = 1 a gather over t is nothing, and its result may be returned as replicated
+    over t even with replication checked: t is not a manual axis, so nothing varies over it."""
+    mesh = fake_cpu_mesh((8, 1), ("d", "t"))
+    f = jax.jit(typed_shard_map(gather_t, mesh=mesh, check_vma=check_vma))
+    x = _ints((8, 4))
+    np.testing.assert_array_equal(f(x), x)
+    assert sum(count_collectives(f, x).values()) == 0
+
+
+def test_size_one_axes_leave_the_specs():
+    """The specs given to jax.shard_map name only axes of size > 1 ('M/t/d' is P('d') when
+    t = 1), and only those are manual in the body."""
+    mesh = fake_cpu_mesh((8, 1), ("d", "t"))
+    seen = []
+
+    def f(w: Weights, x: f32["B/d M/t"]) -> f32["d_model/t/d"]:
+        seen.append(jax.sharding.get_abstract_mesh().axis_types)
+        return w.final
+
+    g = typed_shard_map(f, mesh=mesh)
+    assert g.in_specs[0].final == P("d") and g.in_specs[0].embed == P(None, "d")
+    assert g.in_specs[1] == P("d", None) and g.out_specs == P("d")
+    w = jax.tree.map(lambda s: _ints(s.shape), shape_dtype_structs(Weights, SIZES))
+    np.testing.assert_array_equal(g(w, _ints((8, 4))), w.final)
+    assert seen == [(jax.sharding.AxisType.Manual, jax.sharding.AxisType.Auto)]
+
+
+def psum_and_index(x: f32["B/d M/t"]) -> tuple[f32[()], f32["B/d M/t"]]:
+    total = so.psum("(){U_d,t} -> ()", jnp.sum(x * x))
+    shifted = x + so.axis_index(("d", "t")).astype(jnp.float32) * so.axis_size("t")
+    return total, shifted
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8)], ids=["8x1", "1x8"])
+def test_psum_over_a_size_one_axis_is_one_all_reduce(shape):
+    mesh = fake_cpu_mesh(shape, ("d", "t"))
+    f = jax.jit(typed_shard_map(psum_and_index, mesh=mesh))
+    x = _ints((8, 8))
+    total, shifted = f(x)
+    assert total == np.sum(x * x)
+    d_index = np.repeat(np.arange(shape[0]), 8 // shape[0])[:, None]
+    t_index = np.repeat(np.arange(shape[1]), 8 // shape[1])[None, :]
+    np.testing.assert_array_equal(shifted, x + (d_index * shape[1] + t_index) * shape[1])
+    counts = count_collectives(f, x)
+    assert counts == {**dict.fromkeys(counts, 0), "all-reduce": 1}, counts
+
+
+def lookup(table: f32["vocab/t d_model/d"], ids: i32[b"B/d L"]) -> f32[b"B/d L d_model"]:
+    table = so.all_gather("V/t M/d -> V/t M", table)
+    rows = so.index_unreduced("[V/t] M, B/d L -> B/d L M", table, ids)
+    return so.psum("B/d L M{U_t} -> B/d L M", rows)
+
+
+def test_one_device_mesh_runs_without_shard_map():
+    """On a 1x1 mesh the body runs on the whole arrays, with no shard_map and no collective;
+    axis_index is 0 and axis_size 1, and ops outside it are still refused afterwards."""
+    mesh = fake_cpu_mesh((1, 1), ("d", "t"))
+    x = _ints((4, 8))
+    f = typed_shard_map(psum_and_index, mesh=mesh)
+    assert "shard_map" not in str(jax.make_jaxpr(f)(x))
+    total, shifted = f(x)
+    assert total == np.sum(x * x)
+    np.testing.assert_array_equal(shifted, x)
+    np.testing.assert_array_equal(jax.grad(lambda x: f(x)[0])(x), 2 * x)
+    assert sum(count_collectives(jax.jit(f), x).values()) == 0
+    table, ids = _ints((32, 16)), np.random.default_rng(1).integers(0, 32, (2, 3)).astype(np.int32)
+    g = jax.jit(typed_shard_map(lookup, mesh=mesh))
+    np.testing.assert_array_equal(g(table, ids), table[ids])
+    assert sum(count_collectives(g, table, ids).values()) == 0
+    with pytest.raises(ShapeError, match="outside one"):
+        so.axis_size("t")
+
+
+def test_explicit_mesh_size_one_axis_is_unsplit():
+    """On an Explicit mesh with t = 1, 'B/d M/t' and 'B/d M' are the same layout: either
+    sharding is accepted."""
+    mesh = jax.make_mesh((8, 1), ("d", "t"))
+
+    def f(x: f32["B/d M/t"]) -> f32["B/d M/t"]:
+        return 2 * x
+
+    for spec in (P("d", "t"), P("d", None)):
+        x = jax.device_put(_ints((8, 4)), NamedSharding(mesh, spec))
+        np.testing.assert_array_equal(typed_shard_map(f, mesh=mesh)(x), 2 * np.asarray(x))

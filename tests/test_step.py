@@ -16,30 +16,20 @@ import collections
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from model_weights import random_weights
+from model_weights import random_weights, tiny_model
 
+from seqshard.batch import batch_structs, token_batch
 from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_config
-from seqshard.model import ModelConfig, loss_sum_and_count
+from seqshard.model import loss_sum_and_count
 from seqshard.testing import count_collectives, fake_cpu_mesh, list_collectives
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import TrainState, shardings_of, train_state_structs
 from seqshard.train.step import grads_and_loss, make_train_step
 
-MODEL = ModelConfig(
-    vocab=64,
-    d_model=32,
-    n_layers=2,
-    n_q_per_kv=2,
-    n_kv=8,
-    d_head=8,
-    d_ff=64,
-    compute_dtype="float32",
-    attention_impl="einsum",
-)
+MODEL = tiny_model()
 
 BATCH, LENGTH = 8, 16
 # Row r packs documents of DOC_LENGTHS[r] tokens: rows count 8 to 15 positions each.
@@ -86,14 +76,14 @@ def weights():
     return random_weights(MODEL, mesh())
 
 
-# grads_and_loss(weights, tokens, is_seq_start, cfg, mesh), the config and mesh static
-grads_and_loss_jit = jax.jit(grads_and_loss, static_argnums=(3, 4))
+# grads_and_loss(weights, batch, cfg, mesh), the config and mesh static
+grads_and_loss_jit = jax.jit(grads_and_loss, static_argnums=(2, 3))
 
 
 @functools.cache
 def accumulated(k: int):
     """(mean gradient, mean loss, count) as numpy, over k microbatches."""
-    out = grads_and_loss_jit(weights(), TOKENS, IS_SEQ_START, config(k), mesh())
+    out = grads_and_loss_jit(weights(), token_batch(TOKENS, IS_SEQ_START), config(k), mesh())
     return jax.tree.map(np.asarray, out)
 
 
@@ -154,11 +144,8 @@ def train_step():
     return make_train_step(cfg, mesh(), opt), opt
 
 
-def batch_structs():
-    return (
-        jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32),
-        jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.bool_),
-    )
+def abstract_batch():
+    return batch_structs(BATCH, LENGTH)
 
 
 def test_train_step_adds_only_scalar_all_reduces():
@@ -168,15 +155,15 @@ def test_train_step_adds_only_scalar_all_reduces():
     each take one norm."""
     step, opt = train_step()
     state = train_state_structs(MODEL, mesh(), opt)
-    grads_args = (state.weights, *batch_structs(), config(1), mesh())
-    step_counts = count_collectives(step, state, *batch_structs())
+    grads_args = (state.weights, abstract_batch(), config(1), mesh())
+    step_counts = count_collectives(step, state, abstract_batch())
     grad_counts = count_collectives(grads_and_loss_jit, *grads_args)
     extra = {kind: step_counts[kind] - grad_counts[kind] for kind in step_counts}
     assert extra["all-gather"] == extra["reduce-scatter"] == 0, extra
     assert extra["all-to-all"] == extra["collective-permute"] == 0, extra
     assert extra["all-reduce"] > 0, "the global norms need an all-reduce"
 
-    step_calls = list_collectives(step, state, *batch_structs(), mesh=mesh())
+    step_calls = list_collectives(step, state, abstract_batch(), mesh=mesh())
     update = [c for c in step_calls if c.phase == "update"]
     assert len(update) == extra["all-reduce"]
     n_weights = len(jax.tree.leaves(state.weights))
@@ -201,7 +188,7 @@ def test_train_step_metrics_and_update():
     fresh = TrainState(step=np.int32(0), weights=before, opt_state=opt.init(before))
     state = jax.device_put(fresh, shardings_of(train_state_structs(MODEL, mesh(), opt)))
     grads, loss, count = accumulated(1)
-    new_state, metrics = step(state, TOKENS, IS_SEQ_START)  # donates state
+    new_state, metrics = step(state, token_batch(TOKENS, IS_SEQ_START))  # donates state
     metrics = jax.tree.map(np.asarray, metrics)
     assert int(new_state.step) == 1
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)

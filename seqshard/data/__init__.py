@@ -10,9 +10,9 @@ batches with prefetch).
 """
 
 from seqshard.data.corpus import Corpus, hf_corpus, path_corpus, stdlib_corpus
-from seqshard.data.loader import EVAL_SEED, Batch, Loader, unigram_entropy
+from seqshard.data.loader import EVAL_SEED, Loader, unigram_entropy
 from seqshard.data.packing import PackedStream
-from seqshard.data.prepare import prepare, prepare_main
+from seqshard.data.prepare import prepare
 from seqshard.data.tokenfile import TokenSplit, check_tokenizer, open_split, read_meta
 from seqshard.data.tokenizer import (
     EOT,
@@ -26,7 +26,6 @@ from seqshard.data.tokenizer import (
 __all__ = [
     "EOT",
     "EVAL_SEED",
-    "Batch",
     "Corpus",
     "Loader",
     "PackedStream",
@@ -39,7 +38,6 @@ __all__ = [
     "open_split",
     "path_corpus",
     "prepare",
-    "prepare_main",
     "read_meta",
     "stdlib_corpus",
     "tokenizer_hash",

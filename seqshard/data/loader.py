@@ -1,15 +1,16 @@
 """Global batches of packed tokens, sharded ``B/d L`` on the mesh, with a prefetch thread.
 
     with Loader("data/tokens", "train", batch_size=32, seq_len=256, mesh=mesh) as loader:
-        for batch in loader:             # Batch(step, tokens i32['B/d L'], is_seq_start bool['B/d L'])
-            state = step_fn(state, batch.tokens, batch.is_seq_start)
+        for batch in loader:             # TokenBatch(tokens i32['B/d L'], is_seq_start bool['B/d L'])
+            state = step_fn(state, batch)
             ckpt["data"] = loader.state()  # {'step': next step, 'seed': ..., ...}
     # resume: Loader(..., seed=ckpt["data"]["seed"], start_step=ckpt["data"]["step"])
 
 The batch at step ``s`` is rows ``[s*B, (s+1)*B)`` of the split's packed stream
 (:mod:`seqshard.data.packing`): a function of ``(data, seed, batch_size, seq_len, s)`` only, so
 fresh loaders agree, resuming at ``s`` is exact, and no step needs the ones before it. Each
-process reads only the rows its own devices hold (the ``d`` blocks of ``B``) and hands them to
+process reads only the rows its own devices hold (the ``d`` blocks of ``B``, as the
+:class:`~seqshard.batch.TokenBatch` types split them) and hands them to
 ``jax.make_array_from_process_local_data``, so the same code runs on one host or many.
 Each epoch's last ``n_tokens % seq_len`` tokens (the end of its last documents) are not emitted;
 every other token is emitted exactly once per epoch.
@@ -31,27 +32,18 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from seqshard.batch import TokenBatch
 from seqshard.data.packing import PackedStream
 from seqshard.data.tokenfile import TokenSplit, check_tokenizer, open_split
+from seqshard.shardtypes import shardings
 
-__all__ = ["EVAL_SEED", "Batch", "Loader", "unigram_entropy"]
+__all__ = ["EVAL_SEED", "Loader", "unigram_entropy"]
 
 # eval_batches always shuffles val with this seed, so runs with different training seeds are
 # evaluated on the same batches.
 EVAL_SEED = 0
 _POLL_S = 0.1  # how often blocked queue operations look at the stop flag
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """One global batch: ``tokens`` int32 and ``is_seq_start`` bool, both ``[B, L]`` sharded
-    ``P('d', None)``; ``step`` is its position in the stream."""
-
-    step: int
-    tokens: jax.Array
-    is_seq_start: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +107,9 @@ class Loader:
         check_tokenizer(self.data_dir)
         self.split = self._open_checked(split)
         self.stream = PackedStream(self.split, seq_len, self.seed)
-        self.sharding = NamedSharding(mesh, P("d", None))
+        self.shardings = shardings(TokenBatch, mesh)
         self._shape = (batch_size, seq_len)
-        self._local_rows = _local_row_ranges(self.sharding, self._shape)
+        self._local_rows = _local_row_ranges(self.shardings.tokens, self._shape)
         self._val_stream: PackedStream | None = None
 
         self._step = start_step  # the step the consumer gets next
@@ -140,28 +132,28 @@ class Loader:
             )
         return data
 
-    def _build(self, stream: PackedStream, step: int) -> Batch:
+    def _build(self, stream: PackedStream, step: int) -> TokenBatch:
         first = step * self.batch_size
         row_ids = np.concatenate(
             [np.arange(first + r.start, first + r.stop) for r in self._local_rows]
         )
         tokens, starts = stream.rows(row_ids)
-        make = jax.make_array_from_process_local_data
-        return Batch(
-            step,
-            make(self.sharding, tokens, self._shape),
-            make(self.sharding, starts, self._shape),
+        local = TokenBatch(tokens=tokens, is_seq_start=starts)
+        return jax.tree.map(
+            lambda x, sharding: jax.make_array_from_process_local_data(sharding, x, self._shape),
+            local,
+            self.shardings,
         )
 
-    def batch_at(self, step: int) -> Batch:
+    def batch_at(self, step: int) -> TokenBatch:
         """The batch at ``step``, built now (independent of the iterator's position)."""
         if not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}.")
         return self._build(self.stream, int(step))
 
-    def eval_batches(self, n: int) -> Iterator[Batch]:
+    def eval_batches(self, n: int) -> Iterator[TokenBatch]:
         """``n`` batches of the val split, the same ones on every call and for every training
-        seed (shuffled with :data:`EVAL_SEED`); their ``step`` is 0 .. n-1."""
+        seed (shuffled with :data:`EVAL_SEED`): steps 0 .. n-1 of its stream."""
         if self._val_stream is None:
             self._val_stream = PackedStream(self._open_checked("val"), self.seq_len, EVAL_SEED)
         stream = self._val_stream
@@ -180,7 +172,12 @@ class Loader:
     def __iter__(self) -> Loader:
         return self
 
-    def __next__(self) -> Batch:
+    @property
+    def step(self) -> int:
+        """The step of the batch ``next()`` returns."""
+        return self._step
+
+    def __next__(self) -> TokenBatch:
         if self._failure is not None:
             raise self._failure
         if self._stop.is_set():
@@ -198,11 +195,11 @@ class Loader:
                 self._failure = item.error
                 self.close()
                 raise item.error
-            batch = item
-        self._step = batch.step + 1
+            _, batch = item  # the thread builds steps in order from self._step
+        self._step += 1
         return batch
 
-    def _get(self) -> Batch | _Failure:
+    def _get(self) -> tuple[int, TokenBatch] | _Failure:
         while True:
             try:
                 return self._queue.get(timeout=_POLL_S)
@@ -212,7 +209,7 @@ class Loader:
                         RuntimeError("the loader's prefetch thread stopped unexpectedly")
                     )
 
-    def _put(self, item: Batch | _Failure) -> bool:
+    def _put(self, item: tuple[int, TokenBatch] | _Failure) -> bool:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=_POLL_S)
@@ -224,7 +221,7 @@ class Loader:
     def _produce(self, step: int) -> None:
         try:
             while not self._stop.is_set():
-                if not self._put(self.batch_at(step)):
+                if not self._put((step, self.batch_at(step))):
                     return
                 step += 1
         except BaseException as e:  # handed to the consumer, which re-raises it

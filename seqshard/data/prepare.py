@@ -17,11 +17,9 @@ to val (it was then also seen when training the tokenizer; nothing else of val e
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -41,7 +39,7 @@ from seqshard.data.tokenizer import (
     train_tokenizer,
 )
 
-__all__ = ["DEFAULT_OUT", "DEFAULT_VOCAB", "is_val_doc", "prepare", "prepare_main"]
+__all__ = ["DEFAULT_OUT", "DEFAULT_VOCAB", "is_val_doc", "prepare"]
 
 DEFAULT_OUT = "data/tokens"
 DEFAULT_VOCAB = 4096
@@ -245,73 +243,3 @@ def prepare(
     shutil.rmtree(old, ignore_errors=True)
     log(f"prepare: wrote {out_dir} in {time.perf_counter() - t_start:.1f}s")
     return out_dir
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="seqshard prepare",
-        description=(
-            "Tokenize text into a seqshard data directory (train.bin, val.bin, offsets, "
-            "meta.json, tokenizer.json). With no INPUTS and no --hf-dataset, the corpus is the "
-            "Python standard library's own source (~12 MB, no network needed)."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "inputs",
-        nargs="*",
-        metavar="INPUTS",
-        help="text files or directories (recursive: .txt .md .py .jsonl; a .jsonl line is one "
-        "document, its --text-field)",
-    )
-    p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        default=DEFAULT_VOCAB,
-        help="size of the BPE to train (ignored with --tokenizer)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="use this tokenizer.json instead of training one (e.g. another data dir's)",
-    )
-    p.add_argument(
-        "--hf-dataset",
-        metavar="NAME",
-        help="Hugging Face dataset, streamed; NAME or NAME:CONFIG (needs "
-        "`pip install 'seqshard[hf]'`)",
-    )
-    p.add_argument("--hf-split", default="train", help="split of --hf-dataset to read")
-    p.add_argument("--text-field", default="text", help="text field of .jsonl / HF records")
-    p.add_argument(
-        "--val-fraction", type=float, default=0.01, help="fraction of documents held out as val"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
-    p.add_argument("--max-docs", type=int, help="read at most this many documents")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    return p
-
-
-def prepare_main(argv: Sequence[str] | None = None) -> int:
-    """``seqshard prepare [--out DIR] [--vocab-size N] [--tokenizer PATH] [--hf-dataset NAME]
-    [INPUTS...]``; returns the exit status."""
-    args = _parser().parse_args(argv)
-    try:
-        prepare(
-            args.out,
-            inputs=args.inputs or None,
-            vocab_size=args.vocab_size,
-            val_fraction=args.val_fraction,
-            tokenizer_path=args.tokenizer,
-            hf_dataset=args.hf_dataset,
-            hf_split=args.hf_split,
-            text_field=args.text_field,
-            max_docs=args.max_docs,
-            seed=args.seed,
-            overwrite=args.force,
-        )
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
-        print(f"seqshard prepare: error: {e}", file=sys.stderr)
-        return 2
-    return 0

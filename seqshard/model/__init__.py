@@ -2,10 +2,11 @@
 
 from seqshard.model import ModelConfig, init_weights, loss_fn, logits_fn
 from seqshard.model import reference_loss_fn, reference_logits_fn
+from seqshard.model import decode_mesh, generate    # token ids in and out; text: seqshard.sample
 """
 
 from seqshard.model.config import ModelConfig
-from seqshard.model.generate import decode_mesh, generate, generate_text
+from seqshard.model.generate import decode_mesh, generate
 from seqshard.model.reference import reference_logits_fn, reference_loss_fn
 from seqshard.model.transformer import logits_fn, loss_fn, loss_sum_and_count
 from seqshard.model.weights import Layer, Weights, init_weights, param_count, weight_structs
@@ -16,7 +17,6 @@ __all__ = [
     "Weights",
     "decode_mesh",
     "generate",
-    "generate_text",
     "init_weights",
     "logits_fn",
     "loss_fn",

@@ -7,15 +7,28 @@ every weight's global shape through :meth:`ModelConfig.dim_sizes`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Literal
 
-from seqshard.remat import RematPolicy
+from seqshard.remat import RematName
 
-__all__ = ["AttentionImpl", "AttentionMask", "ModelConfig", "RematPolicy"]
+__all__ = ["DIM_FIELDS", "AttentionImpl", "AttentionMask", "ModelConfig", "RematName"]
 
 AttentionImpl = Literal["auto", "einsum", "cudnn", "xla"]
 AttentionMask = Literal["document", "causal"]
 _DTYPES = ("float32", "bfloat16")
+
+
+DIM_FIELDS = {
+    "layers": "n_layers",
+    "vocab": "vocab",
+    "d_model": "d_model",
+    "n_q_per_kv": "n_q_per_kv",
+    "n_kv": "n_kv",
+    "d_head": "d_head",
+    "d_ff": "d_ff",
+}
+"""Each dimension name of the weight types -> the ModelConfig field that sizes it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +58,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     compute_dtype: str = "bfloat16"
-    remat: RematPolicy = "saved"
+    remat: RematName = "saved"
     attention_impl: AttentionImpl = "auto"
     attention_mask: AttentionMask = "document"
 
     def __post_init__(self) -> None:
-        for name in ("vocab", "d_model", "n_layers", "n_q_per_kv", "n_kv", "d_head", "d_ff"):
+        for name in DIM_FIELDS.values():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}.")
@@ -62,7 +75,7 @@ class ModelConfig:
             raise ValueError(
                 f"model.compute_dtype must be one of {_DTYPES}, got {self.compute_dtype!r}."
             )
-        _check_choice("remat", self.remat, RematPolicy)
+        _check_choice("remat", self.remat, RematName)
         _check_choice("attention_impl", self.attention_impl, AttentionImpl)
         _check_choice("attention_mask", self.attention_mask, AttentionMask)
         if self.rope_theta <= 0 or self.norm_eps <= 0:
@@ -72,31 +85,18 @@ class ModelConfig:
             )
 
     def dim_sizes(self) -> dict[str, int]:
-        """Global sizes of the dimension names used in the weight types."""
-        return {
-            "layers": self.n_layers,
-            "vocab": self.vocab,
-            "d_model": self.d_model,
-            "n_q_per_kv": self.n_q_per_kv,
-            "n_kv": self.n_kv,
-            "d_head": self.d_head,
-            "d_ff": self.d_ff,
-        }
+        """Global sizes of the dimension names used in the weight types: the model's shape."""
+        return {dim: getattr(self, field) for dim, field in DIM_FIELDS.items()}
 
-    def check_mesh(self, d: int, t: int) -> None:
-        """Raise ValueError, before anything compiles, if a mesh of d x t cannot split the model."""
-        need = {
-            "vocab": (self.vocab, t, "t (embed/unembed rows are vocab/t)"),
-            "n_kv": (self.n_kv, t, "t (kv heads are split over t)"),
-            "d_ff": (self.d_ff, t, "t (w_gate/w_up/w_down columns are d_ff/t)"),
-            "d_model": (self.d_model, d * t, "d*t (norm weights are d_model/t/d)"),
-        }
-        for field, (value, n, why) in need.items():
-            if value % n:
-                raise ValueError(
-                    f"model.{field}={value} is not divisible by mesh axis {why} = {n} on a "
-                    f"d={d} x t={t} mesh. Choose model.{field} divisible by {n}, or another mesh."
-                )
+    def check_mesh(self, mesh_sizes: Mapping[str, int]) -> None:
+        """Raise ValueError, before anything compiles, if a mesh of these axis sizes (e.g.
+        ``{'d': 4, 't': 2}``, missing axes 1) cannot split the model's weights.
+
+        The rule is read off the weight types: each dimension split over mesh axes (``vocab/t``,
+        ``d_model/t/d``) must be divisible by the product of their sizes."""
+        from seqshard.model.weights import check_weights_split  # weights.py imports this module
+
+        check_weights_split(self, mesh_sizes)
 
     @property
     def n_heads(self) -> int:

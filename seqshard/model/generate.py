@@ -1,22 +1,25 @@
-"""Text generation with a KV cache: a prefill shard_map, then one decode-step shard_map per token.
+"""Token generation with a KV cache: a prefill shard_map, then one decode-step shard_map per token.
 
     mesh = decode_mesh(batch=1, cfg=cfg)                   # a mesh the batch and model fit
     out = generate(weights, prompt, cfg, mesh, max_new_tokens=32, temperature=0.8, top_k=40,
                    key=jax.random.key(0))                  # i32[B, P + 32]: prompt, then new
-    texts = generate_text(weights, tok, ["def f(x):"], cfg, None, max_new_tokens=32,
-                          temperature=0.0, top_k=None, seed=0)
+
+Token ids in, token ids out: text prompts and their decoding live in :mod:`seqshard.sample`,
+so the model never imports the data pipeline or a tokenizer.
 
 Dimensions are the training forward's (see ``transformer.py``): B, M, F, V, Q, K, D; L is the
 prompt length in prefill and 1 (the fed token) in a decode step; S is the cache length, the
 longest sequence (prompt + generated) the cache holds; C is the top-k candidates that the t
 shards pool. Mesh axes: d (batch, and FSDP weight rows) and t (heads, d_ff, vocab, M).
 
-Everything runs in the training layout, one shard_map per phase, in one jit per shapes:
+Everything runs in the training layout, one shard_map per phase, in one jit per
+:class:`DecodeSpec` (the static options) and prompt shape:
 
-    prefill   'B/d L' prompt -> cache 'layers 2 B/d S K/t D' (k at [:, 0], v at [:, 1]) and
-              the last position's logits 'B/d V/t'
-    decode    'B/d' token, cache -> cache with the token's k, v written at its index, logits
-    sampling  inside both shard_maps, on the vocab-sharded logits, in a ``lax.while_loop``
+    _prefill      'B/d L' prompt -> cache 'layers 2 B/d S K/t D' (k at [:, 0], v at [:, 1])
+                  and the last position's logits 'B/d V/t'
+    _decode_step  'B/d' token, cache -> cache with the token's k, v written at its index, logits
+    sampling      inside both shard_maps, on the vocab-sharded logits; the steps run in a
+                  ``lax.while_loop`` (:func:`_run`)
 
 Per layer and decode step the communication is the training forward's with L = 1: the
 all-gathers of every weight over d (FSDP; none when d = 1, which is why :func:`decode_mesh`
@@ -37,29 +40,60 @@ Padding never enters attention (masked keys) and each row's RoPE positions start
 first real token, so a padded row generates what it would alone (up to f32 rounding).
 """
 
+import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from seqshard import shardops
-from seqshard.data.tokenizer import Tokenizer, decode, encode_batch, eot_id
-from seqshard.mesh import AXES, mesh_from_devices
+from seqshard.mesh import AXES, mesh_of_sizes
 from seqshard.model.attention import attention, rope_tables
 from seqshard.model.config import ModelConfig
-from seqshard.model.transformer import attention_inputs, embed, final_norm, layer_output, unembed
+from seqshard.model.transformer import (
+    attention_inputs,
+    attention_output,
+    embed,
+    ffn,
+    final_norm,
+    unembed,
+)
 from seqshard.model.weights import Layer, Weights
 from seqshard.shapecheck import shape_scope
-from seqshard.shardtypes import bf16, f32, i32, shardings, typed_shard_map
+from seqshard.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
 
-__all__ = ["decode_mesh", "generate", "generate_text"]
+__all__ = ["DecodeSpec", "decode_mesh", "generate"]
 
 _CACHE_DTYPES = {"float32": f32, "bfloat16": bf16}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """What a compiled generator depends on besides array shapes (hashable: one jit per spec).
+
+    Temperature and the key are traced arguments, so every temperature > 0 and every key
+    shares one compilation; only greedy (temperature 0) is a different program.
+    """
+
+    cfg: ModelConfig
+    mesh: Mesh
+    max_new_tokens: int
+    cache_len: int  # S: the positions the cache holds, >= prompt + max_new_tokens
+    greedy: bool
+    top_k: int | None  # None when greedy: the argmax needs no threshold
+    stop_token: int | None
+    padded: bool  # some row is left-padded: the prefill mask is not plain causal
+    return_logits: bool
+
+    @property
+    def cache_type(self) -> ArrayType:
+        """The KV cache, k at [:, 0] and v at [:, 1], in the matmuls' dtype."""
+        return _CACHE_DTYPES[self.cfg.compute_dtype][b"layers 2 B/d S K/t D"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +102,7 @@ _CACHE_DTYPES = {"float32": f32, "bfloat16": bf16}
 
 def _fits(cfg: ModelConfig, d: int, t: int) -> bool:
     try:
-        cfg.check_mesh(d, t)
+        cfg.check_mesh({"d": d, "t": t})
     except ValueError:
         return False
     return True
@@ -97,7 +131,7 @@ def decode_mesh(
     t = max(t for t in range(1, n + 1) if _fits(cfg, 1, t))
     d_cap = min(batch, n // t, max_d if max_d is not None else batch)
     d = max(d for d in range(1, d_cap + 1) if batch % d == 0 and _fits(cfg, d, t))
-    return mesh_from_devices((d, t), AXES, devices)
+    return mesh_of_sizes({"d": d, "t": t}, devices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,17 +147,12 @@ def _next_logits(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
 
 
 def _sample(
-    logits: jax.Array,
-    noise: jax.Array,
-    temperature: jax.Array,
-    greedy: bool,
-    top_k: int | None,
-    vocab: int,
+    spec: DecodeSpec, logits: jax.Array, noise: jax.Array, temperature: jax.Array
 ) -> jax.Array:
     """Sample 'B/d' ids from vocab-sharded logits 'B/d V/t' without gathering the vocabulary."""
-    block = logits.shape[-1]
+    vocab, top_k, block = spec.cfg.vocab, spec.top_k, logits.shape[-1]
     scores = logits
-    if not greedy:
+    if not spec.greedy:
         if top_k is not None and top_k < vocab:
             # The k-th largest logit of the whole vocab is among the shards' own k largest.
             local_top = lax.top_k(logits, min(top_k, block))[0]
@@ -141,32 +170,99 @@ def _sample(
     return -shardops.pmax("B/d{U_t} -> B/d", neg_id)
 
 
+def _prefill_layer(
+    spec: DecodeSpec, rope, mask: jax.Array, x: jax.Array, w: Layer
+) -> tuple[jax.Array, jax.Array]:
+    """One layer on the prompt's residual 'B/d L M/t'; also its k, v '2 B/d L K/t D'."""
+    cfg = spec.cfg
+    q, k, v = attention_inputs(cfg, w, x, rope)
+    # Without padding the mask is exactly causal, which fused kernels take as is_causal.
+    attn = attention(q, k, v, mask, cfg.attention_impl, causal_only=not spec.padded)
+    return ffn(cfg, w, attention_output(cfg, w, x, attn)), jnp.stack([k, v])
+
+
+def _prefill(
+    spec: DecodeSpec,
+    w: Weights,
+    prompt: jax.Array,
+    start: jax.Array,
+    noise: jax.Array,
+    temperature: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per device: the prompt 'B/d L' (row b's first real token at start[b]) -> the first new
+    token 'B/d', its logits 'B/d V/t' and the cache 'layers 2 B/d S K/t D'."""
+    cfg = spec.cfg
+    length = prompt.shape[1]
+    index = jnp.arange(length, dtype=jnp.int32)
+    # Row b's first real token is at index start[b]: RoPE position 0 there.
+    positions = jnp.maximum(index[None, :] - start[:, None], 0)
+    rope = rope_tables(positions, cfg.d_head, cfg.rope_theta)
+    real_key = index[None, None, :] >= start[:, None, None]
+    # A padding query attends to itself only, so no softmax row is empty (fused kernels
+    # would give NaN there, and padding's k, v must stay finite: they sit in the cache).
+    diagonal = (index[:, None] == index[None, :])[None]
+    causal = (index[:, None] >= index[None, :])[None]
+    mask = causal & (real_key | diagonal)
+    x = embed(cfg, w, prompt)
+    x, kv = lax.scan(functools.partial(_prefill_layer, spec, rope, mask), x, w.layers)
+    # kv: 'layers 2 B/d L K/t D'; the cache holds S positions, the rest filled by decode.
+    kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, spec.cache_len - length), (0, 0), (0, 0)))
+    logits = _next_logits(cfg, w, x[:, -1])
+    return _sample(spec, logits, noise, temperature), logits, kv
+
+
+def _decode_layer(
+    spec: DecodeSpec, rope, mask: jax.Array, index: jax.Array, carry, xs
+) -> tuple[tuple[jax.Array, jax.Array], None]:
+    """One layer on the fed token's residual 'B/d 1 M/t', writing its k, v into the cache."""
+    cfg = spec.cfg
+    x, kv = carry
+    w, layer = xs
+    q, k, v = attention_inputs(cfg, w, x, rope)
+    # Write this token's k, v in place at cache index `index`, then read the layer's cache.
+    new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/d L K/t D', L = 1
+    zero = jnp.int32(0)
+    kv = lax.dynamic_update_slice(kv, new, (layer, zero, zero, index, zero, zero))
+    cache_k, cache_v = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
+    # One query against the cache is a matrix-vector product: plain einsum attention.
+    attn = attention(q, cache_k, cache_v, mask, "einsum", causal_only=False)
+    return (ffn(cfg, w, attention_output(cfg, w, x, attn)), kv), None
+
+
+def _decode_step(
+    spec: DecodeSpec,
+    w: Weights,
+    kv: jax.Array,
+    token: jax.Array,
+    index: jax.Array,
+    start: jax.Array,
+    noise: jax.Array,
+    temperature: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per device: feed token 'B/d' at cache index ``index`` -> the next token 'B/d', its
+    logits 'B/d V/t' and the cache 'layers 2 B/d S K/t D' holding the fed token's k, v."""
+    cfg = spec.cfg
+    rope = rope_tables((index - start)[:, None], cfg.d_head, cfg.rope_theta)
+    keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
+    # Keys from the row's first real token up to and including this one.
+    mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]
+    x = embed(cfg, w, token[:, None])
+    layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+    body = functools.partial(_decode_layer, spec, rope, mask, index)
+    (x, kv), _ = lax.scan(body, (x, kv), (w.layers, layers))
+    logits = _next_logits(cfg, w, x[:, 0])
+    return _sample(spec, logits, noise, temperature), logits, kv
+
+
 # ---------------------------------------------------------------------------------------------
-# The jitted generator, built once per (cfg, mesh, static options)
+# The shard_maps and the decode loop, jitted once per DecodeSpec
 
 
-@functools.lru_cache(maxsize=32)
-def _generator(
-    cfg: ModelConfig,
-    mesh: Mesh,
-    max_new_tokens: int,
-    cache_len: int,
-    greedy: bool,
-    top_k: int | None,
-    stop_token: int | None,
-    padded: bool,
-    return_logits: bool,
-):
-    kv_type = _CACHE_DTYPES[cfg.compute_dtype][b"layers 2 B/d S K/t D"]
-    sample = functools.partial(_sample, greedy=greedy, top_k=top_k, vocab=cfg.vocab)
+def _shard_mapped(spec: DecodeSpec) -> tuple[Callable, Callable]:
+    """:func:`_prefill` and :func:`_decode_step` as shard_maps on ``spec.mesh``, typed here
+    (the cache's dtype is the spec's)."""
+    kv_type = spec.cache_type
 
-    def prefill_layer(rope, mask, x, w: Layer):
-        q, k, v = attention_inputs(cfg, w, x, rope)
-        # Without padding the mask is exactly causal, which fused kernels take as is_causal.
-        attn = attention(q, k, v, mask, cfg.attention_impl, causal_only=not padded)
-        return layer_output(cfg, w, x, attn), jnp.stack([k, v])
-
-    @functools.partial(typed_shard_map, mesh=mesh)
     def prefill(
         w: Weights,
         prompt: i32[b"B/d L"],
@@ -174,39 +270,9 @@ def _generator(
         noise: f32[b"B/d V/t"],
         temperature: f32[()],
     ) -> tuple[i32[b"B/d"], f32[b"B/d V/t"], kv_type]:
-        length = prompt.shape[1]
-        index = jnp.arange(length, dtype=jnp.int32)
-        # Row b's first real token is at index start[b]: RoPE position 0 there.
-        positions = jnp.maximum(index[None, :] - start[:, None], 0)
-        rope = rope_tables(positions, cfg.d_head, cfg.rope_theta)
-        real_key = index[None, None, :] >= start[:, None, None]
-        # A padding query attends to itself only, so no softmax row is empty (fused kernels
-        # would give NaN there, and padding's k, v must stay finite: they sit in the cache).
-        diagonal = (index[:, None] == index[None, :])[None]
-        causal = (index[:, None] >= index[None, :])[None]
-        mask = causal & (real_key | diagonal)
-        x = embed(cfg, w, prompt)
-        x, kv = lax.scan(functools.partial(prefill_layer, rope, mask), x, w.layers)
-        # kv: 'layers 2 B/d L K/t D'; the cache holds S positions, the rest filled by decode.
-        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, cache_len - length), (0, 0), (0, 0)))
-        logits = _next_logits(cfg, w, x[:, -1])
-        return sample(logits, noise, temperature), logits, kv
+        return _prefill(spec, w, prompt, start, noise, temperature)
 
-    def decode_layer(rope, mask, index, carry, xs):
-        x, kv = carry
-        w, layer = xs
-        q, k, v = attention_inputs(cfg, w, x, rope)
-        # Write this token's k, v in place at cache index `index`, then read the layer's cache.
-        new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/d L K/t D', L = 1
-        zero = jnp.int32(0)
-        kv = lax.dynamic_update_slice(kv, new, (layer, zero, zero, index, zero, zero))
-        cache_k, cache_v = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
-        # One query against the cache is a matrix-vector product: plain einsum attention.
-        attn = attention(q, cache_k, cache_v, mask, "einsum", causal_only=False)
-        return (layer_output(cfg, w, x, attn), kv), None
-
-    @functools.partial(typed_shard_map, mesh=mesh)
-    def decode(
+    def decode_step(
         w: Weights,
         kv: kv_type,
         token: i32[b"B/d"],
@@ -215,75 +281,71 @@ def _generator(
         noise: f32[b"B/d V/t"],
         temperature: f32[()],
     ) -> tuple[i32[b"B/d"], f32[b"B/d V/t"], kv_type]:
-        rope = rope_tables((index - start)[:, None], cfg.d_head, cfg.rope_theta)
-        keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
-        # Keys from the row's first real token up to and including this one.
-        mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]
-        x = embed(cfg, w, token[:, None])
-        layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-        body = functools.partial(decode_layer, rope, mask, index)
-        (x, kv), _ = lax.scan(body, (x, kv), (w.layers, layers))
-        logits = _next_logits(cfg, w, x[:, 0])
-        return sample(logits, noise, temperature), logits, kv
+        return _decode_step(spec, w, kv, token, index, start, noise, temperature)
 
-    noise_sharding = NamedSharding(mesh, PartitionSpec("d", "t"))
+    return typed_shard_map(prefill, mesh=spec.mesh), typed_shard_map(decode_step, mesh=spec.mesh)
 
-    @jax.jit
-    def run(weights: Weights, prompt, start, key, temperature):
-        batch, length = prompt.shape
 
-        def noise(step):
-            if greedy:
-                return jnp.zeros((batch, cfg.vocab), jnp.float32)
-            g = jax.random.gumbel(jax.random.fold_in(key, step), (batch, cfg.vocab), jnp.float32)
-            return lax.with_sharding_constraint(g, noise_sharding)
+def _run(
+    spec: DecodeSpec,
+    weights: Weights,
+    prompt: jax.Array,
+    start: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Prefill, then decode steps until max_new_tokens or every row has stopped: the new tokens
+    i32[B, max_new_tokens], and their logits f32[B, max_new_tokens, V] if asked for."""
+    cfg, max_new_tokens, stop_token = spec.cfg, spec.max_new_tokens, spec.stop_token
+    prefill, decode_step = _shard_mapped(spec)
+    batch, length = prompt.shape
+    noise_sharding = shardings(f32[b"B/d V/t"], spec.mesh)
 
-        token, logits, kv = prefill(weights, prompt, start, noise(0), temperature)
-        fill = 0 if stop_token is None else stop_token
-        out = jnp.full((batch, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
-        seen = None
-        if return_logits:
-            seen = jnp.zeros((batch, max_new_tokens, cfg.vocab), jnp.float32)
-            seen = seen.at[:, 0].set(logits)
-        done = jnp.zeros((batch,), jnp.bool_) if stop_token is None else token == stop_token
+    def noise(step):
+        if spec.greedy:
+            return jnp.zeros((batch, cfg.vocab), jnp.float32)
+        g = jax.random.gumbel(jax.random.fold_in(key, step), (batch, cfg.vocab), jnp.float32)
+        return lax.with_sharding_constraint(g, noise_sharding)
 
-        def cond(state):
-            step, _, _, _, _, done = state
-            return (step < max_new_tokens) & ~jnp.all(done)
+    token, logits, kv = prefill(weights, prompt, start, noise(0), temperature)
+    fill = 0 if stop_token is None else stop_token
+    out = jnp.full((batch, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
+    seen = None
+    if spec.return_logits:
+        seen = jnp.zeros((batch, max_new_tokens, cfg.vocab), jnp.float32)
+        seen = seen.at[:, 0].set(logits)
+    done = jnp.zeros((batch,), jnp.bool_) if stop_token is None else token == stop_token
 
-        def body(state):
-            step, token, kv, out, seen, done = state
-            # new token `step - 1` goes into the cache right after the prompt and its followers.
-            index = length + step - 1
-            token, logits, kv = decode(weights, kv, token, index, start, noise(step), temperature)
-            if stop_token is not None:
-                token = jnp.where(done, stop_token, token)
-                done = done | (token == stop_token)
-            out = lax.dynamic_update_index_in_dim(out, token, step, axis=1)
-            if seen is not None:
-                seen = lax.dynamic_update_index_in_dim(seen, logits, step, axis=1)
-            return step + 1, token, kv, out, seen, done
+    def cond(state):
+        step, _, _, _, _, done = state
+        return (step < max_new_tokens) & ~jnp.all(done)
 
-        state = (jnp.int32(1), token, kv, out, seen, done)
-        _, _, _, out, seen, _ = lax.while_loop(cond, body, state)
-        return out, seen
+    def body(state):
+        step, token, kv, out, seen, done = state
+        # new token `step - 1` goes into the cache right after the prompt and its followers.
+        index = length + step - 1
+        token, logits, kv = decode_step(weights, kv, token, index, start, noise(step), temperature)
+        if stop_token is not None:
+            token = jnp.where(done, stop_token, token)
+            done = done | (token == stop_token)
+        out = lax.dynamic_update_index_in_dim(out, token, step, axis=1)
+        if seen is not None:
+            seen = lax.dynamic_update_index_in_dim(seen, logits, step, axis=1)
+        return step + 1, token, kv, out, seen, done
 
-    return run
+    state = (jnp.int32(1), token, kv, out, seen, done)
+    _, _, _, out, seen, _ = lax.while_loop(cond, body, state)
+    return out, seen
+
+
+@functools.lru_cache(maxsize=32)
+def _decoder(spec: DecodeSpec) -> Callable:
+    """The jitted :func:`_run` of one spec, built once; jit compiles it once per prompt shape."""
+    return jax.jit(functools.partial(_run, spec))
 
 
 # ---------------------------------------------------------------------------------------------
 # Checking the arguments
-
-
-def _mesh_axes(cfg: ModelConfig, mesh: Mesh) -> tuple[int, int]:
-    if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {"d", "t"}:
-        raise ValueError(
-            f"generate: mesh must be a jax.sharding.Mesh with axes ('d', 't'), got "
-            f"{getattr(mesh, 'shape', mesh)!r}. Make one with decode_mesh(batch, cfg)."
-        )
-    d, t = mesh.shape["d"], mesh.shape["t"]
-    cfg.check_mesh(d, t)
-    return d, t
 
 
 def _check_prompt(
@@ -333,36 +395,29 @@ def _check_prompt(
     return np.where(real, prompt, 0).astype(np.int32), start
 
 
-def generate(
+def _checked(
     weights: Weights,
     prompt_tokens,
     cfg: ModelConfig,
     mesh: Mesh,
     *,
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    key: jax.Array | None = None,
-    prompt_lengths: Sequence[int] | None = None,
-    max_len: int | None = None,
-    stop_token: int | None = None,
-    return_logits: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Continue each prompt by ``max_new_tokens`` tokens: i32[B, P + max_new_tokens].
-
-    ``prompt_tokens``: integer ids [B, P], each row a document from position 0. Rows shorter
-    than P are left-padded: row b's prompt is ``prompt_tokens[b, P - prompt_lengths[b]:]``
-    (padding values are ignored). The output is the prompt as given, then the new tokens.
-
-    ``temperature`` 0 is greedy (argmax); otherwise sampling from softmax(logits /
-    temperature), restricted to the ``top_k`` largest logits when given, with randomness from
-    ``key`` (the same key gives the same tokens on any mesh). ``weights`` may live on any mesh;
-    they are resharded onto ``mesh``, whose d must divide B (see :func:`decode_mesh`).
-    ``max_len`` sizes the cache (default P + max_new_tokens). With ``stop_token``, a row that
-    emits it emits only it from then on, and generation ends once every row has.
-    ``return_logits`` also returns f32[B, max_new_tokens, vocab]: each new token's logits.
-    """
-    d, _ = _mesh_axes(cfg, mesh)
+    temperature: float,
+    top_k: int | None,
+    key: jax.Array | None,
+    prompt_lengths: Sequence[int] | None,
+    max_len: int | None,
+    stop_token: int | None,
+    return_logits: bool,
+) -> tuple[DecodeSpec, np.ndarray, np.ndarray, jax.Array]:
+    """Every check of :func:`generate`'s arguments, before anything compiles: the spec, the
+    prompt i32[B, P] with padding zeroed, each row's first real index i32[B], and the key."""
+    if not isinstance(mesh, Mesh) or set(mesh.axis_names) != set(AXES):
+        raise ValueError(
+            f"generate: mesh must be a jax.sharding.Mesh with axes {AXES}, got "
+            f"{getattr(mesh, 'shape', mesh)!r}. Make one with decode_mesh(batch, cfg)."
+        )
+    cfg.check_mesh(dict(mesh.shape))
     if not isinstance(weights, Weights):
         raise TypeError(f"generate: weights must be a Weights, got {type(weights).__name__}.")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -392,7 +447,7 @@ def generate(
             f"generate: sampling (temperature={temperature}) needs a key: pass "
             f"key=jax.random.key(seed), or temperature=0 for greedy decoding."
         )
-    prompt, start = _check_prompt(prompt_tokens, prompt_lengths, cfg, d)
+    prompt, start = _check_prompt(prompt_tokens, prompt_lengths, cfg, mesh.shape["d"])
     length = prompt.shape[1]
     cache_len = length + max_new_tokens if max_len is None else max_len
     if not isinstance(cache_len, int) or length + max_new_tokens > cache_len:
@@ -401,85 +456,64 @@ def generate(
             f"a cache of {length + max_new_tokens} positions, but max_len={max_len!r}. Raise "
             f"max_len, shorten the prompt, or ask for fewer tokens."
         )
-    key = jax.random.key(0) if key is None else key
-    weights = jax.device_put(weights, shardings(Weights, mesh))
-    run = _generator(
-        cfg,
-        mesh,
-        max_new_tokens,
-        cache_len,
-        greedy,
-        None if greedy else top_k,
-        stop_token,
-        bool((start > 0).any()),
-        return_logits,
+    spec = DecodeSpec(
+        cfg=cfg,
+        mesh=mesh,
+        max_new_tokens=max_new_tokens,
+        cache_len=cache_len,
+        greedy=greedy,
+        top_k=None if greedy else top_k,
+        stop_token=stop_token,
+        padded=bool((start > 0).any()),
+        return_logits=bool(return_logits),
     )
-    new, seen = run(weights, prompt, start, key, jnp.float32(temperature))
-    tokens = jnp.concatenate([jnp.asarray(prompt_tokens).astype(jnp.int32), new], axis=1)
-    return (tokens, seen) if return_logits else tokens
+    return spec, prompt, start, jax.random.key(0) if key is None else key
 
 
-def generate_text(
+def generate(
     weights: Weights,
-    tokenizer: Tokenizer,
-    prompts: list[str],
+    prompt_tokens,
     cfg: ModelConfig,
-    mesh: Mesh | None,
+    mesh: Mesh,
     *,
     max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
-) -> list[str]:
-    """Each prompt's continuation (without the prompt), cut before its first ``<|endoftext|>``.
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    key: jax.Array | None = None,
+    prompt_lengths: Sequence[int] | None = None,
+    max_len: int | None = None,
+    stop_token: int | None = None,
+    return_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Continue each prompt by ``max_new_tokens`` tokens: i32[B, P + max_new_tokens].
 
-    Prompts are encoded and left-padded into one batch; an empty prompt is ``<|endoftext|>``
-    alone (the token before every document in the training data). ``mesh=None`` picks
-    :func:`decode_mesh`; with a mesh whose d does not divide the batch, the batch is padded
-    with copies of the first prompt, which are dropped from the result.
+    ``prompt_tokens``: integer ids [B, P], each row a document from position 0. Rows shorter
+    than P are left-padded: row b's prompt is ``prompt_tokens[b, P - prompt_lengths[b]:]``
+    (padding values are ignored). The output is the prompt as given, then the new tokens.
+
+    ``temperature`` 0 is greedy (argmax); otherwise sampling from softmax(logits /
+    temperature), restricted to the ``top_k`` largest logits when given, with randomness from
+    ``key`` (the same key gives the same tokens on any mesh). ``weights`` may live on any mesh;
+    they are resharded onto ``mesh``, whose d must divide B (see :func:`decode_mesh`).
+    ``max_len`` sizes the cache (default P + max_new_tokens). With ``stop_token``, a row that
+    emits it emits only it from then on, and generation ends once every row has.
+    ``return_logits`` also returns f32[B, max_new_tokens, vocab]: each new token's logits.
     """
-    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f"generate_text: prompts must be a list of strings, got {prompts!r}.")
-    if not prompts:
-        return []
-    if tokenizer.get_vocab_size() > cfg.vocab:
-        raise ValueError(
-            f"generate_text: the tokenizer has {tokenizer.get_vocab_size()} tokens but the model "
-            f"only {cfg.vocab} (model.vocab). Use the tokenizer the model was trained with."
-        )
-    eot = eot_id(tokenizer)
-    ids = encode_batch(tokenizer, prompts)
-    if any(not row for row in ids):
-        if eot is None:
-            raise ValueError(
-                "generate_text: an empty prompt needs the tokenizer's <|endoftext|> token to "
-                "start from, and this tokenizer has none; give every prompt some text."
-            )
-        ids = [row or [eot] for row in ids]
-    n = len(ids)
-    if mesh is None:
-        mesh = decode_mesh(n, cfg)
-    d = mesh.shape["d"] if isinstance(mesh, Mesh) and "d" in mesh.shape else 1
-    ids += [ids[0]] * (-n % d)
-    width = max(len(row) for row in ids)
-    prompt = np.zeros((len(ids), width), np.int32)
-    for b, row in enumerate(ids):
-        prompt[b, width - len(row) :] = row
-    out = generate(
+    spec, prompt, start, key = _checked(
         weights,
-        prompt,
+        prompt_tokens,
         cfg,
         mesh,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
-        key=jax.random.key(seed),
-        prompt_lengths=[len(row) for row in ids],
-        stop_token=eot,
+        key=key,
+        prompt_lengths=prompt_lengths,
+        max_len=max_len,
+        stop_token=stop_token,
+        return_logits=return_logits,
     )
-    texts = []
-    for row in np.asarray(out[:n, width:]).tolist():
-        if eot is not None and eot in row:
-            row = row[: row.index(eot)]
-        texts.append(decode(tokenizer, row))
-    return texts
+    weights = jax.device_put(weights, shardings(Weights, mesh))
+    new, seen = _decoder(spec)(weights, prompt, start, key, jnp.float32(temperature))
+    tokens = jnp.concatenate([jnp.asarray(prompt_tokens).astype(jnp.int32), new], axis=1)
+    return (tokens, seen) if return_logits else tokens

@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from seqshard import shardops
+from seqshard.batch import TokenBatch, token_batch
 from seqshard.model.attention import (
     apply_rope,
     attention,
@@ -40,13 +41,15 @@ from seqshard.model.attention import (
 from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Layer, Weights
 from seqshard.remat import explicit_activation_checkpointing, save_for_backward
-from seqshard.shardtypes import bool_, f32, i32, typed_shard_map
+from seqshard.shardtypes import f32, typed_shard_map
 
 __all__ = [
     "attention_inputs",
+    "attention_output",
+    "batch_loss_terms",
     "embed",
+    "ffn",
     "final_norm",
-    "layer_output",
     "logits_fn",
     "loss_fn",
     "loss_sum_and_count",
@@ -97,15 +100,19 @@ def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[ja
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def layer_output(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Output projection and residual, then the pre-norm SwiGLU FFN and residual: 'B/d L M/t'."""
+def attention_output(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """The output projection of attn 'B/d L Q K/t D' plus the residual x: h 'B/d L M/t'."""
     dt = jnp.dtype(cfg.compute_dtype)
     w_o = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt))
     out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
     # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
     out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
-    h = save_for_backward(x + out)
+    return x + out
 
+
+def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
+    """The pre-norm SwiGLU FFN plus the residual h: 'B/d L M/t' in compute dtype."""
+    dt = jnp.dtype(cfg.compute_dtype)
     ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
     gh = shardops.all_gather("B/d L M/t -> B/d L M", h)
     nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
@@ -126,7 +133,9 @@ def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Ar
     q, k, v = (save_for_backward(a) for a in attention_inputs(cfg, w, x, rope))
     causal_only = cfg.attention_mask == "causal"
     attn = save_for_backward(attention(q, k, v, mask, cfg.attention_impl, causal_only))
-    return layer_output(cfg, w, x, attn), None
+    # Kept, so that only the 'full' policy repeats the attention psum_scatter to rebuild h.
+    h = save_for_backward(attention_output(cfg, w, x, attn))
+    return ffn(cfg, w, h), None
 
 
 def final_norm(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
@@ -185,44 +194,36 @@ def _loss_terms(logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array) -
 
 @functools.lru_cache(maxsize=64)
 def _sharded(cfg: ModelConfig, mesh: Mesh, output: str):
-    cfg.check_mesh(mesh.shape["d"], mesh.shape["t"])
+    cfg.check_mesh(dict(mesh.shape))
 
     @functools.partial(typed_shard_map, mesh=mesh)
-    def loss_terms(w: Weights, tokens: i32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32["2"]:
-        logits = unembed(cfg, w, _final_hidden(cfg, w, tokens, is_seq_start))
-        return _loss_terms(logits, tokens, is_seq_start)
+    def loss_terms(w: Weights, batch: TokenBatch) -> f32["2"]:
+        hidden = _final_hidden(cfg, w, batch.tokens, batch.is_seq_start)
+        return _loss_terms(unembed(cfg, w, hidden), batch.tokens, batch.is_seq_start)
 
     @functools.partial(typed_shard_map, mesh=mesh)
-    def logits(
-        w: Weights, tokens: i32[b"B/d L"], is_seq_start: bool_[b"B/d L"]
-    ) -> f32[b"B/d L V/t"]:
-        return unembed(cfg, w, _final_hidden(cfg, w, tokens, is_seq_start))
+    def logits(w: Weights, batch: TokenBatch) -> f32[b"B/d L V/t"]:
+        return unembed(cfg, w, _final_hidden(cfg, w, batch.tokens, batch.is_seq_start))
 
     return {"loss_terms": loss_terms, "logits": logits}[output]
 
 
-def _inputs(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    tokens, is_seq_start = jnp.asarray(tokens), jnp.asarray(is_seq_start)
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}.")
-    if tokens.shape != is_seq_start.shape or tokens.ndim != 2:
-        raise ValueError(
-            f"tokens and is_seq_start must both be [batch, seq_len]; got {tokens.shape} and "
-            f"{is_seq_start.shape}."
-        )
-    return tokens.astype(jnp.int32), is_seq_start.astype(jnp.bool_)
+def batch_loss_terms(
+    weights: Weights, batch: TokenBatch, cfg: ModelConfig, mesh: Mesh
+) -> jax.Array:
+    """f32[2]: the summed next-token loss over ``batch`` and the number of positions counted.
+
+    Gradient accumulation adds these over microbatches and divides once, which gives exactly
+    the full-batch mean even when packed documents make counts differ between microbatches.
+    """
+    return _sharded(cfg, mesh, "loss_terms")(weights, batch)
 
 
 def loss_sum_and_count(
     weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
 ) -> jax.Array:
-    """f32[2]: the summed next-token loss over the batch and the number of positions counted.
-
-    Gradient accumulation adds these over microbatches and divides once, which gives exactly
-    the full-batch mean even when packed documents make counts differ between microbatches.
-    """
-    tokens, is_seq_start = _inputs(tokens, is_seq_start)
-    return _sharded(cfg, mesh, "loss_terms")(weights, tokens, is_seq_start)
+    """:func:`batch_loss_terms` of ``token_batch(tokens, is_seq_start)``: f32[2]."""
+    return batch_loss_terms(weights, token_batch(tokens, is_seq_start), cfg, mesh)
 
 
 def loss_fn(
@@ -241,5 +242,4 @@ def logits_fn(
     weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
 ) -> jax.Array:
     """f32['B L V']: next-token logits, sharded 'B/d L V/t' as they come out of the shard_map."""
-    tokens, is_seq_start = _inputs(tokens, is_seq_start)
-    return _sharded(cfg, mesh, "logits")(weights, tokens, is_seq_start)
+    return _sharded(cfg, mesh, "logits")(weights, token_batch(tokens, is_seq_start))

@@ -19,15 +19,31 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from seqshard.mesh import axis_sizes
 from seqshard.model.config import ModelConfig
-from seqshard.shardtypes import Array, f32, pytree_dataclass, shape_dtype_structs
+from seqshard.shardtypes import (
+    Array,
+    ArrayType,
+    f32,
+    pytree_dataclass,
+    shape_dtype_structs,
+    type_tree,
+)
 
-__all__ = ["Layer", "Weights", "init_weights", "param_count", "weight_structs"]
+__all__ = [
+    "Layer",
+    "Weights",
+    "check_weights_split",
+    "init_weights",
+    "param_count",
+    "weight_structs",
+]
 
 
 @pytree_dataclass
@@ -57,8 +73,31 @@ class Weights:
 def weight_structs(cfg: ModelConfig, mesh: Mesh | None = None) -> Weights:
     """``jax.ShapeDtypeStruct`` per weight, sharded on ``mesh`` when given (orbax restore, eval_shape)."""
     if mesh is not None:
-        cfg.check_mesh(mesh.shape["d"], mesh.shape["t"])
+        cfg.check_mesh(dict(mesh.shape))
     return shape_dtype_structs(Weights, cfg.dim_sizes(), mesh)
+
+
+def check_weights_split(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
+    """Raise ValueError if a weight dimension is not divisible by the mesh axes its type splits
+    it over: ``embed: 'vocab/t d_model/d'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
+
+    Dimensions are named after config fields, so the message names the field to change."""
+    sizes, mesh = cfg.dim_sizes(), axis_sizes(mesh_sizes)
+    where = " x ".join(f"{a}={n}" for a, n in mesh.items())
+    leaves = jax.tree_util.tree_flatten_with_path(
+        type_tree(Weights), is_leaf=lambda x: isinstance(x, ArrayType)
+    )[0]
+    for path, t in leaves:
+        for dim in t.shape.dims:
+            n = math.prod(mesh[a] for a in dim.axes)
+            if dim.label in sizes and sizes[dim.label] % n:
+                name = jax.tree_util.keystr(path).lstrip(".")
+                raise ValueError(
+                    f"model.{dim.label}={sizes[dim.label]} is not divisible by mesh axis "
+                    f"{'*'.join(dim.axes)} = {n} on a {where} mesh ({name} is {t!r}: "
+                    f"{dim.label} is split over {'/'.join(dim.axes)}). Choose model.{dim.label} "
+                    f"divisible by {n}, or another mesh."
+                )
 
 
 def _init_stds(cfg: ModelConfig) -> Weights:

@@ -23,13 +23,14 @@ from typing import Any
 import jax
 import optax
 import orbax.checkpoint as ocp
-import yaml
 from jax.sharding import Mesh
 
-from seqshard.config import Config, config_to_yaml
+from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yaml
+from seqshard.model.config import DIM_FIELDS
+from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import TrainState, train_state_structs
 
-__all__ = ["CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "latest_state"]
 
 
 class CheckpointError(ValueError):
@@ -140,21 +141,29 @@ class Checkpointer:
 
 def _check_same_model(meta: dict[str, Any], cfg: Config, where: Path) -> None:
     """Refuse, with the differing fields, a checkpoint saved for another model shape."""
+    if not isinstance(meta.get("config"), str):
+        raise CheckpointError(f"checkpoint {where} has no readable config in its metadata.")
     try:
-        saved = yaml.safe_load(meta["config"])["model"]
-    except (KeyError, TypeError, yaml.YAMLError):
-        raise CheckpointError(
-            f"checkpoint {where} has no readable config in its metadata."
-        ) from None
-    current = dataclasses.asdict(cfg.model)
-    shape_fields = ("vocab", "d_model", "n_layers", "n_q_per_kv", "n_kv", "d_head", "d_ff")
+        saved = config_from_yaml(meta["config"], f"checkpoint {where} metadata").model.dim_sizes()
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    current = cfg.model.dim_sizes()
     diff = [
-        f"model.{k}: checkpoint {saved.get(k)!r}, config {current[k]!r}"
-        for k in shape_fields
-        if saved.get(k) != current[k]
+        f"model.{DIM_FIELDS[dim]}: checkpoint {saved[dim]!r}, config {current[dim]!r}"
+        for dim in current
+        if saved[dim] != current[dim]
     ]
     if diff:
         raise CheckpointError(
             f"checkpoint {where} was saved for another model shape ({'; '.join(diff)}). Use the "
             f"run's own config (RUN_DIR/config.yaml) or start a new run (run.name=...)."
         )
+
+
+def latest_state(run_dir: str | Path, cfg: Config, mesh: Mesh) -> TrainState:
+    """The train state of ``run_dir``'s latest checkpoint, restored onto ``mesh``."""
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints")
+    try:
+        return ckpt.restore(cfg, mesh, make_optimizer(cfg.train)).state
+    finally:
+        ckpt.close()

@@ -3,7 +3,8 @@
     result = train(load_config("configs/tiny-cpu.yaml"))
 
 A run lives in ``<run.dir>/<run.name>``: ``config.yaml`` (the resolved config), ``metrics.jsonl``,
-``tb/`` (TensorBoard), ``checkpoints/<step>``. Training on a directory that holds checkpoints
+``tb/`` (TensorBoard), ``checkpoints/<step>``, and ``run.json`` (the resolved data directory it
+trains on, so ``seqshard eval`` and ``generate`` find it from anywhere). Training on a directory that holds checkpoints
 resumes from the latest one, exactly (same batches, same state), on any mesh. SIGTERM or
 Ctrl-C finishes the current step, writes a checkpoint, and returns cleanly.
 """
@@ -11,28 +12,41 @@ Ctrl-C finishes the current step, writes a checkpoint, and returns cleanly.
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
-import yaml
+import optax
+from jax.sharding import Mesh
 
-from seqshard.config import Config, ConfigError, TrainConfig, config_to_yaml
+from seqshard.batch import TokenBatch
+from seqshard.config import (
+    Config,
+    ConfigError,
+    TrainConfig,
+    config_changes,
+    config_from_yaml,
+    config_to_yaml,
+    read_run_config,
+)
 from seqshard.data import Loader, prepare, read_meta
 from seqshard.flops import flops_per_token
 from seqshard.hardware import peak_flops
 from seqshard.mesh import training_mesh
+from seqshard.model.weights import Weights
 from seqshard.train.checkpoint import Checkpointer
 from seqshard.train.metrics import MetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
 from seqshard.train.state import TrainState, init_train_state
 from seqshard.train.step import make_eval_step, make_train_step
 
-__all__ = ["TrainResult", "ensure_data", "evaluate", "run_dir_of", "train"]
+__all__ = ["RUN_INFO", "TrainResult", "ensure_data", "evaluate", "run_dir_of", "train"]
 
 # Train-config keys that may change between a run and its resumption; anything else changing
 # means another experiment, which must not write into this run's directory.
@@ -50,16 +64,38 @@ _RESUMABLE_CHANGES = {
 }
 
 
+RUN_INFO = "run.json"
+"""A run directory's record of where its inputs are: ``{"data_dir": "/abs/path"}``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
+    """What one call of :func:`train` did."""
+
     run_dir: Path
-    step: int
-    train_loss: float
-    val_loss: float | None
-    tokens_per_s: float
+    step: int  # the step the run is at now
+    train_loss: float | None  # the last logged train loss; None when no step ran
+    val_loss: float | None  # the last validation loss
+    tokens_per_s: float  # over the last logging window (0 when no step ran)
     mfu: float
-    wall_s: float
-    interrupted: bool
+    wall_s: float  # of this call, start-up included
+    interrupted: bool = False  # SIGTERM / Ctrl-C stopped it before train.steps
+    already_finished: bool = False  # the run was at train.steps already: nothing trained
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What one call of :func:`train` works with, set up before the first step."""
+
+    cfg: Config
+    run_dir: Path
+    data_dir: Path
+    mesh: Mesh
+    opt: optax.GradientTransformation
+    ckpt: Checkpointer
+    log: Callable[[str], None]
+    tty: bool | None
+    started: float  # time.perf_counter() when train was called
 
 
 def run_dir_of(cfg: Config) -> Path:
@@ -91,17 +127,6 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Path:
     return data_dir
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def _has_checkpoint(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a finished checkpoint (orbax names those by their step alone)."""
     ckpts = run_dir / "checkpoints"
@@ -113,24 +138,29 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
 
     A run directory without a finished checkpoint (a run that failed before saving) is fresh:
     nothing in it would be lost, so it does not hold its old config against a new one."""
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.exists() or not _has_checkpoint(run_dir):
+    if not (run_dir / "config.yaml").exists() or not _has_checkpoint(run_dir):
         return False
-    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
-    current = _flatten(yaml.safe_load(config_to_yaml(cfg)))
+    changes = config_changes(read_run_config(run_dir), cfg)
     diff = [
-        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
-        for k in sorted(set(saved) | set(current))
-        if saved.get(k) != current.get(k)
-        and k.split(".")[0] not in _RESUMABLE_CHANGES
-        and k not in _RESUMABLE_CHANGES
+        f"{k}: {old!r} -> {new!r}"
+        for k, (old, new) in changes.items()
+        if k.split(".")[0] not in _RESUMABLE_CHANGES and k not in _RESUMABLE_CHANGES
     ]
     if diff:
         raise ConfigError(
             f"{run_dir} holds a run of another config ({'; '.join(diff)}). Choose another "
-            f"run.name, resume with its own config ({saved_path}), or delete the directory."
+            f"run.name, resume with its own config ({run_dir / 'config.yaml'}), or delete the "
+            f"directory."
         )
     return True
+
+
+def _write_run_files(run_dir: Path, cfg: Config, data_dir: Path) -> None:
+    """The resolved config, and the resolved data directory the run trains on."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    info = {"data_dir": str(data_dir.resolve())}
+    (run_dir / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
 class _StopOnSignal:
@@ -158,160 +188,195 @@ class _StopOnSignal:
             signal.signal(sig, handler)
 
 
-def _schedule_change(meta: dict, t: TrainConfig, step: int) -> str | None:
+def _schedule_change(saved: TrainConfig, train_cfg: TrainConfig, step: int) -> str | None:
     """A note when ``train.steps`` changed since the checkpoint: the lr schedule is a function
     of ``train.steps`` (cosine or WSD), so the resumed run continues on the new schedule, and
     the learning rate at ``step`` changes (a WSD run extended from its stable phase keeps
     ``lr``; a finished cosine run goes back up)."""
-    saved_steps = (yaml.safe_load(meta.get("config") or "") or {}).get("train", {}).get("steps")
-    if not isinstance(saved_steps, int) or saved_steps == t.steps:
+    if saved.steps == train_cfg.steps:
         return None
-    before = float(lr_schedule(dataclasses.replace(t, steps=saved_steps))(step))
-    after = float(lr_schedule(t)(step))
+    before = float(lr_schedule(dataclasses.replace(train_cfg, steps=saved.steps))(step))
+    after = float(lr_schedule(train_cfg)(step))
     return (
-        f"train.steps changed {saved_steps} -> {t.steps}: the {t.schedule} lr schedule now spans "
-        f"{t.steps} steps; lr at step {step}: {before:.3g} -> {after:.3g}"
+        f"train.steps changed {saved.steps} -> {train_cfg.steps}: the {train_cfg.schedule} lr schedule now spans "
+        f"{train_cfg.steps} steps; lr at step {step}: {before:.3g} -> {after:.3g}"
     )
 
 
-def evaluate(eval_step, weights, batches) -> float:
+def evaluate(eval_step, weights: Weights, batches: Iterable[TokenBatch]) -> float:
     """Mean next-token loss over ``batches`` (summed losses over summed counts)."""
-    totals = sum(
-        np.asarray(eval_step(weights, b.tokens, b.is_seq_start), np.float64) for b in batches
-    )
+    totals = sum(np.asarray(eval_step(weights, b), np.float64) for b in batches)
     return float(totals[0] / max(totals[1], 1.0))
+
+
+class _Throughput:
+    """Tokens/s and MFU over a window of steps: the steps since the last log line."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: int, peak: float):
+        self.tokens_per_step, self.flops_per_token, self.peak = (
+            tokens_per_step,
+            flops_per_token,
+            peak,
+        )
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def take(self) -> dict[str, float]:
+        """The window's figures (none for an empty window), and a new window."""
+        elapsed, steps = self.elapsed(), self.steps
+        self.restart()
+        if not steps:
+            return {}
+        tokens_per_s = steps * self.tokens_per_step / elapsed
+        return {
+            "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak,
+            "step_time_s": elapsed / steps,
+        }
+
+
+def _every(interval: int, step: int) -> bool:
+    """Whether a periodic action (interval 0: never) falls on ``step``."""
+    return bool(interval) and step % interval == 0
 
 
 def train(
     cfg: Config, *, log: Callable[[str], None] = print, tty: bool | None = None
 ) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; returns its final figures."""
-    wall_start = time.perf_counter()
-    run_dir, t = run_dir_of(cfg), cfg.train
+    started = time.perf_counter()
+    run_dir = run_dir_of(cfg)
     # Everything that can fail on bad input is checked before the run directory is written.
     resuming = _check_run_dir(run_dir, cfg)
     data_dir = ensure_data(cfg, log)
-    mesh = training_mesh(cfg.mesh)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-
-    opt = make_optimizer(cfg.train)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=t.keep_checkpoints)
+    mesh = training_mesh(cfg.mesh.sizes())
+    _write_run_files(run_dir, cfg, data_dir)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
     try:
-        return _train(cfg, run_dir, data_dir, mesh, opt, ckpt, resuming, log, tty, wall_start)
+        opt = make_optimizer(cfg.train)
+        run = _Run(cfg, run_dir, data_dir, mesh, opt, ckpt, log, tty, started)
+        state, start, meta = _initial_state(run, resuming)
+        loader = Loader(
+            data_dir,
+            "train",
+            batch_size=cfg.train.batch_size,
+            seq_len=cfg.train.seq_len,
+            mesh=mesh,
+            seed=cfg.data.seed,
+            vocab=cfg.model.vocab,
+            start_step=start,
+        )
+        with loader:
+            if meta is not None:
+                loader.check_state(meta["loader"])
+            eval_batches = list(loader.eval_batches(cfg.train.eval_batches))
+            eval_step = make_eval_step(cfg, mesh)
+            validate = lambda weights: evaluate(eval_step, weights, eval_batches)  # noqa: E731
+            if start >= cfg.train.steps:
+                loader.close()
+                return _finished_already(run, state, start, validate)
+            return _train_steps(run, state, start, loader, validate)
     finally:
         ckpt.close()
 
 
-def _train(cfg, run_dir, data_dir, mesh, opt, ckpt, resuming, log, tty, wall_start) -> TrainResult:
-    t = cfg.train
-    if resuming:
-        restored = ckpt.restore(cfg, mesh, opt)
-        state, start = restored.state, int(jax.device_get(restored.state.step))
-        log(f"resuming {run_dir} at step {start} on mesh d={cfg.mesh.d} x t={cfg.mesh.t}")
-        note = _schedule_change(restored.meta, t, start)
-        if note:
-            log(note)
-    else:
-        restored, start = None, 0
-        state = init_train_state(cfg.model, mesh, opt, jax.random.key(t.seed))
-        log(f"starting {run_dir} on mesh d={cfg.mesh.d} x t={cfg.mesh.t}")
+def _initial_state(run: _Run, resuming: bool) -> tuple[TrainState, int, dict[str, Any] | None]:
+    """(state, its step, the checkpoint's metadata or None): restored, or freshly initialized."""
+    cfg = run.cfg
+    if not resuming:
+        state = init_train_state(cfg.model, run.mesh, run.opt, jax.random.key(cfg.train.seed))
+        run.log(f"starting {run.run_dir} on mesh {run.cfg.mesh.describe()}")
+        return state, 0, None
+    restored = run.ckpt.restore(cfg, run.mesh, run.opt)
+    start = int(jax.device_get(restored.state.step))
+    run.log(f"resuming {run.run_dir} at step {start} on mesh {run.cfg.mesh.describe()}")
+    saved = config_from_yaml(restored.meta["config"], f"checkpoint {start} metadata")
+    note = _schedule_change(saved.train, cfg.train, start)
+    if note:
+        run.log(note)
+    return restored.state, start, restored.meta
 
-    loader = Loader(
-        data_dir,
-        "train",
-        batch_size=t.batch_size,
-        seq_len=t.seq_len,
-        mesh=mesh,
-        seed=cfg.data.seed,
-        vocab=cfg.model.vocab,
-        start_step=start,
+
+def _finished_already(run: _Run, state: TrainState, step: int, validate) -> TrainResult:
+    val_loss = validate(state.weights)
+    run.log(
+        f"{run.run_dir} is already at step {step} of train.steps={run.cfg.train.steps}: "
+        f"nothing to train"
     )
-    if restored is not None:
-        loader.check_state(restored.meta["loader"])
-    eval_batches = list(loader.eval_batches(t.eval_batches))
-    eval_step = make_eval_step(cfg, mesh)
-    if start >= t.steps:
-        loader.close()
-        val_loss = evaluate(eval_step, state.weights, eval_batches)
-        log(f"{run_dir} is already at step {start} of train.steps={t.steps}: nothing to train")
-        return TrainResult(
-            run_dir,
-            start,
-            float("nan"),
-            val_loss,
-            0.0,
-            0.0,
-            time.perf_counter() - wall_start,
-            False,
-        )
-    step_fn = make_train_step(cfg, mesh, opt)
-    n_devices = cfg.mesh.d * cfg.mesh.t
-    peak = t.peak_flops * n_devices if t.peak_flops > 0 else peak_flops(n_devices)
-    step_flops = flops_per_token(cfg.model, t.seq_len).total
-    tokens_per_step = t.batch_size * t.seq_len
+    return TrainResult(
+        run_dir=run.run_dir,
+        step=step,
+        train_loss=None,
+        val_loss=val_loss,
+        tokens_per_s=0.0,
+        mfu=0.0,
+        wall_s=time.perf_counter() - run.started,
+        already_finished=True,
+    )
 
-    metrics_log = MetricsLogger(run_dir, total_steps=t.steps, start_step=start, tty=tty)
+
+def _train_steps(run: _Run, state: TrainState, start: int, loader: Loader, validate) -> TrainResult:
+    """Steps ``start + 1 .. train.steps``: log, evaluate and checkpoint on their intervals."""
+    cfg, train_cfg = run.cfg, run.cfg.train
+    step_fn = make_train_step(cfg, run.mesh, run.opt)
+    n_devices = cfg.mesh.n_devices
+    peak = train_cfg.peak_flops * n_devices if train_cfg.peak_flops > 0 else peak_flops(n_devices)
+    window = _Throughput(
+        train_cfg.batch_size * train_cfg.seq_len,
+        flops_per_token(cfg.model, train_cfg.seq_len).total,
+        peak,
+    )
+    metrics_log = MetricsLogger(
+        run.run_dir, total_steps=train_cfg.steps, start_step=start, tty=run.tty
+    )
     metrics_log.truncate_after(start)
-    step, loss, val_loss, tokens_per_s, mfu = start, float("nan"), None, 0.0, 0.0
+    step, loss, val_loss, figures = start, None, None, {"tokens_per_s": 0.0, "mfu": 0.0}
     try:
-        with _StopOnSignal(metrics_log.message) as stop, loader:
-            window_start, window_steps = time.perf_counter(), 0
-            for step in range(start + 1, t.steps + 1):
-                batch = next(loader)
-                state, metrics = step_fn(state, batch.tokens, batch.is_seq_start)
-                window_steps += 1
+        with _StopOnSignal(metrics_log.message) as stop:
+            window.restart()
+            for step in range(start + 1, train_cfg.steps + 1):
+                state, metrics = step_fn(state, next(loader))
+                window.steps += 1
                 if step == start + 1:  # the first step compiles: keep it out of the throughput
                     jax.block_until_ready(metrics)
                     metrics_log.message(
-                        f"compiled and ran the first step in {time.perf_counter() - window_start:.1f} s"
+                        f"compiled and ran the first step in {window.elapsed():.1f} s"
                     )
-                    window_start, window_steps = time.perf_counter(), 0
+                    window.restart()
                 # Read the flag once: a signal that lands after this (while logging, say)
                 # stops after the next step, which then saves; breaking on it here would
                 # stop without a checkpoint.
                 stopping = stop.requested
-                last = step == t.steps or stopping
-                evaluate_now = last or (t.eval_every and step % t.eval_every == 0)
-                if step % t.log_every == 0 or evaluate_now:
+                last = step == train_cfg.steps or stopping
+                evaluate_now = last or _every(train_cfg.eval_every, step)
+                if _every(train_cfg.log_every, step) or evaluate_now:
                     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    elapsed = time.perf_counter() - window_start
-                    if window_steps:
-                        tokens_per_s = window_steps * tokens_per_step / elapsed
-                        mfu = tokens_per_s * step_flops / peak
-                        values.update(
-                            tokens_per_s=tokens_per_s, mfu=mfu, step_time_s=elapsed / window_steps
-                        )
+                    window_figures = window.take()
+                    values.update(window_figures)
+                    figures.update(window_figures)
                     if evaluate_now:
-                        val_loss = values["val_loss"] = evaluate(
-                            eval_step, state.weights, eval_batches
-                        )
+                        val_loss = values["val_loss"] = validate(state.weights)
                     loss = values["loss"]
                     metrics_log.log(step, values)
-                    window_start, window_steps = time.perf_counter(), 0
-                if last or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                    ckpt.save(state, cfg, loader.state())
+                if last or _every(train_cfg.checkpoint_every, step):
+                    run.ckpt.save(state, cfg, loader.state())
                 if stopping:
                     break
-            interrupted = stop.requested and step < t.steps
+            interrupted = stop.requested and step < train_cfg.steps
     finally:
         metrics_log.close()
     return TrainResult(
-        run_dir,
-        step,
-        loss,
-        val_loss,
-        tokens_per_s,
-        mfu,
-        time.perf_counter() - wall_start,
-        interrupted,
+        run_dir=run.run_dir,
+        step=step,
+        train_loss=loss,
+        val_loss=val_loss,
+        tokens_per_s=figures["tokens_per_s"],
+        mfu=figures["mfu"],
+        wall_s=time.perf_counter() - run.started,
+        interrupted=interrupted,
     )
-
-
-def latest_weights(run_dir: str | Path, cfg: Config, mesh) -> TrainState:
-    """The latest checkpoint's train state of ``run_dir``, restored onto ``mesh``."""
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints")
-    try:
-        return ckpt.restore(cfg, mesh, make_optimizer(cfg.train)).state
-    finally:
-        ckpt.close()

@@ -15,23 +15,27 @@ from seqshard.model.weights import Layer, Weights
 __all__ = ["decay_mask", "lr_schedule", "make_optimizer"]
 
 
-def lr_schedule(t: TrainConfig) -> optax.Schedule:
+def lr_schedule(train_cfg: TrainConfig) -> optax.Schedule:
     """Linear warmup from 0 to ``lr``, then cosine to ``lr * min_lr_ratio`` at ``steps``, or
     (``wsd``) constant ``lr`` until the last ``decay_fraction`` of steps, decayed linearly."""
-    end = t.lr * t.min_lr_ratio
-    if t.schedule == "cosine":
+    end = train_cfg.lr * train_cfg.min_lr_ratio
+    if train_cfg.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
-            0.0, t.lr, t.warmup_steps, max(t.steps, t.warmup_steps + 1), end
+            0.0,
+            train_cfg.lr,
+            train_cfg.warmup_steps,
+            max(train_cfg.steps, train_cfg.warmup_steps + 1),
+            end,
         )
-    decay_steps = max(1, round(t.steps * t.decay_fraction))
-    stable_steps = max(0, t.steps - t.warmup_steps - decay_steps)
+    decay_steps = max(1, round(train_cfg.steps * train_cfg.decay_fraction))
+    stable_steps = max(0, train_cfg.steps - train_cfg.warmup_steps - decay_steps)
     return optax.join_schedules(
         [
-            optax.linear_schedule(0.0, t.lr, max(t.warmup_steps, 1)),
-            optax.constant_schedule(t.lr),
-            optax.linear_schedule(t.lr, end, decay_steps),
+            optax.linear_schedule(0.0, train_cfg.lr, max(train_cfg.warmup_steps, 1)),
+            optax.constant_schedule(train_cfg.lr),
+            optax.linear_schedule(train_cfg.lr, end, decay_steps),
         ],
-        boundaries=[t.warmup_steps, t.warmup_steps + stable_steps],
+        boundaries=[train_cfg.warmup_steps, train_cfg.warmup_steps + stable_steps],
     )
 
 
@@ -42,16 +46,16 @@ def decay_mask(weights: Weights) -> Weights:
     return Weights(embed=mask.embed, layers=layers, final_norm=False, unembed=mask.unembed)
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
     """clip_by_global_norm (unless ``grad_clip`` is 0), then AdamW with :func:`decay_mask`."""
     adamw = optax.adamw(
-        lr_schedule(t),
-        b1=t.beta1,
-        b2=t.beta2,
-        eps=t.eps,
-        weight_decay=t.weight_decay,
+        lr_schedule(train_cfg),
+        b1=train_cfg.beta1,
+        b2=train_cfg.beta2,
+        eps=train_cfg.eps,
+        weight_decay=train_cfg.weight_decay,
         mask=decay_mask,
     )
-    if t.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw)
+    if train_cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adamw)
     return adamw

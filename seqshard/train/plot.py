@@ -7,16 +7,14 @@ labelled by the run dir's name. The figure is rendered with matplotlib's Agg can
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from seqshard.train.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["plot_main", "plot_runs"]
+__all__ = ["plot_runs"]
 
 
 def plot_runs(
@@ -60,34 +58,6 @@ def plot_runs(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, format="png")
     return out_path
-
-
-def plot_main(argv: Sequence[str] | None = None) -> int:
-    """``seqshard plot`` entry: prints the PNG's path; returns 0, or 2 on a usage/data error."""
-    parser = argparse.ArgumentParser(
-        prog="seqshard plot",
-        description=(
-            f"Plot train loss (lines) and val loss (markers) vs step from each RUN_DIR/"
-            f"{METRICS_FILE}. One run is written to RUN_DIR/loss.png, several to "
-            f"./loss_compare.png, unless --out is given."
-        ),
-        epilog="example: seqshard plot runs/small runs/small_lr2x --out compare.png",
-    )
-    parser.add_argument(
-        "run_dirs", nargs="+", metavar="RUN_DIR", help=f"a training run dir holding {METRICS_FILE}"
-    )
-    parser.add_argument("--out", type=Path, metavar="PATH", help="where to write the PNG")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help exits 0, usage errors 2; return them instead of exiting
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        out = plot_runs(args.run_dirs, args.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"seqshard plot: error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
 
 
 def _loss_curves(run_dir: Path) -> tuple[tuple[list[int], list[float]], ...]:

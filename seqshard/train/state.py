@@ -10,11 +10,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Weights, init_weights, weight_structs
-from seqshard.shardtypes import pytree_dataclass
+from seqshard.shardtypes import i32, pytree_dataclass, shape_dtype_structs
 
 __all__ = ["TrainState", "init_train_state", "train_state_structs"]
 
@@ -34,16 +34,18 @@ def train_state_structs(
     ``jax.eval_shape(opt.init, ...)`` drops shardings, so they are put back from the weights'.
     """
     weights = weight_structs(cfg, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    step = shape_dtype_structs(i32[()], {}, mesh)  # a replicated scalar
     abstract = jax.eval_shape(opt.init, weights)
     opt_state = optax.tree_map_params(
         opt,
         lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w.sharding),
         abstract,
         weights,
-        transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+        # Counts and other scalars: replicated, like the step.
+        transform_non_params=lambda s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=step.sharding
+        ),
     )
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     return TrainState(step=step, weights=weights, opt_state=opt_state)
 
 

@@ -17,54 +17,48 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
+from seqshard.batch import TokenBatch, split_microbatches
 from seqshard.config import Config
-from seqshard.model.transformer import loss_sum_and_count
+from seqshard.model.transformer import batch_loss_terms
 from seqshard.model.weights import Weights
+from seqshard.shardtypes import shardings
 from seqshard.train.optimizer import lr_schedule
 from seqshard.train.state import TrainState, shardings_of, train_state_structs
 
-__all__ = ["grads_and_loss", "make_eval_step", "make_train_step"]
+__all__ = ["LossTerms", "grads_and_loss", "make_eval_step", "make_train_step"]
 
 
-LossTerms = Callable[[Weights, jax.Array, jax.Array], jax.Array]
-"""``(weights, tokens, is_seq_start) -> f32[2]``: the summed loss and the positions counted."""
+LossTerms = Callable[[Weights, TokenBatch], jax.Array]
+"""``(weights, batch) -> f32[2]``: the summed next-token loss and the positions counted."""
 
 
 def grads_and_loss(
     weights: Weights,
-    tokens: jax.Array,
-    is_seq_start: jax.Array,
+    batch: TokenBatch,
     cfg: Config,
     mesh: Mesh,
     loss_terms: LossTerms | None = None,
 ) -> tuple[Weights, jax.Array, jax.Array]:
-    """(mean gradient, mean loss, positions counted) over ``microbatches`` slices of the batch.
+    """(mean gradient, mean loss, positions counted) over ``train.microbatches`` slices.
 
-    ``loss_terms`` defaults to the sharded model's :func:`loss_sum_and_count`."""
+    ``loss_terms`` defaults to the sharded model's :func:`batch_loss_terms`."""
     k = cfg.train.microbatches
     if loss_terms is None:
-        loss_terms = functools.partial(loss_sum_and_count, cfg=cfg.model, mesh=mesh)
+        loss_terms = functools.partial(batch_loss_terms, cfg=cfg.model, mesh=mesh)
 
-    def summed(w, tok, start):
-        total, count = loss_terms(w, tok, start)
+    def summed(w, b):
+        total, count = loss_terms(w, b)
         return total, count  # differentiate the sum; carry the count along
 
     grad_of_sum = jax.value_and_grad(summed, has_aux=True)
     if k == 1:
-        (total, count), grads = grad_of_sum(weights, tokens, is_seq_start)
+        (total, count), grads = grad_of_sum(weights, batch)
     else:
-        batch, length = tokens.shape
-        micro = NamedSharding(mesh, PartitionSpec(None, "d", None))
 
-        def split(x):
-            # Row i of the batch goes to microbatch i % k: a device's rows stay on it.
-            x = jnp.swapaxes(x.reshape(batch // k, k, length), 0, 1)
-            return jax.lax.with_sharding_constraint(x, micro)
-
-        def accumulate(acc, mb):
-            (total, count), grads = grad_of_sum(weights, *mb)
+        def accumulate(acc, micro: TokenBatch):
+            (total, count), grads = grad_of_sum(weights, micro)
             acc_total, acc_count, acc_grads = acc
             return (
                 acc_total + total,
@@ -73,9 +67,8 @@ def grads_and_loss(
             ), None
 
         zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, weights))
-        total, count, grads = jax.lax.scan(accumulate, zeros, (split(tokens), split(is_seq_start)))[
-            0
-        ]
+        micro = split_microbatches(batch, k, mesh)
+        (total, count, grads), _ = jax.lax.scan(accumulate, zeros, micro)
     count = jnp.maximum(count, 1.0)
     return jax.tree.map(lambda g: g / count, grads), total / count, count
 
@@ -83,17 +76,14 @@ def grads_and_loss(
 def make_train_step(
     cfg: Config, mesh: Mesh, opt: optax.GradientTransformation, loss_terms: LossTerms | None = None
 ):
-    """``step(state, tokens, is_seq_start) -> (state, metrics)``, jitted once, state donated.
+    """``step(state, batch) -> (state, metrics)``, jitted once, state donated.
 
     ``loss_terms`` swaps the model (the benchmark's plain-jit baseline uses the same step)."""
     schedule = lr_schedule(cfg.train)
     state_shardings = shardings_of(train_state_structs(cfg.model, mesh, opt))
-    batch_sharding = NamedSharding(mesh, PartitionSpec("d", None))
 
-    def step(state: TrainState, tokens: jax.Array, is_seq_start: jax.Array):
-        grads, loss, count = grads_and_loss(
-            state.weights, tokens, is_seq_start, cfg, mesh, loss_terms
-        )
+    def step(state: TrainState, batch: TokenBatch):
+        grads, loss, count = grads_and_loss(state.weights, batch, cfg, mesh, loss_terms)
         updates, opt_state = opt.update(grads, state.opt_state, state.weights)
         weights = optax.apply_updates(state.weights, updates)
         metrics = {
@@ -106,12 +96,12 @@ def make_train_step(
 
     return jax.jit(
         step,
-        in_shardings=(state_shardings, batch_sharding, batch_sharding),
+        in_shardings=(state_shardings, shardings(TokenBatch, mesh)),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
     )
 
 
 def make_eval_step(cfg: Config, mesh: Mesh):
-    """``eval(weights, tokens, is_seq_start) -> f32[2]`` (summed loss, positions counted)."""
-    return jax.jit(functools.partial(loss_sum_and_count, cfg=cfg.model, mesh=mesh))
+    """``eval(weights, batch) -> f32[2]`` (summed loss, positions counted)."""
+    return jax.jit(functools.partial(batch_loss_terms, cfg=cfg.model, mesh=mesh))

@@ -1,0 +1,74 @@
+"""The batch, declared in the notation like any weight: ``TokenBatch``.
+
+    @pytree_dataclass
+    class TokenBatch:
+        tokens: i32[b'B/d L']            # packed token ids: rows split over d
+        is_seq_start: bool_[b'B/d L']    # True at the first token of each packed document
+
+Every batch sharding comes from these types: the loader's arrays
+(``shardings(TokenBatch, mesh)``), the train and eval steps' in_shardings, the model's
+shard_map in_specs, ``seqshard show``'s abstract inputs (:func:`batch_structs`), and the
+gradient-accumulation split (:func:`split_microbatches`, typed
+``Array['microbatches', TokenBatch]``: ``'microbatches B/d L'``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from seqshard.shardtypes import Array, bool_, i32, pytree_dataclass, shape_dtype_structs, shardings
+
+__all__ = ["TokenBatch", "batch_structs", "split_microbatches", "token_batch"]
+
+
+@pytree_dataclass
+class TokenBatch:
+    """One global batch of packed rows, ``[B, L]`` each, rows split over d."""
+
+    tokens: i32[b"B/d L"]
+    is_seq_start: bool_[b"B/d L"]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+
+def token_batch(tokens, is_seq_start) -> TokenBatch:
+    """A TokenBatch from any arrays of ids and starts (cast to int32 and bool), checked.
+
+    Raises TypeError for non-integer ids and ValueError for shapes that are not one [B, L]."""
+    tokens, is_seq_start = jnp.asarray(tokens), jnp.asarray(is_seq_start)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}.")
+    if tokens.shape != is_seq_start.shape or tokens.ndim != 2:
+        raise ValueError(
+            f"tokens and is_seq_start must both be [batch, seq_len]; got {tokens.shape} and "
+            f"{is_seq_start.shape}."
+        )
+    return TokenBatch(tokens=tokens.astype(jnp.int32), is_seq_start=is_seq_start.astype(jnp.bool_))
+
+
+def batch_structs(batch_size: int, seq_len: int, mesh: Mesh | None = None) -> TokenBatch:
+    """``jax.ShapeDtypeStruct`` of each field, sharded as the types say on ``mesh`` (for lowering
+    a step without data, e.g. ``seqshard show``)."""
+    return shape_dtype_structs(TokenBatch, {"B": batch_size, "L": seq_len}, mesh)
+
+
+def split_microbatches(batch: TokenBatch, k: int, mesh: Mesh) -> TokenBatch:
+    """``'B/d L'`` -> ``'microbatches B/d L'``: row i goes to microbatch i % k.
+
+    Each device's block of ``B/d`` rows already holds its share of every microbatch (rows
+    i, i+k, ... of a block stay on it), so with the layout pinned to the stacked type's
+    sharding the split moves no data."""
+    rows, length = batch.shape
+    if rows % k:
+        raise ValueError(f"a batch of {rows} rows does not split into {k} microbatches.")
+    stacked = shardings(Array["microbatches", TokenBatch], mesh)
+
+    def split(x: jax.Array, sharding) -> jax.Array:
+        x = jnp.swapaxes(x.reshape(rows // k, k, length), 0, 1)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return jax.tree.map(split, batch, stacked)

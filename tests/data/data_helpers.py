@@ -1,0 +1,81 @@
+"""Shared set-up of the data-pipeline tests (test_corpus, test_tokenizer, test_tokenfile,
+test_prepare, test_packing, test_loader): a small text corpus of documents of very different
+lengths, prepared with a 400-token BPE; a 2x4 mesh; loader shortcuts.
+
+Their fixtures are in tests/data/conftest.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from seqshard.batch import TokenBatch
+from seqshard.data.loader import Loader
+
+VOCAB = 400
+SEQ_LEN = 64
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "def",
+    "class",
+    "return",
+    "import",
+    "self",
+    "lambda",
+    "yield",
+    "über",
+    "naïve",
+    "東京",
+    "données",
+    "λ",
+    "→",
+    "✓",
+    "🙂",
+    "x0",
+    "y1",
+    "(a,",
+    "b)",
+    "[i]",
+    "{k:",
+    "v}",
+    "==",
+    "!=",
+    "<=",
+    "#",
+    "\t",
+]
+
+
+def _documents(n: int = 80, seed: int = 0) -> list[str]:
+    """Documents of very different lengths (a few words to a few hundred), so rows hold several
+    documents and documents span several rows."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(n):
+        n_words = int(rng.choice([3, 12, 40, 150, 400]))
+        words = rng.choice(WORDS, size=n_words)
+        lines = [" ".join(words[j : j + 9]) for j in range(0, n_words, 9)]
+        docs.append(f"doc {i}\n" + "\n".join(lines) + "\n")
+    return docs
+
+
+def _loader(data_dir, mesh, **kw) -> Loader:
+    kw = {"batch_size": 4, "seq_len": SEQ_LEN, "mesh": mesh, **kw}
+    return Loader(data_dir, kw.pop("split", "train"), **kw)
+
+
+def _host(batch: TokenBatch) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(batch.tokens), np.asarray(batch.is_seq_start)

@@ -1,0 +1,47 @@
+"""Tests of seqshard.data.corpus: the stdlib corpus, files and directories, JSON lines, Hugging Face."""
+
+from __future__ import annotations
+
+import pytest
+
+from seqshard.data import corpus as corpus_lib
+
+
+def test_stdlib_corpus_is_the_base_stdlib_without_tests():
+    root = corpus_lib.stdlib_dir()
+    assert (root / "os.py").is_file()  # in a venv: the base interpreter's library
+    files = corpus_lib.stdlib_files(root)
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert rel == sorted(rel) and len(rel) > 300
+    assert not any(set(r.split("/")[:-1]) & corpus_lib.STDLIB_EXCLUDED_DIRS for r in rel)
+    assert 5e6 < sum(f.stat().st_size for f in files) < 40e6
+    first = next(iter(corpus_lib.stdlib_corpus().take(2)))
+    assert first == files[0].read_text(encoding="utf-8") or not files[0].read_text()
+
+
+def test_path_corpus_files_dirs_jsonl_and_bad_input(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "b.md").write_text("bee")
+    (tmp_path / "d" / "e" / "a.py").write_text("x = 1\n")
+    (tmp_path / "d" / "skip.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "d" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8
+    (tmp_path / "d" / "empty.txt").write_text("")
+    (tmp_path / "r.jsonl").write_text('{"text": "one"}\n\n{"text": "two", "id": 3}\n')
+    docs = list(corpus_lib.path_corpus([tmp_path / "d", tmp_path / "r.jsonl"]))
+    assert docs == ["bee", "x = 1\n", "one", "two"]
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object.*text"):
+        list(corpus_lib.iter_path_documents([tmp_path / "bad.jsonl"]))
+    with pytest.raises(FileNotFoundError, match="nope.txt does not exist"):
+        corpus_lib.path_corpus([tmp_path / "nope.txt"])
+
+
+def test_hf_corpus_without_datasets_says_how_to_install():
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pip install 'seqshard\[hf\]'"):
+            corpus_lib.hf_corpus("some/dataset")
+    else:
+        pytest.skip("datasets is installed")

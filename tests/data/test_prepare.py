@@ -1,0 +1,110 @@
+"""Tests of seqshard.data.prepare: text -> tokenizer + token files, deterministic and atomic."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_helpers import VOCAB, _documents
+
+from seqshard.cli import main
+from seqshard.data.prepare import prepare
+from seqshard.data.tokenfile import (
+    SplitWriter,
+    open_split,
+    read_meta,
+)
+from seqshard.data.tokenizer import (
+    decode,
+    load_tokenizer,
+    tokenizer_hash,
+)
+
+
+def test_prepare_writes_files_and_meta(data_dir, text_dir):
+    names = sorted(p.name for p in data_dir.iterdir())
+    assert names == [
+        "meta.json",
+        "tokenizer.json",
+        "train.bin",
+        "train.offsets.npy",
+        "val.bin",
+        "val.offsets.npy",
+    ]
+    assert not Path(f"{data_dir}.tmp").exists()
+    meta = read_meta(data_dir)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] <= VOCAB
+    assert meta["tokenizer"] == "tokenizer.json"
+    assert meta["tokenizer_sha256"] == tokenizer_hash(data_dir / "tokenizer.json")
+    assert str(text_dir) in meta["source"] and meta["format_version"] == 1
+    n_docs = {s: meta["splits"][s]["n_docs"] for s in ("train", "val")}
+    assert n_docs["train"] + n_docs["val"] == 80 and 5 <= n_docs["val"] <= 30
+
+    # Every document comes back, in corpus order within its split, ending with EOT.
+    tok = load_tokenizer(data_dir / "tokenizer.json")
+    decoded = []
+    for split in ("train", "val"):
+        s = open_split(data_dir, split)
+        assert s.tokens.dtype == np.uint16 and s.n_tokens == meta["splits"][split]["n_tokens"]
+        assert (data_dir / f"{split}.bin").stat().st_size == 2 * s.n_tokens
+        for i in range(s.n_docs):
+            ids = s.doc(i)
+            assert ids[-1] == meta["eot_id"]
+            decoded.append(decode(tok, ids[:-1]))
+    assert sorted(decoded) == sorted(_documents())
+
+
+def test_prepare_is_deterministic_and_reuses_a_tokenizer(tmp_path, data_dir, text_dir):
+    again = prepare(
+        tmp_path / "again",
+        inputs=[text_dir],
+        tokenizer_path=data_dir / "tokenizer.json",
+        val_fraction=0.2,
+        log=None,
+    )
+    for name in ("train.bin", "val.bin", "train.offsets.npy", "tokenizer.json"):
+        assert (again / name).read_bytes() == (data_dir / name).read_bytes()
+    assert read_meta(again)["tokenizer_sha256"] == read_meta(data_dir)["tokenizer_sha256"]
+    with pytest.raises(FileExistsError, match="--force"):
+        prepare(again, inputs=[text_dir], log=None)
+
+
+def test_prepare_tiny_corpus_still_gets_a_val_doc(tmp_path):
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"document number {i} " * 20)
+    out = prepare(tmp_path / "out", inputs=[tmp_path], vocab_size=300, log=None)
+    assert read_meta(out)["splits"]["val"]["n_docs"] == 1
+
+
+def test_prepare_default_corpus_and_cli(tmp_path, capsys):
+    out = str(tmp_path / "std")
+    assert main(["prepare", "--out", out, "--vocab-size", "300", "--max-docs", "8"]) == 0
+    meta = read_meta(tmp_path / "std")
+    assert "stdlib" in meta["source"] and meta["splits"]["train"]["n_docs"] >= 6
+    assert "prepare: wrote" in capsys.readouterr().out
+    assert main(["prepare", "--out", str(tmp_path / "x"), str(tmp_path / "missing")]) == 2
+    assert "missing does not exist" in capsys.readouterr().err
+    assert main(["prepare", "--help"]) == 0 and "--vocab-size" in capsys.readouterr().out
+
+
+def test_interrupted_prepare_leaves_nothing_that_looks_prepared(tmp_path, text_dir, monkeypatch):
+    def crash(self, docs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SplitWriter, "add", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(tmp_path / "out", inputs=[text_dir], vocab_size=300, log=None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+@pytest.mark.slow
+def test_prepare_full_stdlib(tmp_path):
+    t0 = time.perf_counter()
+    out = prepare(tmp_path / "stdlib", vocab_size=4096, log=None)
+    meta = read_meta(out)
+    assert meta["vocab_size"] == 4096 and meta["splits"]["train"]["n_tokens"] > 1_000_000
+    assert meta["splits"]["val"]["n_docs"] >= 1 and time.perf_counter() - t0 < 120
+    assert json.loads((out / "meta.json").read_text()) == meta

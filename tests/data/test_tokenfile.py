@@ -1,0 +1,91 @@
+"""Tests of seqshard.data.tokenfile: the on-disk token format, and every way a damaged data directory is
+reported (the file, the expected and actual values, the fix)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from data_helpers import _loader
+
+from seqshard.data.prepare import prepare
+from seqshard.data.tokenfile import (
+    check_tokenizer,
+    dtype_for_vocab,
+    open_split,
+    read_meta,
+)
+
+
+def test_dtype_for_vocab():
+    assert [dtype_for_vocab(v).name for v in (256, 257, 65536, 65537)] == [
+        "uint8",
+        "uint16",
+        "uint16",
+        "uint32",
+    ]
+
+
+def test_missing_directory_meta_and_bin(tmp_path, data_copy):
+    with pytest.raises(FileNotFoundError, match=r"nothere does not exist.*seqshard prepare"):
+        open_split(tmp_path / "nothere", "train")
+    (data_copy / "train.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"train\.bin is missing.*seqshard prepare"):
+        open_split(data_copy, "train")
+    (data_copy / "meta.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"meta\.json is missing.*seqshard prepare"):
+        open_split(data_copy, "val")
+
+
+def test_empty_split(tmp_path, text_dir):
+    out = prepare(tmp_path / "noval", inputs=[text_dir], vocab_size=300, val_fraction=0, log=None)
+    with pytest.raises(ValueError, match=r"val\.bin is empty \(0 tokens.*val-fraction"):
+        open_split(out, "val")
+
+
+def test_bin_size_not_a_multiple_of_dtype(data_copy):
+    with (data_copy / "train.bin").open("ab") as f:
+        f.write(b"\x01")
+    with pytest.raises(ValueError, match=r"train\.bin is \d+ bytes, not a multiple of 2.*uint16"):
+        open_split(data_copy, "train")
+
+
+def test_bin_token_count_differs_from_meta(data_copy):
+    path = data_copy / "train.bin"
+    n = path.stat().st_size // 2
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(
+        ValueError, match=rf"train\.bin holds {n - 2} tokens but meta\.json says {n}"
+    ):
+        open_split(data_copy, "train")
+
+
+def test_offsets_inconsistent_with_tokens(data_copy):
+    path = data_copy / "train.offsets.npy"
+    offsets = np.load(path)
+    offsets[-1] += 5
+    np.save(path, offsets)
+    with pytest.raises(ValueError, match=rf"offsets\.npy is inconsistent.*to {offsets[-1] - 5}"):
+        open_split(data_copy, "train")
+    np.save(path, offsets[:-1])
+    with pytest.raises(ValueError, match=r"expected int64 offsets of shape \(\d+,\)"):
+        open_split(data_copy, "train")
+
+
+def test_ids_outside_vocab(data_copy):
+    vocab = read_meta(data_copy)["vocab_size"]
+    tokens = np.fromfile(data_copy / "train.bin", dtype=np.uint16)
+    tokens[17] = 65000
+    tokens.tofile(data_copy / "train.bin")
+    with pytest.raises(
+        ValueError, match=rf"train\.bin holds token id 65000.*expected ids < {vocab}"
+    ):
+        open_split(data_copy, "train")
+
+
+def test_tokenizer_hash_mismatch(data_copy, mesh):
+    path = data_copy / "tokenizer.json"
+    path.write_text(path.read_text() + "\n")
+    with pytest.raises(ValueError, match=r"tokenizer\.json has sha256 .* tokenized with sha256"):
+        check_tokenizer(data_copy)
+    with pytest.raises(ValueError, match="sha256"):
+        _loader(data_copy, mesh)

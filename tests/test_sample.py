@@ -1,0 +1,74 @@
+"""Tests of seqshard.sample: text prompts in, text continuations out (via generate)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from seqshard.data.tokenizer import EOT, decode, encode_batch, eot_id, train_tokenizer
+from seqshard.model import ModelConfig, generate, init_weights
+from seqshard.sample import generate_text
+from seqshard.testing import fake_cpu_mesh
+
+CFG = ModelConfig(
+    vocab=64,
+    d_model=32,
+    n_layers=2,
+    n_q_per_kv=2,
+    n_kv=2,
+    d_head=8,
+    d_ff=64,
+    compute_dtype="float32",
+    attention_impl="einsum",
+)
+TEXT = ["the cat sat on the mat", "a dog ran in the park", "the sun is hot today"] * 8
+
+
+def mesh(shape):
+    return fake_cpu_mesh(shape, ("d", "t"))
+
+
+@pytest.fixture(scope="module")
+def text_setup():
+    tok = train_tokenizer(TEXT, vocab_size=280)
+    cfg = dataclasses.replace(CFG, vocab=288)
+    # Weights made on one mesh (as a training run leaves them), generated on others.
+    w = init_weights(cfg, mesh((4, 2)), jax.random.key(1))
+    return tok, cfg, w
+
+
+def test_generate_text_stops_each_row_at_endoftext(text_setup):
+    tok, cfg, w = text_setup
+    eot = eot_id(tok)
+    texts = ["the cat", "a dog ran in", ""]
+    kwargs = dict(max_new_tokens=10, temperature=0.0, top_k=None, seed=0)
+    # Make <|endoftext|> win wherever a token the model likes already would: give it that
+    # token's unembedding, slightly scaled up.
+    ids = encode_batch(tok, [t or EOT for t in texts])
+    width = max(map(len, ids))
+    padded = np.array([[0] * (width - len(r)) + r for r in ids], np.int32)
+    lengths = [len(r) for r in ids]
+    greedy = dict(max_new_tokens=10, temperature=0, prompt_lengths=lengths)
+    free = generate(w, padded, cfg, mesh((1, 2)), **greedy)
+    liked = int(np.asarray(free)[1, width + 3])
+    unembed = w.unembed.at[eot].set(1.5 * w.unembed[liked])
+    w = dataclasses.replace(w, unembed=unembed)
+
+    got = generate_text(w, tok, texts, cfg, None, **kwargs)
+    out = np.asarray(generate(w, padded, cfg, mesh((1, 2)), **greedy))[:, width:]
+    stopped = [eot in row for row in out.tolist()]
+    assert any(stopped), "the test should make some row emit <|endoftext|>"
+    expected = [decode(tok, row[: row.index(eot)] if eot in row else row) for row in out.tolist()]
+    assert got == expected
+    assert all(EOT not in t for t in got)
+    # A mesh whose d = 2 does not divide the 3 prompts: padded to 4 rows, the extra dropped.
+    assert generate_text(w, tok, texts, cfg, mesh((2, 2)), **kwargs) == got
+
+
+def test_generate_text_refuses_a_tokenizer_larger_than_the_model(text_setup):
+    tok, _, w = text_setup
+    with pytest.raises(ValueError, match=r"tokenizer has \d+ tokens but the model only 64"):
+        generate_text(w, tok, ["x"], CFG, None, max_new_tokens=2, temperature=0, top_k=None, seed=0)
