@@ -285,11 +285,8 @@ def _plot(args) -> int:
 
 def _show_arguments(p: argparse.ArgumentParser) -> None:
     _config_arguments(p)
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="skip compiling the train step (no communication table, no XLA memory figures)",
-    )
+    skip = "skip compiling the train step (no communication table, no XLA memory figures)"
+    p.add_argument("--no-compile", action="store_true", help=skip)
 
 
 def _show(args) -> int:

@@ -107,6 +107,11 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 100  # 0: only at the end (and on SIGTERM / Ctrl-C)
     keep_checkpoints: int = 3
+    resume: Literal["latest_good", "strict"] = "latest_good"  # a damaged newest checkpoint:
+    #   latest_good skips it (with a warning) for the newest one that verifies; strict stops
+    nonfinite: Literal["stop", "skip"] = "stop"  # a step whose loss or grad norm is not finite
+    #   applies no update; stop: exit non-zero; skip: go on with the next batch
+    max_nonfinite_skips: int = 10  # skip: stop after this many non-finite steps in a row
     peak_flops: float = 0.0  # per device, for MFU; 0: known accelerator peak or measured on CPU
 
 

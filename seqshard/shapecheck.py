@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -33,6 +34,7 @@ __all__ = [
     "block_axes_scope",
     "check_block",
     "check_global",
+    "check_shape",
     "current_scope",
     "shape_scope",
 ]
@@ -170,39 +172,29 @@ def _bind_dim(scope: ShapeScope, dim, size: int, spec: Shape, where: str) -> Non
         scope.bind(dim.label, size, where)
 
 
-def check_block(
+def check_shape(
     spec: Shape,
-    block_shape: Sequence[int],
+    shape: Sequence[int],
     mesh_axes: Mapping[str, int],
     where: str,
     scope: ShapeScope | None = None,
+    *,
+    per_device: bool,
 ) -> dict[str, int]:
-    """Check a per-device block against ``spec``; bind and return global sizes by name."""
+    """Check an array's shape against ``spec``: rank, mesh axes, one global size per name;
+    bind and return the global sizes by name.
+
+    ``per_device``: ``shape`` is a per-device block (a dimension split over n shards has
+    global size n x block); otherwise it is the global shape, which n must divide."""
     scope = scope if scope is not None else current_scope()
-    _check_rank(spec, block_shape, where)
+    _check_rank(spec, shape, where)
     _check_axes(spec, mesh_axes, where)
     sizes = {}
-    for dim, local in zip(spec.dims, block_shape, strict=True):
+    for dim, size in zip(spec.dims, shape, strict=True):
         n_shards = math.prod(mesh_axes[a] for a in dim.axes)
-        _bind_dim(scope, dim, local * n_shards, spec, where)
-        sizes[dim.label] = local * n_shards
-    return sizes
-
-
-def check_global(
-    spec: Shape,
-    global_shape: Sequence[int],
-    mesh_axes: Mapping[str, int],
-    where: str,
-    scope: ShapeScope | None = None,
-) -> None:
-    """Check a global array against ``spec``: rank, mesh axes, sizes and divisibility."""
-    scope = scope if scope is not None else current_scope()
-    _check_rank(spec, global_shape, where)
-    _check_axes(spec, mesh_axes, where)
-    for dim, size in zip(spec.dims, global_shape, strict=True):
-        n_shards = math.prod(mesh_axes[a] for a in dim.axes)
-        if size % n_shards:
+        if per_device:
+            size *= n_shards
+        elif size % n_shards:
             split = " x ".join(f"{a}={mesh_axes[a]}" for a in dim.axes)
             raise ShapeError(
                 f"{where}: dimension {dim.label} of spec '{spec}' has size {size}, which the "
@@ -210,3 +202,12 @@ def check_global(
                 f"size divisible by {n_shards} or a mesh whose axes divide {size}."
             )
         _bind_dim(scope, dim, size, spec, where)
+        sizes[dim.label] = size
+    return sizes
+
+
+check_block = functools.partial(check_shape, per_device=True)
+"""``check_block(spec, block_shape, mesh_axes, where, scope=None)``: a per-device block."""
+
+check_global = functools.partial(check_shape, per_device=False)
+"""``check_global(spec, global_shape, mesh_axes, where, scope=None)``: a global array."""

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Float, Int, TypeCheckError, jaxtyped
+from jaxtyping import Float, Int, jaxtyped
 
 from seqshard import shardops as so
 from seqshard.notation import Dim, Shape, parse_op
@@ -599,13 +599,19 @@ def reference_embed_ffn(
     return jnp.einsum("blm,mf->blf", embed[ids], w)
 
 
-def test_reference_rejects_mismatched_shapes():
-    embed, ids = jnp.zeros((16, 8)), jnp.zeros((4, 3), jnp.int32)
-    with pytest.raises(TypeCheckError, match="parameter 'w'"):
-        reference_embed_ffn(embed, ids, jnp.zeros((6, 16)))  # m is 8 in embed, 6 in w
-    with pytest.raises(TypeCheckError, match="parameter 'ids'"):
-        reference_embed_ffn(embed, ids.astype(jnp.float32), jnp.zeros((8, 16)))
-    assert reference_embed_ffn(embed, ids, jnp.zeros((8, 5))).shape == (4, 3, 5)
+def test_seed_001_rejects_mismatched_shapes_before_running():
+    """seqshard's own checks, not the reference's type checker: a weight whose d_model disagrees
+    with the embedding's, and float ids, are errors naming the argument, before any op runs."""
+    typed = typed_shard_map(seed_typed, mesh=mesh_of((2, 4)))
+    embed, ids, w = _seed_inputs()
+    with pytest.raises(
+        ShapeError,
+        match=r"argument 'w': dimension 'd_model' has global size 6, but .* 'embed' gave it size 8",
+    ):
+        typed(embed, ids, np.zeros((6, 16), np.float32))  # d_model is 8 in embed, 6 in w
+    with pytest.raises(TypeError, match=r"argument 'ids'.*expected dtype int32.*float32"):
+        typed(embed, ids.astype(np.float32), w)
+    assert typed(embed, ids, w).shape == (4, 3, 16)
 
 
 def seed_embed_ffn(embed, ids, w):

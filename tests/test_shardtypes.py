@@ -13,22 +13,16 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from seqshard import Array, ArrayType, bf16, f32, i32, pytree_dataclass, typed_shard_map
 from seqshard import shardops as so
 from seqshard.notation import SpecSyntaxError
 from seqshard.shapecheck import ShapeError
 from seqshard.shardtypes import (
-    Array,
-    ArrayType,
-    bf16,
     block_shape,
-    f32,
-    i32,
     partition_specs,
-    pytree_dataclass,
     shape_dtype_structs,
     shardings,
     type_tree,
-    typed_shard_map,
 )
 from seqshard.testing import count_collectives, fake_cpu_mesh
 

@@ -1,0 +1,214 @@
+"""Tests for seqshard/model/reference.py: its pieces, reassembled as the benchmark does, equal it.
+
+    pieces     reference_layer scanned by lax.scan under explicit_activation_checkpointing
+               (remat 'saved', save_for_backward as the mark) gives reference_logits_fn's
+               logits and reference_loss_fn's loss and gradients; the layer marks the values
+               the sharded model keeps (q, k, v, attention output, mid-layer residual, gate, up)
+    benchmark  scripts/bench_step.py's GSPMD baseline on a 4x2 mesh: its loss and gradients
+               equal reference_loss_fn's; the jitted train step of its gspmd-act variant (the
+               residual constrained) reports reference_loss_fn's loss for its first step
+
+That remat changes no value is tested for every policy in tests/test_remat.py.
+
+The sharded model itself is compared with the reference in tests/test_model.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from model_weights import random_weights
+
+from seqshard.batch import TokenBatch, token_batch
+from seqshard.config import Config, MeshConfig, TrainConfig
+from seqshard.mesh import mesh_of_sizes
+from seqshard.model import ModelConfig, reference_logits_fn, reference_loss_fn
+from seqshard.model.reference import (
+    reference_embed,
+    reference_layer,
+    reference_loss_terms,
+    reference_mask,
+    reference_positions,
+    reference_unembed,
+)
+from seqshard.remat import explicit_activation_checkpointing, save_for_backward
+from seqshard.shardtypes import shardings
+from seqshard.train.optimizer import make_optimizer
+from seqshard.train.state import TrainState, shardings_of, train_state_structs
+
+# Sizes a 4x2 mesh splits: d_model by d*t = 8, vocab, n_kv and d_ff by t = 2, the batch by d = 4.
+CFG = ModelConfig(
+    vocab=64,
+    d_model=32,
+    n_layers=2,
+    n_q_per_kv=2,
+    n_kv=2,
+    d_head=8,
+    d_ff=64,
+    compute_dtype="float32",
+    attention_impl="einsum",
+)
+BATCH, LENGTH = 8, 16
+MESH = {"d": 4, "t": 2}
+
+# f32 throughout. Scanned vs looped layers on one device: the same ops, measured equal to the
+# last bit (logits up to 4.6); 1e-6 leaves room for XLA fusing differently inside a scan.
+# GSPMD on 4x2 sums in another order (d_model and vocab split): measured 4.8e-7 relative on
+# the loss (4.3), 1.5e-7 absolute on gradients (entries up to 0.25).
+SCANNED = dict(rtol=1e-6, atol=1e-6)
+GSPMD_LOSS = dict(rtol=2e-6, atol=0)
+GSPMD_GRADS = dict(rtol=1e-5, atol=1e-6)
+
+
+def packed_batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random tokens in packed rows, documents starting at random (about 1 in 5 tokens); row 0
+    begins mid-document, as a packed loader's rows may."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CFG.vocab, (BATCH, LENGTH)).astype(np.int32)
+    is_seq_start = rng.random((BATCH, LENGTH)) < 0.2
+    is_seq_start[1:, 0] = True
+    is_seq_start[0, 0] = False
+    return tokens, is_seq_start
+
+
+TOKENS, IS_SEQ_START = packed_batch()
+WEIGHTS = random_weights(CFG, seed=0)  # numpy: the reference's single-device inputs
+
+
+@functools.cache
+def bench():
+    """scripts/bench_step.py as a module (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_step.py"
+    spec = importlib.util.spec_from_file_location("bench_step", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def reference_outputs():
+    """(loss, grads, logits) of the reference for the module's weights and batch, numpy."""
+
+    def outputs(w, tokens, is_seq_start):
+        loss, grads = jax.value_and_grad(reference_loss_fn)(w, tokens, is_seq_start, CFG)
+        return loss, grads, reference_logits_fn(w, tokens, is_seq_start, CFG)
+
+    return jax.tree.map(np.asarray, jax.jit(outputs)(WEIGHTS, TOKENS, IS_SEQ_START))
+
+
+def assert_trees_close(actual, expected, **tol) -> None:
+    """allclose leaf by leaf, naming the leaf that differs."""
+    paths = jax.tree_util.tree_leaves_with_path(expected)
+    for (path, e), a in zip(paths, jax.tree.leaves(actual), strict=True):
+        np.testing.assert_allclose(a, e, err_msg=jax.tree_util.keystr(path), **tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces: the layer function, scanned, is the reference
+
+
+def scanned_logits(w, tokens, is_seq_start, cfg: ModelConfig):
+    """The reference's pieces as the benchmark assembles them: lax.scan of reference_layer
+    under explicit activation checkpointing, save_for_backward as the mark."""
+    positions = reference_positions(is_seq_start)
+    mask = reference_mask(is_seq_start, cfg.attention_mask)
+
+    def layer(x, lw):
+        return reference_layer(cfg, lw, x, positions, mask, mark=save_for_backward), None
+
+    x = reference_embed(cfg, w, tokens)
+    x, _ = jax.lax.scan(explicit_activation_checkpointing(layer, cfg.remat), x, w.layers)
+    return reference_unembed(cfg, w, x)
+
+
+def test_scanned_layers_equal_reference():
+    cfg = dataclasses.replace(CFG, remat="saved")
+    ref_loss, ref_grads, ref_logits = reference_outputs()
+
+    def loss(w, tokens, is_seq_start):
+        logits = scanned_logits(w, tokens, is_seq_start, cfg)
+        total, count = reference_loss_terms(logits, tokens, is_seq_start)
+        return total / count, logits
+
+    grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (got_loss, logits), got_grads = grad_fn(WEIGHTS, TOKENS, IS_SEQ_START)
+    np.testing.assert_allclose(logits, ref_logits, **SCANNED)
+    np.testing.assert_allclose(got_loss, ref_loss, **SCANNED)
+    assert_trees_close(got_grads, ref_grads, **SCANNED)
+
+
+def test_layer_marks_what_the_sharded_model_saves():
+    """mark sees q and k after RoPE, v, the attention output, the mid-layer residual, gate and
+    up: the seven values seqshard/model/transformer.py keeps with save_for_backward."""
+    marked = []
+
+    def mark(x):
+        marked.append(x.shape)
+        return x
+
+    x = reference_embed(CFG, WEIGHTS, TOKENS)
+    layer = jax.tree.map(lambda a: a[0], WEIGHTS.layers)
+    positions = reference_positions(jnp.asarray(IS_SEQ_START))
+    mask = reference_mask(jnp.asarray(IS_SEQ_START), CFG.attention_mask)
+    jax.eval_shape(lambda: reference_layer(CFG, layer, x, positions, mask, mark=mark))
+    b, n, q, k, d = BATCH, LENGTH, CFG.n_q_per_kv, CFG.n_kv, CFG.d_head
+    residual, ffn = (b, n, CFG.d_model), (b, n, CFG.d_ff)
+    assert sorted(marked) == sorted(
+        [(b, n, q, k, d), (b, n, k, d), (b, n, k, d), (b, n, q, k, d), residual, ffn, ffn]
+    )
+
+
+def test_loss_terms_sum_and_count():
+    """reference_loss_fn is reference_loss_terms' sum over its count; a position counts when the
+    next token is in its document."""
+    loss, _, logits = reference_outputs()
+    total, count = np.asarray(reference_loss_terms(logits, TOKENS, IS_SEQ_START))
+    assert count == np.sum(~IS_SEQ_START[:, 1:])
+    np.testing.assert_allclose(total / count, loss, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark: the GSPMD baseline is the reference on a mesh
+
+
+def test_bench_baseline_equals_reference():
+    mesh = mesh_of_sizes(MESH)
+    w = random_weights(CFG, mesh, seed=0)
+    batch = jax.device_put(token_batch(TOKENS, IS_SEQ_START), shardings(TokenBatch, mesh))
+
+    def loss(w, batch):
+        total, count = bench().gspmd_loss_sum_and_count(w, batch, CFG)
+        return total / count
+
+    got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(w, batch)
+    ref_loss, ref_grads, _ = reference_outputs()
+    np.testing.assert_allclose(got_loss, ref_loss, **GSPMD_LOSS)
+    assert_trees_close(got_grads, ref_grads, **GSPMD_GRADS)
+
+
+def test_bench_gspmd_act_step_first_loss_equals_reference():
+    """The gspmd-act variant's jitted train step (make_gspmd_step, as the benchmark builds it;
+    the residual constrained to 'B/d L M') reports the reference's loss of its start weights."""
+    cfg = Config(
+        model=CFG,
+        mesh=MeshConfig(**MESH),
+        train=TrainConfig(batch_size=BATCH, seq_len=LENGTH, warmup_steps=1, steps=10),
+    )
+    mesh = mesh_of_sizes(cfg.mesh.sizes())
+    opt = make_optimizer(cfg.train)
+    # The module's weights, not init_train_state's (all-ones gains; a partitioned RNG compile).
+    state = TrainState(step=np.zeros((), np.int32), weights=WEIGHTS, opt_state=opt.init(WEIGHTS))
+    state = jax.device_put(state, shardings_of(train_state_structs(CFG, mesh, opt)))
+    batch = jax.device_put(token_batch(TOKENS, IS_SEQ_START), shardings(TokenBatch, mesh))
+    _, metrics = bench().make_gspmd_step(cfg, mesh, opt, constrain_acts=True)(state, batch)
+    ref_loss, _, _ = reference_outputs()
+    np.testing.assert_allclose(metrics["loss"], ref_loss, **GSPMD_LOSS)
+    assert metrics["tokens_counted"] == np.sum(~IS_SEQ_START[:, 1:])
