@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -154,7 +155,27 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _StopBeforeStart(Exception):
+    """SIGTERM or Ctrl-C while `seqshard train` starts up (before the training loop's own
+    handler is installed): nothing has run, nothing is lost."""
+
+
+def _stop_before_start(signum, frame):
+    raise _StopBeforeStart(signal.Signals(signum).name)
+
+
 def _train(args) -> int:
+    # Handled from the first moment: importing JAX and loading the config take seconds.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_before_start)
+    try:
+        return _train_run(args)
+    except _StopBeforeStart as e:
+        print(f"{e}: stopped before training started; nothing to save.", flush=True)
+        return 0
+
+
+def _train_run(args) -> int:
     from seqshard.mesh import initialize_distributed
     from seqshard.train.loop import run_dir_of, train
 
@@ -165,6 +186,9 @@ def _train(args) -> int:
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     if result.already_finished:
         print(f"step {result.step}: val loss {val} (train.steps={cfg.train.steps} already reached)")
+    elif result.train_loss is None:
+        print("stopped before the first step; nothing was saved.")
+        return 0
     else:
         print(
             f"step {result.step}: train loss {result.train_loss:.4f}, val loss {val}, "
@@ -353,7 +377,9 @@ def _top_parser() -> argparse.ArgumentParser:
         prog="seqshard",
         description="Train language models on device meshes, every layout and transfer written "
         "in a checked notation.",
-        epilog="`seqshard COMMAND --help` describes a command's arguments.",
+        epilog="`seqshard COMMAND --help` describes a command's arguments; `--debug` anywhere "
+        "shows an error's full traceback. Exit status: 0 done (or stopped by SIGTERM / Ctrl-C "
+        "after saving), 2 an error, 3 training stopped on a non-finite loss.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
@@ -371,25 +397,36 @@ def _command_parser(command: Command) -> argparse.ArgumentParser:
     return p
 
 
+EXIT_ERROR = 2
+"""Bad input, a missing or damaged file, a failed save: the message says what and how to fix it."""
+EXIT_NONFINITE = 3
+"""Training stopped on a non-finite loss or gradient norm (``train.nonfinite``); the error's
+``exit_code`` (seqshard.train.loop.NonfiniteError)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # anywhere: show the full traceback of an error
+    argv = [a for a in argv if a != "--debug"]
     by_name = {c.name: c for c in COMMANDS}
     try:
         if not argv or argv[0] not in by_name:
             _top_parser().parse_args(argv)  # prints usage (or --help) and exits
-            return 2
+            return EXIT_ERROR
         command = by_name[argv[0]]
         # Intermixed: options may come after the dotted overrides (plain parse_args stops
         # collecting a positional list at the first option).
         args = _command_parser(command).parse_intermixed_args(argv[1:])
     except SystemExit as e:  # --help exits 0, usage errors 2: return the status instead
-        return e.code if isinstance(e.code, int) else 2
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
     try:
         return command.run(args)
     except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
         # OSError: unwritable run.dir, missing files; ImportError: an optional extra missing.
+        if debug:
+            raise
         print(f"seqshard {command.name}: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", EXIT_ERROR)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -38,6 +39,7 @@ __all__ = [
     "TrainConfig",
     "config_changes",
     "config_from_yaml",
+    "check_run_name",
     "config_to_yaml",
     "load_config",
     "read_run_config",
@@ -112,6 +114,7 @@ class TrainConfig:
     nonfinite: Literal["stop", "skip"] = "stop"  # a step whose loss or grad norm is not finite
     #   applies no update; stop: exit non-zero; skip: go on with the next batch
     max_nonfinite_skips: int = 10  # skip: stop after this many non-finite steps in a row
+    eval_on_stop: bool = False  # evaluate before stopping on SIGTERM / Ctrl-C (slower exit)
     peak_flops: float = 0.0  # per device, for MFU; 0: known accelerator peak or measured on CPU
 
 
@@ -136,6 +139,10 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     """The layers of ``path`` (its bases first) as (description, mapping) pairs."""
     if path in chain:
         raise ConfigError(f"{path}: 'base' chain loops: {' -> '.join(map(str, (*chain, path)))}.")
+    if path.is_dir():
+        raise ConfigError(
+            f"config file {path} is a directory. Pass a YAML file such as configs/tiny-cpu.yaml."
+        )
     if not path.is_file():
         raise ConfigError(
             f"config file {path} does not exist. Pass a YAML file such as configs/tiny-cpu.yaml."
@@ -145,7 +152,11 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: malformed YAML: {e}. Fix the file's syntax.") from None
     if data is None:
-        data = {}
+        raise ConfigError(
+            f"config file {path} is empty: it would run seqshard's built-in defaults, which is "
+            f"rarely what was meant. Write the sections to change, or `base: base.yaml` to use "
+            f"the defaults on purpose."
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: expected a mapping of sections (model, mesh, train, ...), got {type(data).__name__}."
@@ -239,6 +250,34 @@ def check_config(cfg: Config) -> None:
             f"train.lr must be > 0 and train.grad_clip, train.weight_decay >= 0; got lr={train.lr}, "
             f"grad_clip={train.grad_clip}, weight_decay={train.weight_decay}."
         )
+    for name in ("eval_every", "checkpoint_every"):
+        if getattr(train, name) < 0:
+            raise ConfigError(
+                f"train.{name} must be >= 0 (0: only at the end), got {getattr(train, name)}."
+            )
+    if train.max_nonfinite_skips < 1:
+        raise ConfigError(
+            f"train.max_nonfinite_skips must be >= 1, got {train.max_nonfinite_skips}."
+        )
+    for name in (
+        "lr",
+        "min_lr_ratio",
+        "decay_fraction",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "eps",
+        "grad_clip",
+        "peak_flops",
+    ):
+        if not math.isfinite(getattr(train, name)):
+            raise ConfigError(f"train.{name} must be a finite number, got {getattr(train, name)}.")
+    if not 0 <= train.beta1 < 1 or not 0 <= train.beta2 < 1 or train.eps <= 0:
+        raise ConfigError(
+            f"train.beta1 and train.beta2 must be in [0, 1) and train.eps > 0; got "
+            f"{train.beta1}, {train.beta2}, {train.eps}."
+        )
+    check_run_name(cfg.run.name)
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}.")
     if cfg.data.vocab_size > cfg.model.vocab:
@@ -246,6 +285,19 @@ def check_config(cfg: Config) -> None:
             f"data.vocab_size={cfg.data.vocab_size} (the tokenizer's) exceeds model.vocab="
             f"{cfg.model.vocab}: token ids would fall outside the embedding. Set model.vocab >= "
             f"{cfg.data.vocab_size}."
+        )
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def check_run_name(name: str) -> None:
+    """``run.name`` is one path component, so the run directory lies inside ``run.dir``."""
+    if name and (not _RUN_NAME.fullmatch(name) or name in (".", "..")):
+        raise ConfigError(
+            f"run.name={name!r} is not allowed: it names one directory inside run.dir, so it may "
+            f"hold only letters, digits, '.', '_' and '-' (no '/', no '..', not absolute). "
+            f"Put the path in run.dir instead, e.g. run.dir=experiments run.name=tiny."
         )
 
 

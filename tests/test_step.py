@@ -13,9 +13,11 @@ Everything runs on mesh d=2 x t=4 in f32 and is jitted once per microbatch count
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -26,7 +28,14 @@ from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_c
 from seqshard.model import loss_sum_and_count
 from seqshard.testing import count_collectives, fake_cpu_mesh, list_collectives
 from seqshard.train.optimizer import make_optimizer
-from seqshard.train.state import TrainState, shardings_of, train_state_structs
+from seqshard.train.state import (
+    NONFINITE_KINDS,
+    TrainState,
+    init_train_state,
+    no_nonfinite,
+    shardings_of,
+    train_state_structs,
+)
 from seqshard.train.step import grads_and_loss, make_train_step
 
 MODEL = tiny_model()
@@ -185,7 +194,9 @@ def test_train_step_metrics_and_update():
     """The step's metrics, and its update: the optimizer applied to the accumulated gradients."""
     step, opt = train_step()
     before = jax.tree.map(np.asarray, weights())
-    fresh = TrainState(step=np.int32(0), weights=before, opt_state=opt.init(before))
+    fresh = TrainState(
+        step=np.int32(0), weights=before, opt_state=opt.init(before), guard=no_nonfinite()
+    )
     state = jax.device_put(fresh, shardings_of(train_state_structs(MODEL, mesh(), opt)))
     grads, loss, count = accumulated(1)
     new_state, metrics = step(state, token_batch(TOKENS, IS_SEQ_START))  # donates state
@@ -217,3 +228,63 @@ def test_train_step_metrics_and_update():
     # and the weights keep the layouts their types declare
     shardings = jax.tree.map(lambda w: w.sharding, weights())
     assert jax.tree.map(lambda w: w.sharding, new_state.weights) == shardings
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite steps: no update, recorded on device (train.nonfinite)
+
+
+def poisoned_loss_terms(cfg: Config):
+    """The model's loss terms, made NaN for a batch whose first token is 0 (a poisoned batch)."""
+    from seqshard.model.transformer import batch_loss_terms
+
+    def terms(w, batch):
+        poison = jnp.where(batch.tokens[0, 0] == 0, jnp.nan, 1.0)
+        return batch_loss_terms(w, batch, cfg.model, mesh()) * poison
+
+    return terms
+
+
+def run_steps(nonfinite: str, poisoned: list[bool], max_skips: int = 10):
+    """Weights after each step (numpy) and the final guard, for a sequence of batches."""
+    cfg = dataclasses.replace(
+        config(1),
+        train=dataclasses.replace(
+            config(1).train, nonfinite=nonfinite, max_nonfinite_skips=max_skips
+        ),
+    )
+    opt = make_optimizer(cfg.train)
+    step = make_train_step(cfg, mesh(), opt, loss_terms=poisoned_loss_terms(cfg))
+    state = init_train_state(MODEL, mesh(), opt, jax.random.key(0))
+    seen = [jax.tree.map(np.asarray, state.weights)]
+    for bad in poisoned:
+        tokens = TOKENS.copy()
+        tokens[0, 0] = 0 if bad else 1
+        state, metrics = step(state, token_batch(tokens, IS_SEQ_START))
+        assert np.isnan(metrics["loss"]) == bad
+        seen.append(jax.tree.map(np.asarray, state.weights))
+    return seen, jax.device_get(state.guard), int(state.step)
+
+
+def same(a, b) -> bool:
+    return all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_stop_applies_no_update_from_the_first_non_finite_step():
+    seen, guard, steps = run_steps("stop", [False, True, False])
+    assert not same(seen[1], seen[0])  # a finite step updates
+    assert same(seen[2], seen[1]) and same(seen[3], seen[1])  # none after the NaN step
+    assert steps == 3 and all(np.isfinite(x).all() for x in jax.tree.leaves(seen[3]))
+    assert (int(guard.total), int(guard.in_a_row), int(guard.last_step)) == (1, 0, 2)
+    assert NONFINITE_KINDS[int(guard.last_loss)] == "nan"
+
+
+def test_skip_goes_on_and_stops_updating_after_max_in_a_row():
+    seen, guard, _ = run_steps("skip", [True, False, True, True, False], max_skips=2)
+    assert same(seen[1], seen[0])  # skipped
+    assert not same(seen[2], seen[1])  # the next finite batch updates
+    assert same(seen[4], seen[2])  # two skipped in a row...
+    assert same(seen[5], seen[4])  # ...is the limit: the loop stops when it reads the guard
+    assert (int(guard.total), int(guard.in_a_row), int(guard.last_step)) == (3, 0, 4)

@@ -43,10 +43,19 @@ from seqshard.model.weights import Weights
 from seqshard.train.checkpoint import Checkpointer
 from seqshard.train.metrics import MetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
-from seqshard.train.state import TrainState, init_train_state
+from seqshard.train.state import NONFINITE_KINDS, NonfiniteGuard, TrainState, init_train_state
 from seqshard.train.step import make_eval_step, make_train_step
 
-__all__ = ["RUN_INFO", "TrainResult", "ensure_data", "evaluate", "run_dir_of", "train"]
+__all__ = [
+    "RUN_INFO",
+    "NonfiniteError",
+    "StopRequested",
+    "TrainResult",
+    "ensure_data",
+    "evaluate",
+    "run_dir_of",
+    "train",
+]
 
 # Train-config keys that may change between a run and its resumption; anything else changing
 # means another experiment, which must not write into this run's directory.
@@ -108,6 +117,12 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Path:
     """The prepared data directory, preparing it from ``data.inputs`` (or the stdlib) if missing."""
     data_dir = Path(cfg.data.dir)
     if not (data_dir / "meta.json").exists():
+        if data_dir.is_file() or (data_dir.is_dir() and any(data_dir.iterdir())):
+            raise ConfigError(
+                f"data.dir={data_dir} exists but is not a prepared data directory (no meta.json), "
+                f"and seqshard will not write over it. Point data.dir at a directory that "
+                f"`seqshard prepare` wrote, or at a new path to prepare it there."
+            )
         log(f"preparing {data_dir} (first use) ...")
         prepare(
             data_dir,
@@ -116,6 +131,7 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Path:
             val_fraction=cfg.data.val_fraction,
             tokenizer_path=cfg.data.tokenizer,
             log=log,
+            overwrite=True,  # at most an empty directory: nothing to lose
         )
     vocab = read_meta(data_dir)["vocab_size"]
     if vocab > cfg.model.vocab:
@@ -163,11 +179,26 @@ def _write_run_files(run_dir: Path, cfg: Config, data_dir: Path) -> None:
     (run_dir / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
+class StopRequested(Exception):
+    """SIGTERM or Ctrl-C before the first step finished: there is nothing to save."""
+
+
+class NonfiniteError(RuntimeError):
+    """Training stopped on a non-finite loss or gradient norm (``train.nonfinite``)."""
+
+    exit_code = 3  # `seqshard train`'s exit status for it
+
+
 class _StopOnSignal:
-    """SIGTERM / SIGINT ask the loop to checkpoint and stop after the current step."""
+    """SIGTERM / SIGINT, from the moment :func:`train` starts.
+
+    Before the first step has run (start-up, data preparation, restore, the first compile)
+    the handler raises :class:`StopRequested`: nothing is lost by stopping there. Once the
+    loop is ``armed`` it only sets ``requested``: the loop saves a checkpoint at the current
+    step boundary and stops (a second Ctrl-C stops at once)."""
 
     def __init__(self, log: Callable[[str], None]):
-        self.requested, self.log, self.previous = False, log, {}
+        self.requested, self.armed, self.log, self.previous = False, False, log, {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -176,12 +207,13 @@ class _StopOnSignal:
         return self
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.armed:
+            raise StopRequested(name)
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self.requested = True
-        self.log(
-            f"{signal.Signals(signum).name}: saving a checkpoint after this step, then stopping"
-        )
+        self.log(f"{name}: saving a checkpoint after this step, then stopping")
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
@@ -248,8 +280,29 @@ def _every(interval: int, step: int) -> bool:
 def train(
     cfg: Config, *, log: Callable[[str], None] = print, tty: bool | None = None
 ) -> TrainResult:
-    """Train (or resume) the run ``cfg`` describes; returns its final figures."""
+    """Train (or resume) the run ``cfg`` describes; returns its final figures.
+
+    Raises :class:`NonfiniteError` when ``train.nonfinite`` says to stop on a non-finite step
+    (nothing is saved after it), and ConfigError / CheckpointError on bad input."""
     started = time.perf_counter()
+    with _StopOnSignal(log) as stop:
+        try:
+            return _train(cfg, stop, log, tty, started)
+        except StopRequested as e:
+            log(f"{e}: stopping before the first step; nothing to save")
+            return TrainResult(
+                run_dir=run_dir_of(cfg),
+                step=0,  # not known yet (a resume had not restored); nothing ran
+                train_loss=None,
+                val_loss=None,
+                tokens_per_s=0.0,
+                mfu=0.0,
+                wall_s=time.perf_counter() - started,
+                interrupted=True,
+            )
+
+
+def _train(cfg: Config, stop: _StopOnSignal, log, tty, started: float) -> TrainResult:
     run_dir = run_dir_of(cfg)
     # Everything that can fail on bad input is checked before the run directory is written.
     resuming = _check_run_dir(run_dir, cfg)
@@ -280,7 +333,7 @@ def train(
             if start >= cfg.train.steps:
                 loader.close()
                 return _finished_already(run, state, start, validate)
-            return _train_steps(run, state, start, loader, validate)
+            return _train_steps(run, state, start, loader, validate, stop)
     finally:
         ckpt.close()
 
@@ -320,7 +373,9 @@ def _finished_already(run: _Run, state: TrainState, step: int, validate) -> Trai
     )
 
 
-def _train_steps(run: _Run, state: TrainState, start: int, loader: Loader, validate) -> TrainResult:
+def _train_steps(
+    run: _Run, state: TrainState, start: int, loader: Loader, validate, stop: _StopOnSignal
+) -> TrainResult:
     """Steps ``start + 1 .. train.steps``: log, evaluate and checkpoint on their intervals."""
     cfg, train_cfg = run.cfg, run.cfg.train
     step_fn = make_train_step(cfg, run.mesh, run.opt)
@@ -335,39 +390,45 @@ def _train_steps(run: _Run, state: TrainState, start: int, loader: Loader, valid
         run.run_dir, total_steps=train_cfg.steps, start_step=start, tty=run.tty
     )
     metrics_log.truncate_after(start)
+    stop.log = metrics_log.message
+    nonfinite = _NonfiniteWatch(run, int(jax.device_get(state.guard.total)), metrics_log.message)
     step, loss, val_loss, figures = start, None, None, {"tokens_per_s": 0.0, "mfu": 0.0}
     try:
-        with _StopOnSignal(metrics_log.message) as stop:
-            window.restart()
-            for step in range(start + 1, train_cfg.steps + 1):
-                state, metrics = step_fn(state, next(loader))
-                window.steps += 1
-                if step == start + 1:  # the first step compiles: keep it out of the throughput
-                    jax.block_until_ready(metrics)
-                    metrics_log.message(
-                        f"compiled and ran the first step in {window.elapsed():.1f} s"
-                    )
-                    window.restart()
-                # Read the flag once: a signal that lands after this (while logging, say)
-                # stops after the next step, which then saves; breaking on it here would
-                # stop without a checkpoint.
-                stopping = stop.requested
-                last = step == train_cfg.steps or stopping
-                evaluate_now = last or _every(train_cfg.eval_every, step)
-                if _every(train_cfg.log_every, step) or evaluate_now:
-                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    window_figures = window.take()
-                    values.update(window_figures)
-                    figures.update(window_figures)
-                    if evaluate_now:
-                        val_loss = values["val_loss"] = validate(state.weights)
-                    loss = values["loss"]
-                    metrics_log.log(step, values)
-                if last or _every(train_cfg.checkpoint_every, step):
-                    run.ckpt.save(state, cfg, loader.state())
-                if stopping:
-                    break
-            interrupted = stop.requested and step < train_cfg.steps
+        window.restart()
+        for step in range(start + 1, train_cfg.steps + 1):
+            state, metrics = step_fn(state, next(loader))
+            window.steps += 1
+            if step == start + 1:  # the first step compiles: keep it out of the throughput
+                jax.block_until_ready(metrics)
+                metrics_log.message(f"compiled and ran the first step in {window.elapsed():.1f} s")
+                window.restart()
+                stop.armed = True  # from now on a signal saves this step's state first
+            # Read the flag once: a signal that lands after this (while logging, say)
+            # stops after the next step, which then saves; breaking on it here would
+            # stop without a checkpoint.
+            stopping = stop.requested
+            last = step == train_cfg.steps or stopping
+            evaluate_now = (last and not stopping) or _every(train_cfg.eval_every, step)
+            evaluate_now = evaluate_now or (stopping and train_cfg.eval_on_stop)
+            save_now = last or _every(train_cfg.checkpoint_every, step)
+            if _every(train_cfg.log_every, step) or evaluate_now or save_now:
+                # One fetch for the metrics and the guard; nothing is saved before the guard
+                # was read: a state after a non-finite step under `stop` is never written.
+                metrics, guard = jax.device_get((metrics, state.guard))
+                values = {k: float(v) for k, v in metrics.items()}
+                window_figures = window.take()
+                values.update(window_figures)
+                figures.update(window_figures)
+                nonfinite.check(guard, values)
+                if evaluate_now:
+                    val_loss = values["val_loss"] = validate(state.weights)
+                loss = values["loss"]
+                metrics_log.log(step, values)
+            if save_now:
+                run.ckpt.save(state, cfg, loader.state())
+            if stopping:
+                break
+        interrupted = stop.requested and step < train_cfg.steps
     finally:
         metrics_log.close()
     return TrainResult(
@@ -380,3 +441,49 @@ def _train_steps(run: _Run, state: TrainState, start: int, loader: Loader, valid
         wall_s=time.perf_counter() - run.started,
         interrupted=interrupted,
     )
+
+
+class _NonfiniteWatch:
+    """Acts on the guard the train step keeps on device (see ``seqshard.train.state``), each
+    time the loop fetches it: ``stop`` raises at the first non-finite step; ``skip`` notes the
+    skipped steps and raises after ``max_nonfinite_skips`` in a row."""
+
+    def __init__(self, run: _Run, seen: int, log: Callable[[str], None]):
+        self.run, self.seen, self.log = run, seen, log
+
+    def check(self, guard: NonfiniteGuard, values: dict[str, float]) -> None:
+        total, in_a_row = int(guard.total), int(guard.in_a_row)
+        if total == self.seen:
+            return
+        new, self.seen = total - self.seen, total
+        train_cfg = self.run.cfg.train
+        what = (
+            f"step {int(guard.last_step)}: loss {NONFINITE_KINDS[int(guard.last_loss)]}, "
+            f"grad norm {NONFINITE_KINDS[int(guard.last_grad_norm)]}"
+        )
+        values["nonfinite_steps"] = float(total)
+        if train_cfg.nonfinite == "skip" and in_a_row < train_cfg.max_nonfinite_skips:
+            self.log(
+                f"{what}: not finite, update skipped ({new} new, {in_a_row} in a row, {total} "
+                f"in the run; train.nonfinite=skip stops after {train_cfg.max_nonfinite_skips} "
+                f"in a row)"
+            )
+            return
+        latest = self.run.ckpt.latest_step()
+        good = (
+            f"the last good checkpoint is {self.run.ckpt.directory / str(latest)} (step {latest})"
+            if latest is not None
+            else "there is no checkpoint yet"
+        )
+        why = (
+            f"{in_a_row} non-finite steps in a row (train.max_nonfinite_skips="
+            f"{train_cfg.max_nonfinite_skips})"
+            if train_cfg.nonfinite == "skip"
+            else "train.nonfinite=stop"
+        )
+        raise NonfiniteError(
+            f"{what}: not finite; stopping ({why}). No update was applied from that step on "
+            f"and nothing was saved after it; {good}, and resuming starts there. Lower "
+            f"train.lr (now {train_cfg.lr:g}), keep train.grad_clip > 0 (now "
+            f"{train_cfg.grad_clip:g}), or set train.nonfinite=skip to skip such batches."
+        )

@@ -1,5 +1,10 @@
 """The training state and its layout: weights, optimizer state, step, all sharded from the types.
 
+``guard`` records the steps whose loss or gradient norm was not finite. Such a step applies
+no update (the train step keeps the weights and optimizer state it was given, on device), so a
+state is finite whenever its first state was; the loop reads the guard with the metrics it
+fetches anyway and stops or goes on as ``train.nonfinite`` says.
+
 The optimizer state holds copies of the weight tree (AdamW's two moments); each copy takes
 the sharding its weight's type declares, and scalars (counts) are replicated. The same
 shardings serve init, the jitted step's in/out shardings, and checkpoint restore targets.
@@ -16,14 +21,44 @@ from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Weights, init_weights, weight_structs
 from seqshard.shardtypes import i32, pytree_dataclass, shape_dtype_structs
 
-__all__ = ["TrainState", "init_train_state", "train_state_structs"]
+__all__ = [
+    "NONFINITE_KINDS",
+    "NonfiniteGuard",
+    "TrainState",
+    "init_train_state",
+    "no_nonfinite",
+    "nonfinite_kind",
+    "train_state_structs",
+]
+
+
+@pytree_dataclass
+class NonfiniteGuard:
+    """Steps whose loss or gradient norm was not finite; none of them applied an update."""
+
+    in_a_row: i32[()]  # non-finite steps since the last finite one
+    total: i32[()]  # non-finite steps in the whole run
+    last_step: i32[()]  # the latest of them (steps count from 1; 0: none yet)
+    last_loss: i32[()]  # what its loss and gradient norm were: NONFINITE_KINDS[value]
+    last_grad_norm: i32[()]
+
+
+NONFINITE_KINDS = ("finite", "nan", "inf", "-inf")
+"""How the guard records a value: by kind, so the guard itself stays finite (a checkpoint
+holds only finite numbers)."""
+
+
+def nonfinite_kind(x: jax.Array) -> jax.Array:
+    """i32[]: the index of ``x``'s kind in :data:`NONFINITE_KINDS`."""
+    return jnp.select([jnp.isnan(x), x == jnp.inf, x == -jnp.inf], [1, 2, 3], 0).astype(jnp.int32)
 
 
 @pytree_dataclass
 class TrainState:
-    step: jax.Array  # i32[], the number of optimizer updates applied
+    step: jax.Array  # i32[], the number of steps taken (batches consumed)
     weights: Weights
     opt_state: optax.OptState
+    guard: NonfiniteGuard
 
 
 def train_state_structs(
@@ -35,6 +70,7 @@ def train_state_structs(
     """
     weights = weight_structs(cfg, mesh)
     step = shape_dtype_structs(i32[()], {}, mesh)  # a replicated scalar
+    guard = shape_dtype_structs(NonfiniteGuard, {}, mesh)
     abstract = jax.eval_shape(opt.init, weights)
     opt_state = optax.tree_map_params(
         opt,
@@ -46,7 +82,14 @@ def train_state_structs(
             s.shape, s.dtype, sharding=step.sharding
         ),
     )
-    return TrainState(step=step, weights=weights, opt_state=opt_state)
+    return TrainState(step=step, weights=weights, opt_state=opt_state, guard=guard)
+
+
+def no_nonfinite() -> NonfiniteGuard:
+    """The guard of a run with no non-finite step yet."""
+    # One array per field: the step donates its state, and one buffer donated twice is an error.
+    zeros = (jnp.zeros((), jnp.int32) for _ in range(5))
+    return NonfiniteGuard(*zeros)
 
 
 def shardings_of(structs):
@@ -61,6 +104,8 @@ def init_train_state(
     weights = init_weights(cfg, mesh, key)
     out = shardings_of(train_state_structs(cfg, mesh, opt))
     return jax.jit(
-        lambda w: TrainState(step=jnp.zeros((), jnp.int32), weights=w, opt_state=opt.init(w)),
+        lambda w: TrainState(
+            step=jnp.zeros((), jnp.int32), weights=w, opt_state=opt.init(w), guard=no_nonfinite()
+        ),
         out_shardings=out,
     )(weights)

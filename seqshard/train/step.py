@@ -25,7 +25,13 @@ from seqshard.model.transformer import batch_loss_terms
 from seqshard.model.weights import Weights
 from seqshard.shardtypes import shardings
 from seqshard.train.optimizer import lr_schedule
-from seqshard.train.state import TrainState, shardings_of, train_state_structs
+from seqshard.train.state import (
+    NonfiniteGuard,
+    TrainState,
+    nonfinite_kind,
+    shardings_of,
+    train_state_structs,
+)
 
 __all__ = ["LossTerms", "grads_and_loss", "make_eval_step", "make_train_step"]
 
@@ -84,21 +90,56 @@ def make_train_step(
 
     def step(state: TrainState, batch: TokenBatch):
         grads, loss, count = grads_and_loss(state.weights, batch, cfg, mesh, loss_terms)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.weights)
         weights = optax.apply_updates(state.weights, updates)
+        # A step whose loss or gradient norm is not finite applies no update: the state stays
+        # as it was, on device, and the guard records the step for the loop to act on.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        apply = finite & _may_update(state.guard, cfg.train)
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(apply, new, old))
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state.step),
             "tokens_counted": count,
         }
-        return TrainState(step=state.step + 1, weights=weights, opt_state=opt_state), metrics
+        new_state = TrainState(
+            step=state.step + 1,
+            weights=keep(weights, state.weights),
+            opt_state=keep(opt_state, state.opt_state),
+            guard=_guard_after(state.guard, finite, state.step + 1, loss, grad_norm),
+        )
+        return new_state, metrics
 
     return jax.jit(
         step,
         in_shardings=(state_shardings, shardings(TokenBatch, mesh)),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
+    )
+
+
+def _may_update(guard: NonfiniteGuard, train_cfg) -> jax.Array:
+    """Whether a finite step may still update: under ``stop``, not after any non-finite step
+    (the loop stops when it reads the guard); under ``skip``, not once
+    ``max_nonfinite_skips`` came in a row (the loop stops then too)."""
+    if train_cfg.nonfinite == "stop":
+        return guard.total == 0
+    return guard.in_a_row < train_cfg.max_nonfinite_skips
+
+
+def _guard_after(
+    guard: NonfiniteGuard, finite: jax.Array, step: jax.Array, loss: jax.Array, grad_norm: jax.Array
+) -> NonfiniteGuard:
+    """The guard after a step that was (or was not) finite."""
+    bad = ~finite
+    return NonfiniteGuard(
+        in_a_row=jnp.where(bad, guard.in_a_row + 1, 0),
+        total=guard.total + bad,
+        last_step=jnp.where(bad, step, guard.last_step),
+        last_loss=jnp.where(bad, nonfinite_kind(loss), guard.last_loss),
+        last_grad_norm=jnp.where(bad, nonfinite_kind(grad_norm), guard.last_grad_norm),
     )
 
 
