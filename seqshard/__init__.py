@@ -14,50 +14,51 @@ in :mod:`seqshard.data`, FLOP and memory accounting in :mod:`seqshard.flops`, an
 tests of sharded code (fake CPU meshes, HLO collective counts) in :mod:`seqshard.testing`.
 """
 
-from seqshard import shardops
-from seqshard.notation import OpSpec, Shape, SpecSyntaxError, parse_op, parse_shape
-from seqshard.remat import explicit_activation_checkpointing, save_for_backward
-from seqshard.shapecheck import ShapeError, shape_scope
-from seqshard.shardtypes import (
-    Array,
-    ArrayType,
-    bf16,
-    bool_,
-    f16,
-    f32,
-    i32,
-    partition_specs,
-    pytree_dataclass,
-    shape_dtype_structs,
-    shardings,
-    typed_shard_map,
-    u32,
-)
+import importlib
+
+# The public names and the modules that define them. They load on first use, so that
+# `seqshard train` can install its signal handlers before JAX is imported (seconds).
+_PUBLIC = {
+    "shardops": None,
+    "OpSpec": "notation",
+    "Shape": "notation",
+    "SpecSyntaxError": "notation",
+    "parse_op": "notation",
+    "parse_shape": "notation",
+    "explicit_activation_checkpointing": "remat",
+    "save_for_backward": "remat",
+    "ShapeError": "shapecheck",
+    "shape_scope": "shapecheck",
+    **dict.fromkeys(
+        (
+            "Array",
+            "ArrayType",
+            "bf16",
+            "bool_",
+            "f16",
+            "f32",
+            "i32",
+            "partition_specs",
+            "pytree_dataclass",
+            "shape_dtype_structs",
+            "shardings",
+            "typed_shard_map",
+            "u32",
+        ),
+        "shardtypes",
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'seqshard' has no attribute {name!r}")
+    module = _PUBLIC[name]
+    if module is None:
+        return importlib.import_module(f"seqshard.{name}")
+    return getattr(importlib.import_module(f"seqshard.{module}"), name)
+
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Array",
-    "ArrayType",
-    "OpSpec",
-    "Shape",
-    "ShapeError",
-    "SpecSyntaxError",
-    "bf16",
-    "bool_",
-    "explicit_activation_checkpointing",
-    "f16",
-    "f32",
-    "i32",
-    "parse_op",
-    "parse_shape",
-    "partition_specs",
-    "pytree_dataclass",
-    "save_for_backward",
-    "shape_dtype_structs",
-    "shape_scope",
-    "shardings",
-    "shardops",
-    "typed_shard_map",
-    "u32",
-]
+__all__ = sorted(_PUBLIC)

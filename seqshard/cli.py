@@ -160,19 +160,24 @@ class _StopBeforeStart(Exception):
     handler is installed): nothing has run, nothing is lost."""
 
 
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def _stop_before_start(signum, frame):
     raise _StopBeforeStart(signal.Signals(signum).name)
 
 
 def _train(args) -> int:
     # Handled from the first moment: importing JAX and loading the config take seconds.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop_before_start)
+    previous = {sig: signal.signal(sig, _stop_before_start) for sig in _SIGNALS}
     try:
         return _train_run(args)
     except _StopBeforeStart as e:
         print(f"{e}: stopped before training started; nothing to save.", flush=True)
         return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _train_run(args) -> int:

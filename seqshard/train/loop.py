@@ -469,11 +469,13 @@ class _NonfiniteWatch:
                 f"in a row)"
             )
             return
+        self.run.ckpt.wait()  # a save in flight is of a finite state from before the step
         latest = self.run.ckpt.latest_step()
         good = (
-            f"the last good checkpoint is {self.run.ckpt.directory / str(latest)} (step {latest})"
+            f"the last good checkpoint is {self.run.ckpt.directory / str(latest)} (step "
+            f"{latest}), where resuming starts"
             if latest is not None
-            else "there is no checkpoint yet"
+            else "there is no checkpoint yet: a new run starts from step 0"
         )
         why = (
             f"{in_a_row} non-finite steps in a row (train.max_nonfinite_skips="
@@ -483,7 +485,7 @@ class _NonfiniteWatch:
         )
         raise NonfiniteError(
             f"{what}: not finite; stopping ({why}). No update was applied from that step on "
-            f"and nothing was saved after it; {good}, and resuming starts there. Lower "
+            f"and nothing was saved after it; {good}. Lower "
             f"train.lr (now {train_cfg.lr:g}), keep train.grad_clip > 0 (now "
             f"{train_cfg.grad_clip:g}), or set train.nonfinite=skip to skip such batches."
         )

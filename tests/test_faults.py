@@ -1,0 +1,251 @@
+"""The fault campaign, run by `seqshard train` as a user would meet it: divergence under both
+non-finite policies, SIGTERM at start-up and mid-run, kill -9 at random moments, paths that
+try to escape the run directory, and inputs that used to be accepted.
+
+Damaged checkpoints and full disks are in tests/test_checkpoint.py. Every subprocess here is
+killed on the test's own timeout (:func:`launch`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from seqshard.cli import EXIT_NONFINITE, main
+from seqshard.config import ConfigError, load_config
+from seqshard.mesh import training_mesh
+from seqshard.train.checkpoint import Checkpointer, latest_state
+from seqshard.train.loop import NonfiniteError, train
+from seqshard.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+FLAT = {"min_lr_ratio": 1.0}  # a schedule that does not depend on train.steps
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> train loss; a resumed run's later record of a step wins."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    try:
+        return sorted(ckpt.manager.all_steps())
+    finally:
+        ckpt.close()
+
+
+class launch:
+    """``with launch(args, cwd) as proc``: `seqshard train ...` in a subprocess, killed (with
+    its output collected) however the block ends."""
+
+    def __init__(self, args: list[str], cwd: Path):
+        self.proc = subprocess.Popen(
+            [*SEQSHARD, *args],
+            cwd=cwd,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def __enter__(self) -> subprocess.Popen:
+        return self.proc
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended first: {proc.communicate()}"
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def metric_lines(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+# -- divergence -------------------------------------------------------------------------------
+
+
+def diverging(tiny_overrides, root: Path, name: str, **train) -> list[str]:
+    """lr=1e6 without clipping: the loss is NaN within a few steps."""
+    steps = {"steps": 15, "log_every": 4, "eval_every": 0, "checkpoint_every": 2}
+    return tiny_overrides(root, name, lr=1e6, grad_clip=0, **{**steps, **train})
+
+
+def test_divergence_stops_and_never_saves_a_non_finite_state(tmp_path, tiny_overrides):
+    """train.nonfinite=stop (the default): the run stops with the step, the values and the
+    last good checkpoint; every checkpoint on disk is finite and from before that step."""
+    cfg = load_config(None, diverging(tiny_overrides, tmp_path, "stop"))
+    with pytest.raises(NonfiniteError) as e:
+        train(cfg, log=quiet, tty=False)
+    msg = str(e.value)
+    bad_step = int(msg.split("step ")[1].split(":")[0])
+    assert "not finite; stopping (train.nonfinite=stop)" in msg and "nan" in msg
+    saved = checkpoint_steps(tmp_path / "stop")
+    assert saved and max(saved) < bad_step, (saved, bad_step)
+    assert f"checkpoints/{max(saved)} (step {max(saved)})" in msg
+    state = latest_state(tmp_path / "stop", cfg, training_mesh(cfg.mesh.sizes()))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.weights))
+
+
+def test_divergence_with_skip_stops_after_max_skips_in_a_row(tmp_path, tiny_overrides, capsys):
+    overrides = diverging(
+        tiny_overrides, tmp_path, "skip", nonfinite="skip", max_nonfinite_skips=3, log_every=1
+    )
+    cfg = load_config(None, overrides)
+    with pytest.raises(NonfiniteError, match=r"3 non-finite steps in a row"):
+        train(cfg, log=quiet, tty=False)
+    skipped = [m for m in capsys.readouterr().out.splitlines() if "update skipped" in m]
+    assert skipped and "train.nonfinite=skip stops after 3 in a row" in skipped[0]
+    state = latest_state(tmp_path / "skip", cfg, training_mesh(cfg.mesh.sizes()))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+def test_the_command_exits_3_with_one_line_and_no_traceback(tmp_path, tiny_overrides, capsys):
+    overrides = diverging(tiny_overrides, tmp_path, "cli", log_every=1)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base: {REPO / 'configs' / 'tiny-cpu.yaml'}\n")
+    assert main(["train", str(config), *overrides, "--sample-tokens", "0"]) == EXIT_NONFINITE
+    err = capsys.readouterr().err
+    assert err.startswith("seqshard train: error: step ") and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+# -- signals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moment", ["start-up", "first compile"])
+def test_sigterm_before_the_first_step_exits_promptly_with_nothing_saved(
+    tmp_path, tiny_overrides, moment
+):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base: {REPO / 'configs' / 'tiny-cpu.yaml'}\n")
+    run_dir = tmp_path / "runs" / "early"
+    args = ["train", str(config), *tiny_overrides(tmp_path / "runs", "early"), "--sample-tokens=0"]
+    with launch(args, tmp_path) as proc:
+        if moment == "start-up":
+            time.sleep(1.0)  # importing JAX (seqshard itself imports in ~0.1 s)
+        else:
+            wait_for(lambda: (run_dir / "config.yaml").exists(), proc)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    assert proc.returncode == 0, err
+    assert "nothing to save" in out and "Traceback" not in err
+    assert took < 30, took  # (at most the compile in flight; seconds)
+    assert not (run_dir / "checkpoints").exists() or not checkpoint_steps(run_dir)
+
+
+def test_sigterm_mid_run_saves_the_step_and_exits_within_seconds(tmp_path, tiny_overrides):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base: {REPO / 'configs' / 'tiny-cpu.yaml'}\n")
+    run_dir = tmp_path / "runs" / "mid"
+    overrides = tiny_overrides(tmp_path / "runs", "mid", steps=400, eval_every=0)
+    with launch(["train", str(config), *overrides, "--sample-tokens=0"], tmp_path) as proc:
+        wait_for(lambda: metric_lines(run_dir) >= 3, proc)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    assert proc.returncode == 0 and "stopped early" in out, err
+    stopped = max(losses(run_dir))
+    assert checkpoint_steps(run_dir)[-1] == stopped
+    assert took < 10, took  # no evaluation on the way out; one small checkpoint
+
+
+# -- kill -9 ----------------------------------------------------------------------------------
+
+
+def kill_and_resume(tmp_path, tiny_overrides, moments: list[float], steps: int = 24):
+    """Kill -9 `seqshard train` at each of ``moments`` (seconds after the first logged step),
+    resuming after each; then finish. Returns (resumed losses, uninterrupted losses)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base: {REPO / 'configs' / 'tiny-cpu.yaml'}\n")
+    overrides = tiny_overrides(
+        tmp_path / "runs", "killed", steps=steps, checkpoint_every=2, keep_checkpoints=2, **FLAT
+    )
+    args = ["train", str(config), *overrides, "--sample-tokens=0"]
+    run_dir = tmp_path / "runs" / "killed"
+    for moment in moments:
+        before = metric_lines(run_dir)
+        with launch(args, tmp_path) as proc:
+            wait_for(lambda: metric_lines(run_dir) > before, proc)  # noqa: B023
+            time.sleep(moment)
+            proc.kill()
+    finished = subprocess.run(
+        [*SEQSHARD, *args], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert finished.returncode == 0, finished.stderr
+    straight = train(load_config(config, [*overrides, "run.name=straight"]), log=quiet, tty=False)
+    return losses(run_dir), losses(straight.run_dir)
+
+
+def test_kill_9_mid_run_resumes_to_the_same_curve(tmp_path, tiny_overrides):
+    killed, straight = kill_and_resume(tmp_path, tiny_overrides, [0.5])
+    assert killed == straight
+
+
+@pytest.mark.slow
+def test_kill_9_campaign_at_random_moments(tmp_path, tiny_overrides):
+    """Kills during compile, mid-step, mid-save and mid-cleanup (keep_checkpoints=2 with a
+    save every 2 steps deletes a checkpoint every save), then an identical curve."""
+    rng = random.Random(0)
+    killed, straight = kill_and_resume(
+        tmp_path, tiny_overrides, [rng.uniform(0, 1.5) for _ in range(6)], steps=40
+    )
+    assert killed == straight
+    leftovers = [p.name for p in (tmp_path / "runs" / "killed" / "checkpoints").iterdir()]
+    assert all(name.isdigit() for name in leftovers), leftovers
+
+
+# -- paths and inputs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/../../escape", "/tmp/abs", "..", "a b"])
+def test_run_name_cannot_leave_run_dir(tmp_path, tiny_overrides, name):
+    with pytest.raises(ConfigError, match="only letters, digits, '.', '_' and '-'"):
+        load_config(None, [*tiny_overrides(tmp_path / "runs"), f"run.name={name}"])
+    assert not (tmp_path / "escape").exists()
+
+
+def test_an_empty_data_dir_is_prepared_and_a_foreign_one_refused(
+    tmp_path, tiny_overrides, corpus_dir
+):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    overrides = [*tiny_overrides(tmp_path / "runs", steps=1, eval_every=0)]
+    cfg = load_config(None, [*overrides, f"data.dir={empty}", f"data.inputs=[{corpus_dir}]"])
+    assert train(cfg, log=quiet, tty=False).step == 1
+    assert json.loads((empty / "meta.json").read_text())["vocab_size"] == 300
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    cfg = load_config(None, [*overrides, f"data.dir={foreign}", "run.name=other"])
+    with pytest.raises(ConfigError, match=r"exists but is not a prepared data directory"):
+        train(cfg, log=quiet, tty=False)
+    assert (foreign / "notes.txt").read_text() == "mine"
