@@ -11,25 +11,16 @@ import sys
 import jax
 import numpy as np
 import pytest
+from model_weights import tiny_model
 
-from seqshard.model import ModelConfig, init_weights, reference_logits_fn
+from seqshard.model import init_weights, reference_logits_fn
 from seqshard.model.generate import DecodeSpec, _decoder, decode_mesh, generate
 from seqshard.testing import fake_cpu_mesh
 
 # The module, not the function seqshard.model re-exports under the same name.
 generate_module = importlib.import_module("seqshard.model.generate")
 
-CFG = ModelConfig(
-    vocab=64,
-    d_model=32,
-    n_layers=2,
-    n_q_per_kv=2,
-    n_kv=2,
-    d_head=8,
-    d_ff=64,
-    compute_dtype="float32",
-    attention_impl="einsum",
-)
+CFG = tiny_model(n_kv=2)
 # Weights are made on one mesh (as a training run would leave them) and generated on others.
 TRAIN_MESH = (4, 2)
 

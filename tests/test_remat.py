@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from model_weights import random_weights
+from model_weights import random_weights, tiny_model
 
 from seqshard.flops import LayerBytes, MatmulFlops
 from seqshard.model import ModelConfig, loss_fn
@@ -197,17 +197,7 @@ def test_model_config_rejects_an_unknown_policy():
 # ---------------------------------------------------------------------------------------------
 # The model under each policy: equal values, different memory
 
-CFG = ModelConfig(
-    vocab=64,
-    d_model=32,
-    n_layers=3,
-    n_q_per_kv=2,
-    n_kv=4,
-    d_head=8,
-    d_ff=64,
-    compute_dtype="float32",
-    attention_impl="einsum",
-)
+CFG = tiny_model(n_layers=3, n_kv=4)
 MESH_SHAPE = (4, 2)
 BATCH, LENGTH = 8, 32
 

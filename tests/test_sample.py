@@ -7,23 +7,14 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from model_weights import tiny_model
 
 from seqshard.data.tokenizer import EOT, decode, encode_batch, eot_id, train_tokenizer
-from seqshard.model import ModelConfig, generate, init_weights
+from seqshard.model import generate, init_weights
 from seqshard.sample import generate_text
 from seqshard.testing import fake_cpu_mesh
 
-CFG = ModelConfig(
-    vocab=64,
-    d_model=32,
-    n_layers=2,
-    n_q_per_kv=2,
-    n_kv=2,
-    d_head=8,
-    d_ff=64,
-    compute_dtype="float32",
-    attention_impl="einsum",
-)
+CFG = tiny_model(n_kv=2)
 TEXT = ["the cat sat on the mat", "a dog ran in the park", "the sun is hot today"] * 8
 
 
