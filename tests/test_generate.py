@@ -89,24 +89,30 @@ def test_greedy_equals_step_by_step_reference_argmax(weights, host_weights, batc
         np.testing.assert_array_equal(out[b], seq, err_msg=f"row {b} on mesh {shape}")
 
 
-def test_cached_logits_match_reference_with_left_padding(weights, host_weights):
-    lengths = [5, 2, 4, 1]
-    prompt = prompts(4, 5, seed=1)
-    for b, n in enumerate(lengths):
-        prompt[b, : 5 - n] = -1
-    new = 6
+def with_logits(weights, prompt, new: int, temperature: float, seed: int, **kw):
+    """(tokens, each new token's logits) as numpy, generated on a 2x2 mesh."""
     out, logits = generate(
         weights,
         prompt,
         CFG,
         mesh((2, 2)),
         max_new_tokens=new,
-        temperature=1.0,  # sampled, so the cache sees tokens that are not the argmax
-        key=jax.random.key(3),
-        prompt_lengths=lengths,
+        temperature=temperature,
+        key=jax.random.key(seed),
         return_logits=True,
+        **kw,
     )
-    out, logits = np.asarray(out), np.asarray(logits)
+    return np.asarray(out), np.asarray(logits)
+
+
+def test_cached_logits_match_reference_with_left_padding(weights, host_weights):
+    lengths = [5, 2, 4, 1]
+    prompt = prompts(4, 5, seed=1)
+    for b, n in enumerate(lengths):
+        prompt[b, : 5 - n] = -1
+    new = 6
+    # sampled (temperature 1), so the cache sees tokens that are not the argmax
+    out, logits = with_logits(weights, prompt, new, 1.0, 3, prompt_lengths=lengths)
     assert logits.shape == (4, new, CFG.vocab)
     assert ((out[:, 5:] >= 0) & (out[:, 5:] < CFG.vocab)).all()
     for b, n in enumerate(lengths):
@@ -180,18 +186,9 @@ def test_sampling_is_a_function_of_the_key_on_any_mesh(weights):
 def test_sampled_ids_are_in_the_vocab_and_among_the_top_k(weights, top_k):
     prompt = prompts(8, 3, seed=6)
     new = 12
-    out, logits = generate(
-        weights,
-        prompt,
-        CFG,
-        mesh((2, 2)),
-        max_new_tokens=new,
-        temperature=5.0,  # flat, so that a sample outside the top k would show
-        top_k=top_k,
-        key=jax.random.key(1),
-        return_logits=True,
-    )
-    sampled, logits = np.asarray(out)[:, 3:], np.asarray(logits)
+    # temperature 5: flat, so that a sample outside the top k would show
+    out, logits = with_logits(weights, prompt, new, 5.0, 1, top_k=top_k)
+    sampled = out[:, 3:]
     assert ((sampled >= 0) & (sampled < CFG.vocab)).all()
     kth = np.sort(logits, axis=-1)[..., -top_k]
     picked = np.take_along_axis(logits, sampled[..., None], axis=-1)[..., 0]

@@ -133,19 +133,13 @@ def op_specs(draw):
 
 
 @settings(deadline=None, max_examples=200)
-@given(shapes())
-def test_generated_shapes_round_trip(shape):
-    text = str(shape)
-    assert parse_shape(text) == shape
-    assert str(parse_shape(text)) == text
-
-
-@settings(deadline=None, max_examples=200)
-@given(op_specs())
-def test_generated_ops_round_trip(op):
-    text = str(op)
-    assert parse_op(text) == op
-    assert str(parse_op(text)) == text
+@given(st.sampled_from([(shapes, parse_shape), (op_specs, parse_op)]), st.data())
+def test_generated_shapes_and_ops_round_trip(kind, data):
+    strategy, parse = kind
+    spec = data.draw(strategy())
+    text = str(spec)
+    assert parse(text) == spec
+    assert str(parse(text)) == text
 
 
 # ---------------------------------------------------------------------------------------------
