@@ -1,0 +1,165 @@
+"""Failed checkpoint saves (seqshard.train.checkpoint): a full disk, a real one (a small tmpfs,
+where this process may mount one) and a simulated one (orbax's finalize raising ENOSPC).
+
+Each failure must reach the loop at its next per-step check (not at the next save interval),
+as one CheckpointSaveError that says where, why, how much space is needed and free, with
+nothing of orbax's on stderr, no temporary directory left, and the earlier checkpoints intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from seqshard.config import load_config
+from seqshard.mesh import training_mesh
+from seqshard.train import checkpoint
+from seqshard.train.checkpoint import Checkpointer, CheckpointSaveError
+from seqshard.train.optimizer import make_optimizer
+from seqshard.train.state import init_train_state
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory, tiny_overrides):
+    """(config, a freshly initialized train state on its 4x2 mesh)."""
+    cfg = load_config(None, tiny_overrides(tmp_path_factory.mktemp("faults")))
+    mesh = training_mesh(cfg.mesh.sizes())
+    return cfg, init_train_state(cfg.model, mesh, make_optimizer(cfg.train), jax.random.key(0))
+
+
+def at_step(state, step: int):
+    return dataclasses.replace(state, step=jax.device_put(np.int32(step), state.step.sharding))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs: room for one checkpoint of the tiny model (~0.6 MB) and a filler."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root; the simulated full disk test still runs")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk: Path) -> None:
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def _next_check_raises(ckpt: Checkpointer) -> CheckpointSaveError:
+    """Call raise_if_save_failed() as the loop does after each step until it raises."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        started = time.perf_counter()
+        try:
+            ckpt.raise_if_save_failed()
+        except CheckpointSaveError as e:
+            return e
+        assert time.perf_counter() - started < 0.05  # a check never waits for the save
+        time.sleep(0.01)
+    pytest.fail("the failed save was not reported within 60 s")
+
+
+def _check_the_report(
+    error: CheckpointSaveError, directory: Path, step: int, earlier: int, state, capfd
+) -> None:
+    msg = str(error)
+    assert msg.startswith(f"checkpoint {directory / str(step)} could not be written: ")
+    assert "[Errno 28] No space left on device" in msg
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert f"needs about {checkpoint._size(nbytes)} (the train state" in msg
+    assert re.search(rf"{re.escape(str(directory))} has [0-9.]+ [KMGT]?B free", msg)
+    assert f"Checkpoint {earlier} is intact" in msg and "the partial write was removed" in msg
+    assert len(msg.splitlines()) == 1
+    # No temporary directory of the failed save; the earlier checkpoint as it was.
+    assert sorted(p.name for p in directory.iterdir()) == [str(earlier)]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ERROR" not in err, err[:2000]
+
+
+def _restores_to(cfg, directory: Path, state) -> None:
+    ckpt = Checkpointer(directory, read_only=True)
+    try:
+        restored = ckpt.restore(cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train))
+    finally:
+        ckpt.close()
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_full_disk_is_reported_at_the_next_check(fresh, small_disk, capfd):
+    cfg, state = fresh
+    directory = small_disk / "ck"
+    ckpt = Checkpointer(directory, keep=3)
+    try:
+        ckpt.save(at_step(state, 2), cfg, {"step": 2})
+        ckpt.wait()
+        _fill(small_disk)
+        capfd.readouterr()
+        ckpt.save(at_step(state, 4), cfg, {"step": 4})  # returns: the write goes on behind
+        error = _next_check_raises(ckpt)
+        _check_the_report(error, directory, 4, 2, state, capfd)
+        ckpt.raise_if_save_failed()  # reported once
+
+        # With room again, the same Checkpointer saves.
+        (small_disk / "filler").unlink()
+        ckpt.save(at_step(state, 4), cfg, {"step": 4})
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 4]
+    finally:
+        ckpt.close()
+    _restores_to(cfg, directory, at_step(state, 4))
+
+
+@pytest.mark.parametrize("reported_by", ["raise_if_save_failed", "close"])
+def test_a_failing_finalize_is_reported_quietly(fresh, tmp_path, monkeypatch, capfd, reported_by):
+    """orbax's last step of a save (renaming the temporary directory) failing with ENOSPC, as
+    on a disk that fills up at the end of a write; reported by the per-step check, or by
+    close() when it was the run's last save."""
+    cfg, state = fresh
+    directory = tmp_path / "ck"
+    ckpt = Checkpointer(directory, keep=3)
+    try:
+        ckpt.save(at_step(state, 2), cfg, {"step": 2})
+        ckpt.wait()
+
+        async def no_space(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
+
+        monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "finalize", no_space)
+        capfd.readouterr()
+        ckpt.save(at_step(state, 4), cfg, {"step": 4})
+        if reported_by == "close":
+            with pytest.raises(CheckpointSaveError) as e:
+                ckpt.close()
+            error = e.value
+        else:
+            error = _next_check_raises(ckpt)
+        _check_the_report(error, directory, 4, 2, state, capfd)
+    finally:
+        ckpt.close()
+    _restores_to(cfg, directory, at_step(state, 2))

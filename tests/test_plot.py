@@ -1,0 +1,106 @@
+"""Tests of seqshard.train.plot and `seqshard plot`: loss curves of one run or several, as PNG."""
+
+from pathlib import Path
+
+import pytest
+
+from seqshard.cli import main
+from seqshard.train.metrics import MetricsLogger, read_metrics
+from seqshard.train.plot import plot_runs
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _metrics(step: int) -> dict[str, float]:
+    return {
+        "loss": 5.0 / step,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 4512.0,
+        "mfu": 0.012,
+        "step_time_s": 0.91,
+    }
+
+
+def _write_run(run_dir: Path, steps: range, *, val_every: int = 0) -> None:
+    with MetricsLogger(run_dir, total_steps=steps.stop, tty=False) as log:
+        for step in steps:
+            metrics = _metrics(step)
+            if val_every and step % val_every == 0:
+                metrics["val_loss"] = 6.0 / step
+            log.log(step, metrics)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir)]
+
+
+# -- plot -------------------------------------------------------------------------------------
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 5_000
+
+
+def test_plot_one_run_default_path(tmp_path, capsys):
+    run = tmp_path / "run_a"
+    _write_run(run, range(1, 21), val_every=5)
+    out = plot_runs([run])
+    assert out == run / "loss.png"
+    _assert_png(out)
+
+
+def test_plot_two_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path / "a", range(1, 21), val_every=5)
+    _write_run(tmp_path / "b", range(1, 11))
+    out = plot_runs([tmp_path / "a", str(tmp_path / "b")])
+    assert out.resolve() == (tmp_path / "loss_compare.png").resolve()
+    _assert_png(out)
+    explicit = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "sub" / "x.png")
+    assert explicit == tmp_path / "sub" / "x.png"
+    _assert_png(explicit)
+
+
+def test_plot_does_not_touch_pyplot(tmp_path, capsys):
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    _write_run(tmp_path, range(1, 4))
+    plot_runs([tmp_path])
+    assert matplotlib.get_backend() == backend
+
+
+def test_plot_missing_run(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        plot_runs([missing])
+    missing.mkdir()
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl in run dir.*nope"):
+        plot_runs([missing])
+
+
+def test_plot_empty_run(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="is empty; run dir .*empty"):
+        plot_runs([tmp_path / "empty"])
+    with pytest.raises(ValueError, match="no run dirs"):
+        plot_runs([])
+
+
+def test_plot_command(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write_run(run, range(1, 6))
+    capsys.readouterr()
+    assert main(["plot", str(run), "--out", str(tmp_path / "o.png")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "o.png")
+    _assert_png(tmp_path / "o.png")
+
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main(["plot"]) == 2  # argparse usage error
+    assert main(["plot", "--help"]) == 0
+    assert "RUN_DIR" in capsys.readouterr().out
