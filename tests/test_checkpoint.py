@@ -1,8 +1,11 @@
-"""Tests of seqshard.train.checkpoint: contents, resharding on restore, atomicity, bad checkpoints."""
+"""Tests of seqshard.train.checkpoint: contents, resharding on restore, atomicity, checksums,
+damaged, incomplete and leftover checkpoints, retention. (Failed saves: test_checkpoint_faults.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 import shutil
 from pathlib import Path
 
@@ -14,7 +17,8 @@ from jax.sharding import NamedSharding
 
 from seqshard.config import Config, check_config, config_to_yaml, load_config
 from seqshard.mesh import training_mesh
-from seqshard.train.checkpoint import Checkpointer, CheckpointError
+from seqshard.train import checkpoint
+from seqshard.train.checkpoint import Checkpointer, CheckpointError, state_digest
 from seqshard.train.loop import train
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import train_state_structs
@@ -48,11 +52,12 @@ def ckpt_copy(trained, tmp_path):
     return cfg, copy
 
 
-def restore(cfg: Config, directory: Path):
+def restore(cfg: Config, directory: Path, **kwargs):
+    """(Restored, mesh): ``directory``'s checkpoint restored onto ``cfg``'s mesh."""
     mesh = training_mesh(cfg.mesh.sizes())
-    ckpt = Checkpointer(directory)
+    ckpt = Checkpointer(directory, log=kwargs.pop("log", print))
     try:
-        return ckpt.restore(cfg, mesh, make_optimizer(cfg.train)), mesh
+        return ckpt.restore(cfg, mesh, make_optimizer(cfg.train), **kwargs), mesh
     finally:
         ckpt.close()
 
@@ -67,9 +72,13 @@ def test_checkpoint_holds_state_loader_and_config(trained):
     try:
         # checkpoint_every=2 and keep_checkpoints=2: steps 2, 4, 6 written, the last two kept.
         assert ckpt.latest_step() == 6
-        assert sorted(ckpt.manager.all_steps()) == [4, 6]
+        assert ckpt.all_steps() == sorted(ckpt.manager.all_steps()) == [4, 6]
         meta = ckpt.read_meta()
         assert meta["step"] == 6 and meta["seed"] == cfg.train.seed
+        # One checksum per array, by name, and the state was finite.
+        assert meta["finite"] is True
+        assert "state.weights.layers.w_up" in meta["checksums"]
+        assert all(re.fullmatch(r"0x[0-9a-f]{8}", c) for c in meta["checksums"].values())
         assert meta["config"] == config_to_yaml(cfg)
         loader = meta["loader"]
         assert loader["step"] == 6  # the next batch to train on
@@ -83,7 +92,8 @@ def test_checkpoint_holds_state_loader_and_config(trained):
     finally:
         ckpt.close()
     state = restored.state
-    assert int(state.step) == 6
+    assert int(state.step) == 6 and restored.step == 6 and restored.skipped == {}
+    assert len(meta["checksums"]) == len(jax.tree.leaves(state))
     assert restored.meta["loader"] == loader
     # Weights and both AdamW moments, trained (non-zero), of the weights' shapes.
     weights = leaves(state.weights)
@@ -155,13 +165,20 @@ def test_a_checkpoint_mid_save_is_never_loaded(ckpt_copy, name):
     # The worst case: a temporary directory holding a complete-looking later step.
     shutil.copytree(directory / "6", directory / name)
     (directory / name / "commit_success.txt").unlink(missing_ok=True)
-    ckpt = Checkpointer(directory)
+    reader = Checkpointer(directory, read_only=True)  # beside a live run: touches nothing
+    try:
+        assert reader.latest_step() == 6 and reader.all_steps() == [4, 6]
+        assert reader.read_meta()["step"] == 6
+    finally:
+        reader.close()
+    assert (directory / name).exists()
+    ckpt = Checkpointer(directory)  # a run resuming: the leftover goes
     try:
         assert ckpt.latest_step() == 6
         assert sorted(ckpt.manager.all_steps()) == [4, 6]
-        assert ckpt.read_meta()["step"] == 6
     finally:
         ckpt.close()
+    assert sorted(p.name for p in directory.iterdir()) == ["4", "6"]
     restored, _ = restore(cfg, directory)
     assert int(restored.state.step) == 6
 
@@ -185,16 +202,9 @@ def _garble(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage",
-    [
-        "garble array data",
-        "garble array metadata",
-        "delete metadata",
-        "garble metadata",
-        "delete state",
-    ],
+    "damage", ["garble array data", "garble array metadata", "garble metadata"]
 )
-def test_a_damaged_checkpoint_is_a_checkpoint_error(ckpt_copy, damage):
+def test_a_damaged_checkpoint_is_skipped_or_with_strict_refused(ckpt_copy, damage):
     cfg, directory = ckpt_copy
     step = directory / "6"
     if damage == "garble array data":
@@ -204,23 +214,285 @@ def test_a_damaged_checkpoint_is_a_checkpoint_error(ckpt_copy, damage):
             _garble(p)
     elif damage == "garble array metadata":
         _garble(step / "state" / "_METADATA")
-    elif damage == "delete metadata":
-        (step / "meta" / "metadata").unlink()
-    elif damage == "garble metadata":
-        _garble(step / "meta" / "metadata")
     else:
-        shutil.rmtree(step / "state")
+        _garble(step / "meta" / "metadata")
+    with pytest.raises(CheckpointError) as e:
+        restore(cfg, directory, policy="strict")
+    msg = str(e.value)
+    assert str(step) in msg and "delete it to resume from checkpoint 4" in msg
+    assert step.is_dir()  # strict moves nothing
+
+    lines = []
+    restored, _ = restore(cfg, directory, log=lines.append)  # train.resume: latest_good
+    assert int(restored.state.step) == 4 and restored.step == 4 and list(restored.skipped) == [6]
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint {step}: ")
+    assert lines[0].endswith("skipping it, resuming from checkpoint 4 (kept as 6.damaged)")
+    assert sorted(p.name for p in directory.iterdir()) == ["4", "6.damaged"]
+
+
+@pytest.mark.parametrize("damage", ["delete metadata", "delete state", "empty", "half-deleted"])
+def test_an_incomplete_step_directory_is_no_checkpoint_and_is_cleaned(ckpt_copy, damage):
+    """What a kill mid-save or mid-deletion (orbax's, before seqshard renamed first) leaves: a
+    step directory without every file of a complete checkpoint. It is never listed nor loaded,
+    and a writer opening the directory removes it (and `.deleting-*` leftovers)."""
+    cfg, directory = ckpt_copy
+    if damage == "delete metadata":
+        shutil.copytree(directory / "6", directory / "8")
+        (directory / "8" / "meta" / "metadata").unlink()
+    elif damage == "delete state":
+        shutil.copytree(directory / "6", directory / "8")
+        shutil.rmtree(directory / "8" / "state")
+    elif damage == "empty":
+        (directory / "8").mkdir()
+    else:  # rmtree stopped part-way: some top-level entries gone, one of them half-gone
+        shutil.copytree(directory / "6", directory / "8")
+        (directory / "8" / "commit_success.txt").unlink()
+        files = sorted(p for p in (directory / "8" / "state").rglob("*") if p.is_file())
+        for p in files[: len(files) // 2]:
+            p.unlink()
+    shutil.copytree(directory / "4", directory / ".deleting-2")  # a kill mid-removal
+
+    reader = Checkpointer(directory, read_only=True)
+    try:
+        assert reader.all_steps() == [4, 6] and reader.latest_step() == 6
+    finally:
+        reader.close()
+    assert (directory / "8").exists()
+
+    lines = []
+    restored, _ = restore(cfg, directory, log=lines.append, policy="strict")
+    assert restored.step == 6 and restored.skipped == {}
+    assert len(lines) == 1 and lines[0].startswith(f"removing {directory / '8'}: not a complete")
+    assert sorted(p.name for p in directory.iterdir()) == ["4", "6"]
+
+
+def _largest_data_file(step_dir: Path) -> Path:
+    return max(
+        (p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+
+
+def _restored_at(cfg: Config, directory: Path, step: int) -> list[np.ndarray]:
+    ckpt = Checkpointer(directory, read_only=True)
+    try:
+        return leaves(
+            ckpt.restore(
+                cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train), step=step
+            ).state
+        )
+    finally:
+        ckpt.close()
+
+
+def at_step(state, step: int):
+    """``state`` with its step counter set to ``step`` (to save it as another checkpoint)."""
+    return dataclasses.replace(state, step=jax.device_put(np.int32(step), state.step.sharding))
+
+
+def _skips_to_4_then_strict_refuses(cfg, directory, reason: str, capfd) -> None:
+    """latest_good resumes from 4 with one line naming 6 and ``reason``; strict raises; a run
+    resumed from 4 saves its own checkpoint 6 beside the damaged one."""
+    want = _restored_at(cfg, directory, 4)
+    step6 = directory / "6"
+    with pytest.raises(CheckpointError) as e:
+        restore(cfg, directory, policy="strict")
+    assert re.search(f"checkpoint {re.escape(str(step6))}: {reason}", str(e.value)), str(e.value)
+
+    lines = []
+    restored, mesh = restore(cfg, directory, log=lines.append)
+    assert restored.step == 4 and int(restored.state.step) == 4
+    for a, b in zip(want, leaves(restored.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        f"checkpoint {re.escape(str(step6))}: {reason}: skipping it, resuming from checkpoint 4 "
+        r"\(kept as 6\.damaged\)",
+        lines[0],
+    ), lines[0]
+    assert "Traceback" not in capfd.readouterr().err  # orbax's abandoned reads stay quiet
+
+    # Training on from 4 writes step 6 again: the damaged one is out of its way.
+    ckpt = Checkpointer(directory, keep=3)
+    try:
+        ckpt.save(at_step(restored.state, 6), cfg, {"step": 6})
+        ckpt.wait()
+        assert ckpt.all_steps() == [4, 6]
+    finally:
+        ckpt.close()
+    assert (directory / "6.damaged").is_dir()
+    assert restore(cfg, directory)[0].step == 6
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_bytes_in_the_newest_checkpoint_are_skipped_for_the_previous(ckpt_copy, seed, capfd):
+    """The fault campaign's damage: 4096 random bytes into the largest array data file."""
+    cfg, directory = ckpt_copy
+    path = _largest_data_file(directory / "6")
+    rng = np.random.default_rng(seed)
+    data = bytearray(path.read_bytes())
+    at = int(rng.integers(0, len(data) - 4096))
+    data[at : at + 4096] = rng.bytes(4096)
+    path.write_bytes(bytes(data))
+    # Most such damage breaks a zstd frame (an unreadable array); some decodes to other
+    # numbers, which only the checksums catch (the next test makes that case certain).
+    reason = r"(unreadable arrays \(.+\)|array state\S+ checksum mismatch \(.+\))"
+    _skips_to_4_then_strict_refuses(cfg, directory, reason, capfd)
+
+
+def test_damage_that_decodes_is_caught_by_the_checksums(ckpt_copy, capfd):
+    """Bytes that still decode (here: one compressed chunk copied over another of the same
+    length in the largest data file) load without any error from orbax; before checksums the
+    run resumed from them."""
+    cfg, directory = ckpt_copy
+    path = _largest_data_file(directory / "6")
+    data = bytearray(path.read_bytes())
+    starts = [m.start() for m in re.finditer(re.escape(bytes.fromhex("28b52ffd")), data)]
+    frames = {}  # (length, zstd frame + block header) -> start: frames that decode alike
+    for a, b in itertools.pairwise(starts):
+        key = (b - a, bytes(data[a : a + 10]))
+        if key in frames and data[frames[key] : b - a + frames[key]] != data[a:b]:
+            data[frames[key] : frames[key] + b - a] = data[a:b]
+            break
+        frames.setdefault(key, a)
+    else:
+        pytest.fail(f"no two zstd frames alike in {path}")
+    path.write_bytes(bytes(data))
+    reason = r"array state\S+ checksum mismatch \(saved 0x[0-9a-f]{8}, read 0x[0-9a-f]{8}\)"
+    _skips_to_4_then_strict_refuses(cfg, directory, reason, capfd)
+
+
+def test_no_good_checkpoint_lists_each_and_why(ckpt_copy):
+    cfg, directory = ckpt_copy
+    for step in ("4", "6"):
+        _garble(directory / step / "meta" / "metadata")
     with pytest.raises(CheckpointError) as e:
         restore(cfg, directory)
     msg = str(e.value)
-    assert str(step) in msg and "delete" in msg.lower()
-    # The older checkpoint is still there to fall back on.
-    ckpt = Checkpointer(directory)
+    assert msg.startswith(f"no good checkpoint in {directory}: ")
+    assert f"{directory / '6'}: unreadable metadata" in msg
+    assert f"{directory / '4'}: unreadable metadata" in msg
+    assert sorted(p.name for p in directory.iterdir()) == ["4", "6"]  # nothing moved
+
+
+def test_checksums_do_not_depend_on_the_mesh(trained):
+    """Saved on 4x2; the same values on 2x4 and 8x1 (each restore verified them too)."""
+    cfg, run_dir = trained
+    reader = Checkpointer(run_dir / "checkpoints", read_only=True)
     try:
-        older = ckpt.restore(cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train), step=4)
+        saved = reader.read_meta()["checksums"]
+    finally:
+        reader.close()
+    for d, t in [(4, 2), (2, 4), (8, 1)]:
+        restored, _ = restore(replace(cfg, "mesh", d=d, t=t), run_dir / "checkpoints")
+        checksums, finite = state_digest(restored.state)
+        assert {n: f"0x{c:08x}" for n, c in checksums.items()} == saved, (d, t)
+        assert all(finite.values())
+
+
+def test_a_checksum_sees_a_flipped_bit_and_a_swap(trained):
+    cfg, run_dir = trained
+    state = restore(cfg, run_dir / "checkpoints")[0].state
+    w = state.weights.layers.w_up
+    base = state_digest(state)[0]["state.weights.layers.w_up"]
+    host = np.asarray(w)
+    flipped = host.copy()
+    flipped.view(np.uint32)[1, 3, 5] ^= 1 << 7
+    swapped = host.copy()
+    swapped[0, 0, 0], swapped[1, 2, 3] = host[1, 2, 3], host[0, 0, 0]
+    for changed in (flipped, swapped):
+        other = dataclasses.replace(
+            state,
+            weights=dataclasses.replace(
+                state.weights,
+                layers=dataclasses.replace(
+                    state.weights.layers, w_up=jax.device_put(changed, w.sharding)
+                ),
+            ),
+        )
+        assert state_digest(other)[0]["state.weights.layers.w_up"] != base
+
+
+@pytest.mark.parametrize(("d", "t"), [(4, 2), (8, 1)])
+def test_hashing_large_arrays_in_parts_gives_the_same_checksums(trained, monkeypatch, d, t):
+    """Arrays over _PART_BYTES per device are hashed in parts (the tiny model's are not): with
+    a limit of 256 bytes, most are, in 2 .. 64 parts; the checksums stay the same."""
+    cfg, run_dir = trained
+    other = replace(cfg, "mesh", d=d, t=t)
+    state = restore(other, run_dir / "checkpoints")[0].state
+    whole = state_digest(state)
+    monkeypatch.setattr(checkpoint, "_PART_BYTES", 256)
+    parts = [checkpoint._plan(x).parts for x in jax.tree.leaves(state)]
+    assert max(parts) > 8 and sum(p > 1 for p in parts) > len(parts) // 2
+    assert state_digest(state) == whole
+
+
+def test_a_non_finite_state_is_never_written(trained, tmp_path):
+    cfg, run_dir = trained
+    state = restore(cfg, run_dir / "checkpoints")[0].state
+    w = np.asarray(state.weights.layers.w_up).copy()
+    w[0, 1, 2] = np.nan
+    layers = dataclasses.replace(
+        state.weights.layers, w_up=jax.device_put(w, state.weights.layers.w_up.sharding)
+    )
+    bad = dataclasses.replace(state, weights=dataclasses.replace(state.weights, layers=layers))
+    ckpt = Checkpointer(tmp_path / "ck")
+    try:
+        ckpt.save(state, cfg, {"step": 6})
+        ckpt.wait()
+        with pytest.raises(CheckpointError) as e:
+            ckpt.save(at_step(bad, 8), cfg, {"step": 8})
+        ckpt.wait()
+        assert ckpt.all_steps() == [6]
     finally:
         ckpt.close()
-    assert int(older.state.step) == 4
+    msg = str(e.value)
+    assert "a non-finite state is never written" in msg
+    assert "state.weights.layers.w_up" in msg and str(tmp_path / "ck" / "6") in msg
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["6"]
+
+
+def test_exactly_keep_checkpoints_are_kept_and_deletion_leaves_no_phantom(
+    trained, tmp_path, monkeypatch
+):
+    cfg, run_dir = trained
+    state = restore(cfg, run_dir / "checkpoints")[0].state
+    directory = tmp_path / "ck"
+    ckpt = Checkpointer(directory, keep=2)
+    try:
+        for step in range(1, 8):
+            ckpt.save(at_step(state, step), cfg, {"step": step})
+            ckpt.raise_if_save_failed()
+            assert len(ckpt.all_steps()) <= 3  # the newest may wait for the next save's check
+    finally:
+        ckpt.close()
+    assert sorted(p.name for p in directory.iterdir()) == ["6", "7"]
+
+    # A kill in the middle of deleting step 6 (when 8 is saved with keep=2): the step
+    # directory is renamed away before anything in it is removed, so no phantom is left.
+    def killed(path, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    ckpt = Checkpointer(directory, keep=2)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(at_step(state, 8), cfg, {"step": 8})
+        ckpt.wait()
+    monkeypatch.undo()
+    ckpt.close()
+    assert sorted(p.name for p in directory.iterdir()) == [".deleting-6", "7", "8"]
+    assert checkpoint.checkpoint_steps(directory) == [7, 8]
+    Checkpointer(directory, keep=2).close()  # the next start removes the leftover
+    assert sorted(p.name for p in directory.iterdir()) == ["7", "8"]
+
+
+def test_a_fresh_checkpoint_is_complete(trained):
+    """A complete checkpoint has every file listed in checkpoint._COMPLETE_MARKERS. If this
+    fails, orbax changed its layout: update the list, or complete checkpoints would be taken
+    for leftovers."""
+    _, run_dir = trained
+    for step in ("4", "6"):
+        for marker in checkpoint._COMPLETE_MARKERS:
+            assert (run_dir / "checkpoints" / step / marker).is_file(), marker
 
 
 def test_optimizer_state_targets_carry_weight_shardings(tiny_overrides, tmp_path):

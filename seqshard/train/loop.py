@@ -2,11 +2,12 @@
 
     result = train(load_config("configs/tiny-cpu.yaml"))
 
-A run lives in ``<run.dir>/<run.name>``: ``config.yaml`` (the resolved config), ``metrics.jsonl``,
-``tb/`` (TensorBoard), ``checkpoints/<step>``, and ``run.json`` (the resolved data directory it
-trains on, so ``seqshard eval`` and ``generate`` find it from anywhere). Training on a directory that holds checkpoints
-resumes from the latest one, exactly (same batches, same state), on any mesh. SIGTERM or
-Ctrl-C finishes the current step, writes a checkpoint, and returns cleanly.
+A run lives in ``<run.dir>/<run.name>``: ``config.yaml`` (the resolved config),
+``metrics.jsonl``, ``tb/`` (TensorBoard), ``checkpoints/<step>``, and ``run.json`` (the
+resolved data directory it trains on, so ``seqshard eval`` and ``generate`` find it from
+anywhere). Training on a directory that holds checkpoints resumes from the latest good one,
+exactly (same batches, same state), on any mesh. SIGTERM or Ctrl-C finishes the current step,
+writes a checkpoint, and returns cleanly; before the first step it returns at once.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from seqshard.flops import flops_per_token
 from seqshard.hardware import peak_flops
 from seqshard.mesh import training_mesh
 from seqshard.model.weights import Weights
-from seqshard.train.checkpoint import Checkpointer
+from seqshard.train.checkpoint import Checkpointer, checkpoint_steps
 from seqshard.train.metrics import MetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
 from seqshard.train.state import NONFINITE_KINDS, NonfiniteGuard, TrainState, init_train_state
@@ -70,6 +71,10 @@ _RESUMABLE_CHANGES = {
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.peak_flops",
+    "train.resume",
+    "train.nonfinite",
+    "train.max_nonfinite_skips",
+    "train.eval_on_stop",
 }
 
 
@@ -144,9 +149,9 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Path:
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a finished checkpoint (orbax names those by their step alone)."""
-    ckpts = run_dir / "checkpoints"
-    return ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+    """Whether ``run_dir`` holds a complete checkpoint (an empty or partial step directory,
+    left by a kill, is not one)."""
+    return bool(checkpoint_steps(run_dir / "checkpoints"))
 
 
 def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
@@ -309,7 +314,7 @@ def _train(cfg: Config, stop: _StopOnSignal, log, tty, started: float) -> TrainR
     data_dir = ensure_data(cfg, log)
     mesh = training_mesh(cfg.mesh.sizes())
     _write_run_files(run_dir, cfg, data_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
     try:
         opt = make_optimizer(cfg.train)
         run = _Run(cfg, run_dir, data_dir, mesh, opt, ckpt, log, tty, started)
@@ -398,6 +403,7 @@ def _train_steps(
         for step in range(start + 1, train_cfg.steps + 1):
             state, metrics = step_fn(state, next(loader))
             window.steps += 1
+            run.ckpt.raise_if_save_failed()  # a flag read: a failed save stops the next step
             if step == start + 1:  # the first step compiles: keep it out of the throughput
                 jax.block_until_ready(metrics)
                 metrics_log.message(f"compiled and ran the first step in {window.elapsed():.1f} s")
