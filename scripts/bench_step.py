@@ -12,16 +12,19 @@ batch 32 x 128 tokens; AdamW + clipping from :func:`seqshard.train.optimizer.mak
 
 * **seqshard**: :func:`seqshard.train.step.make_train_step` (one ``shard_map``, every
   collective written), state from :func:`seqshard.train.state.init_train_state`.
-* **gspmd** (the baseline): the same math as one plain single-program forward (adapted from
-  ``seqshard/model/reference.py``: ``lax.scan`` over layers, the same ``jax.checkpoint``
-  policy on the same saved values), jitted with in/out shardings only: weights and optimizer
-  state in the NamedShardings of ``seqshard.shardtypes.shardings(Weights, mesh)``, the batch
-  ``P('d', None)``; XLA's SPMD partitioner chooses every collective. It starts from the very
-  same initial state, so the two first-step losses printed must agree.
+* **gspmd** (the baseline): the single-device oracle's math, ``seqshard/model/reference.py``
+  (:func:`~seqshard.model.reference.reference_layer` and its loss terms; no copy of the model
+  here), as one plain single-program forward: ``lax.scan`` over layers under seqshard's own
+  remat (``explicit_activation_checkpointing(layer, cfg.remat)``, the layer marking the same
+  values as seqshard's with ``save_for_backward``), jitted with in/out shardings only: weights
+  and optimizer state in the shardings of their types (``seqshard.shardtypes.shardings``), the
+  batch ``TokenBatch``'s ``'B/d L'``; XLA's SPMD partitioner chooses every collective. It
+  starts from the very same initial state, so the two first-step losses printed must agree.
 * **gspmd-act** (only with ``--impls``, not in the default run): the baseline plus one
-  ``with_sharding_constraint`` of the residual stream to ``P('d', None, None)`` at each layer
-  boundary. Weights-only annotations leave XLA free to keep the FSDP-sharded weights in place
-  and move full-batch activations instead; this variant shows what GSPMD does when steered.
+  ``with_sharding_constraint`` of the residual stream to ``shardings(f32[b'B/d L M'], mesh)``
+  (batch over d, replicated over t) after each residual add. Weights-only annotations leave
+  XLA free to keep the FSDP-sharded weights in place and move full-batch activations
+  instead; this variant shows what GSPMD does when steered.
 
 **The 2x4 mesh.** The kv heads are split over t, so t=4 needs ``n_kv % 4 == 0``, and the
 specified ``n_kv=2`` cannot split. The script does not skip it: it runs 2x4 (both variants)
@@ -71,23 +74,26 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, Sharding
 
+from seqshard.batch import TokenBatch
 from seqshard.comms import collectives
 from seqshard.config import Config, MeshConfig, TrainConfig
 from seqshard.flops import flops_per_token, format_bytes
 from seqshard.hardware import measure_matmul_flops
-from seqshard.mesh import AXES, mesh_from_devices
-from seqshard.model.attention import (
-    apply_rope,
-    attention_mask,
-    document_positions,
-    rope_tables,
-)
+from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
-from seqshard.model.transformer import next_token_targets, rms_norm
+from seqshard.model.reference import (
+    reference_embed,
+    reference_layer,
+    reference_loss_terms,
+    reference_mask,
+    reference_positions,
+    reference_unembed,
+)
 from seqshard.model.weights import Layer, Weights
+from seqshard.remat import explicit_activation_checkpointing, save_for_backward
+from seqshard.shardtypes import f32, shardings
 from seqshard.testing import COLLECTIVE_KINDS, count_collectives
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import TrainState, init_train_state
@@ -110,65 +116,31 @@ BATCH, SEQ_LEN = 32, 128
 # ---------------------------------------------------------------------------------------------
 # The baseline: one plain jitted program, sharding annotations on its inputs and outputs only
 
-_SAVED = "bench_saved"  # the baseline's own checkpoint name, saved under the same policy
-
-
-def _save(x: jax.Array) -> jax.Array:
-    return checkpoint_name(x, _SAVED)
-
-
-def _remat(fn, policy: str):
-    """The same choice as ``seqshard.remat.explicit_activation_checkpointing``."""
-    if policy == "none":
-        return fn
-    keep = {
-        "saved": jax.checkpoint_policies.save_only_these_names(_SAVED),
-        "full": jax.checkpoint_policies.nothing_saveable,
-    }[policy]
-    return jax.checkpoint(fn, policy=keep, prevent_cse=False)
-
 
 def gspmd_loss_sum_and_count(
-    w: Weights, tokens, is_seq_start, cfg: ModelConfig, act: NamedSharding | None = None
+    w: Weights, batch: TokenBatch, cfg: ModelConfig, act: Sharding | None = None
 ) -> jax.Array:
-    """f32[2] (summed next-token loss, positions counted): seqshard's model, single-program.
+    """f32[2] (summed next-token loss, positions counted): the reference model, single-program.
 
-    ``act`` (the ``gspmd-act`` variant only): a sharding constraint on the residual stream at
-    every layer boundary; the plain baseline has none.
+    The math is ``seqshard/model/reference.py``'s, its layers scanned under seqshard's own
+    remat (the same values marked with ``save_for_backward``). ``act`` (the ``gspmd-act``
+    variant only): a sharding constraint on the residual stream at every residual add; the
+    plain baseline has none.
     """
-    dt = jnp.dtype(cfg.compute_dtype)
+    tokens, is_seq_start = batch.tokens, batch.is_seq_start
     constrain = (lambda x: x) if act is None else (lambda x: lax.with_sharding_constraint(x, act))
-    cos, sin = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
-    mask = attention_mask(is_seq_start, cfg.attention_mask)
-    scale = 1 / np.sqrt(cfg.d_head)
+    positions = reference_positions(is_seq_start)
+    mask = reference_mask(is_seq_start, cfg.attention_mask)
 
-    def layer(x, lw: Layer):
-        nx = rms_norm(x, lw.ln1, cfg.norm_eps).astype(dt)
-        q = jnp.einsum("blm,mqkd->blqkd", nx, lw.w_q.astype(dt))
-        k, v = jnp.einsum("blm,smkd->sblkd", nx, lw.w_kv.astype(dt))
-        q = _save(apply_rope(q, cos, sin))
-        k = _save(apply_rope(k, cos, sin))
-        v = _save(v)
-        scores = jnp.einsum("bsqkd,btkd->bstqk", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[:, :, :, None, None], scores * scale, -1e30)
-        probs = jax.nn.softmax(scores, axis=2).astype(dt)
-        attn = _save(jnp.einsum("bstqk,btkd->bsqkd", probs, v))
-        h = _save(constrain(x + jnp.einsum("blqkd,mqkd->blm", attn, lw.w_o.astype(dt))))
-        nh = rms_norm(h, lw.ln2, cfg.norm_eps).astype(dt)
-        gate = _save(jnp.einsum("blm,mf->blf", nh, lw.w_gate.astype(dt)))
-        up = _save(jnp.einsum("blm,mf->blf", nh, lw.w_up.astype(dt)))
-        out = jnp.einsum("blf,mf->blm", jax.nn.silu(gate) * up, lw.w_down.astype(dt))
-        return constrain((h + out).astype(dt)), None
+    def layer(x: jax.Array, lw: Layer) -> tuple[jax.Array, None]:
+        out = reference_layer(
+            cfg, lw, x, positions, mask, mark=save_for_backward, constrain=constrain
+        )
+        return out, None
 
-    x = constrain(jnp.take(w.embed.astype(dt), tokens, axis=0))
-    x, _ = lax.scan(_remat(layer, cfg.remat), x, w.layers)
-    nx = rms_norm(x, w.final_norm, cfg.norm_eps).astype(dt)
-    logits = jnp.einsum("blm,vm->blv", nx, w.unembed.astype(dt), preferred_element_type=jnp.float32)
-    targets, counted = next_token_targets(tokens, is_seq_start)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
-    counted = counted.astype(jnp.float32)
-    return jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
+    x = constrain(reference_embed(cfg, w, tokens))
+    x, _ = lax.scan(explicit_activation_checkpointing(layer, cfg.remat), x, w.layers)
+    return reference_loss_terms(reference_unembed(cfg, w, x), tokens, is_seq_start)
 
 
 def make_gspmd_step(
@@ -177,15 +149,13 @@ def make_gspmd_step(
     """The baseline's jitted step: seqshard's own ``make_train_step`` (same update, same state
     shardings from the types, same donation) with the plain-jit loss in place of the model's.
 
-    ``constrain_acts``: also pin the residual stream to ``P('d', None, None)`` (batch over d,
+    ``constrain_acts``: also pin the residual stream to ``'B/d L M'`` (batch over d,
     replicated over t), which steers XLA to FSDP + Megatron; the plain baseline does not.
     """
-    act = NamedSharding(mesh, PartitionSpec("d", None, None)) if constrain_acts else None
+    act = shardings(f32[b"B/d L M"], mesh) if constrain_acts else None
 
-    def loss_terms(w, tokens, is_seq_start):
-        return gspmd_loss_sum_and_count(
-            w, tokens.astype(jnp.int32), is_seq_start.astype(jnp.bool_), cfg.model, act
-        )
+    def loss_terms(w: Weights, batch: TokenBatch) -> jax.Array:
+        return gspmd_loss_sum_and_count(w, batch, cfg.model, act)
 
     return make_train_step(cfg, mesh, opt, loss_terms=loss_terms)
 
@@ -217,8 +187,7 @@ class Variant:
     per_step: dict = dataclasses.field(default_factory=dict)  # kind -> (calls, bytes sent)
     temp_bytes: int = 0
     hlo: str = ""
-    tok: jax.Array | None = None
-    st: jax.Array | None = None
+    batch: TokenBatch | None = None  # on the mesh, sharded as TokenBatch's types say
 
     @property
     def name(self) -> str:
@@ -241,7 +210,7 @@ def make_batch(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def model_for_mesh(base: ModelConfig, d: int, t: int) -> tuple[ModelConfig, str]:
     """The specified model, or (t does not divide n_kv) the smallest change that splits."""
     try:
-        base.check_mesh(d, t)
+        base.check_mesh({"d": d, "t": t})
         return base, ""
     except ValueError as e:
         why = str(e).split(". Choose")[0]
@@ -250,7 +219,7 @@ def model_for_mesh(base: ModelConfig, d: int, t: int) -> tuple[ModelConfig, str]
         if n_heads % n_kv == 0:
             changed = dataclasses.replace(base, n_kv=n_kv, n_q_per_kv=n_heads // n_kv)
             try:
-                changed.check_mesh(d, t)
+                changed.check_mesh({"d": d, "t": t})
             except ValueError:
                 continue
             return changed, (
@@ -266,12 +235,11 @@ def build(v: Variant, tokens: np.ndarray, starts: np.ndarray, warmup: int, hlo_d
     make = v.make or IMPLS[v.impl]
     jitted = make(v.cfg, v.mesh, opt)
     state = init_train_state(v.cfg.model, v.mesh, opt, jax.random.key(v.cfg.train.seed))
-    batch = NamedSharding(v.mesh, PartitionSpec("d", None))
-    tok, st = jax.device_put(tokens, batch), jax.device_put(starts, batch)
+    batch = jax.device_put(TokenBatch(tokens, starts), shardings(TokenBatch, v.mesh))
     start = time.perf_counter()
-    compiled = jitted.lower(state, tok, st).compile()
+    compiled = jitted.lower(state, batch).compile()
     v.compile_s = time.perf_counter() - start
-    v.counts = count_collectives(jitted, state, tok, st)  # the compiled HLO, scan body once
+    v.counts = count_collectives(jitted, state, batch)  # the compiled HLO, scan body once
     v.hlo = compiled.as_text()
     per_step = collections.defaultdict(lambda: [0, 0.0])
     for c in collectives(v.hlo, v.mesh):  # calls per step: scan bodies x trip count
@@ -283,9 +251,9 @@ def build(v: Variant, tokens: np.ndarray, starts: np.ndarray, warmup: int, hlo_d
     if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         (hlo_dir / f"{v.impl}_{v.mesh_name.rstrip('*')}.hlo.txt").write_text(v.hlo)
-    v.step, v.tok, v.st = compiled, tok, st
+    v.step, v.batch = compiled, batch
     for i in range(max(warmup, 1)):
-        state, metrics = compiled(state, tok, st)
+        state, metrics = compiled(state, batch)
         if i == 0:
             v.loss0 = float(metrics["loss"])
     jax.block_until_ready(state)
@@ -296,7 +264,7 @@ def run_round(variants: list[Variant], order: list[int]) -> None:
     for i in order:
         v = variants[i]
         start = time.perf_counter()
-        state, metrics = v.step(v.state, v.tok, v.st)
+        state, metrics = v.step(v.state, v.batch)
         jax.block_until_ready((state, metrics))
         v.times.append(time.perf_counter() - start)
         v.state = state
@@ -367,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
         m, why = model_for_mesh(model, d, t)
         if why:
             print(f"mesh {spec}: {why}")
-        mesh = mesh_from_devices((d, t), AXES, jax.devices())
         cfg = Config(model=m, mesh=MeshConfig(d=d, t=t), train=train)
+        mesh = mesh_of_sizes(cfg.mesh.sizes())
         for impl in args.impls.split(","):
             variants.append(Variant(impl, spec + ("*" if why else ""), cfg, mesh))
 

@@ -4,31 +4,50 @@ No shard_map, no seqshard ops, no scan, no remat: a Python loop over layers, ful
 log-softmax, RoPE as a complex rotation. Casts to ``compute_dtype`` happen at the same points
 as in the sharded model (matmul inputs), so with ``compute_dtype='float32'`` the two agree to
 f32 rounding; with bfloat16 they agree only to bf16 rounding (see the tests' tolerances).
+
+The pieces are public so that one copy of this math also serves as the benchmark's plain-jit
+GSPMD baseline (``scripts/bench_step.py``), which scans :func:`reference_layer` under
+``jax.checkpoint`` and annotates shardings through its two hooks::
+
+    x = reference_embed(cfg, weights, tokens)
+    for i in range(cfg.n_layers):
+        x = reference_layer(cfg, layer_i, x, positions, mask)   # mark=, constrain= identity
+    logits = reference_unembed(cfg, weights, x)
+    total, count = reference_loss_terms(logits, tokens, is_seq_start)
+
+Shapes: B batch, L sequence, M d_model, F d_ff, V vocab, Q query heads per kv head, K kv heads,
+D head dim (the letters of ``seqshard/model/transformer.py``, unsharded here).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from seqshard.model.config import ModelConfig
-from seqshard.model.weights import Weights
+from seqshard.model.config import AttentionMask, ModelConfig
+from seqshard.model.weights import Layer, Weights
 
-__all__ = ["reference_logits_fn", "reference_loss_fn"]
+__all__ = [
+    "reference_embed",
+    "reference_layer",
+    "reference_logits_fn",
+    "reference_loss_fn",
+    "reference_loss_terms",
+    "reference_mask",
+    "reference_positions",
+    "reference_unembed",
+]
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
 
 
 def _norm(x, gain, eps):
     x = x.astype(jnp.float32)
     return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * gain[None, None, :]
-
-
-def _positions(is_seq_start):
-    """Position within the document, by a plain loop over the sequence."""
-    positions, current = [], jnp.zeros(is_seq_start.shape[0], jnp.int32)
-    for i in range(is_seq_start.shape[1]):
-        current = jnp.where(is_seq_start[:, i], 0, current + (i > 0))
-        positions.append(current)
-    return jnp.stack(positions, axis=1)
 
 
 def _rope(x, positions, theta):
@@ -42,7 +61,8 @@ def _rope(x, positions, theta):
     return jnp.concatenate([z.real, z.imag], axis=-1).astype(x.dtype)
 
 
-def _mask(is_seq_start, mode):
+def reference_mask(is_seq_start: jax.Array, mode: AttentionMask) -> jax.Array:
+    """bool[B or 1, Lq, Lk]: the key is at or before the query (and, ``document``, in its document)."""
     length = is_seq_start.shape[1]
     doc = jnp.cumsum(is_seq_start, axis=1)
     same_doc = doc[:, :, None] == doc[:, None, :]
@@ -50,43 +70,95 @@ def _mask(is_seq_start, mode):
     return causal[None] & (same_doc if mode == "document" else True)
 
 
-def reference_logits_fn(weights: Weights, tokens, is_seq_start, cfg: ModelConfig) -> jax.Array:
-    """f32[B, L, vocab] logits of the model, computed on one device."""
+def reference_positions(is_seq_start: jax.Array) -> jax.Array:
+    """i32[B, L]: each token's position in its document, the number of its document's tokens
+    before it in the row (a row may begin mid-document: it counts from 0 there).
+
+    Counted off the document mask, not by a loop over L: the benchmark's GSPMD baseline would
+    unroll a loop into L partitioned ops, seconds of compile time."""
+    return (jnp.sum(reference_mask(is_seq_start, "document"), axis=-1) - 1).astype(jnp.int32)
+
+
+def reference_embed(cfg: ModelConfig, weights: Weights, tokens: jax.Array) -> jax.Array:
+    """i32[B, L] ids -> the residual stream [B, L, M] in compute dtype."""
+    return weights.embed.astype(jnp.dtype(cfg.compute_dtype))[tokens]
+
+
+def reference_layer(
+    cfg: ModelConfig,
+    w: Layer,
+    x: jax.Array,
+    positions: jax.Array,
+    mask: jax.Array,
+    *,
+    mark: Callable[[jax.Array], jax.Array] = _identity,
+    constrain: Callable[[jax.Array], jax.Array] = _identity,
+) -> jax.Array:
+    """One pre-norm layer (GQA attention with RoPE, then SwiGLU): residual [B, L, M] -> same.
+
+    ``w`` is one layer's weights (no ``layers`` dim). The hooks change no value:
+    ``mark`` tags the values a scanned, rematerialized caller keeps for the backward pass (the
+    ones ``seqshard/model/transformer.py`` marks with ``save_for_backward``: q and k after
+    RoPE, v, the attention output, the mid-layer residual, gate and up); ``constrain`` is
+    applied to the residual stream after each residual add (e.g. a sharding constraint).
+    """
     dt = jnp.dtype(cfg.compute_dtype)
-    tokens = jnp.asarray(tokens).astype(jnp.int32)
-    is_seq_start = jnp.asarray(is_seq_start).astype(bool)
-    positions = _positions(is_seq_start)
-    mask = _mask(is_seq_start, cfg.attention_mask)
-    x = weights.embed.astype(dt)[tokens]
-    for i in range(cfg.n_layers):
-        w = jax.tree.map(lambda a, i=i: a[i], weights.layers)
-        nx = _norm(x, w.ln1, cfg.norm_eps).astype(dt)
-        q = jnp.einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
-        k = jnp.einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
-        v = jnp.einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt))
-        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
-        scores = jnp.einsum("bsqkd,btkd->bqkst", q, k, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(cfg.d_head)
-        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        attn = jnp.einsum("bqkst,btkd->bsqkd", probs, v)
-        x = x + jnp.einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))
-        nx = _norm(x, w.ln2, cfg.norm_eps).astype(dt)
-        gate = nx @ w.w_gate.astype(dt)
-        up = nx @ w.w_up.astype(dt)
-        x = (x + (jax.nn.silu(gate) * up) @ w.w_down.astype(dt).T).astype(dt)
+    nx = _norm(x, w.ln1, cfg.norm_eps).astype(dt)
+    q = jnp.einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
+    k = jnp.einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
+    v = mark(jnp.einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt)))
+    q = mark(_rope(q, positions, cfg.rope_theta))
+    k = mark(_rope(k, positions, cfg.rope_theta))
+    scores = jnp.einsum("bsqkd,btkd->bqkst", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(cfg.d_head)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    attn = mark(jnp.einsum("bqkst,btkd->bsqkd", probs, v))
+    x = mark(constrain(x + jnp.einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
+    nx = _norm(x, w.ln2, cfg.norm_eps).astype(dt)
+    gate = mark(nx @ w.w_gate.astype(dt))
+    up = mark(nx @ w.w_up.astype(dt))
+    return constrain((x + (jax.nn.silu(gate) * up) @ w.w_down.astype(dt).T).astype(dt))
+
+
+def reference_unembed(cfg: ModelConfig, weights: Weights, x: jax.Array) -> jax.Array:
+    """The residual [B, L, M] -> final RMSNorm -> f32[B, L, V] logits."""
+    dt = jnp.dtype(cfg.compute_dtype)
     nx = _norm(x, weights.final_norm, cfg.norm_eps).astype(dt)
     return jnp.einsum(
         "blm,vm->blv", nx, weights.unembed.astype(dt), preferred_element_type=jnp.float32
     )
 
 
+def reference_logits_fn(weights: Weights, tokens, is_seq_start, cfg: ModelConfig) -> jax.Array:
+    """f32[B, L, vocab] logits of the model, computed on one device."""
+    tokens = jnp.asarray(tokens).astype(jnp.int32)
+    is_seq_start = jnp.asarray(is_seq_start).astype(bool)
+    positions = reference_positions(is_seq_start)
+    mask = reference_mask(is_seq_start, cfg.attention_mask)
+    x = reference_embed(cfg, weights, tokens)
+    for i in range(cfg.n_layers):
+        w = jax.tree.map(lambda a, i=i: a[i], weights.layers)
+        x = reference_layer(cfg, w, x, positions, mask)
+    return reference_unembed(cfg, weights, x)
+
+
+def reference_loss_terms(
+    logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array
+) -> jax.Array:
+    """f32[2]: (summed next-token cross-entropy, positions counted) over the batch.
+
+    A position counts when its next token is in the same document."""
+    log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
+    counted = ~is_seq_start[:, 1:]
+    return jnp.stack([jnp.sum(jnp.where(counted, nll, 0.0)), jnp.sum(counted, dtype=jnp.float32)])
+
+
 def reference_loss_fn(weights: Weights, tokens, is_seq_start, cfg: ModelConfig) -> jax.Array:
     """f32[]: mean next-token cross-entropy over positions whose next token is in the same document."""
     tokens = jnp.asarray(tokens).astype(jnp.int32)
     is_seq_start = jnp.asarray(is_seq_start).astype(bool)
-    logits = reference_logits_fn(weights, tokens, is_seq_start, cfg)[:, :-1]
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
-    counted = ~is_seq_start[:, 1:]
-    return jnp.sum(jnp.where(counted, nll, 0.0)) / jnp.maximum(jnp.sum(counted), 1)
+    logits = reference_logits_fn(weights, tokens, is_seq_start, cfg)
+    total, count = reference_loss_terms(logits, tokens, is_seq_start)
+    return total / jnp.maximum(count, 1.0)
