@@ -51,3 +51,15 @@ def random_weights(cfg: ModelConfig, mesh=None, seed: int = 0) -> Weights:
         return x if mesh is None else jax.device_put(x, s.sharding)
 
     return jax.tree_util.tree_map_with_path(draw, weight_structs(cfg, mesh))
+
+
+def packed_batch(vocab: int, batch: int, length: int, seed: int = 0):
+    """(tokens i32[B, L], is_seq_start bool[B, L]) as numpy: random tokens in packed rows,
+    documents starting at random places (about 1 in 5 tokens). Row 0 begins mid-document (no
+    start at position 0), as a packed loader's rows may."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (batch, length)).astype(np.int32)
+    is_seq_start = rng.random((batch, length)) < 0.2
+    is_seq_start[1:, 0] = True
+    is_seq_start[0, 0] = False
+    return tokens, is_seq_start

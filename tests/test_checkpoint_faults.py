@@ -111,13 +111,19 @@ def _restores_to(cfg, directory: Path, state) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _with_step_2(directory, cfg, state) -> Checkpointer:
+    """A Checkpointer (keep 3) over ``directory`` holding one complete checkpoint, step 2."""
+    ckpt = Checkpointer(directory, keep=3)
+    ckpt.save(at_step(state, 2), cfg, {"step": 2})
+    ckpt.wait()
+    return ckpt
+
+
 def test_a_full_disk_is_reported_at_the_next_check(fresh, small_disk, capfd):
     cfg, state = fresh
     directory = small_disk / "ck"
-    ckpt = Checkpointer(directory, keep=3)
+    ckpt = _with_step_2(directory, cfg, state)
     try:
-        ckpt.save(at_step(state, 2), cfg, {"step": 2})
-        ckpt.wait()
         _fill(small_disk)
         capfd.readouterr()
         ckpt.save(at_step(state, 4), cfg, {"step": 4})  # returns: the write goes on behind
@@ -142,10 +148,8 @@ def test_a_failing_finalize_is_reported_quietly(fresh, tmp_path, monkeypatch, ca
     close() when it was the run's last save."""
     cfg, state = fresh
     directory = tmp_path / "ck"
-    ckpt = Checkpointer(directory, keep=3)
+    ckpt = _with_step_2(directory, cfg, state)
     try:
-        ckpt.save(at_step(state, 2), cfg, {"step": 2})
-        ckpt.wait()
 
         async def no_space(self):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))

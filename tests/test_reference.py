@@ -25,37 +25,20 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from model_weights import random_weights
+from model_weights import packed_batch as shared_packed_batch
+from model_weights import random_weights, tiny_model
 
 from seqshard.batch import TokenBatch, token_batch
 from seqshard.config import Config, MeshConfig, TrainConfig
 from seqshard.mesh import mesh_of_sizes
-from seqshard.model import ModelConfig, reference_logits_fn, reference_loss_fn
-from seqshard.model.reference import (
-    reference_embed,
-    reference_layer,
-    reference_loss_terms,
-    reference_mask,
-    reference_positions,
-    reference_unembed,
-)
+from seqshard.model import ModelConfig, reference, reference_logits_fn, reference_loss_fn
 from seqshard.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.shardtypes import shardings
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import init_train_state
 
 # Sizes a 4x2 mesh splits: d_model by d*t = 8, vocab, n_kv and d_ff by t = 2, the batch by d = 4.
-CFG = ModelConfig(
-    vocab=64,
-    d_model=32,
-    n_layers=2,
-    n_q_per_kv=2,
-    n_kv=2,
-    d_head=8,
-    d_ff=64,
-    compute_dtype="float32",
-    attention_impl="einsum",
-)
+CFG = tiny_model(n_kv=2)
 BATCH, LENGTH = 8, 16
 MESH = {"d": 4, "t": 2}
 
@@ -69,14 +52,7 @@ GRADS = dict(rtol=1e-5, atol=1e-6)
 
 
 def packed_batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Random tokens in packed rows, documents starting at random (about 1 in 5 tokens); row 0
-    begins mid-document, as a packed loader's rows may."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, CFG.vocab, (BATCH, LENGTH)).astype(np.int32)
-    is_seq_start = rng.random((BATCH, LENGTH)) < 0.2
-    is_seq_start[1:, 0] = True
-    is_seq_start[0, 0] = False
-    return tokens, is_seq_start
+    return shared_packed_batch(CFG.vocab, BATCH, LENGTH, seed)
 
 
 TOKENS, IS_SEQ_START = packed_batch()
@@ -117,17 +93,17 @@ def assert_trees_close(actual, expected, **tol) -> None:
 
 
 def scanned_logits(w, tokens, is_seq_start, cfg: ModelConfig):
-    """The reference's pieces as the benchmark assembles them: lax.scan of reference_layer
+    """The reference's pieces as the benchmark assembles them: lax.scan of reference.reference_layer
     under explicit activation checkpointing, save_for_backward as the mark."""
-    positions = reference_positions(is_seq_start)
-    mask = reference_mask(is_seq_start, cfg.attention_mask)
+    positions = reference.reference_positions(is_seq_start)
+    mask = reference.reference_mask(is_seq_start, cfg.attention_mask)
 
     def layer(x, lw):
-        return reference_layer(cfg, lw, x, positions, mask, mark=save_for_backward), None
+        return reference.reference_layer(cfg, lw, x, positions, mask, mark=save_for_backward), None
 
-    x = reference_embed(cfg, w, tokens)
+    x = reference.reference_embed(cfg, w, tokens)
     x, _ = jax.lax.scan(explicit_activation_checkpointing(layer, cfg.remat), x, w.layers)
-    return reference_unembed(cfg, w, x)
+    return reference.reference_unembed(cfg, w, x)
 
 
 def test_scanned_layers_equal_reference():
@@ -136,7 +112,7 @@ def test_scanned_layers_equal_reference():
 
     def loss(w, tokens, is_seq_start):
         logits = scanned_logits(w, tokens, is_seq_start, cfg)
-        total, count = reference_loss_terms(logits, tokens, is_seq_start)
+        total, count = reference.reference_loss_terms(logits, tokens, is_seq_start)
         return total / count, logits
 
     grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -155,11 +131,11 @@ def test_layer_marks_what_the_sharded_model_saves():
         marked.append(x.shape)
         return x
 
-    x = reference_embed(CFG, WEIGHTS, TOKENS)
+    x = reference.reference_embed(CFG, WEIGHTS, TOKENS)
     layer = jax.tree.map(lambda a: a[0], WEIGHTS.layers)
-    positions = reference_positions(jnp.asarray(IS_SEQ_START))
-    mask = reference_mask(jnp.asarray(IS_SEQ_START), CFG.attention_mask)
-    jax.eval_shape(lambda: reference_layer(CFG, layer, x, positions, mask, mark=mark))
+    positions = reference.reference_positions(jnp.asarray(IS_SEQ_START))
+    mask = reference.reference_mask(jnp.asarray(IS_SEQ_START), CFG.attention_mask)
+    jax.eval_shape(lambda: reference.reference_layer(CFG, layer, x, positions, mask, mark=mark))
     b, n, q, k, d = BATCH, LENGTH, CFG.n_q_per_kv, CFG.n_kv, CFG.d_head
     residual, ffn = (b, n, CFG.d_model), (b, n, CFG.d_ff)
     assert sorted(marked) == sorted(
@@ -168,20 +144,20 @@ def test_layer_marks_what_the_sharded_model_saves():
 
 
 def test_positions_count_from_each_document_start():
-    """reference_positions against a plain loop: +1 per token, 0 at a document start, and a row
+    """reference.reference_positions against a plain loop: +1 per token, 0 at a document start, and a row
     that begins mid-document (row 0) counts from 0."""
     want = np.zeros((BATCH, LENGTH), np.int32)
     for b in range(BATCH):
         for i in range(1, LENGTH):
             want[b, i] = 0 if IS_SEQ_START[b, i] else want[b, i - 1] + 1
-    np.testing.assert_array_equal(reference_positions(IS_SEQ_START), want)
+    np.testing.assert_array_equal(reference.reference_positions(IS_SEQ_START), want)
 
 
 def test_loss_terms_sum_and_count():
-    """reference_loss_fn is reference_loss_terms' sum over its count; a position counts when the
+    """reference_loss_fn is reference.reference_loss_terms' sum over its count; a position counts when the
     next token is in its document."""
     loss, _, logits = reference_outputs()
-    total, count = np.asarray(reference_loss_terms(logits, TOKENS, IS_SEQ_START))
+    total, count = np.asarray(reference.reference_loss_terms(logits, TOKENS, IS_SEQ_START))
     assert count == np.sum(~IS_SEQ_START[:, 1:])
     np.testing.assert_allclose(total / count, loss, **LOSS)
 

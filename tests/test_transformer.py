@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from model_weights import packed_batch as shared_packed_batch
 from model_weights import random_weights, tiny_model
 
 from seqshard import shardops
@@ -71,17 +72,8 @@ def mesh_of(shape: tuple[int, int]) -> jax.sharding.Mesh:
     return fake_cpu_mesh(shape, ("d", "t"))
 
 
-def packed_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random tokens in packed rows: documents start at random places (about 1 in 5 tokens).
-
-    Row 0 begins mid-document (no start at position 0), as a packed loader's rows may.
-    """
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, CFG.vocab, (BATCH, LENGTH)).astype(np.int32)
-    is_seq_start = rng.random((BATCH, LENGTH)) < 0.2
-    is_seq_start[1:, 0] = True
-    is_seq_start[0, 0] = False
-    return tokens, is_seq_start
+def packed_batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    return shared_packed_batch(CFG.vocab, BATCH, LENGTH, seed)
 
 
 TOKENS, IS_SEQ_START = packed_batch(0)
