@@ -30,8 +30,21 @@ _PUBLIC = {
     "ShapeError": "shapecheck",
     "shape_scope": "shapecheck",
     **dict.fromkeys(
-        "Array ArrayType bf16 bool_ f16 f32 i32 u32 partition_specs pytree_dataclass "
-        "shape_dtype_structs shardings typed_shard_map".split(),
+        [
+            "Array",
+            "ArrayType",
+            "bf16",
+            "bool_",
+            "f16",
+            "f32",
+            "i32",
+            "u32",
+            "partition_specs",
+            "pytree_dataclass",
+            "shape_dtype_structs",
+            "shardings",
+            "typed_shard_map",
+        ],
         "shardtypes",
     ),
 }

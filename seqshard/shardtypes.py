@@ -63,6 +63,7 @@ __all__ = [
     "type_tree",
     "typed_shard_map",
     "u32",
+    "with_unsplit_dims",
 ]
 
 
@@ -418,6 +419,14 @@ def typed_shard_map(
 
     wrapper.in_specs, wrapper.out_specs = in_specs, out_specs
     return wrapper
+
+
+def with_unsplit_dims(sharding: NamedSharding, ndim: int, at: int, count: int) -> NamedSharding:
+    """The layout of ``sharding`` (of an ``ndim``-dimensional array) with ``count`` unsplit
+    dimensions inserted before dimension ``at``: ``'B/d M/t'`` -> ``'B/d 1 M/t'`` for a reshape
+    that splits a dimension without moving data."""
+    spec = (*sharding.spec, *(None,) * (ndim - len(sharding.spec)))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:at], *(None,) * count, *spec[at:]))
 
 
 def block_shape(

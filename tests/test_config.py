@@ -207,11 +207,18 @@ def test_a_file_that_is_not_a_mapping(tmp_path):
     assert str(path) in str(e.value)
 
 
-def test_empty_file_is_the_defaults(tmp_path):
-    path = write(tmp_path / "empty.yaml", "")
-    assert load_config(path, ["data.vocab_size=256"]) == load_config(
-        None, ["data.vocab_size=256", "run.name=empty"]
-    )
+def test_an_empty_file_is_an_error_not_the_defaults(tmp_path):
+    """An empty config trained silently on the built-in defaults; now it says so."""
+    path = write(tmp_path / "empty.yaml", "# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml is empty: it would run seqshard's built-in"):
+        load_config(path)
+    base = Path(__file__).resolve().parent.parent / "configs" / "base.yaml"
+    assert load_config(write(tmp_path / "b.yaml", f"base: {base}\n")).run.name == "b"
+
+
+def test_a_directory_is_not_a_config_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a directory\. Pass a YAML file"):
+        load_config(tmp_path)
 
 
 def test_base_loop_is_an_error(tmp_path):

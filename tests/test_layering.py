@@ -9,7 +9,8 @@
 Each module is imported alone in a fresh interpreter, and every seqshard module it pulled in
 must belong to a layer it may use. Importing the model loads neither the data package nor
 ``tokenizers``. And every sharding is derived from a type: no file but ``shardtypes.py``
-builds a ``PartitionSpec`` or ``NamedSharding`` by hand.
+builds a ``PartitionSpec`` or ``NamedSharding`` by hand. (Each module also imports alone: the
+forked children would fail on an import cycle that only shows when that module comes first.)
 """
 
 from __future__ import annotations

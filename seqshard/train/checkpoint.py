@@ -64,10 +64,11 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yaml
 from seqshard.model.config import DIM_FIELDS
+from seqshard.shardtypes import shardings, u32, with_unsplit_dims
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import TrainState, train_state_structs
 
@@ -193,9 +194,8 @@ def _plan(x: Any) -> _Plan:
         (p for p in range(2, rows + 1) if rows % p == 0 and block_bytes <= _PART_BYTES * p),
         default=rows,
     )
-    spec = (*sharding.spec, *(None,) * (x.ndim - len(sharding.spec)))
-    per_part = [None] if rows > parts else []  # see _checksum
-    view = NamedSharding(sharding.mesh, PartitionSpec(spec[0], None, *per_part, *spec[1:]))
+    per_part = 1 if rows > parts else 0  # see _checksum
+    view = with_unsplit_dims(sharding, x.ndim, at=1, count=1 + per_part)
     return _Plan(parts, x.shape[0] // rows, view)
 
 
@@ -248,7 +248,7 @@ def _jitted_digest(mesh: Mesh | None):
     if mesh is None:
         return jax.jit(_digest, static_argnums=1)
     # A few scalars, replicated: every process can read them.
-    return jax.jit(_digest, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return jax.jit(_digest, static_argnums=1, out_shardings=shardings(u32["n"], mesh))
 
 
 def _leaf_names(state: Any) -> list[str]:
