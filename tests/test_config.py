@@ -282,6 +282,12 @@ def test_bad_override_syntax(override):
         (["train.lr=0"], ["train.lr", "lr=0"]),
         (["train.min_lr_ratio=2"], ["train.min_lr_ratio", "2"]),
         (["data.val_fraction=0"], ["data.val_fraction", "0"]),
+        (["train.lr=nan"], ["train.lr must be a finite number, got nan"]),
+        (["train.lr=inf"], ["train.lr must be a finite number, got inf"]),
+        (["train.checkpoint_every=-1"], ["train.checkpoint_every must be >= 0", "got -1"]),
+        (["train.eval_every=-5"], ["train.eval_every must be >= 0", "got -5"]),
+        (["train.max_nonfinite_skips=0"], ["train.max_nonfinite_skips must be >= 1"]),
+        (["train.beta2=1"], ["train.beta2 must be in [0, 1)"]),
     ],
 )
 def test_cross_field_checks_name_key_value_and_axis(overrides, needles):
