@@ -1,6 +1,7 @@
 """The fault campaign, run by `seqshard train` as a user would meet it: divergence under both
-non-finite policies, SIGTERM at start-up and mid-run, kill -9 at random moments, paths that
-try to escape the run directory, and inputs that used to be accepted.
+non-finite policies, SIGTERM at start-up and during the first compile (mid-run: test_loop.py),
+kill -9 mid-run and at random moments (slow), paths that try to escape the run directory, and
+inputs that used to be accepted.
 
 Damaged checkpoints and full disks are in tests/test_checkpoint.py. Every subprocess here is
 killed on the test's own timeout (:func:`launch`)."""
@@ -137,7 +138,9 @@ def test_the_command_exits_3_with_one_line_and_no_traceback(tmp_path, tiny_overr
 # -- signals ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("moment", ["start-up", "first compile"])
+@pytest.mark.parametrize(
+    "moment", ["start-up", pytest.param("first compile", marks=pytest.mark.slow)]
+)
 def test_sigterm_before_the_first_step_exits_promptly_with_nothing_saved(
     tmp_path, tiny_overrides, moment
 ):
@@ -158,23 +161,6 @@ def test_sigterm_before_the_first_step_exits_promptly_with_nothing_saved(
     assert "nothing to save" in out and "Traceback" not in err
     assert took < 30, took  # (at most the compile in flight; seconds)
     assert not (run_dir / "checkpoints").exists() or not checkpoint_steps(run_dir)
-
-
-def test_sigterm_mid_run_saves_the_step_and_exits_within_seconds(tmp_path, tiny_overrides):
-    config = tmp_path / "c.yaml"
-    config.write_text(f"base: {REPO / 'configs' / 'tiny-cpu.yaml'}\n")
-    run_dir = tmp_path / "runs" / "mid"
-    overrides = tiny_overrides(tmp_path / "runs", "mid", steps=400, eval_every=0)
-    with launch(["train", str(config), *overrides, "--sample-tokens=0"], tmp_path) as proc:
-        wait_for(lambda: metric_lines(run_dir) >= 3, proc)
-        signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-        took = time.monotonic() - signalled
-    assert proc.returncode == 0 and "stopped early" in out, err
-    stopped = max(losses(run_dir))
-    assert checkpoint_steps(run_dir)[-1] == stopped
-    assert took < 10, took  # no evaluation on the way out; one small checkpoint
 
 
 # -- kill -9 ----------------------------------------------------------------------------------
@@ -204,6 +190,7 @@ def kill_and_resume(tmp_path, tiny_overrides, moments: list[float], steps: int =
     return losses(run_dir), losses(straight.run_dir)
 
 
+@pytest.mark.slow  # ~30 s; SIGTERM's resume (test_loop) and the checkpoint tests run by default
 def test_kill_9_mid_run_resumes_to_the_same_curve(tmp_path, tiny_overrides):
     killed, straight = kill_and_resume(tmp_path, tiny_overrides, [0.5])
     assert killed == straight

@@ -239,14 +239,17 @@ def test_sigterm_checkpoints_and_resuming_loses_nothing(tmp_path, tiny_overrides
                 break
             time.sleep(0.02)
         assert proc.poll() is None, "the run ended before it could be interrupted"
+        signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - signalled
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err
     assert "SIGTERM" in out and "stopped early" in out
+    assert took < 10, took  # no evaluation on the way out; one small checkpoint
     assert "Traceback" not in err
     stopped_at = max(by_step(metrics.parent))
     assert 3 <= stopped_at < steps
