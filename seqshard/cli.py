@@ -155,29 +155,52 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-class _StopBeforeStart(Exception):
+class _StopBeforeStart(BaseException):
     """SIGTERM or Ctrl-C while `seqshard train` starts up (before the training loop's own
-    handler is installed): nothing has run, nothing is lost."""
+    handler is installed): nothing has run, nothing is lost. A BaseException, like
+    KeyboardInterrupt, so that no library's ``except Exception`` swallows it."""
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_received: list[str] = []  # the signal, also kept here in case its exception was swallowed
 
 
 def _stop_before_start(signum, frame):
-    raise _StopBeforeStart(signal.Signals(signum).name)
+    _received.append(signal.Signals(signum).name)
+    raise _StopBeforeStart(_received[-1])
 
 
 def _train(args) -> int:
     # Handled from the first moment: importing JAX and loading the config take seconds.
     previous = {sig: signal.signal(sig, _stop_before_start) for sig in _SIGNALS}
+    unraisable, sys.unraisablehook = sys.unraisablehook, _quiet_stop(sys.unraisablehook)
     try:
         return _train_run(args)
     except _StopBeforeStart as e:
         print(f"{e}: stopped before training started; nothing to save.", flush=True)
         return 0
+    except Exception:
+        if not _received:
+            raise
+        # The stop request landed inside a library that turned it into its own error (JAX's
+        # backend start-up reports "initialization failed"): it is still only a stop.
+        print(f"{_received[-1]}: stopped before training started; nothing to save.", flush=True)
+        return 0
     finally:
+        sys.unraisablehook = unraisable
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _quiet_stop(hook):
+    """``sys.unraisablehook`` that drops a stop request raised where it cannot propagate (a
+    signal landing inside a ``__del__`` during an import): ``_received`` still stops the run."""
+
+    def quiet(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, _StopBeforeStart):
+            hook(unraisable)
+
+    return quiet
 
 
 def _train_run(args) -> int:
@@ -186,6 +209,8 @@ def _train_run(args) -> int:
 
     cfg = _load(args.config, args.overrides)
     initialize_distributed()
+    if _received:  # its exception was caught inside an import; it still stops us
+        raise _StopBeforeStart(_received[-1])
     print(f"run directory: {run_dir_of(cfg)}", flush=True)
     result = train(cfg)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"

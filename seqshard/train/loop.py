@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -184,8 +185,10 @@ def _write_run_files(run_dir: Path, cfg: Config, data_dir: Path) -> None:
     (run_dir / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
-class StopRequested(Exception):
-    """SIGTERM or Ctrl-C before the first step finished: there is nothing to save."""
+class StopRequested(BaseException):
+    """SIGTERM or Ctrl-C before the first step finished: there is nothing to save. A
+    BaseException, like KeyboardInterrupt, so that no library's ``except Exception`` (during
+    restore, data preparation, compilation) swallows it."""
 
 
 class NonfiniteError(RuntimeError):
@@ -204,16 +207,25 @@ class _StopOnSignal:
 
     def __init__(self, log: Callable[[str], None]):
         self.requested, self.armed, self.log, self.previous = False, False, log, {}
+        self.early: str | None = None  # a signal before arming, even if its exception was lost
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self.previous[sig] = signal.signal(sig, self._handle)
+        self.unraisable, sys.unraisablehook = sys.unraisablehook, self._quiet
         return self
+
+    def _quiet(self, unraisable) -> None:
+        """A stop request raised where it cannot propagate (inside a ``__del__``) is not an
+        error to print: ``early`` still stops the run after the first compile."""
+        if not isinstance(unraisable.exc_value, StopRequested):
+            self.unraisable(unraisable)
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         if not self.armed:
+            self.early = name
             raise StopRequested(name)
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
@@ -221,6 +233,7 @@ class _StopOnSignal:
         self.log(f"{name}: saving a checkpoint after this step, then stopping")
 
     def __exit__(self, *exc):
+        sys.unraisablehook = self.unraisable
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
@@ -293,18 +306,28 @@ def train(
     with _StopOnSignal(log) as stop:
         try:
             return _train(cfg, stop, log, tty, started)
+        except Exception:
+            if stop.early is None or stop.armed:
+                raise
+            # The stop request landed inside a library that turned it into its own error.
+            log(f"{stop.early}: stopping before the first step; nothing to save")
+            return _stopped_early(cfg, started)
         except StopRequested as e:
             log(f"{e}: stopping before the first step; nothing to save")
-            return TrainResult(
-                run_dir=run_dir_of(cfg),
-                step=0,  # not known yet (a resume had not restored); nothing ran
-                train_loss=None,
-                val_loss=None,
-                tokens_per_s=0.0,
-                mfu=0.0,
-                wall_s=time.perf_counter() - started,
-                interrupted=True,
-            )
+            return _stopped_early(cfg, started)
+
+
+def _stopped_early(cfg: Config, started: float) -> TrainResult:
+    return TrainResult(
+        run_dir=run_dir_of(cfg),
+        step=0,  # not known yet (a resume had not restored); nothing ran
+        train_loss=None,
+        val_loss=None,
+        tokens_per_s=0.0,
+        mfu=0.0,
+        wall_s=time.perf_counter() - started,
+        interrupted=True,
+    )
 
 
 def _train(cfg: Config, stop: _StopOnSignal, log, tty, started: float) -> TrainResult:
@@ -408,6 +431,8 @@ def _train_steps(
                 jax.block_until_ready(metrics)
                 metrics_log.message(f"compiled and ran the first step in {window.elapsed():.1f} s")
                 window.restart()
+                if stop.early:  # its exception was caught inside a library call: stop now
+                    raise StopRequested(stop.early)
                 stop.armed = True  # from now on a signal saves this step's state first
             # Read the flag once: a signal that lands after this (while logging, say)
             # stops after the next step, which then saves; breaking on it here would
