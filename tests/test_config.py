@@ -210,7 +210,9 @@ def test_a_file_that_is_not_a_mapping(tmp_path):
 def test_an_empty_file_is_an_error_not_the_defaults(tmp_path):
     """An empty config trained silently on the built-in defaults; now it says so."""
     path = write(tmp_path / "empty.yaml", "# nothing yet\n")
-    with pytest.raises(ConfigError, match=r"empty\.yaml is empty: it would run seqshard's built-in"):
+    with pytest.raises(
+        ConfigError, match=r"empty\.yaml is empty: it would run seqshard's built-in"
+    ):
         load_config(path)
     base = Path(__file__).resolve().parent.parent / "configs" / "base.yaml"
     assert load_config(write(tmp_path / "b.yaml", f"base: {base}\n")).run.name == "b"
@@ -331,7 +333,9 @@ def test_a_saved_config_reads_back_equal_and_diffs_by_dotted_key(tmp_path):
     assert config_changes(cfg, cfg) == {}
 
     run = tmp_path / "run"
-    with pytest.raises(ConfigError, match=r"config\.yaml does not exist: .* is not a run directory"):
+    with pytest.raises(
+        ConfigError, match=r"config\.yaml does not exist: .* is not a run directory"
+    ):
         read_run_config(run)
     run.mkdir()
     (run / "config.yaml").write_text(config_to_yaml(cfg))
