@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -38,24 +37,62 @@ class Command:
     description: str = ""
 
 
-def _use_host_devices(n: int) -> None:
-    """Give the CPU backend ``n`` fake devices unless the user set a count. XLA reads the flag
-    when the backend starts (the first device query), so this must run before that."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
-def _load(path: str, overrides: Sequence[str]):
-    from seqshard.config import load_config
+def _load(path: str, overrides: Sequence[str], devices: int | None = None):
+    """The config, with its mesh resolved (``-1`` sizes) for ``devices`` if given."""
+    from seqshard.config import load_config, resolve_mesh
+    from seqshard.launch import use_cpu_devices
 
     cfg = load_config(path, overrides)
-    _use_host_devices(cfg.mesh.n_devices)
+    if devices is not None:
+        return resolve_mesh(cfg, devices)
+    if cfg.mesh.is_resolved:
+        use_cpu_devices(cfg.mesh.n_devices)
     return cfg
 
 
-def _run_config(run_dir: str, overrides: Sequence[str]):
-    """A run's own config, with ``overrides``; ``data.dir`` is the directory the run trained
+def _process_arguments(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "multi-process runs (one process per host; see docs/launching.md)",
+        "Give all three to every process, or set SEQSHARD_COORDINATOR, SEQSHARD_NUM_PROCESSES "
+        "and SEQSHARD_PROCESS_ID. Under SLURM (srun) and on Cloud TPU VMs JAX finds them itself.",
+    )
+    group.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address and a free port"
+    )
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process: 0 .. N-1")
+
+
+def _start(args, config_path: str, overrides: Sequence[str]):
+    """Join the run's processes and resolve the config on their devices.
+
+    Before JAX's backend starts: the collective-overlap XLA flags, and on CPU each process's
+    share of the mesh's devices (unless XLA_FLAGS sets a count, which wins)."""
+    from seqshard.config import load_config, resolve_mesh
+    from seqshard.launch import find_processes, set_overlap_flags, start_processes, use_cpu_devices
+
+    processes = find_processes(args.coordinator, args.num_processes, args.process_id)
+    cfg = load_config(config_path, overrides)
+    set_overlap_flags(cfg.runtime.overlap_collectives)
+    if cfg.mesh.is_resolved:
+        per_process, extra = divmod(cfg.mesh.n_devices, processes.num_processes or 1)
+        use_cpu_devices(per_process + bool(extra))  # uneven: the mesh check says so
+    start_processes(processes, cfg.runtime)
+    import jax
+
+    return resolve_mesh(cfg, jax.device_count())
+
+
+def _say(*args, **kwargs) -> None:
+    """print, in process 0 only: every process runs the same program; one reports it."""
+    from seqshard.launch import is_main_process
+
+    if is_main_process():
+        print(*args, **kwargs)
+
+
+def _run_config_args(run_dir: str, overrides: Sequence[str]) -> tuple[str, list[str]]:
+    """A run's own config file and ``overrides``; ``data.dir`` is the directory the run trained
     on (saved resolved in its ``run.json``) unless an override names another."""
     from seqshard.config import read_run_config
     from seqshard.train.loop import RUN_INFO
@@ -67,7 +104,11 @@ def _run_config(run_dir: str, overrides: Sequence[str]):
     if info.is_file() and not any(o.startswith("data.dir=") for o in overrides):
         data = [f"data.dir={json.loads(info.read_text())['data_dir']}"]
     location = [f"run.dir={run.parent}", f"run.name={run.name}"]
-    return _load(str(run / "config.yaml"), [*location, *data, *overrides])
+    return str(run / "config.yaml"), [*location, *data, *overrides]
+
+
+def _run_config(run_dir: str, overrides: Sequence[str]):
+    return _load(*_run_config_args(run_dir, overrides))
 
 
 def _config_arguments(p: argparse.ArgumentParser, what: str = "config") -> None:
@@ -145,6 +186,7 @@ def _prepare(args) -> int:
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
     _config_arguments(p)
+    _process_arguments(p)
     p.add_argument(
         "--sample-prompt",
         default="def __init__(self",
@@ -204,34 +246,35 @@ def _quiet_stop(hook):
 
 
 def _train_run(args) -> int:
-    from seqshard.mesh import initialize_distributed
+    from seqshard.launch import joined
     from seqshard.train.loop import run_dir_of, train
 
-    cfg = _load(args.config, args.overrides)
-    initialize_distributed()
+    cfg = _start(args, args.config, args.overrides)
     if _received:  # its exception was caught inside an import; it still stops us
         raise _StopBeforeStart(_received[-1])
-    print(f"run directory: {run_dir_of(cfg)}", flush=True)
+    _say(f"run directory: {run_dir_of(cfg)}", flush=True)
     result = train(cfg)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     if result.already_finished:
-        print(f"step {result.step}: val loss {val} (train.steps={cfg.train.steps} already reached)")
+        _say(f"step {result.step}: val loss {val} (train.steps={cfg.train.steps} already reached)")
     elif result.train_loss is None:
-        print("stopped before the first step; nothing was saved.")
+        _say("stopped before the first step; nothing was saved.")
         return 0
     else:
-        print(
+        _say(
             f"step {result.step}: train loss {result.train_loss:.4f}, val loss {val}, "
             f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.2%}, wall {result.wall_s:.0f} s"
         )
     if result.interrupted:
-        print(f"stopped early; `seqshard train {args.config}` resumes from the checkpoint.")
+        _say(f"stopped early; `seqshard train {args.config}` resumes from the checkpoint.")
         return 0
-    if args.sample_tokens > 0:
+    if args.sample_tokens > 0 and joined():
+        _say(f"no sample in a multi-process run: `seqshard generate {result.run_dir}` samples.")
+    elif args.sample_tokens > 0:
         samples = _sample(cfg, result.run_dir, [args.sample_prompt], args.sample_tokens, 0.8, 40, 0)
-        print(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):")
-        print(args.sample_prompt + samples[0])
-    print(f"run directory: {result.run_dir}")
+        _say(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):")
+        _say(args.sample_prompt + samples[0])
+    _say(f"run directory: {result.run_dir}")
     return 0
 
 
@@ -240,6 +283,7 @@ def _train_run(args) -> int:
 
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
     _config_arguments(p, "run_dir")
+    _process_arguments(p)
     p.add_argument(
         "--batches", type=int, default=0, help="validation batches (default: train.eval_batches)"
     )
@@ -252,7 +296,7 @@ def _eval(args) -> int:
     from seqshard.train.loop import evaluate
     from seqshard.train.step import make_eval_step
 
-    cfg = _run_config(args.run_dir, args.overrides)
+    cfg = _start(args, *_run_config_args(args.run_dir, args.overrides))
     mesh = training_mesh(cfg.mesh.sizes())
     state = latest_state(args.run_dir, cfg, mesh)
     train_cfg = cfg.train
@@ -267,7 +311,7 @@ def _eval(args) -> int:
     ) as loader:
         batches = list(loader.eval_batches(args.batches or train_cfg.eval_batches))
     loss = evaluate(make_eval_step(cfg, mesh), state.weights, batches)
-    print(
+    _say(
         f"{args.run_dir} step {int(state.step)}: val loss {loss:.4f} over {len(batches)} "
         f"batches of {train_cfg.batch_size}x{train_cfg.seq_len}"
     )
@@ -454,9 +498,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
         # OSError: unwritable run.dir, missing files; ImportError: an optional extra missing.
         if debug:
+            _exit_now_if_joined(traceback=True)
             raise
-        print(f"seqshard {command.name}: error: {e}", file=sys.stderr)
+        print(f"seqshard {command.name}{_process()}: error: {e}{_peer_hint(e)}", file=sys.stderr)
+        _exit_now_if_joined(getattr(e, "exit_code", EXIT_ERROR))
         return getattr(e, "exit_code", EXIT_ERROR)
+    except Exception:
+        _exit_now_if_joined(traceback=True)
+        raise
+
+
+def _process() -> str:
+    """`` (process 1 of 2)`` in a multi-process run, else ``''`` (JAX not imported: ``''``)."""
+    from seqshard import launch
+
+    return launch.process_label() if launch.joined() else ""
+
+
+def _peer_hint(error: Exception) -> str:
+    """In a multi-process run a failed collective usually means another process failed first."""
+    from seqshard import launch
+
+    if (
+        not launch.joined()
+        or not isinstance(error, RuntimeError)
+        or "seqshard" in type(error).__module__
+    ):
+        return ""
+    return " (a collective failed: another process of the run has probably stopped first; its own output says why)"
+
+
+def _exit_now_if_joined(code: int = EXIT_ERROR, traceback: bool = False) -> None:
+    """In a multi-process run, a failing process ends at once (after its message): raising
+    would leave the others waiting for it in their next collective (seqshard.launch)."""
+    from seqshard import launch
+
+    if launch.joined():
+        if traceback:
+            import traceback as tb
+
+            tb.print_exc()
+            code = 1
+        launch.exit_now(code)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "MeshConfig",
+    "REMAINING",
     "RunConfig",
+    "RuntimeConfig",
     "TrainConfig",
     "config_changes",
     "config_from_yaml",
@@ -43,6 +45,7 @@ __all__ = [
     "config_to_yaml",
     "load_config",
     "read_run_config",
+    "resolve_mesh",
 ]
 
 
@@ -55,22 +58,57 @@ class MeshConfig:
     """The size of each mesh axis (``seqshard.mesh.MESH_AXES``); an axis left out has size 1.
 
     d: data / FSDP (batch rows, weight rows); t: tensor (heads, d_ff, vocab). The product of
-    the sizes is the number of devices used."""
+    the sizes is the number of devices used. One axis may be ``-1``: "the remaining devices"
+    (``{d: -1, t: 8}`` on 64 devices is d=8 x t=8), fixed by :meth:`resolved` once the device
+    count is known (:func:`resolve_mesh`)."""
 
     d: int = 1
     t: int = 1
 
+    def given(self) -> dict[str, int]:
+        """The sizes as written, ``-1`` included."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def is_resolved(self) -> bool:
+        return REMAINING not in self.given().values()
+
+    def resolved(self, n_devices: int) -> MeshConfig:
+        """This mesh on ``n_devices`` devices: a ``-1`` axis takes the devices the others leave."""
+        given = self.given()
+        fixed = math.prod(n for n in given.values() if n != REMAINING)
+        if self.is_resolved:
+            return self
+        free = next(a for a, n in given.items() if n == REMAINING)
+        if n_devices % fixed:
+            raise ConfigError(
+                f"mesh.{free}=-1 takes the devices the other axes leave, but {n_devices} devices "
+                f"do not divide by {' x '.join(f'{a}={n}' for a, n in given.items() if a != free)} "
+                f"= {fixed}. Choose sizes whose product divides {n_devices}."
+            )
+        return dataclasses.replace(self, **{free: n_devices // fixed})
+
     def sizes(self) -> dict[str, int]:
         """``{'d': 4, 't': 2}``: every mesh axis's size, in mesh order."""
-        return axis_sizes({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        if not self.is_resolved:
+            raise ConfigError(
+                f"mesh {self.given()} has a -1 size (the remaining devices), which is known only "
+                f"once the devices are: resolve it with seqshard.config.resolve_mesh(cfg, n_devices)."
+            )
+        return axis_sizes(self.given())
 
     @property
     def n_devices(self) -> int:
         return math.prod(self.sizes().values())
 
     def describe(self) -> str:
-        """``'d=4 x t=2'``."""
-        return " x ".join(f"{a}={n}" for a, n in self.sizes().items())
+        """``'d=4 x t=2'`` (``'d=-1 x t=2'`` before resolving)."""
+        sizes = self.sizes() if self.is_resolved else self.given()
+        return " x ".join(f"{a}={n}" for a, n in sizes.items())
+
+
+REMAINING = -1
+"""A mesh size that means "the devices the other axes leave"."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +157,20 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How the processes of a run start, watch each other and stop, and the XLA flags set for
+    the accelerator (``seqshard.launch``). Nothing here changes the math; it may change when a
+    run resumes."""
+
+    heartbeat_timeout_s: int = 100  # a process silent this long counts as dead: the others stop
+    shutdown_timeout_s: int = 300  # at exit, how long a process waits for the others
+    initialization_timeout_s: int = 300  # at start, how long to wait for every process to join
+    overlap_collectives: bool = True  # XLA flags that overlap collectives with compute (GPU:
+    #   the latency-hiding scheduler; TPU: async collective fusion); flags already in the
+    #   environment win
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where the run writes: ``<dir>/<name>``; the name defaults to the config file's stem."""
 
@@ -133,6 +185,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
 
 def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
@@ -206,10 +259,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def check_config(cfg: Config) -> None:
     """Cross-field checks, with the values in the message. Raises ConfigError."""
     mesh, train = cfg.mesh, cfg.train
-    try:
-        cfg.model.check_mesh(mesh.sizes())
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    _check_mesh_sizes(mesh)
+    if mesh.is_resolved:  # else resolve_mesh checks these once the device count is known
+        try:
+            cfg.model.check_mesh(mesh.sizes())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     for name in (
         "steps",
         "batch_size",
@@ -231,7 +286,7 @@ def check_config(cfg: Config) -> None:
             f"Choose a batch size that is a multiple of the microbatch count."
         )
     micro = train.batch_size // train.microbatches
-    if micro % mesh.d:
+    if mesh.is_resolved and micro % mesh.d:
         raise ConfigError(
             f"each microbatch has train.batch_size / train.microbatches = {train.batch_size} / "
             f"{train.microbatches} = {micro} sequences, which "
@@ -278,6 +333,10 @@ def check_config(cfg: Config) -> None:
             f"{train.beta1}, {train.beta2}, {train.eps}."
         )
     check_run_name(cfg.run.name)
+    runtime = cfg.runtime
+    for name in ("heartbeat_timeout_s", "shutdown_timeout_s", "initialization_timeout_s"):
+        if getattr(runtime, name) < 1:
+            raise ConfigError(f"runtime.{name} must be >= 1 second, got {getattr(runtime, name)}.")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}.")
     if cfg.data.vocab_size > cfg.model.vocab:
@@ -286,6 +345,32 @@ def check_config(cfg: Config) -> None:
             f"{cfg.model.vocab}: token ids would fall outside the embedding. Set model.vocab >= "
             f"{cfg.data.vocab_size}."
         )
+
+
+def _check_mesh_sizes(mesh: MeshConfig) -> None:
+    given = mesh.given()
+    bad = {a: n for a, n in given.items() if n != REMAINING and n < 1}
+    if bad:
+        raise ConfigError(
+            f"mesh sizes must be >= 1, or -1 for the remaining devices; got "
+            f"{', '.join(f'mesh.{a}={n}' for a, n in bad.items())}."
+        )
+    free = [a for a, n in given.items() if n == REMAINING]
+    if len(free) > 1:
+        raise ConfigError(
+            f"at most one mesh axis may be -1 (the remaining devices), got "
+            f"{', '.join(f'mesh.{a}=-1' for a in free)}. Give all sizes but one."
+        )
+
+
+def resolve_mesh(cfg: Config, n_devices: int) -> Config:
+    """``cfg`` on ``n_devices`` devices: a ``mesh`` size of -1 becomes the remaining devices,
+    and the checks that need the mesh (model splits, batch over d) run. Raises ConfigError."""
+    if cfg.mesh.is_resolved:
+        return cfg
+    cfg = dataclasses.replace(cfg, mesh=cfg.mesh.resolved(n_devices))
+    check_config(cfg)
+    return cfg
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")

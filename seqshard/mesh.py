@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -26,7 +25,6 @@ __all__ = [
     "MESH_AXES",
     "MeshAxis",
     "axis_sizes",
-    "initialize_distributed",
     "mesh_from_devices",
     "mesh_of_sizes",
     "training_mesh",
@@ -102,29 +100,72 @@ def mesh_of_sizes(sizes: Mapping[str, int], devices: Sequence | None = None) -> 
     return mesh_from_devices(tuple(full.values()), tuple(full), devices)
 
 
-def training_mesh(sizes: Mapping[str, int]) -> Mesh:
-    """The training mesh over all processes' devices: ``training_mesh(cfg.mesh.sizes())``."""
-    return mesh_of_sizes(sizes)
+def training_mesh(sizes: Mapping[str, int], devices: Sequence | None = None) -> Mesh:
+    """The training mesh over every process's devices, laid out along the machine's links.
 
+    ``training_mesh(cfg.mesh.sizes())``. Within one slice (TPU) or node (GPU) the mesh follows
+    the physical topology (``jax.make_mesh``). Across several slices or nodes (granules) the
+    mesh is hybrid: ``d``, whose FSDP gathers and gradient reductions can wait behind compute,
+    is split over the slower links (DCN, InfiniBand), and every other axis (``t``, whose
+    transfers sit on the critical path of each layer) stays inside a granule.
 
-def initialize_distributed() -> None:
-    """Start multi-process JAX when launched as one of several processes.
-
-    Reads ``SEQSHARD_COORDINATOR`` (host:port), ``SEQSHARD_NUM_PROCESSES`` and
-    ``SEQSHARD_PROCESS_ID``; on TPU pods and SLURM, JAX finds these itself
-    (``SEQSHARD_DISTRIBUTED=auto``). Does nothing for a single process.
-    """
-    if os.environ.get("SEQSHARD_DISTRIBUTED") == "auto":
-        jax.distributed.initialize()
-        return
-    coordinator = os.environ.get("SEQSHARD_COORDINATOR")
-    if not coordinator:
-        return
-    try:
-        n, rank = int(os.environ["SEQSHARD_NUM_PROCESSES"]), int(os.environ["SEQSHARD_PROCESS_ID"])
-    except (KeyError, ValueError):
+    The mesh must use every device of a multi-process or accelerator run: a mismatch is an
+    error naming both, before anything compiles. One CPU process may use the first
+    ``prod(sizes)`` of its fake devices (tests run many meshes on 8)."""
+    full = axis_sizes(sizes)
+    devices = list(jax.devices() if devices is None else devices)
+    need = math.prod(full.values())
+    described = " x ".join(f"{a}={n}" for a, n in full.items())
+    platform = devices[0].platform if devices else "no"
+    processes = len({dev.process_index for dev in devices})
+    if need > len(devices) or (need != len(devices) and (processes > 1 or platform != "cpu")):
         raise RuntimeError(
-            "SEQSHARD_COORDINATOR is set, so SEQSHARD_NUM_PROCESSES and SEQSHARD_PROCESS_ID must be "
-            "integers too (e.g. 2 and 0)."
-        ) from None
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=rank)
+            f"mesh {described} needs {need} devices, but the run has {len(devices)} "
+            f"{platform.upper()} devices ({processes} process{'es' if processes > 1 else ''}, "
+            f"{len(devices) // processes} each). Set the mesh sizes so that their product is "
+            f"{len(devices)} (a size of -1 takes the remaining devices: mesh.d=-1)"
+            + (
+                f", or give this process {need} fake CPU devices "
+                f"(XLA_FLAGS=--xla_force_host_platform_device_count={need})."
+                if platform == "cpu" and processes == 1
+                else "."
+            )
+        )
+    by_slice, granules = _granules(devices)
+    if len(granules) == 1:
+        return mesh_from_devices(tuple(full.values()), tuple(full), devices)
+    return _hybrid_mesh(full, devices, len(granules), by_slice)
+
+
+def _granules(devices: Sequence) -> tuple[bool, dict[int, list]]:
+    """(by slice, the devices grouped by the slower links between them): on TPU the slices
+    (``slice_index``: one pod slice is one ICI domain however many hosts it has), elsewhere
+    the processes (one per GPU node; CPU processes stand in for them in tests)."""
+    by_slice = devices[0].platform == "tpu"
+    out: dict[int, list] = {}
+    for dev in devices:
+        out.setdefault(
+            getattr(dev, "slice_index", 0) if by_slice else dev.process_index, []
+        ).append(dev)
+    return by_slice, out
+
+
+def _hybrid_mesh(full: dict[str, int], devices: Sequence, n: int, by_slice: bool) -> Mesh:
+    from jax.experimental import mesh_utils
+
+    if full["d"] % n:
+        raise RuntimeError(
+            f"the run's {len(devices)} devices sit in {n} slices or nodes joined by slower links, "
+            f"and seqshard splits only mesh axis d across those links; d={full['d']} is not a "
+            f"multiple of {n}. Choose mesh.d divisible by {n} (each slice or node then holds "
+            f"d/{n} x the other axes)."
+        )
+    outer = {a: (n if a == "d" else 1) for a in full}  # across granules
+    inner = {a: size // outer[a] for a, size in full.items()}  # inside one
+    grid = mesh_utils.create_hybrid_device_mesh(
+        tuple(inner.values()),
+        tuple(outer.values()),
+        devices,
+        process_is_granule=not by_slice,
+    )
+    return Mesh(grid, tuple(full), axis_types=(AxisType.Auto,) * len(full))

@@ -277,7 +277,7 @@ def test_bad_override_syntax(override):
             ["model.d_model=36", "t*d", "= 8", "d=4 x t=2", "d_model/t/d"],
         ),
         (["data.vocab_size=4096"], ["data.vocab_size=4096", "model.vocab=256"]),
-        (["mesh.d=0"], ["mesh axis d", "got 0"]),
+        (["mesh.d=0"], ["mesh.d=0", ">= 1, or -1 for the remaining devices"]),
         (["train.steps=0"], ["train.steps", "0"]),
         (["train.seq_len=1"], ["train.seq_len", "1"]),
         (["train.warmup_steps=-1"], ["train.warmup_steps", "-1"]),

@@ -6,8 +6,15 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from seqshard.config import ConfigError, MeshConfig, load_config
-from seqshard.mesh import AXES, MESH_AXES, axis_sizes, mesh_from_devices, mesh_of_sizes
+from seqshard.config import ConfigError, MeshConfig, load_config, resolve_mesh
+from seqshard.mesh import (
+    AXES,
+    MESH_AXES,
+    axis_sizes,
+    mesh_from_devices,
+    mesh_of_sizes,
+    training_mesh,
+)
 
 
 def test_the_table_names_every_axis_once_with_a_meaning():
@@ -67,5 +74,42 @@ def test_config_mesh_sizes_and_description():
     cfg = load_config(None, ["mesh.t=2", "data.vocab_size=64", "model.vocab=64"])
     assert cfg.mesh.sizes() == {"d": 1, "t": 2}
     assert cfg.mesh.n_devices == 2 and cfg.mesh.describe() == "d=1 x t=2"
-    with pytest.raises(ConfigError, match="mesh axis d must have an integer size >= 1, got 0"):
+    with pytest.raises(ConfigError, match="mesh sizes must be >= 1, or -1 .*; got mesh.d=0"):
         load_config(None, ["mesh.d=0"])
+
+
+def test_a_minus_one_size_takes_the_remaining_devices():
+    cfg = load_config(None, ["mesh.d=-1", "mesh.t=2", "data.vocab_size=64", "model.vocab=64"])
+    assert not cfg.mesh.is_resolved and cfg.mesh.describe() == "d=-1 x t=2"
+    with pytest.raises(ConfigError, match="resolve it with seqshard.config.resolve_mesh"):
+        cfg.mesh.sizes()
+    resolved = resolve_mesh(cfg, 8)
+    assert resolved.mesh.sizes() == {"d": 4, "t": 2} and resolve_mesh(resolved, 8) is resolved
+    with pytest.raises(ConfigError, match="7 devices do not divide by t=2 = 2"):
+        resolve_mesh(cfg, 7)
+    # The checks that need the mesh run once it is resolved: batch 32 over d=64 does not split.
+    with pytest.raises(ConfigError, match="mesh axis d=64 does not divide"):
+        resolve_mesh(cfg, 128)
+    with pytest.raises(ConfigError, match="at most one mesh axis may be -1"):
+        load_config(None, ["mesh.d=-1", "mesh.t=-1"])
+
+
+def test_the_training_mesh_must_use_every_device_of_an_accelerator_or_multi_process_run():
+    """One CPU process may use a prefix of its fake devices; fake devices standing in for two
+    processes (or accelerators) must all be used, and the error names both counts."""
+    assert training_mesh({"d": 2, "t": 2}).devices.size == 4  # 4 of this process's 8
+
+    class Device:
+        def __init__(self, i, process):
+            self.id, self.process_index, self.platform = i, process, "cpu"
+
+    two_hosts = [Device(i, i // 4) for i in range(8)]
+    with pytest.raises(
+        RuntimeError,
+        match=r"mesh d=2 x t=2 needs 4 devices, but the run has 8 CPU devices \(2 processes, 4 each\)",
+    ):
+        training_mesh({"d": 2, "t": 2}, devices=two_hosts)
+    with pytest.raises(RuntimeError, match="mesh.d divisible by 2"):
+        training_mesh({"d": 1, "t": 8}, devices=two_hosts)
+    with pytest.raises(RuntimeError, match="needs 16 devices, but the run has 8 CPU devices"):
+        training_mesh({"d": 16})

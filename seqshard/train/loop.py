@@ -40,10 +40,11 @@ from seqshard.config import (
 from seqshard.data import Loader, prepare, read_meta
 from seqshard.flops import flops_per_token
 from seqshard.hardware import peak_flops
+from seqshard.launch import barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
 from seqshard.model.weights import Weights
 from seqshard.train.checkpoint import Checkpointer, checkpoint_steps
-from seqshard.train.metrics import MetricsLogger
+from seqshard.train.metrics import MetricsLogger, SilentMetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
 from seqshard.train.state import NONFINITE_KINDS, NonfiniteGuard, TrainState, init_train_state
 from seqshard.train.step import make_eval_step, make_train_step
@@ -64,6 +65,7 @@ __all__ = [
 _RESUMABLE_CHANGES = {
     "mesh",
     "run",
+    "runtime",
     "train.steps",
     "train.microbatches",
     "train.log_every",
@@ -119,9 +121,18 @@ def run_dir_of(cfg: Config) -> Path:
     return Path(cfg.run.dir) / cfg.run.name
 
 
-def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Path:
-    """The prepared data directory, preparing it from ``data.inputs`` (or the stdlib) if missing."""
+def ensure_data(
+    cfg: Config, log: Callable[[str], None] = print, prepare_missing: bool = True
+) -> Path:
+    """The prepared data directory, preparing it from ``data.inputs`` (or the stdlib) if missing
+    (and ``prepare_missing``: in a multi-process run process 0 prepares, the others read)."""
     data_dir = Path(cfg.data.dir)
+    if not (data_dir / "meta.json").exists() and not prepare_missing:
+        raise ConfigError(
+            f"data.dir={data_dir} holds no prepared data on this host{process_label()}, though "
+            f"process 0 has it: every process reads its own rows. Put data.dir on a filesystem "
+            f"every host sees, or copy the directory to the same path on each host."
+        )
     if not (data_dir / "meta.json").exists():
         if data_dir.is_file() or (data_dir.is_dir() and any(data_dir.iterdir())):
             raise ConfigError(
@@ -303,6 +314,8 @@ def train(
     Raises :class:`NonfiniteError` when ``train.nonfinite`` says to stop on a non-finite step
     (nothing is saved after it), and ConfigError / CheckpointError on bad input."""
     started = time.perf_counter()
+    if not is_main_process():  # every process runs the run; process 0 reports it
+        log = _quiet
     with _StopOnSignal(log) as stop:
         try:
             return _train(cfg, stop, log, tty, started)
@@ -315,6 +328,10 @@ def train(
         except StopRequested as e:
             log(f"{e}: stopping before the first step; nothing to save")
             return _stopped_early(cfg, started)
+
+
+def _quiet(message: str) -> None:
+    """The log of a process other than 0."""
 
 
 def _stopped_early(cfg: Config, started: float) -> TrainResult:
@@ -334,9 +351,13 @@ def _train(cfg: Config, stop: _StopOnSignal, log, tty, started: float) -> TrainR
     run_dir = run_dir_of(cfg)
     # Everything that can fail on bad input is checked before the run directory is written.
     resuming = _check_run_dir(run_dir, cfg)
-    data_dir = ensure_data(cfg, log)
+    if is_main_process():  # prepares the data directory on first use; the others wait
+        ensure_data(cfg, log)
+    barrier("seqshard: data prepared")
+    data_dir = ensure_data(cfg, log, prepare_missing=False)
     mesh = training_mesh(cfg.mesh.sizes())
-    _write_run_files(run_dir, cfg, data_dir)
+    if is_main_process():
+        _write_run_files(run_dir, cfg, data_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
     try:
         opt = make_optimizer(cfg.train)
@@ -414,8 +435,10 @@ def _train_steps(
         flops_per_token(cfg.model, train_cfg.seq_len).total,
         peak,
     )
-    metrics_log = MetricsLogger(
-        run.run_dir, total_steps=train_cfg.steps, start_step=start, tty=run.tty
+    metrics_log = (
+        MetricsLogger(run.run_dir, total_steps=train_cfg.steps, start_step=start, tty=run.tty)
+        if is_main_process()
+        else SilentMetricsLogger()
     )
     metrics_log.truncate_after(start)
     stop.log = metrics_log.message

@@ -35,7 +35,14 @@ TB_DIR = "tb"
 # Keys the logger writes itself; a metrics dict may not use them.
 _RESERVED = ("step", "time")
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "format_line", "read_metrics", "tb_tag"]
+__all__ = [
+    "METRICS_FILE",
+    "MetricsLogger",
+    "SilentMetricsLogger",
+    "format_line",
+    "read_metrics",
+    "tb_tag",
+]
 
 
 def tb_tag(key: str) -> str:
@@ -83,6 +90,23 @@ def _general(value: float) -> str:
 def _fmt(fmt: str, value: float) -> str:
     # NaN/inf would print as "nan%" or raise for ",.0f"; show them plainly.
     return fmt.format(value) if math.isfinite(value) else str(value)
+
+
+class SilentMetricsLogger:
+    """The :class:`MetricsLogger` of a process other than 0 in a multi-process run: every
+    process computes the same metrics (replicated scalars); process 0 writes them."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
 
 
 class MetricsLogger:

@@ -171,25 +171,17 @@ print("OK", pid, rows)
 @pytest.mark.slow
 def test_two_processes_each_read_their_own_rows(tmp_path, data_dir):
     """Two JAX processes of 4 CPU devices each: each builds only its half of the batch, and the
-    global array they make together is the whole batch."""
-    import socket
-    import subprocess
+    global array they make together is the whole batch. Both are killed on the test's own
+    timeout (one process gone would leave the other waiting in its collective)."""
     import sys
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = str(s.getsockname()[1])
+    from process_helpers import ProcessGroup, cpu_env, free_port
+
+    port = str(free_port())
     script = tmp_path / "two_process.py"
     script.write_text(_TWO_PROCESS_SCRIPT)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(pid), port, str(data_dir)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in (0, 1)
-    ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    cmds = [[sys.executable, str(script), str(pid), port, str(data_dir)] for pid in (0, 1)]
+    with ProcessGroup(cmds, tmp_path / "logs", cpu_env()) as group:
+        assert group.wait(timeout=120) == [0, 0], group.outputs()
+        outs = [group.output(0), group.output(1)]
     assert "OK 0 [0, 2]" in outs[0] and "OK 1 [4, 6]" in outs[1]

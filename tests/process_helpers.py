@@ -1,0 +1,102 @@
+"""Running the processes of a multi-process test: several real processes on localhost, each
+in its own session, all killed when the test's own timeout passes (a process left waiting for
+a dead peer in a collective would otherwise hang the test run)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(devices: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a child process: ``devices`` fake CPU devices (None: the child
+    chooses, e.g. seqshard from the config), no inherited count otherwise."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return {**env, **extra}
+
+
+class ProcessGroup:
+    """``with ProcessGroup(cmds, logs_dir, env) as group: group.wait(timeout)``.
+
+    Each command's stdout and stderr go to ``logs_dir/process<i>.log`` (a file, not a pipe:
+    gloo and XLA can write more than a pipe holds). Leaving the block kills every process
+    still running, whatever happened."""
+
+    def __init__(self, cmds: Sequence[Sequence[str]], logs_dir: Path, env: dict[str, str]):
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        self.logs = [logs_dir / f"process{i}.log" for i in range(len(cmds))]
+        self.procs = []
+        for cmd, log in zip(cmds, self.logs, strict=True):
+            with open(log, "w") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        list(cmd),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,  # its own group: killpg reaches its children
+                    )
+                )
+        self.started = time.monotonic()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill_all()
+
+    def output(self, i: int) -> str:
+        return self.logs[i].read_text(errors="replace")
+
+    def outputs(self) -> str:
+        return "\n".join(f"--- process {i} ---\n{self.output(i)}" for i in range(len(self.logs)))
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[i].pid, sig)
+
+    def kill_all(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.kill(i)
+        for p in self.procs:
+            p.wait()
+
+    def wait_for(self, i: int, text: str, timeout: float) -> None:
+        """Until process ``i``'s output contains ``text``; fails (killing all) after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output(i):
+            if time.monotonic() > deadline or self.procs[i].poll() is not None:
+                self.kill_all()
+                raise AssertionError(f"no {text!r} from process {i}:\n{self.outputs()}")
+            time.sleep(0.2)
+
+    def wait(self, timeout: float, which: Sequence[int] | None = None) -> list[int | None]:
+        """Exit codes of processes ``which`` (default all), once they have exited; after
+        ``timeout`` seconds every process is killed and the test fails with their output."""
+        which = range(len(self.procs)) if which is None else which
+        deadline = time.monotonic() + timeout
+        while any(self.procs[i].poll() is None for i in which):
+            if time.monotonic() > deadline:
+                self.kill_all()
+                raise AssertionError(
+                    f"processes {list(which)} still running after {timeout:.0f} s; all killed:\n"
+                    f"{self.outputs()}"
+                )
+            time.sleep(0.2)
+        return [self.procs[i].returncode for i in which]
