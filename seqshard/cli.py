@@ -519,13 +519,16 @@ def _peer_hint(error: Exception) -> str:
     """In a multi-process run a failed collective usually means another process failed first."""
     from seqshard import launch
 
-    if (
-        not launch.joined()
-        or not isinstance(error, RuntimeError)
-        or "seqshard" in type(error).__module__
-    ):
+    if not launch.joined():
         return ""
-    return " (a collective failed: another process of the run has probably stopped first; its own output says why)"
+    import jax
+
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return ""
+    return (
+        " (a collective failed: another process of the run has probably stopped first; its "
+        "own output says why)"
+    )
 
 
 def _exit_now_if_joined(code: int = EXIT_ERROR, traceback: bool = False) -> None:

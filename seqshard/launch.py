@@ -150,7 +150,7 @@ class Processes:
 
     source: str  # 'flags' | 'environment' | 'slurm' | 'tpu' | 'auto' | 'single'
     coordinator: str | None = None
-    num_processes: int | None = None
+    num_processes: int | None = None  # known in advance for flags, environment and SLURM
     process_id: int | None = None
 
     @property
@@ -193,7 +193,7 @@ def find_processes(
     if mode == "auto":
         return Processes("auto")
     if _parse_int(env.get("SLURM_NTASKS", "1"), "SLURM_NTASKS") > 1 and "SLURM_STEP_ID" in env:
-        return Processes("slurm")
+        return Processes("slurm", num_processes=int(env["SLURM_NTASKS"]))
     if ("TPU_WORKER_HOSTNAMES" in env or "TPU_ACCELERATOR_TYPE" in env) and _installed("libtpu"):
         hosts = env.get("TPU_WORKER_HOSTNAMES", "")
         if "," in hosts or not hosts:  # several workers (or the metadata will say)
@@ -250,12 +250,15 @@ def start_processes(processes: Processes, runtime) -> None:
         else f"{processes.source} cluster detection"
     )
     try:
-        jax.distributed.initialize(
-            coordinator_address=processes.coordinator,
-            num_processes=processes.num_processes,
-            process_id=processes.process_id,
-            **timeouts,
-        )
+        if processes.coordinator:
+            jax.distributed.initialize(
+                coordinator_address=processes.coordinator,
+                num_processes=processes.num_processes,
+                process_id=processes.process_id,
+                **timeouts,
+            )
+        else:  # JAX's cluster detection (SLURM, Cloud TPU) finds all three
+            jax.distributed.initialize(**timeouts)
         _joined = True
     except (RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

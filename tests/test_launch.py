@@ -51,7 +51,7 @@ def test_one_process_is_not_distributed():
 
 def test_slurm_with_several_tasks_is_left_to_jax():
     slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "0"}
-    assert find_processes(environ=slurm) == Processes("slurm")
+    assert find_processes(environ=slurm) == Processes("slurm", num_processes=16)
     assert find_processes(environ={**slurm, "SLURM_NTASKS": "1"}) == Processes("single")
     # sbatch's batch script (no step yet) is one process: srun starts the run's processes
     assert find_processes(environ={"SLURM_NTASKS": "16"}) == Processes("single")
@@ -275,3 +275,26 @@ def test_a_failing_process_exits_at_once_and_the_other_follows(tmp_path, data_di
     assert "holds no prepared data on this host" in group.output(1)
     assert survivor != 0, group.output(0)
     print(f"failing process exited after {failed_after:.1f} s; survivor {took:.1f} s later")
+
+
+@pytest.mark.slow
+def test_slurm_tasks_join_by_themselves(tmp_path, data_dir):
+    """Under srun (faked here: SLURM's variables for two tasks on localhost) `seqshard eval`
+    needs no flags: JAX's SLURM detection joins the two processes, and seqshard splits the
+    config's 8 devices between the SLURM_NTASKS=2 tasks."""
+    run = tmp_path / "runs" / "slurm"
+    train(load_config(TINY_CPU, _overrides(data_dir, run, steps=1)), log=_quiet, tty=False)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}
+    slurm.update({k: "localhost" for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")})
+    envs = [cpu_env(None, **slurm, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) for i in (0, 1)]
+    groups = [
+        ProcessGroup([[*SEQSHARD, "eval", str(run)]], tmp_path / f"logs{i}", envs[i])
+        for i in (0, 1)
+    ]
+    try:
+        codes = [g.wait(timeout=120)[0] for g in groups]
+        assert codes == [0, 0], [g.outputs() for g in groups]
+        assert re.search(r"step 1: val loss [\d.]+", groups[0].output(0)), groups[0].output(0)
+    finally:
+        for g in groups:
+            g.kill_all()
