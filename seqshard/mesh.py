@@ -132,21 +132,25 @@ def training_mesh(sizes: Mapping[str, int], devices: Sequence | None = None) -> 
             )
         )
     by_slice, granules = _granules(devices)
-    if len(granules) == 1:
+    inner = need // full["d"]  # devices of one d index: must stay inside a granule
+    if len(granules) == 1 or min(map(len, granules.values())) < inner:
+        # One granule; or one process per GPU with no slice information: devices in process
+        # order (SLURM numbers tasks node by node), so t's groups, taken innermost, stay
+        # inside a node as long as t divides the GPUs per node.
         return mesh_from_devices(tuple(full.values()), tuple(full), devices)
     return _hybrid_mesh(full, devices, len(granules), by_slice)
 
 
 def _granules(devices: Sequence) -> tuple[bool, dict[int, list]]:
-    """(by slice, the devices grouped by the slower links between them): on TPU the slices
-    (``slice_index``: one pod slice is one ICI domain however many hosts it has), elsewhere
-    the processes (one per GPU node; CPU processes stand in for them in tests)."""
-    by_slice = devices[0].platform == "tpu"
+    """(by slice, the devices grouped by the slower links between them): the slices
+    (``slice_index``: a TPU pod slice is one ICI domain however many hosts it has; JAX also
+    numbers GPU nodes so) when there are several, else the processes (one per GPU node; CPU
+    processes stand in for them in tests)."""
+    slices = {getattr(dev, "slice_index", None) for dev in devices}
+    by_slice = None not in slices and (len(slices) > 1 or devices[0].platform == "tpu")
     out: dict[int, list] = {}
     for dev in devices:
-        out.setdefault(
-            getattr(dev, "slice_index", 0) if by_slice else dev.process_index, []
-        ).append(dev)
+        out.setdefault(dev.slice_index if by_slice else dev.process_index, []).append(dev)
     return by_slice, out
 
 
