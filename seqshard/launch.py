@@ -33,6 +33,7 @@ from collections.abc import Mapping
 __all__ = [
     "CPU_DEVICE_COUNT_FLAG",
     "Processes",
+    "agree_any",
     "barrier",
     "cpu_device_count_in_flags",
     "exit_now",
@@ -302,6 +303,23 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def agree_any(flag: bool) -> bool:
+    """Whether ``flag`` is set in any process: every process gets the same answer.
+
+    A stop request (SIGTERM on preemption, Ctrl-C) reaches each host's process at its own
+    moment; the checkpoint they then write is a collective, so they must agree on the step.
+    One small all-gather per call in a multi-process run (it waits for the step in flight);
+    nothing for one process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
 
 
 def exit_now(code: int) -> None:

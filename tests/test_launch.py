@@ -298,3 +298,22 @@ def test_slurm_tasks_join_by_themselves(tmp_path, data_dir):
     finally:
         for g in groups:
             g.kill_all()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_process_stops_both_at_the_same_step(tmp_path, data_dir):
+    """Preemption reaches each host at its own moment: SIGTERM to process 1 alone makes both
+    processes agree on the step, write one checkpoint together and exit 0; the run resumes."""
+    run = tmp_path / "runs" / "preempted"
+    cmd = ["train", str(TINY_CPU), *_overrides(data_dir, run, steps=100_000, log_every=1000)]
+    with _two_processes(tmp_path, [*cmd, "--sample-tokens", "0"]) as group:
+        group.wait_for(0, "compiled and ran the first step", timeout=180)
+        time.sleep(1.0)
+        group.kill(1, signal.SIGTERM)
+        assert group.wait(timeout=60) == [0, 0], group.outputs()
+        out0 = group.output(0)
+    saved = re.search(r"step (\d+): train loss", out0)
+    assert saved and "stopped early" in out0, out0
+    cfg = load_config(TINY_CPU, _overrides(data_dir, run, steps=int(saved.group(1)) + 1))
+    result = train(cfg, log=_quiet, tty=False)
+    assert result.step == int(saved.group(1)) + 1

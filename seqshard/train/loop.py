@@ -40,7 +40,7 @@ from seqshard.config import (
 from seqshard.data import Loader, prepare, read_meta
 from seqshard.flops import flops_per_token
 from seqshard.hardware import peak_flops
-from seqshard.launch import barrier, is_main_process, process_label
+from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
 from seqshard.model.weights import Weights
 from seqshard.train.checkpoint import Checkpointer, checkpoint_steps
@@ -444,6 +444,7 @@ def _train_steps(
     stop.log = metrics_log.message
     nonfinite = _NonfiniteWatch(run, int(jax.device_get(state.guard.total)), metrics_log.message)
     step, loss, val_loss, figures = start, None, None, {"tokens_per_s": 0.0, "mfu": 0.0}
+    stopping = False
     try:
         window.restart()
         for step in range(start + 1, train_cfg.steps + 1):
@@ -460,7 +461,7 @@ def _train_steps(
             # Read the flag once: a signal that lands after this (while logging, say)
             # stops after the next step, which then saves; breaking on it here would
             # stop without a checkpoint.
-            stopping = stop.requested
+            stopping = agree_any(stop.requested)
             last = step == train_cfg.steps or stopping
             evaluate_now = (last and not stopping) or _every(train_cfg.eval_every, step)
             evaluate_now = evaluate_now or (stopping and train_cfg.eval_on_stop)
@@ -482,7 +483,7 @@ def _train_steps(
                 run.ckpt.save(state, cfg, loader.state())
             if stopping:
                 break
-        interrupted = stop.requested and step < train_cfg.steps
+        interrupted = stopping and step < train_cfg.steps
     finally:
         metrics_log.close()
     return TrainResult(
