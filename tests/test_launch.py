@@ -87,10 +87,10 @@ def test_the_device_count_in_xla_flags_is_read_last_one_wins():
 
 
 def test_a_device_count_in_xla_flags_wins_over_the_configs(monkeypatch):
+    jax.devices()  # the backend starts (8 devices, from conftest): its count stands after
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
     assert launch.use_cpu_devices(8) == 16
     monkeypatch.delenv("XLA_FLAGS")
-    jax.devices()  # the backend starts (8 devices, from conftest): its count stands after
     assert launch.use_cpu_devices(2) == jax.local_device_count() == 8
 
 
