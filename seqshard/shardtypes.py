@@ -56,7 +56,9 @@ __all__ = [
     "f16",
     "f32",
     "i32",
+    "manual_axes",
     "partition_specs",
+    "per_device_unchecked",
     "pytree_dataclass",
     "shape_dtype_structs",
     "shardings",
@@ -437,3 +439,30 @@ def block_shape(
         size // math.prod(mesh_axes[a] for a in dim.axes)
         for dim, size in zip(t.shape.dims, t.global_shape(sizes), strict=True)
     )
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The manual mesh axes of the shard_map being traced, in mesh order (none outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Manual
+    )
+
+
+def per_device_unchecked(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` on each device's own blocks, with replication checking off, inside the
+    shard_map being traced: a shard_map nested over its manual axes with every dim unsplit
+    (``P()`` in and out), so no data moves. For kernels that state no replication type
+    (Pallas); what comes back is typed invariant over every axis, which the caller must
+    correct (``lax.pcast(..., to='varying')``)."""
+    inner = jax.shard_map(
+        fn,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=PartitionSpec(),
+        out_specs=PartitionSpec(),
+        axis_names=frozenset(manual_axes()),
+        check_vma=False,
+    )
+    return inner(*args)

@@ -1,15 +1,18 @@
 """Tests of seqshard/model/attention.py's pieces, against plain loops: document positions,
-RoPE tables, masks, and which implementation ``auto`` means. (Attention inside the sharded
-model, against the reference: test_transformer.py.)"""
+RoPE tables, masks (dense, and splash's segment ids), which implementation ``auto`` means, and
+that cudnn fails cleanly off GPU. (Attention inside the sharded model, against the reference:
+test_transformer.py; splash against einsum: test_splash.py.)"""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from seqshard.model.attention import (
     apply_rope,
+    attention,
     attention_mask,
     document_positions,
     resolve_impl,
@@ -74,7 +77,34 @@ def test_masks_by_loop(mode):
                 assert mask[b, q, k] == want, (b, q, k)
 
 
-def test_auto_means_einsum_off_gpu_and_names_pass_through():
+def test_splash_mask_is_segment_ids_numbering_documents_along_the_row():
+    for mode in ("document", "causal"):  # causal: splash is told causal_only and drops them
+        ids = np.asarray(attention_mask(jnp.asarray(STARTS), mode, "splash"))
+        assert ids.dtype == np.int32
+        np.testing.assert_array_equal(ids, [[1, 1, 1, 2, 2, 2, 2, 3], [0, 0, 0, 0, 0, 1, 1, 1]])
+    # which equal the dense mask's documents: same id <=> same document
+    dense = np.asarray(attention_mask(jnp.asarray(STARTS), "document"))
+    causal = np.tril(np.ones((8, 8), bool))
+    np.testing.assert_array_equal(dense, causal & (ids[:, :, None] == ids[:, None, :]))
+
+
+def test_auto_means_einsum_on_cpu_and_names_pass_through():
     assert resolve_impl("auto") == "einsum"  # these tests run on CPU
-    for impl in ("einsum", "xla", "cudnn"):
+    for impl in ("einsum", "xla", "cudnn", "splash"):
         assert resolve_impl(impl) == impl
+
+
+@pytest.mark.parametrize("backend, impl", [("tpu", "splash"), ("gpu", "cudnn"), ("cpu", "einsum")])
+def test_auto_means_splash_on_tpu_cudnn_on_gpu(monkeypatch, backend, impl):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert resolve_impl("auto") == impl
+
+
+@pytest.mark.parametrize("causal_only", [False, True])
+def test_cudnn_off_gpu_fails_cleanly(causal_only):
+    """JAX's own error, raised while tracing: nothing silently falls back to another kernel."""
+    q = jnp.zeros((2, 8, 2, 2, 4))
+    k = v = jnp.zeros((2, 8, 2, 4))
+    mask = attention_mask(jnp.asarray(STARTS), "document")
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        attention(q, k, v, mask, "cudnn", causal_only)

@@ -9,11 +9,14 @@ was packed. Implementations (``ModelConfig.attention_impl``):
     einsum   plain einsums, f32 scores and softmax (CPU, and the readable definition)
     cudnn    jax.nn.dot_product_attention(implementation='cudnn'): fused flash attention (GPU)
     xla      jax.nn.dot_product_attention(implementation='xla'): XLA's unfused attention
-    auto     cudnn on GPU, einsum elsewhere
+    splash   Pallas splash attention: TPU flash attention with segment ids (seqshard.model.splash;
+             off TPU it runs in Pallas interpret mode, exact but slow); L a multiple of 128
+    auto     splash on TPU, cudnn on GPU, einsum elsewhere
 
 ``jax.nn.dot_product_attention`` takes no segment ids, so the ``document`` mask is passed as a
 dense boolean mask, which is slower than ``is_causal`` (about 2.2x on an H100 at L=2048);
-``attention_mask='causal'`` trades document isolation for that speed.
+``attention_mask='causal'`` trades document isolation for that speed. Splash takes the
+documents as segment ids instead (:func:`attention_mask` gives them for ``impl='splash'``).
 """
 
 from __future__ import annotations
@@ -63,8 +66,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def attention_mask(is_seq_start: jax.Array, mode: AttentionMask) -> jax.Array:
-    """``[B, Lq, Lk]`` bool: key at or before the query, and (``document``) in its document."""
+def attention_mask(
+    is_seq_start: jax.Array, mode: AttentionMask, impl: AttentionImpl = "einsum"
+) -> jax.Array:
+    """The mask :func:`attention` takes: ``[B, Lq, Lk]`` bool, key at or before the query and
+    (``document``) in its document; for splash, the segment ids ``[B, L]`` int32 (documents
+    numbered along the row), which its kernel combines with its own causal mask."""
+    if resolve_impl(impl) == "splash":
+        return jnp.cumsum(is_seq_start, axis=-1, dtype=jnp.int32)
     length = is_seq_start.shape[-1]
     causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))[None]
     if mode == "causal":
@@ -76,7 +85,7 @@ def attention_mask(is_seq_start: jax.Array, mode: AttentionMask) -> jax.Array:
 def resolve_impl(impl: AttentionImpl) -> str:
     """The implementation ``auto`` means on this backend."""
     if impl == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" else "einsum"
+        return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "einsum")
     return impl
 
 
@@ -90,15 +99,25 @@ def attention(
 ) -> jax.Array:
     """Softmax(q k^T / sqrt(D), masked) v per (q head, kv head) pair: 'B/d L Q K/t D' out.
 
-    ``mask: [B, Lq, Lk]`` bool. ``causal_only`` says the mask is exactly causal, so fused
-    kernels may use ``is_causal`` instead of reading it.
+    ``mask``: :func:`attention_mask`'s for this ``impl``, ``[B, Lq, Lk]`` bool (splash: segment
+    ids ``[B, L]``). ``causal_only`` says the mask is exactly causal, so fused kernels may use
+    ``is_causal`` (splash: no segment ids) instead of reading it.
     """
     impl = resolve_impl(impl)
+    if impl == "splash" and mask.ndim == 3:
+        # A dense mask (generation's padded prompts) has no segment ids for splash to take.
+        impl = "einsum"
+    if impl == "splash":
+        from seqshard.model.splash import splash_attention  # Pallas: 0.2 s to import
+
+        return splash_attention(q, k, v, None if causal_only else mask)
     if impl == "einsum":
         return _einsum_attention(q, k, v, mask)
     if impl in ("cudnn", "xla"):
         return _fused_attention(q, k, v, mask, impl, causal_only)
-    raise ValueError(f"model.attention_impl must be auto, einsum, cudnn or xla, got {impl!r}.")
+    raise ValueError(
+        f"model.attention_impl must be auto, einsum, cudnn, xla or splash, got {impl!r}."
+    )
 
 
 def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

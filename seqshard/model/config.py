@@ -14,7 +14,7 @@ from seqshard.remat import RematName
 
 __all__ = ["DIM_FIELDS", "AttentionImpl", "AttentionMask", "ModelConfig", "RematName"]
 
-AttentionImpl = Literal["auto", "einsum", "cudnn", "xla"]
+AttentionImpl = Literal["auto", "einsum", "cudnn", "xla", "splash"]
 AttentionMask = Literal["document", "causal"]
 _DTYPES = ("float32", "bfloat16")
 
@@ -42,7 +42,9 @@ class ModelConfig:
         ``none``: no rematerialization; every intermediate, gathered weights included, is kept.
     attention_impl: ``einsum`` (plain XLA einsums; CPU and reference), ``cudnn`` (fused
         ``jax.nn.dot_product_attention(implementation='cudnn')``, GPU only), ``xla``
-        (``jax.nn.dot_product_attention``'s XLA path), ``auto`` (cudnn on GPU, else einsum).
+        (``jax.nn.dot_product_attention``'s XLA path), ``splash`` (Pallas splash attention, TPU;
+        seq_len a multiple of 128; elsewhere interpreted, slow), ``auto`` (splash on TPU, cudnn
+        on GPU, else einsum).
     attention_mask: ``document`` restricts attention to the same packed document; ``causal``
         ignores document boundaries (faster with cudnn; leaks across packed documents).
     compute_dtype: matmul input dtype; master weights, norms, softmax, logits and loss are f32.

@@ -151,7 +151,7 @@ def _final_hidden(
     """Embedding, the scanned layers and the final norm: 'B/d L M' in compute dtype."""
     x = embed(cfg, w, tokens)
     rope = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
-    mask = attention_mask(is_seq_start, cfg.attention_mask)
+    mask = attention_mask(is_seq_start, cfg.attention_mask, cfg.attention_impl)
     body = explicit_activation_checkpointing(functools.partial(_layer, cfg, rope, mask), cfg.remat)
     x, _ = lax.scan(body, x, w.layers)
     return final_norm(cfg, w, x)

@@ -1,0 +1,187 @@
+"""Splash attention (Pallas' TPU flash-attention kernel), hosted in the model's checked shard_map.
+
+Per device, as every implementation in :mod:`seqshard.model.attention`: ``q: 'B/d L Q K/t D'``,
+``k, v: 'B/d L K/t D'``, and the documents as segment ids ``'B/d L'`` int32 (keys attend within
+their own segment; None: causal only). The kernel takes heads-major blocks per batch row,
+``q [K*Q, L, D]`` (kv-major: q head n uses kv head n // Q, as GQA) and ``k, v [K, L, D]``, and
+is vmapped over B. It does not scale q: q is multiplied by 1/sqrt(D) first.
+
+Blocks are ``gcd(L, 512)`` long (512, 256 or 128): L must be a multiple of 128, the kernel's
+lane width. Off TPU the kernel runs in Pallas interpret mode: its program evaluated step by step
+by XLA, equal to einsum attention to f32 rounding and slow (seconds to compile and run at
+L=128), which is how the CPU tests run it.
+
+Hosting: Pallas kernels state no replication type (which mesh axes a value varies over, JAX's
+"vma"), so under ``check_vma=True`` they cannot trace. An inner ``jax.shard_map(check_vma=False)``
+alone is not enough: what it returns is typed invariant over every axis (untrue, and a psum in
+waiting for autodiff), and differentiating through it pairs typed primals with untyped
+cotangents. So the kernel runs, forward and backward, in such an inner region over the
+already-manual axes (no data moves: every device passes its own blocks in and out), inside a
+``jax.custom_vjp``, so that autodiff never looks inside, and what comes out is cast to the
+inputs' type. See :func:`splash_attention` for why that is sound.
+
+Cost: the backward pass re-runs the kernel's forward (``jax.vjp`` of the kernel, for its
+logsumexp) before the dq and dkv kernels, so nothing beyond q, k, v and the segment ids is kept
+for it; under ``remat=none`` that is one attention forward more than a kernel that kept its
+logsumexp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from seqshard.shardtypes import manual_axes, per_device_unchecked
+from seqshard.vma import varying_axes
+
+__all__ = ["block_size", "splash_attention"]
+
+LANES = 128
+"""Splash blocks are multiples of the TPU lane width: L must be one too."""
+MAX_BLOCK = 512
+
+
+def block_size(length: int) -> int:
+    """The kernel's block along L (queries and keys): 512, 256 or 128, dividing ``length``."""
+    if length % LANES:
+        raise ValueError(
+            f"model.attention_impl=splash (which 'auto' picks on TPU) needs the sequence length "
+            f"(train.seq_len) to be a multiple of {LANES}, its kernel's block; got seq_len="
+            f"{length}. Use a seq_len that is (e.g. {max(LANES, length // LANES * LANES)}), or "
+            f"model.attention_impl=einsum."
+        )
+    return math.gcd(length, MAX_BLOCK)
+
+
+def splash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None
+) -> jax.Array:
+    """Causal softmax(q k^T / sqrt(D)) v within segments: 'B/d L Q K/t D' out.
+
+    ``segment_ids: 'B/d L'`` int32, or None for a causal mask across the whole row.
+
+    Inside a shard_map the kernel runs in an unchecked region, which is sound because:
+
+    1. The kernel is per device: no collectives, each device's output block is a function of
+       its own input blocks only. So the output varies over at most the axes its inputs vary
+       over, U, and claiming it varies over all of U is true (varying means "may differ").
+       Over any axis outside U every device computes the same function of the same inputs,
+       so the output is truly invariant there, as typed.
+    2. The inputs are first cast to vary over all of U (``lax.pcast(..., to='varying')``),
+       outside the custom VJP, so JAX's autodiff transposes those casts itself: an input
+       invariant over an axis of U gets the sum over that axis of its per-device cotangents.
+    3. Inside the custom VJP every primal then has type U, so each cotangent, the per-device
+       VJP of the kernel (exact for varying inputs, by 1), is cast to U too: the type of its
+       primal, as custom_vjp requires, and no further sum is owed.
+    4. The residuals are the (typed) inputs, so nothing that leaves the region untyped is
+       kept: everything the region returns is cast to U before anything else sees it.
+    """
+    manual = manual_axes()
+    if not manual:  # outside shard_map (or a 1x1 mesh): nothing to host
+        return _local_attention(q, k, v, segment_ids)
+    varying = frozenset().union(*(varying_axes(x) for x in (q, k, v, segment_ids) if x is not None))
+    axes = tuple(a for a in manual if a in varying)
+    q, k, v, segment_ids = (None if x is None else _vary(x, axes) for x in (q, k, v, segment_ids))
+    return _hosted(axes, q, k, v, segment_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hosting: a custom VJP whose forward and backward each run in an unchecked region
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _hosted(axes: tuple[str, ...], q, k, v, segment_ids):
+    return _vary(per_device_unchecked(_local_attention, q, k, v, segment_ids), axes)
+
+
+def _hosted_fwd(axes, q, k, v, segment_ids):
+    return _hosted(axes, q, k, v, segment_ids), (q, k, v, segment_ids)
+
+
+def _hosted_bwd(axes, residuals, g):
+    dq, dk, dv = per_device_unchecked(_local_attention_vjp, *residuals, g)
+    # Each cotangent has its primal's type, U (see splash_attention); segment ids have none.
+    return _vary(dq, axes), _vary(dk, axes), _vary(dv, axes), None
+
+
+_hosted.defvjp(_hosted_fwd, _hosted_bwd)
+
+
+def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` typed as varying over ``axes`` (a cast: the values do not change)."""
+    return lax.pcast(x, tuple(a for a in axes if a not in varying_axes(x)), to="varying")
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel on one device's blocks
+#
+# Values that enter an unchecked region nested in a checked one keep their outer types, while
+# every op inside it gives untyped results; Pallas interpret mode and jax.vjp both compare the
+# two and fail. So the kernel and its VJP see only what the layout changes below produce.
+
+
+def _local_attention(q, k, v, segment_ids):
+    qh, kh, vh = _heads_major(q, k, v)
+    return _from_heads_major(_kernel(q.shape, segment_ids)(qh, kh, vh), q.shape)
+
+
+def _local_attention_vjp(q, k, v, segment_ids, g):
+    """The cotangents of q, k, v given the output's ``g``: jax.vjp of the kernel."""
+    qh, kh, vh = _heads_major(q, k, v)
+    _, pullback = jax.vjp(_kernel(q.shape, segment_ids), qh, kh, vh)
+    dqh, dkh, dvh = pullback(_to_heads_major(g))
+    # q was scaled on the way in (see _heads_major): so is its cotangent.
+    dq = _from_heads_major(dqh, q.shape) * (1 / math.sqrt(q.shape[-1]))
+    return dq.astype(q.dtype), jnp.swapaxes(dkh, 1, 2), jnp.swapaxes(dvh, 1, 2)
+
+
+def _heads_major(q, k, v):
+    """'B L Q K D' q scaled by 1/sqrt(D) -> [B, K*Q, L, D]; 'B L K D' k, v -> [B, K, L, D]."""
+    scaled = (q.astype(jnp.float32) * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
+    return _to_heads_major(scaled), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+
+
+def _to_heads_major(x):
+    batch, length, n_q, n_kv, d_head = x.shape
+    return jnp.transpose(x, (0, 3, 2, 1, 4)).reshape(batch, n_kv * n_q, length, d_head)
+
+
+def _from_heads_major(x, shape):
+    batch, length, n_q, n_kv, d_head = shape
+    return jnp.transpose(x.reshape(batch, n_kv, n_q, length, d_head), (0, 3, 2, 1, 4))
+
+
+def _kernel(q_shape, segment_ids):
+    """The splash kernel for q of ``q_shape``, vmapped over B: (qh, kh, vh) -> out heads-major."""
+    _, length, n_q, n_kv, _ = q_shape
+    block = block_size(length)
+    blocks = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    causal = splash.MultiHeadMask([splash.CausalMask((length, length))] * (n_kv * n_q))
+    kernel = splash.make_splash_mha(
+        causal,
+        block_sizes=blocks,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=jax.default_backend() != "tpu",
+    )
+    if segment_ids is None:
+        return jax.vmap(kernel)
+
+    def row(qh, kh, vh, ids):
+        return kernel(qh, kh, vh, segment_ids=splash.SegmentIds(q=ids, kv=ids))
+
+    return lambda qh, kh, vh: jax.vmap(row)(qh, kh, vh, segment_ids)
