@@ -5,13 +5,15 @@ log-softmax, RoPE as a complex rotation. Casts to ``compute_dtype`` happen at th
 as in the sharded model (matmul inputs), so with ``compute_dtype='float32'`` the two agree to
 f32 rounding; with bfloat16 they agree only to bf16 rounding (see the tests' tolerances).
 
-The pieces are public so that one copy of this math also serves as the benchmark's plain-jit
-GSPMD baseline (``scripts/bench_step.py``), which scans :func:`reference_layer` under
-``jax.checkpoint`` and annotates shardings through its two hooks::
+The pieces are public so that one copy of this math also serves as the benchmarks' plain-jit
+baselines (``scripts/bench_step.py``, ``scripts/bench_gpu.py``), which scan
+:func:`reference_layer` under ``jax.checkpoint`` and annotate shardings or swap the attention
+kernel through its hooks::
 
     x = reference_embed(cfg, weights, tokens)
     for i in range(cfg.n_layers):
-        x = reference_layer(cfg, layer_i, x, positions, mask)   # mark=, constrain= identity
+        x = reference_layer(cfg, layer_i, x, positions, mask)   # mark=, constrain= identity,
+                                                                # attend=reference_attention
     logits = reference_unembed(cfg, weights, x)
     total, count = reference_loss_terms(logits, tokens, is_seq_start)
 
@@ -30,6 +32,8 @@ from seqshard.model.config import AttentionMask, ModelConfig
 from seqshard.model.weights import Layer, Weights
 
 __all__ = [
+    "Attend",
+    "reference_attention",
     "reference_embed",
     "reference_layer",
     "reference_logits_fn",
@@ -39,6 +43,12 @@ __all__ = [
     "reference_positions",
     "reference_unembed",
 ]
+
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+"""``(q, k, v, mask) -> attn``: softmax(q k^T / sqrt(D), masked) v, for :func:`reference_layer`'s
+``attend`` hook. q [B, L, Q, K, D], k and v [B, L, K, D], mask bool[B or 1, Lq, Lk]; the output
+is shaped like q, in v's dtype."""
 
 
 def _identity(x: jax.Array) -> jax.Array:
@@ -93,6 +103,7 @@ def reference_layer(
     *,
     mark: Callable[[jax.Array], jax.Array] = _identity,
     constrain: Callable[[jax.Array], jax.Array] = _identity,
+    attend: Attend | None = None,
 ) -> jax.Array:
     """One pre-norm layer (GQA attention with RoPE, then SwiGLU): residual [B, L, M] -> same.
 
@@ -100,7 +111,9 @@ def reference_layer(
     ``mark`` tags the values a scanned, rematerialized caller keeps for the backward pass (the
     ones ``seqshard/model/transformer.py`` marks with ``save_for_backward``: q and k after
     RoPE, v, the attention output, the mid-layer residual, gate and up); ``constrain`` is
-    applied to the residual stream after each residual add (e.g. a sharding constraint).
+    applied to the residual stream after each residual add (e.g. a sharding constraint);
+    ``attend`` replaces :func:`reference_attention` (the default) by another kernel of the same
+    math, e.g. a fused one (``scripts/bench_gpu.py``'s cuDNN baseline).
     """
     dt = jnp.dtype(cfg.compute_dtype)
     nx = _norm(x, w.ln1, cfg.norm_eps).astype(dt)
@@ -109,16 +122,22 @@ def reference_layer(
     v = mark(jnp.einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt)))
     q = mark(_rope(q, positions, cfg.rope_theta))
     k = mark(_rope(k, positions, cfg.rope_theta))
-    scores = jnp.einsum("bsqkd,btkd->bqkst", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(cfg.d_head)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    attn = mark(jnp.einsum("bqkst,btkd->bsqkd", probs, v))
+    attn = mark((attend or reference_attention)(q, k, v, mask))
     x = mark(constrain(x + jnp.einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
     nx = _norm(x, w.ln2, cfg.norm_eps).astype(dt)
     gate = mark(nx @ w.w_gate.astype(dt))
     up = mark(nx @ w.w_up.astype(dt))
     return constrain((x + (jax.nn.silu(gate) * up) @ w.w_down.astype(dt).T).astype(dt))
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked softmax(q k^T / sqrt(D)) v per (q head, kv head) pair, scores and softmax in f32:
+    q [B, L, Q, K, D], k and v [B, L, K, D], mask bool[B or 1, Lq, Lk] -> [B, L, Q, K, D]."""
+    scores = jnp.einsum("bsqkd,btkd->bqkst", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(q.shape[-1])
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bqkst,btkd->bsqkd", probs, v)
 
 
 def reference_unembed(cfg: ModelConfig, weights: Weights, x: jax.Array) -> jax.Array:
