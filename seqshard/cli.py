@@ -385,13 +385,52 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
     _config_arguments(p)
     skip = "skip compiling the train step (no communication table, no XLA memory figures)"
     p.add_argument("--no-compile", action="store_true", help=skip)
+    p.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="plan for N devices (a mesh size of -1 takes the remaining ones); the step is "
+        "compiled only if this machine has N devices (default: the mesh's device count)",
+    )
+    p.add_argument(
+        "--chip",
+        metavar="NAME",
+        help="plan a training step on this chip (seqshard.hardware.CHIPS: h100, a100, v5e, "
+        "v5p, v6e, cpu, ...): memory, communication, roofline step time and MFU, and whether "
+        "it fits; needs no such device",
+    )
 
 
 def _show(args) -> int:
+    from seqshard.config import ConfigError
+    from seqshard.hardware import chip
+    from seqshard.planner import target_config
     from seqshard.show import describe
 
-    cfg = _load(args.config, args.overrides)
-    print(describe(cfg, compile_step=not args.no_compile))
+    if args.chip is not None:
+        chip(args.chip)  # an unknown name fails here, before anything compiles
+    cfg = _load(args.config, args.overrides, args.devices)
+    if args.devices is not None:
+        cfg = target_config(cfg, args.devices)
+    compile_step = not args.no_compile
+    if compile_step:
+        import jax
+
+        here = jax.device_count()
+        if not cfg.mesh.is_resolved:
+            cfg = target_config(cfg, here)
+        if cfg.mesh.n_devices != here:
+            compile_step = False  # compiling needs the mesh's devices
+            print(
+                f"(not compiling the train step: mesh {cfg.mesh.describe()} needs "
+                f"{cfg.mesh.n_devices} devices and this machine has {here})\n"
+            )
+    elif not cfg.mesh.is_resolved:
+        raise ConfigError(
+            f"mesh {cfg.mesh.describe()} has a -1 size (the remaining devices): pass "
+            f"--devices N to say how many devices to plan for."
+        )
+    print(describe(cfg, compile_step=compile_step, chip=args.chip))
     return 0
 
 

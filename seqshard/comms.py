@@ -24,7 +24,7 @@ import numpy as np
 
 from seqshard.flops import format_bytes
 
-__all__ = ["Collective", "collectives", "format_comm_table"]
+__all__ = ["Collective", "collectives", "format_comm_table", "ring_bytes_sent"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -105,16 +105,7 @@ class Collective:
     @property
     def bytes_sent(self) -> float:
         """Bytes one device sends per call (ring algorithms; see the module docstring)."""
-        n, r = self.group_size, self.result_bytes
-        if n <= 1:
-            return 0.0
-        return {
-            "all-gather": (n - 1) / n * r,
-            "reduce-scatter": (n - 1) * r,
-            "all-reduce": 2 * (n - 1) / n * r,
-            "all-to-all": (n - 1) / n * r,
-            "collective-permute": r,
-        }[self.kind]
+        return ring_bytes_sent(self.kind, self.group_size, self.result_bytes)
 
     @property
     def shape_text(self) -> str:
@@ -122,6 +113,24 @@ class Collective:
             f"{dt}[{','.join(map(str, s))}]" for dt, s in self.result_arrays
         )
         return " ".join(a if n == 1 else f"{n} x {a}" for a, n in counts.items())
+
+
+def ring_bytes_sent(kind: str, group_size: int, result_bytes: float) -> float:
+    """Bytes one device sends for one ``kind`` collective over ``group_size`` devices whose
+    per-device result is ``result_bytes`` (ring algorithms; see the module docstring).
+
+    The one formula for both the compiled program's collectives (:class:`Collective`) and the
+    planner's (:mod:`seqshard.planner`)."""
+    n, r = group_size, result_bytes
+    if n <= 1:
+        return 0.0
+    return {
+        "all-gather": (n - 1) / n * r,
+        "reduce-scatter": (n - 1) * r,
+        "all-reduce": 2 * (n - 1) / n * r,
+        "all-to-all": (n - 1) / n * r,
+        "collective-permute": r,
+    }[kind]
 
 
 def _groups(line: str) -> list[list[int]]:

@@ -1,35 +1,195 @@
-"""Peak FLOP/s of the machine, the denominator of MFU.
+"""The machines seqshard knows: one table of chips, for MFU and for the planner.
 
-Accelerators: the vendor's dense bf16 peak per chip (no sparsity), looked up by
-``device_kind``, times the number of devices. CPU: measured, since there is no datasheet
-number; fake CPU devices (``--xla_force_host_platform_device_count``) share the host's cores,
-so the peak is the host's, measured once with a large f32 matmul, whatever the device count.
+:data:`CHIPS` holds, per accelerator, the vendor's figures: dense bf16 peak FLOP/s (no
+sparsity), memory, and the links between chips. :func:`peak_flops` (the denominator of MFU)
+looks a device up in it by ``device_kind`` and multiplies by the device count; on CPU it
+measures instead, since there is no datasheet number: fake CPU devices
+(``--xla_force_host_platform_device_count``) share the host's cores, so the peak is the
+host's, measured once with a large f32 matmul, whatever the device count.
+:mod:`seqshard.planner` reads the rest (``seqshard show CONFIG --devices N --chip NAME``).
+
+Links, as the planner uses them: a collective over a mesh axis whose devices all sit in one
+*fast domain* (a GPU node's NVLink/NVSwitch, a TPU slice's ICI) runs at ``fast_bytes_per_s``
+per chip; one that crosses domains (GPU nodes over InfiniBand, TPU slices over the data
+center network) runs at ``slow_bytes_per_s`` per chip. Both are bytes one chip sends per
+second, so a ring collective that sends S bytes per chip takes S / bandwidth:
+
+* NVLink: the datasheet's total (both directions, all links) / 2: one direction, which a
+  ring through the NVSwitch uses in full.
+* ICI: per-chip bidirectional bandwidth / ports / 2 is one link's one-way bandwidth; a mesh
+  axis laid along one torus dimension runs a bidirectional ring over its two links there, so
+  2 x that. (An axis spread over several torus dimensions could use more links; not counted.)
+* InfiniBand / DCN: the NIC bandwidth per GPU / per chip, one direction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["KNOWN_PEAKS", "measure_matmul_flops", "peak_flops"]
+__all__ = ["CHIPS", "KNOWN_PEAKS", "Chip", "chip", "measure_matmul_flops", "peak_flops"]
 
-KNOWN_PEAKS = {  # dense bf16 FLOP/s per chip
-    "h100": 989e12,
-    "h200": 989e12,
-    "h800": 989e12,
-    "a100": 312e12,
-    "l4": 121e12,
-    "tpu v4": 275e12,
-    "tpu v5 lite": 197e12,
-    "tpu v5e": 197e12,
-    "tpu v5p": 459e12,
-    "tpu v5": 459e12,
-    "tpu v6 lite": 918e12,
-    "tpu v6e": 918e12,
+GB = 1e9
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator chip: its peak, its memory, and its links (see the module docstring)."""
+
+    name: str  # `--chip NAME`
+    platform: str  # 'gpu', 'tpu' or 'cpu': what model.attention_impl=auto resolves for
+    device_kinds: tuple[str, ...]  # substrings of jax's device_kind (lower case) naming it
+    peak_flops: float  # dense bf16 FLOP/s per chip
+    hbm_bytes: float  # memory per chip
+    usable_fraction: float  # of hbm_bytes that one JAX process may use (see USABLE_*)
+    fast_link: str  # 'NVLink', 'ICI', ...
+    fast_bytes_per_s: float  # per chip, one direction (see the module docstring)
+    fast_domain_chips: int  # chips one fast link joins: a GPU node; a TPU slice at most
+    slow_link: str  # 'InfiniBand', 'DCN'
+    slow_bytes_per_s: float | None  # per chip, one direction; None: no published figure
+    cores_per_chip: int = 1  # TPU slice names count TensorCores: v5p-64 is 32 chips
+    nominal: bool = False  # figures are placeholders, not a datasheet's (cpu)
+
+    @property
+    def usable_bytes(self) -> float:
+        """The memory a training step may take on one chip."""
+        return self.hbm_bytes * self.usable_fraction
+
+    def describe_count(self, n: int) -> str:
+        """``'32 chips (a v5p-64 slice)'``, ``'16 GPUs (2 nodes of 8)'``: what ``n`` devices are."""
+        if self.platform == "tpu":
+            return f"{n} chip{'s' * (n != 1)} (a {self.name}-{n * self.cores_per_chip} slice)"
+        if self.platform == "gpu":
+            gpus = f"{n} {self.name.upper()} GPU{'s' * (n != 1)}"
+            nodes = -(-n // self.fast_domain_chips)
+            if nodes > 1:
+                return f"{gpus} ({nodes} nodes of {self.fast_domain_chips})"
+            return gpus + (" (one node)" if n > 1 else "")
+        return f"{n} fake CPU device{'s' * (n != 1)}"
+
+    @property
+    def usable_note(self) -> str:
+        """Why :attr:`usable_bytes` is what it is."""
+        return {
+            "gpu": "JAX's default GPU memory fraction; XLA_PYTHON_CLIENT_MEM_FRACTION raises it",
+            "tpu": "less a 5% margin for the TPU runtime",
+        }.get(self.platform, "nominal")
+
+
+# JAX preallocates 75% of a GPU's memory and allocates from that pool
+# (https://docs.jax.dev/en/latest/gpu_memory_allocation.html); XLA_PYTHON_CLIENT_MEM_FRACTION
+# raises it. On TPU the runtime and the program take some HBM: the 5% kept back is a planner
+# margin, not a published figure.
+USABLE_GPU = 0.75
+USABLE_TPU = 0.95
+
+# Sources. NVIDIA: the H100 / H200 / A100 / L4 datasheets (dense = the sparsity figure / 2)
+# and the DGX H100 / DGX A100 user guides (8 GPUs per node, one ConnectX-7 400 Gb/s resp.
+# ConnectX-6 200 Gb/s InfiniBand NIC per GPU). H800: NVIDIA's H800 SXM5 product brief (NVLink
+# cut to 400 GB/s). Google: cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e} ("key specifications":
+# peak bf16 per chip, HBM per chip, bidirectional ICI per chip and ICI ports, pod or largest
+# slice, DCN); v4's ICI link figure is from the JAX scaling book ("How to Think About TPUs").
+CHIPS: Mapping[str, Chip] = {
+    c.name: c
+    for c in (
+        Chip(
+            name="h100", platform="gpu", device_kinds=("h100",),
+            peak_flops=989e12, hbm_bytes=80 * GB, usable_fraction=USABLE_GPU,
+            fast_link="NVLink", fast_bytes_per_s=900 * GB / 2, fast_domain_chips=8,
+            slow_link="InfiniBand", slow_bytes_per_s=400e9 / 8,  # 400 Gb/s per GPU
+        ),
+        Chip(
+            name="h200", platform="gpu", device_kinds=("h200",),
+            peak_flops=989e12, hbm_bytes=141 * GB, usable_fraction=USABLE_GPU,
+            fast_link="NVLink", fast_bytes_per_s=900 * GB / 2, fast_domain_chips=8,
+            slow_link="InfiniBand", slow_bytes_per_s=400e9 / 8,
+        ),
+        Chip(
+            name="h800", platform="gpu", device_kinds=("h800",),
+            peak_flops=989e12, hbm_bytes=80 * GB, usable_fraction=USABLE_GPU,
+            fast_link="NVLink", fast_bytes_per_s=400 * GB / 2, fast_domain_chips=8,
+            slow_link="InfiniBand", slow_bytes_per_s=400e9 / 8,
+        ),
+        Chip(
+            name="a100", platform="gpu", device_kinds=("a100",),  # SXM4 80GB
+            peak_flops=312e12, hbm_bytes=80 * GB, usable_fraction=USABLE_GPU,
+            fast_link="NVLink", fast_bytes_per_s=600 * GB / 2, fast_domain_chips=8,
+            slow_link="InfiniBand", slow_bytes_per_s=200e9 / 8,  # 200 Gb/s HDR per GPU
+        ),
+        Chip(
+            name="l4", platform="gpu", device_kinds=("l4",),
+            peak_flops=121e12, hbm_bytes=24 * GB, usable_fraction=USABLE_GPU,
+            # No NVLink: GPUs of one machine (up to 8, e.g. GCP g2-standard-96) talk over
+            # PCIe Gen4 x16, 64 GB/s both directions.
+            fast_link="PCIe", fast_bytes_per_s=64 * GB / 2, fast_domain_chips=8,
+            slow_link="network", slow_bytes_per_s=None,
+        ),
+        Chip(
+            name="v4", platform="tpu", device_kinds=("tpu v4",),
+            peak_flops=275e12, hbm_bytes=32 * GiB, usable_fraction=USABLE_TPU,
+            fast_link="ICI", fast_bytes_per_s=2 * 45 * GB, fast_domain_chips=4096,
+            slow_link="DCN", slow_bytes_per_s=None, cores_per_chip=2,
+        ),
+        Chip(
+            name="v5e", platform="tpu", device_kinds=("tpu v5 lite", "tpu v5e"),
+            peak_flops=197e12, hbm_bytes=16 * GB, usable_fraction=USABLE_TPU,
+            # 400 GB/s bidirectional ICI over 4 ports: 50 GB/s one way per link.
+            fast_link="ICI", fast_bytes_per_s=2 * 400 * GB / 4 / 2, fast_domain_chips=256,
+            # 6.4 Tb/s of DCN per 256-chip pod.
+            slow_link="DCN", slow_bytes_per_s=6.4e12 / 8 / 256,
+        ),
+        Chip(
+            name="v5p", platform="tpu", device_kinds=("tpu v5p", "tpu v5"),
+            peak_flops=459e12, hbm_bytes=95 * GiB, usable_fraction=USABLE_TPU,
+            # 1200 GB/s bidirectional ICI over 6 ports (3D torus): 100 GB/s one way per link.
+            # One slice: up to 6144 chips (16x16x24).
+            fast_link="ICI", fast_bytes_per_s=2 * 1200 * GB / 6 / 2, fast_domain_chips=6144,
+            slow_link="DCN", slow_bytes_per_s=50e9 / 8,  # 50 Gb/s per chip
+            cores_per_chip=2,
+        ),
+        Chip(
+            name="v6e", platform="tpu", device_kinds=("tpu v6 lite", "tpu v6e"),
+            peak_flops=918e12, hbm_bytes=32 * GB, usable_fraction=USABLE_TPU,
+            # 800 GB/s bidirectional ICI over 4 ports: 100 GB/s one way per link.
+            fast_link="ICI", fast_bytes_per_s=2 * 800 * GB / 4 / 2, fast_domain_chips=256,
+            slow_link="DCN", slow_bytes_per_s=None,
+        ),
+        Chip(
+            # Nominal placeholders for planning runs on fake CPU devices: a few cores' f32
+            # matmul rate (peak_flops() measures the real one), a modest memory per device,
+            # and memory-copy speed between devices. Fake devices share one host's cores and
+            # RAM, so no figure here is a measurement.
+            name="cpu", platform="cpu", device_kinds=(),
+            peak_flops=100e9, hbm_bytes=4 * GiB, usable_fraction=1.0,
+            fast_link="host memory", fast_bytes_per_s=10 * GB, fast_domain_chips=1 << 20,
+            slow_link="network", slow_bytes_per_s=None, nominal=True,
+        ),
+    )
+}  # fmt: skip
+"""``--chip NAME`` -> its :class:`Chip`, one entry per accelerator (sources above)."""
+
+KNOWN_PEAKS: Mapping[str, float] = {
+    kind: c.peak_flops for c in CHIPS.values() for kind in c.device_kinds
 }
+"""Dense bf16 FLOP/s per chip by ``device_kind`` substring (lower case), read off :data:`CHIPS`
+in its order (``'tpu v5 lite'`` before ``'tpu v5'``)."""
+
+
+def chip(name: str) -> Chip:
+    """The chip called ``name`` (``'h100'``, ``'v5p'``, ...); an unknown name is a ValueError
+    naming the known ones."""
+    if name not in CHIPS:
+        raise ValueError(
+            f"unknown chip {name!r}; known chips: {', '.join(CHIPS)}. Pass one of them "
+            f"(--chip v5p), or add the chip to CHIPS in seqshard/hardware.py with its sources."
+        )
+    return CHIPS[name]
 
 
 def measure_matmul_flops(n: int = 2048, dtype=jnp.float32, repeats: int = 3, device=None) -> float:

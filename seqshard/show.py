@@ -1,9 +1,12 @@
 """``seqshard show``: what a config means on its mesh, read off the types and the compiled step.
 
 Resolved config; parameter count; each weight's global and per-device shape and layout;
-FLOPs per token; estimated bytes per device (weights, grads, optimizer state, activations);
-and, from the train step compiled for the config's mesh (nothing runs, nothing is allocated),
-every collective per step with its axes, calls and bytes, and XLA's own memory figures.
+FLOPs per token; the planner's bytes per device (:mod:`seqshard.planner`: weights, grads,
+optimizer state, activations, logits, the largest transient); with a chip, the planner's
+whole plan for it (FLOPs and communication per step, roofline step time and MFU, and whether
+it fits); and, from the train step compiled for the config's mesh (nothing runs, nothing is
+allocated), every collective per step with its axes, calls and bytes, and XLA's own memory
+figures.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from seqshard.flops import (
     format_bytes,
     hardware_flops_per_token,
     matmul_flops_per_token,
-    memory_per_device,
 )
 from seqshard.model.weights import Weights, param_count
+from seqshard.planner import FUSED_ATTENTION, describe_memory, memory_plan, plan
 from seqshard.shardtypes import block_shape, type_tree
 
 __all__ = ["describe", "weight_table"]
@@ -63,6 +66,7 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
 def compiled_step_report(cfg: Config) -> str:
     """Collectives and XLA memory of the train step compiled for ``cfg``'s mesh."""
     from seqshard.mesh import training_mesh
+    from seqshard.model.attention import resolve_impl
     from seqshard.train.optimizer import make_optimizer
     from seqshard.train.state import train_state_structs
     from seqshard.train.step import make_train_step
@@ -84,17 +88,26 @@ def compiled_step_report(cfg: Config) -> str:
     ]
     mem = compiled.memory_analysis()
     if mem is not None:
+        impl = resolve_impl(cfg.model.attention_impl)
+        planned = memory_plan(cfg, impl).total
+        peak = mem.argument_size_in_bytes + mem.temp_size_in_bytes
         lines += [
             "",
             "compiled memory per device (XLA memory_analysis): "
             f"arguments {format_bytes(mem.argument_size_in_bytes)}, outputs {format_bytes(mem.output_size_in_bytes)} "
             f"(aliased with donated arguments {format_bytes(mem.alias_size_in_bytes)}), "
             f"temporaries {format_bytes(mem.temp_size_in_bytes)}",
+            f"  arguments + temporaries {format_bytes(peak)}; the planner's peak for attention as "
+            f"{impl}: {format_bytes(planned)} ({planned / peak:.2f}x)",
         ]
     return "\n".join(lines)
 
 
-def describe(cfg: Config, compile_step: bool = True) -> str:
+def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) -> str:
+    """The report of ``seqshard show`` for ``cfg`` (its mesh resolved). ``chip``: add the
+    planner's plan for ``cfg.mesh.n_devices`` devices of that chip (seqshard.hardware.CHIPS).
+    ``compile_step``: add the communication and memory of the compiled train step (needs the
+    mesh's devices)."""
     m, train_cfg = cfg.model, cfg.train
     mesh = cfg.mesh.describe()
     parts = ["# resolved config", config_to_yaml(cfg).rstrip(), ""]
@@ -125,19 +138,20 @@ def describe(cfg: Config, compile_step: bool = True) -> str:
         f"  per step ({train_cfg.batch_size} x {train_cfg.seq_len} tokens): {model.total * tokens / 1e12:.3f} TFLOP"
     )
     parts.append("")
-    mem = memory_per_device(
-        m,
-        d=cfg.mesh.d,
-        t=cfg.mesh.t,
-        batch=train_cfg.batch_size // train_cfg.microbatches,
-        seq_len=train_cfg.seq_len,
-    )
-    parts.append(
-        f"estimated memory per device (microbatch of {train_cfg.batch_size // train_cfg.microbatches}, remat={m.remat}):"
-    )
-    for name in ("weights", "grads", "optimizer", "activations", "logits"):
-        parts.append(f"  {name:<12}{format_bytes(getattr(mem, name)):>12}")
-    parts.append(f"  {'total':<12}{format_bytes(mem.total):>12}")
+    if chip is not None:
+        parts.append(plan(cfg, cfg.mesh.n_devices, chip).format())
+    else:
+        # No target chip: attention 'auto' is counted as einsum, whose 'b L L Q K/t' scores
+        # the fused kernels never hold (the larger figure; --chip names the target's kernel).
+        impl = "einsum" if m.attention_impl == "auto" else m.attention_impl
+        micro = train_cfg.batch_size // train_cfg.microbatches
+        parts.append(
+            f"estimated memory per device at the peak of a step (seqshard.planner; microbatch of "
+            f"{micro}, remat={m.remat}, attention as {impl}"
+            + ("" if impl in FUSED_ATTENTION else ", scores materialized")
+            + "; --chip NAME plans for a chip):"
+        )
+        parts += describe_memory(memory_plan(cfg, impl))
     if compile_step:
         parts += ["", compiled_step_report(cfg)]
     return "\n".join(parts)

@@ -107,7 +107,7 @@ def test_end_to_end(tmp_path, corpus_dir, tiny_yaml, capsys):
         (["eval"], ["run_dir", "mesh.d=2", "--batches"]),
         (["generate"], ["run_dir", "--prompt", "--max-new-tokens", "--temperature", "--top-k"]),
         (["plot"], ["RUN_DIR", "--out", "loss.png"]),
-        (["show"], ["config", "overrides", "--no-compile"]),
+        (["show"], ["config", "overrides", "--no-compile", "--devices", "--chip", "v5p"]),
     ],
 )
 def test_help_of_every_subcommand(capsys, command, needles):
@@ -150,6 +150,15 @@ def test_a_bad_config_exits_2_with_the_error_and_no_traceback(tmp_path):
             ["seqshard train: error:", "Not a directory", "data.tmp"],
         ),
         (["show", "{tiny}", "model.d_modle=3"], ["seqshard show: error:", "d_model"]),
+        (
+            ["show", "{tiny}", "--chip", "v9"],
+            ["seqshard show: error:", "unknown chip 'v9'", "h100"],
+        ),
+        (
+            ["show", "{tiny}", "--devices", "16", "--no-compile"],
+            ["seqshard show: error:", "uses 8 devices, not the 16", "mesh.d=-1"],
+        ),
+        (["show", "{tiny}", "mesh.d=-1", "--no-compile"], ["seqshard show: error:", "--devices N"]),
         (["eval", "{tmp}"], ["seqshard eval: error:", "not a run directory"]),
         (["generate", "{tmp}", "--prompt", "x"], ["seqshard generate: error:", "config.yaml"]),
         (["plot", "{tmp}/nope"], ["seqshard plot: error:", "nope"]),
@@ -206,3 +215,15 @@ def test_options_and_overrides_come_in_any_order(tmp_path, tiny_yaml, capsys):
     assert "mesh d=2 x t=4" in capsys.readouterr().out
     assert main(["show", "--no-compile", str(config), "mesh.d=8", "mesh.t=1"]) == 0
     assert "mesh d=8 x t=1" in capsys.readouterr().out
+
+
+def test_show_plans_for_other_machines_without_compiling(tmp_path, tiny_yaml, capsys):
+    """--devices N with a -1 mesh: the plan for N devices; the step is not compiled for a
+    device count this process does not have (8 here)."""
+    config = tiny_yaml(tmp_path / "tiny.yaml", tmp_path / "runs")
+    assert main(["show", str(config), "mesh.d=-1", "--devices", "16", "--chip", "v5e"]) == 0
+    out = capsys.readouterr().out
+    assert "not compiling the train step: mesh d=8 x t=2 needs 16 devices" in out
+    assert "plan for 16 chips (a v5e-16 slice), mesh d=8 x t=2" in out
+    assert re.search(r"^verdict: fits: ", out, re.M)
+    assert "communication per train step" not in out

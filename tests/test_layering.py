@@ -1,10 +1,10 @@
 """The package's layering, read off the sources and off fresh interpreters.
 
     core   the notation and what derives from it (types, ops, meshes, the batch, accounting)
-    model  seqshard.model.*              core
-    data   seqshard.data.*               core
-    train  seqshard.train.*, config      core, model, data
-    app    cli, show, sample             anything
+    model  seqshard.model.*                   core
+    data   seqshard.data.*                    core
+    train  seqshard.train.*, config, planner  core, model, data
+    app    cli, show, sample                  anything
 
 Each module is imported alone in a fresh interpreter, and every seqshard module it pulled in
 must belong to a layer it may use. Importing the model loads neither the data package nor
@@ -32,6 +32,7 @@ CORE = {
     "seqshard.comms",
     "seqshard.flops",
     "seqshard.hardware",
+    "seqshard.launch",
     "seqshard.mesh",
     "seqshard.notation",
     "seqshard.remat",
@@ -41,6 +42,8 @@ CORE = {
     "seqshard.testing",
     "seqshard.vma",
 }
+# The planner reads a whole Config (config.py) and the model's weight types: the train layer.
+TRAIN = {"seqshard.config", "seqshard.planner"}
 APP = {"seqshard.cli", "seqshard.show", "seqshard.sample"}
 MAY_USE = {
     "core": {"core"},
@@ -56,7 +59,7 @@ def layer(module: str) -> str:
         return "core"
     if module in APP:
         return "app"
-    if module == "seqshard.config" or module.startswith("seqshard.train"):
+    if module in TRAIN or module.startswith("seqshard.train"):
         return "train"
     for name in ("model", "data"):
         if module == f"seqshard.{name}" or module.startswith(f"seqshard.{name}."):

@@ -58,3 +58,19 @@ def test_describe_with_the_compiled_step(cfg):
     text = describe(cfg, compile_step=True)
     assert "communication per train step, from the step compiled for mesh d=4 x t=2" in text
     assert re.search(r"all-gather", text) and "temporaries" in text
+    # XLA's peak beside the planner's, for the attention this machine runs.
+    assert re.search(
+        r"arguments \+ temporaries .*; the planner's peak for attention as einsum", text
+    )
+
+
+def test_describe_with_a_chip_shows_its_plan(cfg):
+    """One memory figure: with a chip, the plan's (its attention kernel); without, einsum's."""
+    text = describe(cfg, compile_step=False, chip="h100")
+    assert "plan for 8 H100 GPUs (one node), mesh d=4 x t=2" in text
+    assert "attention_impl=einsum runs as einsum" in text
+    assert re.search(r"^verdict: fits: ", text, re.M)
+    assert "estimated memory per device at the peak" not in text
+    assert text.count("  total ") == 1
+    plain = describe(cfg, compile_step=False)
+    assert "estimated memory per device at the peak of a step" in plain and "verdict" not in plain
