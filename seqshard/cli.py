@@ -5,7 +5,11 @@
     seqshard eval RUN_DIR [key=value ...]              validation loss of the latest checkpoint
     seqshard generate RUN_DIR --prompt TEXT            sample from the latest checkpoint
     seqshard plot RUN_DIR [RUN_DIR ...]                loss curves -> PNG
-    seqshard show CONFIG [key=value ...]               sizes, layouts, FLOPs, memory per device
+    seqshard show CONFIG [--devices N --chip NAME]     sizes, layouts, FLOPs, memory, a plan
+
+``train`` and ``eval`` join a multi-process run with ``--coordinator HOST:PORT
+--num-processes N --process-id I`` (or find it under SLURM and on Cloud TPU VMs:
+seqshard.launch); ``show --devices N --chip h100`` plans for hardware this machine lacks.
 
 Each subcommand is one :class:`Command`: its arguments and the function that runs it, side by
 side. Options and dotted overrides may come in any order (``seqshard train CONFIG
@@ -481,6 +485,11 @@ COMMANDS: tuple[Command, ...] = (
         "resolved config, parameter count, layouts, FLOPs and memory per device",
         _show_arguments,
         _show,
+        "What CONFIG means on its mesh: the resolved config, parameters, each weight's layout, "
+        "FLOPs per token, and the plan (memory per device by kind, collective bytes per mesh "
+        "axis, a roofline step time and MFU, and whether it fits). With --devices N --chip NAME "
+        "it plans for that hardware without it; on this machine's own device count it also "
+        "compiles the step and reports XLA's collectives and memory.",
     ),
 )
 
