@@ -11,12 +11,14 @@ collective per changed dimension (or none)::
     z = psum_scatter('B/d L M -> B/d L M/t', z)            # lax.psum_scatter over t
     s = psum('B/d L{U_t} -> B/d L', s)                     # lax.psum over t
     x = index_unreduced('[V/t] M, B/d L -> B/d L M', table, ids)  # sharded lookup, owes a sum over t
+    g = index_add('B/d L M, B/d L -> V/t M{U_d}', dx, ids, vocab=V)  # its transpose, owes d
 
 Axis order matters: ``M/t/d`` (t major) and ``M/d/t`` are different layouts. Ops that leave a
-reduction to the caller are named ``*_unreduced``; ``psum`` and ``pmax`` need the spec's
-``{U_axis}`` marker to say which axes they reduce, and, when replication is checked
-(``check_vma=True``), refuse to reduce over an axis the value does not vary over (where
-``lax.psum`` would silently multiply by the axis size).
+reduction to the caller are named ``*_unreduced`` (and ``index_add``, seed 001's name for the
+transpose of ``index_unreduced``); ``psum`` and ``pmax`` need the spec's ``{U_axis}`` marker
+to say which axes they reduce, and, when replication is checked (``check_vma=True``), refuse
+to reduce over an axis the value does not vary over (where ``lax.psum`` would silently
+multiply by the axis size).
 
 An axis of size 1 costs nothing: no op emits a collective over a mesh axis of size 1 (specs
 still name it; ``'M/t/d'`` is ``'M/d'`` when t = 1), and ``axis_index`` of it is 0. The one
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -48,6 +51,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "einsum_unreduced",
+    "index_add",
     "index_unreduced",
     "pmax",
     "psum",
@@ -542,6 +546,92 @@ def index_unreduced(spec: str, table: jax.Array, ids: jax.Array) -> jax.Array:
     looked_up = jnp.moveaxis(looked_up, tuple(range(k, k + ids.ndim)), tuple(range(ids.ndim)))
     present = present.reshape(present.shape + (1,) * len(rest))
     return call.finish(jnp.where(present, looked_up, jnp.zeros((), table.dtype)))
+
+
+def index_add(spec: str, update: jax.Array, ids: jax.Array, *, vocab: int) -> jax.Array:
+    """Scatter-add rows into a sharded table, the transpose of :func:`index_unreduced`:
+    ``index_add('B/d L M, B/d L -> V/t M{U_d}', dx, ids, vocab=V)``.
+
+    Inputs: the update (the ids' dimensions, then the table's others) and ``ids`` (global
+    indices). Output: a block of the table, zeros but for the updates of the ids in it. Its
+    indexed dimension is the one the update lacks (written without brackets, which mark only
+    inputs); ``vocab`` is its global size. Ids in other devices' blocks, or outside
+    ``[0, vocab)``, add nothing. Each device sums only its own ids' rows (here its B/d rows),
+    so the result owes a sum over the axes that split the ids (here d), which must not also
+    split the table (not ``'B/d L M, B/d L -> V/d M'``). The output may state what it owes.
+    FSDP's embedding gradient follows with ``psum_scatter('V/t M{U_d} -> V/t M/d', g)``.
+    """
+    if isinstance(spec, str) and "[" in spec.partition("->")[2]:
+        raise ShapeError(
+            f"index_add({spec!r}): the output is the table, written without brackets (they mark "
+            f"only inputs): its indexed dimension is the one output dimension the update lacks. "
+            f"Write e.g. 'B/d L M, B/d L -> V/t M{{U_d}}'."
+        )
+    call = _Call("index_add", spec, [update, ids], 2)
+    update_shape, ids_shape = call.op.inputs
+    for i, shape in enumerate(call.op.inputs):
+        if shape.unreduced:
+            raise call.fail(
+                f"input {i} ('{shape}') is marked unreduced",
+                "reduce it first (psum): index_add's result owes only the sums its own "
+                "scatter leaves",
+            )
+        if any(d.indexed for d in shape.dims):
+            raise call.fail(
+                "brackets are only for index_unreduced's table",
+                "remove them: index_add's indexed dimension is the output's one the update lacks",
+            )
+    new = [i for i, d in enumerate(call.dst.dims) if d.label not in update_shape.labels]
+    if len(new) != 1:
+        raise call.fail(
+            f"the output (the table) must have exactly one dimension the update lacks, the "
+            f"indexed one, but it has {len(new)} ({' '.join(call.dst.labels[i] for i in new) or 'none'})",
+            "write e.g. 'B/d L M, B/d L -> V/t M'",
+        )
+    k = new[0]
+    rest = call.dst.dims[:k] + call.dst.dims[k + 1 :]
+    expected = ids_shape.dims + rest
+    if update_shape.dims != expected:
+        raise call.fail(
+            f"the update must be the ids' dimensions then the table's others, "
+            f"'{Shape(expected)}', but the spec says '{Shape(update_shape.dims)}'",
+            "fix the update's operand (every dimension split as in the ids and the table)",
+        )
+    owed = ids_shape.split_axes
+    _check_owed_not_split(call, set(owed), f"summing over the ids' dimensions {ids_shape}")
+    if call.dst.unreduced and set(call.dst.unreduced) != set(owed):
+        raise call.fail(
+            f"the output is marked as owing {list(call.dst.unreduced)}, but summing over the "
+            f"ids' dimensions '{ids_shape}' owes {list(owed)}",
+            "fix the marker (or drop it)",
+        )
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{call.where}: ids must be integers, got {ids.dtype}.")
+    if isinstance(vocab, bool) or not hasattr(type(vocab), "__index__"):
+        raise TypeError(
+            f"{call.where}: vocab must be an int, the global size of the table's dimension "
+            f"{call.dst.dims[k].label}; got {vocab!r}."
+        )
+    vocab, axes = operator.index(vocab), call.dst.dims[k].axes
+    if vocab < 1:
+        raise call.fail(
+            f"vocab = {vocab}",
+            f"vocab is the global size of {call.dst.dims[k].label}: make it positive",
+        )
+    if vocab % call.size(axes):
+        raise call.fail(
+            f"vocab = {vocab}, the global size of {call.dst.dims[k]}, is not divisible by "
+            f"{'x'.join(axes)} = {call.size(axes)} shards",
+            "choose a size divisible by the mesh axes (pad the table)",
+        )
+    rows = vocab // call.size(axes)
+    local = ids.astype(jnp.int32) - call.index(axes) * rows
+    # Ids outside this block go one past its end, where mode='drop' discards them: a negative
+    # index would wrap around to the block's last rows instead, even with mode='drop'.
+    local = jnp.where((local >= 0) & (local < rows), local, rows)
+    table = jnp.zeros((rows, *update.shape[ids.ndim :]), update.dtype)
+    table = table.at[local].add(update, mode="drop")
+    return call.finish(jnp.moveaxis(table, 0, k))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -105,7 +105,23 @@ class Case:
             }
         if self.then is None and self.op == "index_unreduced":
             owed |= {a for d in self.parsed.inputs[0].dims if d.indexed for a in d.axes}
+        if self.then is None and self.op == "index_add":
+            owed |= set(self.parsed.inputs[1].split_axes)  # the ids' splits
         return owed
+
+    @property
+    def table_dim(self) -> tuple[int, str]:
+        """The indexed dimension (position in the table, label) of a lookup or scatter-add."""
+        if self.op == "index_unreduced":
+            dims = self.parsed.inputs[0].dims
+            return next((i, d.label) for i, d in enumerate(dims) if d.indexed)
+        update = self.parsed.inputs[0].labels
+        dims = self.parsed.output.dims
+        return next((i, d.label) for i, d in enumerate(dims) if d.label not in update)
+
+    def kwargs(self, sizes: dict[str, int]) -> dict[str, int]:
+        """The op's keyword arguments: index_add's global vocab size."""
+        return {"vocab": sizes[self.table_dim[1]]} if self.op == "index_add" else {}
 
     def all_dims(self):
         shapes = [*self.parsed.inputs, self.parsed.output]
@@ -122,16 +138,17 @@ OPS = {
     "all_to_all": so.all_to_all,
     "einsum_unreduced": so.einsum_unreduced,
     "index_unreduced": so.index_unreduced,
+    "index_add": so.index_add,
 }
 
 
-def apply(case: Case, blocks):
+def apply(case: Case, blocks, **kwargs):
     if case.op == "all_gather":
         y = so.all_gather(case.spec, blocks[0], to=case.to)
     elif case.op == "pmax":
         y = so.pmax(case.spec, lax.stop_gradient(blocks[0]))
     else:
-        y = OPS[case.op](case.spec, *blocks)
+        y = OPS[case.op](case.spec, *blocks, **kwargs)
     if case.then:
         y = OPS[case.then[0]](case.then[1], y)
     return y
@@ -142,8 +159,9 @@ def replica_axes(case: Case, mesh_shape) -> tuple[str, ...]:
 
 
 @functools.cache
-def sharded(case: Case, mesh_shape: tuple[int, ...], check_vma: bool):
-    """A jitted shard_map of the case; jit caches one compile per input shape."""
+def sharded(case: Case, mesh_shape: tuple[int, ...], check_vma: bool, **kwargs):
+    """A jitted shard_map of the case (``kwargs``: :meth:`Case.kwargs`); jit caches one compile
+    per input shape."""
     mesh = mesh_of(mesh_shape)
     in_specs = tuple(
         P(_entry(case.partial_axes(i)), *pspec(s)) for i, s in enumerate(case.parsed.inputs)
@@ -151,7 +169,7 @@ def sharded(case: Case, mesh_shape: tuple[int, ...], check_vma: bool):
     out_spec = P(_entry(replica_axes(case, mesh_shape)), *pspec(case.final))
 
     def body(*blocks):
-        return apply(case, [b[0] for b in blocks])[None]
+        return apply(case, [b[0] for b in blocks], **kwargs)[None]
 
     return jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)
@@ -192,9 +210,13 @@ def make_inputs(case: Case, mesh_shape, sizes, rng) -> list[np.ndarray]:
     for i, s in enumerate(case.parsed.inputs):
         lead = math.prod(mesh[a] for a in case.partial_axes(i))
         shape = (lead, *(sizes[label] for label in s.labels))
-        if case.op == "index_unreduced" and i == 1:
-            (vocab,) = [d.label for d in case.parsed.inputs[0].dims if d.indexed]
-            out.append(rng.integers(0, sizes[vocab], shape).astype(np.int32))
+        if case.op in ("index_unreduced", "index_add") and i == 1:
+            vocab = sizes[case.table_dim[1]]
+            ids = rng.integers(0, vocab, shape).astype(np.int32)
+            # the first and the last vocab id, and a repeated id, whatever the draw
+            ids.flat[0], ids.flat[-1] = 0, vocab - 1
+            ids.flat[ids.size // 2] = vocab - 1
+            out.append(ids)
         else:
             out.append(rng.integers(-3, 4, shape).astype(np.float32))
     return out
@@ -206,7 +228,7 @@ def _letters(labels, table):
     )
 
 
-def reference(case: Case, inputs, xp=np):
+def reference(case: Case, inputs, xp=np, *, vocab=None):
     """The global result of the case, computed on global arrays with ``xp`` (numpy or jnp)."""
     combined = [x.max(0) if case.op == "pmax" else x.sum(0) for x in inputs]
     op = case.parsed
@@ -219,6 +241,15 @@ def reference(case: Case, inputs, xp=np):
         k = next(i for i, d in enumerate(op.inputs[0].dims) if d.indexed)
         looked_up = xp.take(values, ids, axis=k)
         return xp.moveaxis(looked_up, tuple(range(k, k + ids.ndim)), tuple(range(ids.ndim)))
+    if case.op == "index_add":
+        update, ids = combined[0], inputs[1][0]
+        shape = (vocab, *update.shape[ids.ndim :])
+        if xp is np:
+            table = np.zeros(shape, update.dtype)
+            np.add.at(table, ids, update)
+        else:
+            table = jnp.zeros(shape, update.dtype).at[ids].add(update)
+        return xp.moveaxis(table, 0, case.table_dim[0])
     return combined[0]
 
 
@@ -229,8 +260,9 @@ def check_case(
     rng = np.random.default_rng(seed)
     sizes = global_sizes(case, mesh_shape, ks)
     inputs = make_inputs(case, mesh_shape, sizes, rng)
-    want = reference(case, inputs)
-    got = np.asarray((wrap or sharded)(case, mesh_shape, check_vma)(*inputs))
+    want = reference(case, inputs, **case.kwargs(sizes))
+    fn = (wrap or sharded)(case, mesh_shape, check_vma, **case.kwargs(sizes))
+    got = np.asarray(fn(*inputs))
     rest = replica_axes(case, mesh_shape)
     mesh = dict(zip(AXIS_NAMES[mesh_shape], mesh_shape, strict=True))
     got = got.reshape(*(mesh[a] for a in rest), *want.shape)
@@ -248,7 +280,7 @@ def label_ks(case: Case):
 # ---------------------------------------------------------------------------------------------
 # Cases: every op, axis orders major/minor, gathers of minor and non-minor axes, markers
 
-AG, RS, PS, PM, A2A, EIN, IDX = (
+AG, RS, PS, PM, A2A, EIN, IDX, ADD = (
     "all_gather",
     "psum_scatter",
     "psum",
@@ -256,6 +288,7 @@ AG, RS, PS, PM, A2A, EIN, IDX = (
     "all_to_all",
     "einsum_unreduced",
     "index_unreduced",
+    "index_add",
 )
 
 CASES_2D = [
@@ -330,6 +363,16 @@ CASES_2D = [
     Case(IDX, "M [V/t], B/d L -> B/d L M"),
     Case(IDX, "[V/t] M, B/d L -> B/d L M", then=(RS, "B/d L M -> B/d L M/t")),
     Case(IDX, "[V/t/d] M, B L -> B L M", then=(PS, "B L M{U_t,d} -> B L M")),
+    # index_add: the scatter-add owes a sum over the ids' axes; vocab over one or two axes,
+    # either order, table dim not first, M split, then the reduction (FSDP's embedding grad)
+    Case(ADD, "B/d L M, B/d L -> V/t M{U_d}"),
+    Case(ADD, "B/t L M, B/t L -> V/d M"),
+    Case(ADD, "B L M, B L -> V/t/d M"),
+    Case(ADD, "B L M, B L -> V/d/t M"),
+    Case(ADD, "B L M/d, B L -> V/t M/d"),
+    Case(ADD, "B/d L/t M, B/d L/t -> V M{U_d,t}"),
+    Case(ADD, "B/d L M, B/d L -> V/t M{U_d}", then=(RS, "V/t M{U_d} -> V/t M/d")),
+    Case(ADD, "B L/d M, B L/d -> M V/t", then=(PS, "M V/t{U_d} -> M V/t")),
 ]
 
 CASES_3D = [
@@ -354,6 +397,8 @@ CASES_3D = [
     Case(EIN, "B/a L M/b/c, M/b/c F -> B/a L F", then=(RS, "B/a L F -> B/a L F/c/b")),
     Case(IDX, "[V/b/c] M, B/a L -> B/a L M"),
     Case(IDX, "[V/c/a] M, B/b L -> B/b L M"),
+    Case(ADD, "B/a L M, B/a L -> V/b/c M"),
+    Case(ADD, "B/a/b L M, B/a/b L -> V/c M", then=(RS, "V/c M -> V/c M/b/a")),
 ]
 
 # Every case on every mesh with replication checks on; with them off (which changes the
@@ -460,6 +505,7 @@ GRAD_CASES = [
     Case(A2A, "B/d L -> B L/d"),
     Case(EIN, "B/d L F/t, M F/t -> B/d L M", then=(RS, "B/d L M -> B/d L M/t")),
     Case(IDX, "[V/t] M, B/d L -> B/d L M", then=(RS, "B/d L M -> B/d L M/t")),
+    Case(ADD, "B/d L M, B/d L -> V/t M", then=(RS, "V/t M -> V/t M/d")),
 ]
 GRAD_PARAMS = [
     pytest.param(case, mesh, id=f"{case}-{'x'.join(map(str, mesh))}")
@@ -473,9 +519,9 @@ GRAD_PARAMS = [
 ]
 
 
-def _grad_fns(case, mesh_shape, check_vma, inputs):
-    fn = sharded(case, mesh_shape, check_vma)
-    want = reference(case, inputs)
+def _grad_fns(case, mesh_shape, check_vma, inputs, kwargs):
+    fn = sharded(case, mesh_shape, check_vma, **kwargs)
+    want = reference(case, inputs, **kwargs)
     n_rep = math.prod(mesh_of(mesh_shape).shape[a] for a in replica_axes(case, mesh_shape))
     cot = np.random.default_rng(1).integers(-3, 4, (n_rep, *want.shape)).astype(np.float32)
     argnums = tuple(i for i, x in enumerate(inputs) if x.dtype == np.float32)
@@ -484,7 +530,7 @@ def _grad_fns(case, mesh_shape, check_vma, inputs):
         return jnp.sum(fn(*xs) * cot)
 
     def ref_loss(*xs):
-        out = reference(case, xs, xp=jnp)
+        out = reference(case, xs, xp=jnp, **kwargs)
         return jnp.sum(jnp.broadcast_to(out, cot.shape) * cot)
 
     return jax.jit(jax.grad(loss, argnums)), jax.jit(jax.grad(ref_loss, argnums))
@@ -494,10 +540,9 @@ def _grad_fns(case, mesh_shape, check_vma, inputs):
 @pytest.mark.parametrize(("case", "mesh_shape"), GRAD_PARAMS)
 def test_gradient_matches_reference(case, mesh_shape, check_vma):
     ks = {label: 1 for label in {d.label for d in case.all_dims()}}
-    inputs = make_inputs(
-        case, mesh_shape, global_sizes(case, mesh_shape, ks), np.random.default_rng(0)
-    )
-    grad, ref_grad = _grad_fns(case, mesh_shape, check_vma, inputs)
+    sizes = global_sizes(case, mesh_shape, ks)
+    inputs = make_inputs(case, mesh_shape, sizes, np.random.default_rng(0))
+    grad, ref_grad = _grad_fns(case, mesh_shape, check_vma, inputs, case.kwargs(sizes))
     for got, want in zip(grad(*inputs), ref_grad(*inputs), strict=True):
         np.testing.assert_array_equal(got, want, err_msg=str(case))
     if not check_vma:
@@ -535,6 +580,157 @@ def test_fsdp_gather_gradient_is_one_reduce_scatter():
 
 
 # ---------------------------------------------------------------------------------------------
+# index_add is the transpose of index_unreduced: autodiff of each lookup (and the reduction
+# after it) equals the backward written by hand with index_add (and the reduction after it)
+
+VOCAB = 16
+
+
+def fsdp_lookup(embed, ids):  # 'V/t M/d', 'B/d L' -> 'B/d L M/t': the model's embedding
+    table = so.all_gather("V/t M/d -> V/t M", embed)
+    x = so.index_unreduced("[V/t] M, B/d L -> B/d L M", table, ids)
+    return so.psum_scatter("B/d L M -> B/d L M/t", x)
+
+
+def fsdp_lookup_grad(dx, ids):  # 'B/d L M/t', 'B/d L' -> 'V/t M/d'
+    dx = so.all_gather("B/d L M/t -> B/d L M", dx)  # the transpose of the reduce-scatter
+    g = so.index_add("B/d L M, B/d L -> V/t M{U_d}", dx, ids, vocab=VOCAB)
+    # each d shard added only its own B/d rows: sum them, keeping this device's M/d block
+    return so.psum_scatter("V/t M{U_d} -> V/t M/d", g)
+
+
+def two_axis_lookup(table, ids):  # '[V/t/d] M', 'B L' -> 'B L M'
+    x = so.index_unreduced("[V/t/d] M, B L -> B L M", table, ids)
+    return so.psum("B L M{U_t,d} -> B L M", x)
+
+
+def two_axis_lookup_grad(dx, ids):  # every device has every id: nothing is owed
+    return so.index_add("B L M, B L -> V/t/d M", dx, ids, vocab=VOCAB)
+
+
+def last_dim_lookup(table, ids):  # 'M [V/t]', 'B/d L' -> 'B/d L M'
+    x = so.index_unreduced("M [V/t], B/d L -> B/d L M", table, ids)
+    return so.psum("B/d L M{U_t} -> B/d L M", x)
+
+
+def last_dim_lookup_grad(dx, ids):  # 'B/d L M', 'B/d L' -> 'M V/t', replicated over d
+    g = so.index_add("B/d L M, B/d L -> M V/t{U_d}", dx, ids, vocab=VOCAB)
+    return so.psum("M V/t{U_d} -> M V/t", g)
+
+
+def split_m_lookup(table, ids):  # '[V/d] M/t', 'B L' -> 'B L M/t'
+    x = so.index_unreduced("[V/d] M/t, B L -> B L M/t", table, ids)
+    return so.psum("B L M/t{U_d} -> B L M/t", x)
+
+
+def split_m_lookup_grad(dx, ids):
+    return so.index_add("B L M/t, B L -> V/d M/t", dx, ids, vocab=VOCAB)
+
+
+def swapped_lookup(embed, ids):  # 'V/d M/t', 'B/t L' -> 'B/t L M/d': fsdp_lookup, d and t swapped
+    table = so.all_gather("V/d M/t -> V/d M", embed)
+    x = so.index_unreduced("[V/d] M, B/t L -> B/t L M", table, ids)
+    return so.psum_scatter("B/t L M -> B/t L M/d", x)
+
+
+def swapped_lookup_grad(dx, ids):
+    dx = so.all_gather("B/t L M/d -> B/t L M", dx)
+    g = so.index_add("B/t L M, B/t L -> V/d M{U_t}", dx, ids, vocab=VOCAB)
+    return so.psum_scatter("V/d M{U_t} -> V/d M/t", g)
+
+
+# (lookup, its hand-written gradient, the table's spec and global shape, ids' spec, output's)
+TRANSPOSES = [
+    (fsdp_lookup, fsdp_lookup_grad, P("t", "d"), (VOCAB, 8), P("d", None), P("d", None, "t")),
+    (two_axis_lookup, two_axis_lookup_grad, P(("t", "d")), (VOCAB, 8), P(), P()),
+    (last_dim_lookup, last_dim_lookup_grad, P(None, "t"), (8, VOCAB), P("d"), P("d")),
+    (split_m_lookup, split_m_lookup_grad, P("d", "t"), (VOCAB, 8), P(), P(None, None, "t")),
+    (swapped_lookup, swapped_lookup_grad, P("d", "t"), (VOCAB, 8), P("t"), P("t", None, "d")),
+]
+
+
+# One mesh: on 2x4, swapped_lookup is fsdp_lookup on 4x2.
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize(
+    ("lookup", "lookup_grad", "table_spec", "table_shape", "ids_spec", "out_spec"),
+    [pytest.param(*t, id=t[0].__name__) for t in TRANSPOSES],
+)
+def test_index_add_is_the_transpose_of_index_unreduced(
+    lookup, lookup_grad, table_spec, table_shape, ids_spec, out_spec, check_vma
+):
+    """jax.grad of the lookup equals index_add and its reduction, and both equal np.add.at
+    (exact: integer values). Checked, the hand-written backward compiles to the collectives
+    autodiff's does."""
+    mesh = mesh_of((2, 4))
+    forward = jax.shard_map(
+        lookup, mesh=mesh, in_specs=(table_spec, ids_spec), out_specs=out_spec, check_vma=check_vma
+    )
+    backward = jax.jit(
+        jax.shard_map(
+            lookup_grad,
+            mesh=mesh,
+            in_specs=(out_spec, ids_spec),
+            out_specs=table_spec,
+            check_vma=check_vma,
+        )
+    )
+    rng = np.random.default_rng(0)
+    table = rng.integers(-3, 4, table_shape).astype(np.float32)
+    ids = rng.integers(0, VOCAB, (4, 3)).astype(np.int32)
+    ids[0, 0], ids[1, 1], ids[-1, -1] = 0, VOCAB - 1, VOCAB - 1  # first, last, repeated
+    dx = rng.integers(-3, 4, (4, 3, 8)).astype(np.float32)
+    autodiff = jax.jit(jax.grad(lambda t, i, dx: jnp.sum(forward(t, i) * dx)))
+    want = np.zeros((VOCAB, 8), np.float32)
+    np.add.at(want, ids, dx)
+    want = want if table_shape[0] == VOCAB else want.T
+    np.testing.assert_array_equal(autodiff(table, ids, dx), want)
+    np.testing.assert_array_equal(backward(dx, ids), want)
+    if check_vma:
+        assert count_collectives(backward, dx, ids) == count_collectives(autodiff, table, ids, dx)
+
+
+def test_index_add_drops_ids_outside_the_table():
+    """Ids below 0 or at/after vocab add nothing (as index_unreduced looks up zeros for them):
+    a negative id must not wrap around to the last rows of a device's block."""
+    mesh = mesh_of((2, 4))
+    f = jax.jit(
+        jax.shard_map(
+            lambda dx, ids: so.index_add("B L M, B L -> V/t/d M", dx, ids, vocab=VOCAB),
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=P(("t", "d")),
+        )
+    )
+    ids = np.array([[-1, -VOCAB, VOCAB, 2**31 - 1, 3, -2]], np.int32)
+    dx = np.arange(1, 13, dtype=np.float32).reshape(1, 6, 2)
+    want = np.zeros((VOCAB, 2), np.float32)
+    want[3] = dx[0, 4]
+    np.testing.assert_array_equal(f(dx, ids), want)
+
+
+def fsdp_embed_grad(dx: f32[b"B/d L M"], ids: i32[b"B/d L"]) -> f32["V/t M/d"]:
+    g = so.index_add("B/d L M, B/d L -> V/t M{U_d}", dx, ids, vocab=VOCAB)
+    return so.psum_scatter("V/t M{U_d} -> V/t M/d", g)
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (1, 8), (1, 1)], ids=["8x1", "1x8", "1x1"])
+def test_index_add_over_size_one_axes_emits_nothing(mesh_shape):
+    """index_add is local: inside typed_shard_map, where axes of size 1 are not manual, its
+    block index over them is 0 and it emits no collective; only the reduce-scatter over d
+    (when d > 1) follows."""
+    f = jax.jit(typed_shard_map(fsdp_embed_grad, mesh=mesh_of(mesh_shape)))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (8, 3)).astype(np.int32)
+    ids[0, 0], ids[1, 1], ids[-1, -1] = 0, VOCAB - 1, VOCAB - 1
+    dx = rng.integers(-3, 4, (8, 3, 8)).astype(np.float32)
+    want = np.zeros((VOCAB, 8), np.float32)
+    np.add.at(want, ids, dx)
+    np.testing.assert_array_equal(f(dx, ids), want)
+    want_counts = {**NO_COLLECTIVES, "reduce-scatter": int(mesh_shape[0] > 1)}
+    assert count_collectives(f, dx, ids) == want_counts
+
+
+# ---------------------------------------------------------------------------------------------
 # HLO: each op lowers to exactly the collectives it names
 
 
@@ -567,10 +763,9 @@ HLO_PARAMS = [
 @pytest.mark.parametrize(("case", "mesh_shape"), HLO_PARAMS)
 def test_op_lowers_to_the_collective_it_names(case, mesh_shape):
     ks = {label: 1 for label in {d.label for d in case.all_dims()}}
-    inputs = make_inputs(
-        case, mesh_shape, global_sizes(case, mesh_shape, ks), np.random.default_rng(0)
-    )
-    counts = count_collectives(sharded(case, mesh_shape, True), *inputs)
+    sizes = global_sizes(case, mesh_shape, ks)
+    inputs = make_inputs(case, mesh_shape, sizes, np.random.default_rng(0))
+    counts = count_collectives(sharded(case, mesh_shape, True, **case.kwargs(sizes)), *inputs)
     assert counts == {**expected_collectives(case), "collective-permute": 0}, str(case)
 
 
@@ -937,6 +1132,62 @@ ERRORS = [
         ["'B/d L M'", "'B/d M L'"],
     ),
     (
+        "scatter-add owing a sum over an axis that splits the table",
+        lambda u, ids: so.index_add("B/d L M, B/d L -> V/d M", u, ids, vocab=8),
+        (P("d"), P("d")),
+        [(4, 2, 4), (4, 2)],
+        ShapeError,
+        ["index_add('B/d L M, B/d L -> V/d M')", "owing a sum over ['d']", "also split over ['d']"],
+    ),
+    (
+        "scatter-add with a wrong marker",
+        lambda u, ids: so.index_add("B/d L M, B/d L -> V M{U_t}", u, ids, vocab=8),
+        (P("d"), P("d")),
+        [(4, 2, 4), (4, 2)],
+        ShapeError,
+        ["marked as owing ['t']", "'B/d L' owes ['d']"],
+    ),
+    (
+        "scatter-add with the update's dimensions out of order",
+        lambda u, ids: so.index_add("B/d M L, B/d L -> V/t M", u, ids, vocab=8),
+        (P("d"), P("d")),
+        [(4, 4, 2), (4, 2)],
+        ShapeError,
+        ["ids' dimensions then the table's others, 'B/d L M'", "the spec says 'B/d M L'"],
+    ),
+    (
+        "scatter-add with the update split unlike the ids",
+        lambda u, ids: so.index_add("B L M, B/d L -> V/t M", u, ids, vocab=8),
+        (P(), P("d")),
+        [(4, 2, 4), (4, 2)],
+        ShapeError,
+        ["'B/d L M'", "the spec says 'B L M'"],
+    ),
+    (
+        "scatter-add without a table dimension",
+        lambda u, ids: so.index_add("B/d L M, B/d L -> M", u, ids, vocab=8),
+        (P("d"), P("d")),
+        [(4, 2, 4), (4, 2)],
+        ShapeError,
+        ["exactly one dimension the update lacks", "it has 0 (none)"],
+    ),
+    (
+        "scatter-add into brackets",
+        lambda u, ids: so.index_add("B/d L M, B/d L -> [V/t] M", u, ids, vocab=8),
+        (P("d"), P("d")),
+        [(4, 2, 4), (4, 2)],
+        ShapeError,
+        ["index_add('B/d L M, B/d L -> [V/t] M')", "without brackets", "'B/d L M, B/d L -> V/t"],
+    ),
+    (
+        "scatter-add of a marked update",
+        lambda u, ids: so.index_add("B/d L M{U_t}, B/d L -> V M", u, ids, vocab=8),
+        (P("d"), P("d")),
+        [(4, 2, 4), (4, 2)],
+        ShapeError,
+        ["input 0 ('B/d L M{U_t}') is marked unreduced", "reduce it first"],
+    ),
+    (
         "wrong number of arrays",
         lambda x: so.einsum_unreduced("B M, M F -> B F", x),
         (P(),),
@@ -982,6 +1233,44 @@ def test_lookup_ids_must_be_integers():
             (P("t"), P("d")),
             [(8, 4), (4, 2)],
         )
+
+
+def _trace_index_add(spec, vocab, ids_dtype=jnp.int32):
+    return trace(
+        lambda u, ids: so.index_add(spec, u, ids, vocab=vocab),
+        (2, 4),
+        (P("d"), P("d")),
+        [(4, 2, 4), (4, 2)],
+        check_vma=False,  # so that a block may come back as the result (out_specs=P())
+        dtypes=[jnp.float32, ids_dtype],
+    )
+
+
+def test_index_add_argument_errors():
+    with pytest.raises(TypeError, match=r"index_add\('B/d L M.*ids must be integers, got float32"):
+        _trace_index_add("B/d L M, B/d L -> V/t M", 8, jnp.float32)
+    with pytest.raises(TypeError, match=r"vocab must be an int, the global size .* V; got 8.0"):
+        _trace_index_add("B/d L M, B/d L -> V/t M", 8.0)
+    with pytest.raises(ShapeError, match=r"vocab = 0.*make it positive"):
+        _trace_index_add("B/d L M, B/d L -> V/t M", 0)
+    with pytest.raises(ShapeError, match=r"vocab = 6, the global size of V/t, .* t = 4 shards"):
+        _trace_index_add("B/d L M, B/d L -> V/t M", 6)
+    with pytest.raises(ShapeError, match=r"V/t/d, .* txd = 8 shards"):
+        _trace_index_add("B L M, B L -> V/t/d M", 12)
+    assert _trace_index_add("B/d L M, B/d L -> V/t M", np.int64(8)).shape == (2, 4)
+
+
+def embed_and_grad(embed: f32["V/t M"], ids: i32[b"B/d L"], dx: f32[b"B/d L M"]) -> f32["V/t M"]:
+    g = so.index_add("B/d L M, B/d L -> V/t M{U_d}", dx, ids, vocab=8)  # embed has 16 rows
+    return embed + so.psum("V/t M{U_d} -> V/t M", g)
+
+
+def test_index_add_vocab_checked_against_the_scope():
+    """Inside typed_shard_map a vocab that disagrees with a declared table is an error."""
+    f = typed_shard_map(embed_and_grad, mesh=mesh_of((2, 4)))
+    shapes = [((16, 4), np.float32), ((4, 2), np.int32), ((4, 2, 4), np.float32)]
+    with pytest.raises(ShapeError, match=r"index_add.* output: dimension 'V' has global size 8, "):
+        jax.eval_shape(f, *(jax.ShapeDtypeStruct(*s) for s in shapes))
 
 
 def test_all_gather_rejects_unknown_to():
