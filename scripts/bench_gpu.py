@@ -99,6 +99,7 @@ from seqshard.config import Config, load_config, resolve_mesh
 from seqshard.flops import flops_per_token, param_count
 from seqshard.hardware import KNOWN_PEAKS, measure_matmul_flops
 from seqshard.mesh import training_mesh
+from seqshard.model import attention
 from seqshard.model.attention import resolve_impl
 from seqshard.model.config import ModelConfig
 from seqshard.model.reference import (
@@ -132,18 +133,7 @@ def fused_attention(impl: str, causal: bool) -> Attend:
     otherwise the dense ``[B, 1, Lq, Lk]`` document mask."""
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        batch, length, n_q, n_kv, d_head = q.shape
-        # dot_product_attention groups query heads kv-major: head n uses kv head n // Q.
-        heads = jnp.swapaxes(q, 2, 3).reshape(batch, length, n_kv * n_q, d_head)
-        out = jax.nn.dot_product_attention(
-            heads,
-            k,
-            v,
-            mask=None if causal else mask[:, None],
-            is_causal=causal,
-            implementation=impl,
-        )
-        return jnp.swapaxes(out.reshape(batch, length, n_kv, n_q, d_head), 2, 3)
+        return attention.fused_attention(q, k, v, mask, impl, causal)
 
     return attend
 

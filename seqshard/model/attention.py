@@ -35,6 +35,7 @@ __all__ = [
     "attention",
     "attention_mask",
     "document_positions",
+    "fused_attention",
     "resolve_impl",
     "rope_tables",
 ]
@@ -114,7 +115,7 @@ def attention(
     if impl == "einsum":
         return _einsum_attention(q, k, v, mask)
     if impl in ("cudnn", "xla"):
-        return _fused_attention(q, k, v, mask, impl, causal_only)
+        return fused_attention(q, k, v, mask, impl, causal_only)
     raise ValueError(
         f"model.attention_impl must be auto, einsum, cudnn, xla or splash, got {impl!r}."
     )
@@ -136,7 +137,9 @@ def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     )
 
 
-def _fused_attention(q, k, v, mask, impl: str, causal_only: bool) -> jax.Array:
+def fused_attention(q, k, v, mask, impl: str, causal_only: bool) -> jax.Array:
+    """``jax.nn.dot_product_attention(implementation=impl)`` on the per-device blocks; the
+    ``[B, Lq, Lk]`` mask is read only when not ``causal_only``."""
     batch, length, n_q, n_kv, d_head = q.shape
     # dot_product_attention groups query heads by kv head, kv-major: head n uses kv head n // Q.
     q_heads = jnp.swapaxes(q, 2, 3).reshape(batch, length, n_kv * n_q, d_head)
