@@ -1,33 +1,58 @@
 """FLOP, parameter and memory accounting for the decoder (seed 004).
 
+**The table** (:func:`step_flops`): every operation of a training step with its FLOPs over
+the whole step (global batch, all layers), forward, backward, what the remat policy re-runs
+of its forward in the backward pass, and the optimizer update; each row a matmul or
+elementwise. The other FLOP figures here are sums of its rows::
+
+    s = step_flops(cfg, batch=8, seq_len=1024)     # remat from cfg.remat
+    s['scores'].forward, s['softmax'].backward, s['swiglu'].recompute
+    s.sum('forward', 'matmul'), s.total
+    s.per_device({'d': 4, 't': 2})                 # each row over its spec's mesh axes
+    step_flops(cfg, batch=8, seq_len=1024, causal=True)   # attention's useful half only
+
 Conventions, used by every count here:
 
-* **2 FLOPs per multiply-add.** A matmul ``[m, n] @ [n, p]`` costs ``2 m n p``.
-* **Matmuls only.** RMSNorm, softmax, RoPE, SwiGLU's ``swish(gate) * up``, residual adds,
-  masking and the loss are excluded (seed 004 counts them too; they are ``O(L M)`` per layer
-  and token-wise cheap next to the ``O(M^2)`` matmuls). The embedding is a lookup: 0 FLOPs,
-  forward and backward. The unembedding (LM head, ``M -> V``) is a matmul and is counted.
-* **Attention is counted unmasked**: ``q . k^T`` and ``probs . v`` over all ``L x L``
-  (query, key) pairs, the usual convention (PaLM appendix B, seqax). It is what the einsum
-  path computes; a causal / document-masked fused kernel skips up to about half of it.
-* **Backward = 2 x forward** for every matmul: one matmul for the gradient w.r.t. each
-  operand (inputs and weights; for ``q . k^T`` and ``probs . v`` both operands are
-  activations). So model FLOPs per token = 3 x forward = ``6 N + 12 n_layers L Q K D``
-  with ``N`` the matmul weights (all but embed and norms).
-* **Model vs hardware FLOPs.** :func:`flops_per_token` counts what the model needs
-  ("model FLOPs", the numerator of MFU): recomputation from activation checkpointing is NOT
-  counted. :func:`hardware_flops_per_token` adds the matmuls that ``cfg.remat`` re-runs in
-  the backward pass (see there for exactly which).
+* **2 FLOPs per multiply-add** in a matmul: ``[m, n] @ [n, p]`` costs ``2 m n p``.
+* **1 FLOP per elementwise add, multiply, divide, compare-and-select, exp, rsqrt,
+  sigmoid**, and per element a reduction (sum, max) takes in (seed 004's convention: its
+  GELU counts ``tanh`` as 1). XLA's ``cost_analysis`` counts exp, rsqrt and the like apart,
+  as ``transcendentals``.
+* **Backward = 2 x forward for every matmul**: one matmul for the gradient w.r.t. each
+  operand (inputs and weights; for ``q . k^T`` and ``probs . v`` both are activations).
+  Elementwise backward counts are each op's analytic gradient (the formulas beside
+  :func:`_layer_ops`), seed 004's where it has one (softmax 4 per element, residual adds
+  free but for summing the two paths' cotangents). The embedding is a lookup: 0 FLOPs
+  forward, a scatter-add of ``M`` per token backward.
+* **Attention computed vs useful.** The einsum path computes ``q . k^T``, the mask, the
+  softmax and ``probs . v`` over all ``L x L`` (query, key) pairs (the default, and the
+  convention of MFU: PaLM appendix B, seqax); a causal mask makes about half of that
+  (``L (L+1) / 2`` pairs per row) useful (``causal=True``; packed documents leave less).
+  Fused kernels (cudnn, splash) skip most masked blocks, and re-run ``q . k^T`` and the
+  softmax in their backward whatever the policy: not counted.
+* **Recompute** is asked of the remat policy, per layer operation
+  (:meth:`seqshard.remat.RematPolicy.recomputes`): its forward FLOPs again, in the backward
+  pass. The embedding, final norm, logits and loss run outside the checkpointed layer scan
+  and are never recomputed.
+* **Model vs hardware FLOPs.** :func:`flops_per_token` is the matmul rows, forward and
+  backward, attention computed over all pairs: "model FLOPs", the numerator of MFU, which
+  credits no recomputation and no elementwise work. :func:`hardware_flops_per_token` adds
+  the matmuls remat re-runs. So model FLOPs per token = 3 x forward = ``6 N + 12 n_layers L
+  Q K D`` with ``N`` the matmul weights (all but embed and norms).
 
-Per-token forward FLOPs of one layer, in the dimension letters of ``shardops``
-(M d_model, F d_ff, V vocab, Q q heads per kv head, K kv heads, D head dim, L sequence)::
+Checked (tests/test_flops.py): seed 004's standard layer (MHA, ``d_ff = 4h``, no gate) built
+from the table's rows has its closed forms exactly (forward ``24 b s h^2 + 4 b s^2 h``,
+backward ``48 b s h^2 + 8 b s^2 h``); and XLA's ``cost_analysis`` of the compiled forward and
+train step (per device, the scanned layer counted once: :meth:`StepFlops.per_run`) is 0.5% to
+1% above the table's forward and 2% to 3% above its step, all of it elementwise: XLA counts
+what runs (autodiff's unfused gradients, producers fused into several consumers counted in
+each), the table each operation's analytic minimum.
 
-    qkv          2 M (Q K + 2 K) D      'B L M, M Q K D -> B L Q K D' and the same for k, v
-    attn_scores  2 L Q K D              'B Lq Q K D, B Lk K D -> B Lq Lk Q K'
-    attn_values  2 L Q K D              'B Lq Lk Q K, B Lk K D -> B Lq Q K D'
-    out_proj     2 Q K D M              'B L Q K D, M Q K D -> B L M'
-    ffn          6 M F                  gate, up 'B L M, M F -> B L F'; down 'B L F, M F -> B L M'
-    lm_head      2 M V                  once, after the last layer
+Per-layer forward matmul FLOPs per token, in the dimension letters of ``shardops``
+(M d_model, F d_ff, V vocab, Q q heads per kv head, K kv heads, D head dim, L sequence;
+H = Q K query heads): q ``2 M H D``; k, v ``2 M K D`` each; scores and values ``2 L H D``
+each; o ``2 H D M``; gate, up, down ``2 M F`` each; and once, the logits ``2 M V``
+(:class:`MatmulFlops` sums them into qkv, attn_scores, attn_values, out_proj, ffn, lm_head).
 
 Memory (:func:`memory_per_device`) is an estimate of what lives on one device of a
 ``d x t`` mesh through a training step: f32 master weights, f32 grads and AdamW's two f32
@@ -37,7 +62,7 @@ pass under ``cfg.remat``; and the f32 logits.
 What ``cfg.remat`` recomputes and keeps is the policy's to say (:mod:`seqshard.remat`):
 
     policy = remat_policy(cfg.remat)
-    policy.recompute_flops(matmul_flops_per_token(cfg, seq_len))               # per layer
+    policy.recomputes('softmax')                                               # per layer op
     policy.saved_bytes(layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len))  # per layer
 
 Parameter counts are read off the weight types (:mod:`seqshard.model.weights`), not a formula.
@@ -46,21 +71,30 @@ Parameter counts are read off the weight types (:mod:`seqshard.model.weights`), 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Literal
 
 import jax
 
+from seqshard.notation import parse_op, parse_shape
 from seqshard.remat import remat_policy
 
 if TYPE_CHECKING:  # only its fields are read; importing seqshard.flops stays light
     from seqshard.model.config import ModelConfig
 
 __all__ = [
+    "OPTIMIZER_FLOPS_PER_PARAM",
     "FlopsPerToken",
     "LayerBytes",
     "MatmulFlops",
     "MemoryEstimate",
+    "OpFlops",
+    "OpKind",
+    "PHASES",
+    "Phase",
+    "StepFlops",
     "flops_per_token",
     "format_bytes",
     "hardware_flops_per_token",
@@ -70,13 +104,275 @@ __all__ = [
     "mfu",
     "param_bytes",
     "param_count",
+    "step_flops",
 ]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 # ---------------------------------------------------------------------------------------------
-# FLOPs
+# FLOPs: the table of operations
+
+OpKind = Literal["matmul", "elementwise"]
+Phase = Literal["forward", "backward", "recompute", "update", "total"]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "recompute", "update")
+"""The phases of a step an operation's FLOPs are split into (``total`` sums them)."""
+
+OPTIMIZER_FLOPS_PER_PARAM = 25
+"""Elementwise FLOPs per parameter of the update ``seqshard.train`` runs after the backward
+pass: the mean gradient (divide by the positions counted: 1); the global norm (square and
+sum: 2; the ``grad_norm`` metric is the same norm); clipping (scale and select: 2); AdamW's
+moments (``b1 mu + (1 - b1) g``: 3; ``b2 nu + (1 - b2) g^2``: 4), their bias corrections (2),
+``mu / (sqrt(nu + eps_root) + eps)`` (4), weight decay (2) and the learning rate (1); the add
+to the weight (1); and the non-finite guard's select of the new or old weight and moments
+(3). With microbatches, each one's gradient is also added into the accumulator (1 each)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpFlops:
+    """One operation of a training step: its FLOPs summed over the step (all its runs, the
+    whole global batch), by phase. ``spec`` is what it computes on, per device, in the
+    notation: the mesh axes there split its work (:meth:`per_device`)."""
+
+    name: str  # 'q', 'scores', 'softmax', ...
+    kind: OpKind
+    spec: str  # e.g. 'B/d L M, M F/t -> B/d L F/t' or 'B/d L M'
+    runs: int  # times one pass over the batch runs it: n_layers for a layer's operations, else 1
+    in_layer: bool  # one of the scanned layer's operations
+    per: str  # its FLOPs scale with: 'token', 'pair' (query, key, head), 'parameter'
+    forward: int = 0
+    backward: int = 0
+    recompute: int = 0  # forward FLOPs the remat policy re-runs in the backward pass
+    update: int = 0  # the optimizer step
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward + self.recompute + self.update
+
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """The mesh axes that divide this operation's work: every axis its spec names."""
+        if "->" in self.spec:
+            op = parse_op(self.spec)
+            shapes = (*op.inputs, op.output)
+        else:
+            shapes = (parse_shape(self.spec),)
+        return tuple(dict.fromkeys(a for s in shapes for a in s.split_axes))
+
+    def per_device(self, mesh_sizes: Mapping[str, int]) -> OpFlops:
+        """This operation's FLOPs on one device: each phase divided by the sizes of
+        :attr:`split_axes` (an axis missing from ``mesh_sizes`` has size 1). Work on a
+        dimension not split over an axis is repeated on every device along it: the norms of
+        the gathered ``'B/d L M'`` residual run whole on each t shard."""
+        n = math.prod(mesh_sizes.get(a, 1) for a in self.split_axes)
+        return self._scaled(n, f"over the mesh {dict(mesh_sizes)}")
+
+    def per_run(self) -> OpFlops:
+        """One of its :attr:`runs` (one layer's share, for a layer's operation)."""
+        return dataclasses.replace(self._scaled(self.runs, f"over its {self.runs} runs"), runs=1)
+
+    def _scaled(self, n: int, what: str) -> OpFlops:
+        values = {p: getattr(self, p) for p in PHASES}
+        bad = {p: v for p, v in values.items() if v % n}
+        if bad:
+            raise ValueError(
+                f"{self.name} ({self.spec}): {bad} FLOPs do not split evenly {what} ({n} "
+                f"parts). Use a batch, and model sizes, that the mesh divides."
+            )
+        return dataclasses.replace(self, **{p: v // n for p, v in values.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """The operations of one training step and their FLOPs (:func:`step_flops`)."""
+
+    ops: tuple[OpFlops, ...]
+    batch: int
+    seq_len: int
+    causal: bool  # attention counted over the causal half of the (query, key) pairs only
+
+    def __getitem__(self, name: str) -> OpFlops:
+        for op in self.ops:
+            if op.name == name:
+                return op
+        raise KeyError(f"no operation {name!r}; the table has {[o.name for o in self.ops]}.")
+
+    def sum(
+        self,
+        phase: Phase = "total",
+        kind: OpKind | None = None,
+        names: Collection[str] | None = None,
+    ) -> int:
+        """FLOPs of ``phase`` (``'total'``: all four) over the rows of ``kind`` (or both kinds)
+        and, when given, of those ``names``: ``s.sum('forward', 'matmul', {'q', 'k', 'v'})``."""
+        return sum(
+            getattr(op, phase)
+            for op in self.ops
+            if (kind is None or op.kind == kind) and (names is None or op.name in names)
+        )
+
+    @property
+    def total(self) -> int:
+        return self.sum()
+
+    def per_device(self, mesh_sizes: Mapping[str, int]) -> StepFlops:
+        """Each row on one device of a mesh of these axis sizes (:meth:`OpFlops.per_device`)."""
+        return dataclasses.replace(self, ops=tuple(op.per_device(mesh_sizes) for op in self.ops))
+
+    def per_run(self) -> StepFlops:
+        """Each row's one run: one layer, and everything outside the layers once. XLA's
+        ``cost_analysis`` counts a while loop's body once, however many times it runs, so
+        this is what it reports for a step whose layers run in ``lax.scan``."""
+        return dataclasses.replace(self, ops=tuple(op.per_run() for op in self.ops))
+
+
+_TOKEN, _PAIR, _PARAM = "token", "pair", "parameter"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Formula:
+    """An operation's FLOPs per unit: per token, per (query, key, head) triple of attention,
+    or per parameter."""
+
+    name: str
+    kind: OpKind
+    per: str
+    forward: int
+    backward: int
+    spec: str
+    update: int = 0
+
+
+def _matmul(name: str, per: str, forward: int, spec: str) -> _Formula:
+    """A matmul: its backward is one matmul per operand, each the forward's size."""
+    return _Formula(name, "matmul", per, forward, 2 * forward, spec)
+
+
+def _elementwise(name: str, per: str, forward: int, backward: int, spec: str) -> _Formula:
+    return _Formula(name, "elementwise", per, forward, backward, spec)
+
+
+def _norm(cfg: ModelConfig, name: str, consumers: int) -> _Formula:
+    """RMSNorm of the gathered residual, ``x / rms(x) * gain`` over M, in f32.
+
+    Forward: x*x, their sum, / M, + eps, rsqrt, x * r, * gain: ``4 M + 3``. Backward, seed
+    004's fused LayerNorm form for RMS: the gain's gradient ``sum(dy * xhat)`` over the
+    tokens (2 M); ``v = dy * gain``, ``sum(v * xhat)``, ``r * (v - xhat * s / M)`` (6 M);
+    and, when its output feeds two matmuls, the sum of their cotangents (M)."""
+    m = cfg.d_model
+    return _elementwise(name, _TOKEN, 4 * m + 3, 8 * m + (consumers - 1) * m, "B/d L M")
+
+
+def _layer_ops(cfg: ModelConfig) -> tuple[_Formula, ...]:
+    """One layer's operations, in the order transformer.py runs them. The names are what
+    :meth:`seqshard.remat.RematPolicy.recomputes` is asked about."""
+    m, f, h, k, dh = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv, cfg.d_head
+    return (
+        _norm(cfg, "attn_norm", consumers=2),  # feeds the q and the k, v einsums
+        _matmul("q", _TOKEN, 2 * m * h * dh, "B/d L M, M Q K/t D -> B/d L Q K/t D"),
+        _matmul("k", _TOKEN, 2 * m * k * dh, "B/d L M, M K/t D -> B/d L K/t D"),
+        _matmul("v", _TOKEN, 2 * m * k * dh, "B/d L M, M K/t D -> B/d L K/t D"),
+        # q and k: each pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), 6 per 2 elements;
+        # the backward rotates back, the same 6.
+        _elementwise("rope", _TOKEN, 3 * (h + k) * dh, 3 * (h + k) * dh, "B/d L Q K/t D"),
+        _matmul("scores", _PAIR, 2 * dh, "B/d Lq Q K/t D, B/d Lk K/t D -> B/d Lq Lk Q K/t"),
+        # Scale by 1/sqrt(D), select the masked out; the backward does both to the cotangent.
+        _elementwise("mask", _PAIR, 2, 2, "B/d Lq Lk Q K/t"),
+        # max, subtract, exp, sum, divide; backward p * (g - sum(p * g)): seed 004's 4.
+        _elementwise("softmax", _PAIR, 5, 4, "B/d Lq Lk Q K/t"),
+        _matmul("values", _PAIR, 2 * dh, "B/d Lq Lk Q K/t, B/d Lk K/t D -> B/d Lq Q K/t D"),
+        _matmul("o", _TOKEN, 2 * h * dh * m, "B/d L Q K/t D, M Q K/t D -> B/d L M"),
+        # x + out; the backward sums the cotangents of the residual path and the block's.
+        _elementwise("attn_residual", _TOKEN, m, m, "B/d L M/t"),
+        _norm(cfg, "ffn_norm", consumers=2),  # feeds gate and up
+        _matmul("gate", _TOKEN, 2 * m * f, "B/d L M, M F/t -> B/d L F/t"),
+        _matmul("up", _TOKEN, 2 * m * f, "B/d L M, M F/t -> B/d L F/t"),
+        # s = sigmoid(gate), gate * s, * up. Backward: d up = g * gate * s (1); d gate =
+        # g * up * s * (1 + gate * (1 - s)) (6).
+        _elementwise("swiglu", _TOKEN, 3 * f, 7 * f, "B/d L F/t"),
+        _matmul("down", _TOKEN, 2 * f * m, "B/d L F/t, M F/t -> B/d L M"),
+        _elementwise("ffn_residual", _TOKEN, m, m, "B/d L M/t"),
+    )
+
+
+def _outer_ops(cfg: ModelConfig, microbatches: int) -> tuple[tuple[_Formula, ...], ...]:
+    """The operations before the layers, and after them."""
+    m, v, dh = cfg.d_model, cfg.vocab, cfg.d_head
+    update = OPTIMIZER_FLOPS_PER_PARAM + (microbatches if microbatches > 1 else 0)
+    before = (
+        # A lookup (each t shard selecting the rows of its vocab block is not counted); the
+        # backward scatter-adds each token's cotangent into its row.
+        _elementwise("embed", _TOKEN, 0, m, "B/d L M"),
+        # angle = position * frequency, cos, sin, on D/2. Positions and masks (integer and
+        # boolean work, once per step) are not counted.
+        _elementwise("rope_tables", _TOKEN, 3 * dh // 2, 0, "B/d L D"),
+    )
+    after = (
+        _norm(cfg, "final_norm", consumers=1),
+        _matmul("logits", _TOKEN, 2 * m * v, "B/d L M, V/t M -> B/d L V/t"),
+        # logsumexp over the vocabulary: max, subtract, exp, sum (the per-position scalars
+        # after it are not counted); backward softmax(logits) - onehot(target): 2 per logit.
+        _elementwise("loss", _TOKEN, 4 * v, 2 * v, "B/d L V/t"),
+        # Every weight (and its moments) is split over both d and t.
+        _Formula("optimizer", "elementwise", _PARAM, 0, 0, "d_model/d d_ff/t", update),
+    )
+    return before, after
+
+
+def step_flops(
+    cfg: ModelConfig, *, batch: int, seq_len: int, causal: bool = False, microbatches: int = 1
+) -> StepFlops:
+    """The FLOPs of a training step of ``batch`` rows of ``seq_len`` tokens (all devices), per
+    operation: forward, backward, recompute (``cfg.remat``) and update.
+
+    ``causal``: count attention (scores, mask, softmax, values) over the ``L (L+1) / 2``
+    (query, key) pairs per row a causal mask keeps, the useful work, instead of all ``L^2``
+    the einsum path computes. ``microbatches`` only adds the gradient accumulation's adds."""
+    for name, value in (("batch", batch), ("seq_len", seq_len), ("microbatches", microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return _step_flops(cfg, batch, seq_len, bool(causal), microbatches)
+
+
+@functools.lru_cache(maxsize=256)
+def _step_flops(
+    cfg: ModelConfig, batch: int, seq_len: int, causal: bool, microbatches: int
+) -> StepFlops:
+    policy = remat_policy(cfg.remat)
+    pairs_per_row = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+    units = {
+        _TOKEN: batch * seq_len,
+        _PAIR: batch * pairs_per_row * cfg.n_heads,
+        _PARAM: param_count(cfg),
+    }
+
+    def row(f: _Formula, in_layer: bool) -> OpFlops:
+        runs = cfg.n_layers if in_layer else 1
+        n = runs * units[f.per]
+        return OpFlops(
+            name=f.name,
+            kind=f.kind,
+            spec=f.spec,
+            runs=runs,
+            in_layer=in_layer,
+            per=f.per,
+            forward=n * f.forward,
+            backward=n * f.backward,
+            recompute=n * f.forward if in_layer and policy.recomputes(f.name) else 0,
+            update=n * f.update,
+        )
+
+    before, after = _outer_ops(cfg, microbatches)
+    ops = (
+        *(row(f, in_layer=False) for f in before),
+        *(row(f, in_layer=True) for f in _layer_ops(cfg)),
+        *(row(f, in_layer=False) for f in after),
+    )
+    return StepFlops(ops=ops, batch=batch, seq_len=seq_len, causal=causal)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs per token: sums of the table's matmul rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +407,26 @@ class MatmulFlops:
         """All layers plus the LM head: the forward FLOPs per token."""
         return self.n_layers * self.layer + self.lm_head
 
+    def recomputed(self, recomputes: Callable[[str], bool]) -> int:
+        """The per-layer parts whose operations ``recomputes(name)`` says a policy re-runs
+        (:meth:`seqshard.remat.RematPolicy.recompute_flops`). ``qkv`` lumps q, k and v, so a
+        policy must re-run all three or none of them."""
+        total = 0
+        for flops, names in (
+            (self.qkv, ("q", "k", "v")),
+            (self.attn_scores, ("scores",)),
+            (self.attn_values, ("values",)),
+            (self.out_proj, ("o",)),
+        ):
+            chosen = {recomputes(n) for n in names}
+            if len(chosen) > 1:
+                raise ValueError(
+                    f"MatmulFlops lumps {', '.join(names)} into one part; a policy that "
+                    f"re-runs some of them only needs step_flops' per-operation rows."
+                )
+            total += flops if chosen == {True} else 0
+        return total + sum(self.ffn_down for n in ("gate", "up", "down") if recomputes(n))
+
 
 @dataclasses.dataclass(frozen=True)
 class FlopsPerToken:
@@ -130,41 +446,50 @@ def _check_seq_len(seq_len: int) -> None:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}.")
 
 
-def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> MatmulFlops:
-    """Forward FLOPs per token, by part, at sequence length ``seq_len`` (attention unmasked)."""
+def _one_row(cfg: ModelConfig, seq_len: int) -> StepFlops:
+    """The table for one row of ``seq_len`` tokens: each matmul row is ``seq_len`` times its
+    FLOPs per token (the attention rows' ``seq_len`` pairs per token included)."""
     _check_seq_len(seq_len)
-    m, f, v = cfg.d_model, cfg.d_ff, cfg.vocab
-    n_heads, k, d = cfg.n_heads, cfg.n_kv, cfg.d_head
+    return step_flops(cfg, batch=1, seq_len=seq_len)
+
+
+def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> MatmulFlops:
+    """Forward FLOPs per token, by part, at sequence length ``seq_len`` (attention unmasked):
+    the table's matmul rows, per layer."""
+    s = _one_row(cfg, seq_len)
+
+    def per_layer(*names: str) -> int:
+        return sum(s[n].forward for n in names) // (cfg.n_layers * seq_len)
+
     return MatmulFlops(
-        qkv=2 * m * (n_heads + 2 * k) * d,
-        # Each query meets all seq_len keys: the unmasked count.
-        attn_scores=2 * seq_len * n_heads * d,
-        attn_values=2 * seq_len * n_heads * d,
-        out_proj=2 * n_heads * d * m,
-        ffn=3 * 2 * m * f,
-        lm_head=2 * m * v,
+        qkv=per_layer("q", "k", "v"),
+        attn_scores=per_layer("scores"),
+        attn_values=per_layer("values"),
+        out_proj=per_layer("o"),
+        ffn=per_layer("gate", "up", "down"),
+        lm_head=s["logits"].forward // seq_len,
         n_layers=cfg.n_layers,
     )
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
-    """Model FLOPs per token of a training step: forward, backward = 2 x forward, no remat."""
-    forward = matmul_flops_per_token(cfg, seq_len).total
-    return FlopsPerToken(forward=forward, backward=2 * forward)
+    """Model FLOPs per token of a training step: the table's matmul rows, forward and
+    backward (= 2 x forward), attention unmasked, no recompute."""
+    s = _one_row(cfg, seq_len)
+    return FlopsPerToken(
+        forward=s.sum("forward", "matmul") // seq_len,
+        backward=s.sum("backward", "matmul") // seq_len,
+    )
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
-    """:func:`flops_per_token` plus the matmuls ``cfg.remat`` re-runs in the backward pass.
-
-    ``recompute`` is ``n_layers`` times the policy's
-    :meth:`~seqshard.remat.RematPolicy.recompute_flops` per layer: 0 for ``none``,
-    ``attn_scores`` for ``saved``, the layer but ``ffn_down`` for ``full`` (each policy's
-    docstring in :mod:`seqshard.remat` says why). The LM head runs outside the checkpointed
-    layer scan and is never recomputed.
-    """
-    per_layer = remat_policy(cfg.remat).recompute_flops(matmul_flops_per_token(cfg, seq_len))
-    model = flops_per_token(cfg, seq_len)
-    return dataclasses.replace(model, recompute=cfg.n_layers * per_layer)
+    """:func:`flops_per_token` plus the matmuls ``cfg.remat`` re-runs in the backward pass
+    (the table's matmul recompute): 0 for ``none``, ``q . k^T`` for ``saved``, the layer but
+    the down projection for ``full`` (each policy's docstring in :mod:`seqshard.remat` says
+    why). The LM head runs outside the checkpointed layer scan and is never recomputed."""
+    s = _one_row(cfg, seq_len)
+    recompute = s.sum("recompute", "matmul") // seq_len
+    return dataclasses.replace(flops_per_token(cfg, seq_len), recompute=recompute)
 
 
 def mfu(tokens_per_s: float, cfg: ModelConfig, peak_flops: float, *, seq_len: int) -> float:

@@ -10,6 +10,7 @@ instead of matching strings:
 
     policy = remat_policy(cfg.remat)               # SavedRemat(), FullRemat() or NoRemat()
     policy.checkpoint_policy                       # for jax.checkpoint; None: no checkpointing
+    policy.recomputes('softmax')                   # does the backward re-run this layer op?
     policy.recompute_flops(matmul_flops_per_token(cfg, seq_len))   # per layer, per token
     policy.saved_bytes(layer_bytes(cfg, d=2, t=4, batch=8, seq_len=1024))  # per layer, device
 
@@ -70,8 +71,15 @@ class RematPolicy(Protocol):
         """The ``jax.checkpoint`` policy the layer body is wrapped with; None: not wrapped."""
         ...
 
+    def recomputes(self, op: str) -> bool:
+        """Whether one layer's backward pass re-runs the layer's forward operation ``op``,
+        named as in :func:`seqshard.flops.step_flops` (``'attn_norm'``, ``'q'``, ...,
+        ``'ffn_residual'``). The FLOP accounting asks this of every layer operation."""
+        ...
+
     def recompute_flops(self, parts: MatmulFlops) -> int:
-        """Matmul FLOPs per token that one layer's backward pass re-runs of its forward."""
+        """Matmul FLOPs per token that one layer's backward pass re-runs of its forward
+        (``parts.recomputed(self.recomputes)``)."""
         ...
 
     def saved_bytes(self, layer: LayerBytes) -> int:
@@ -94,21 +102,30 @@ class SavedRemat:
     all-gathered again in the backward pass, as FSDP does, so no layer's gathered weights
     outlive its step.
 
-    Recomputed matmuls: ``q . k^T`` only, for the probabilities that the softmax's and
-    ``probs . v``'s backward need (with softmax, RoPE, norms and ``swish(gate) * up``, which
-    are not matmuls). ``probs . v`` is not re-run: its output is marked. A fused attention
-    kernel (cudnn) recomputes ``q . k^T`` in its own backward whatever the policy; that is not
-    counted here.
+    Recomputed (:attr:`RECOMPUTED`): what the backward pass needs and nothing marks. The
+    normalized block inputs (``attn_norm``, ``ffn_norm``), operands of the projections'
+    weight gradients; ``q . k^T`` with its scale, mask and softmax (``scores``, ``mask``,
+    ``softmax``), for the probabilities that the softmax's and ``probs . v``'s backward need;
+    and ``swish(gate) * up`` (``swiglu``), the down projection's weight-gradient operand. The
+    only recomputed matmul is ``q . k^T``: the other projections' outputs are marked, and
+    RoPE's backward needs only the cos / sin tables. A fused attention kernel (cudnn) re-runs
+    ``q . k^T`` and the softmax in its own backward whatever the policy; that is not counted.
     """
 
     name: ClassVar[str] = "saved"
+    RECOMPUTED: ClassVar[frozenset[str]] = frozenset(
+        {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu"}
+    )
 
     @property
     def checkpoint_policy(self) -> Callable[..., bool]:
         return _SAVE_MARKED
 
+    def recomputes(self, op: str) -> bool:
+        return op in self.RECOMPUTED
+
     def recompute_flops(self, parts: MatmulFlops) -> int:
-        return parts.attn_scores
+        return parts.recomputed(self.recomputes)
 
     def saved_bytes(self, layer: LayerBytes) -> int:
         return layer.x + layer.q + layer.k + layer.v + layer.attn + layer.h + layer.gate + layer.up
@@ -119,19 +136,24 @@ class FullRemat:
     """``full``: keep only the layer input; the backward pass re-runs the layer's forward.
 
     The least memory (one ``'B/d L M/t'`` residual per layer) for the most recomputation:
-    every matmul of the layer but the FFN down projection. Nothing in the backward pass needs
-    the down projection's output (only its input and weight), so JAX / XLA drop it from the
-    recomputation (checked against XLA's count in tests/test_flops.py).
+    every operation of the layer but the last two (:attr:`NOT_RECOMPUTED`). Nothing in the
+    backward pass needs the down projection's output (only its input and weight), nor the
+    layer's output, so JAX / XLA drop both from the recomputation (checked against XLA's
+    count in tests/test_flops.py).
     """
 
     name: ClassVar[str] = "full"
+    NOT_RECOMPUTED: ClassVar[frozenset[str]] = frozenset({"down", "ffn_residual"})
 
     @property
     def checkpoint_policy(self) -> Callable[..., bool]:
         return jax.checkpoint_policies.nothing_saveable
 
+    def recomputes(self, op: str) -> bool:
+        return op not in self.NOT_RECOMPUTED
+
     def recompute_flops(self, parts: MatmulFlops) -> int:
-        return parts.layer - parts.ffn_down
+        return parts.recomputed(self.recomputes)
 
     def saved_bytes(self, layer: LayerBytes) -> int:
         return layer.x
@@ -153,8 +175,11 @@ class NoRemat:
     def checkpoint_policy(self) -> None:
         return None
 
+    def recomputes(self, op: str) -> bool:
+        return False
+
     def recompute_flops(self, parts: MatmulFlops) -> int:
-        return 0
+        return parts.recomputed(self.recomputes)
 
     def saved_bytes(self, layer: LayerBytes) -> int:
         # Every array the layer makes: an array added to LayerBytes is kept here too.

@@ -1,7 +1,8 @@
 """``seqshard show``: what a config means on its mesh, read off the types and the compiled step.
 
 Resolved config; parameter count; each weight's global and per-device shape and layout;
-FLOPs per token; the planner's bytes per device (:mod:`seqshard.planner`: weights, grads,
+the FLOPs of a training step by operation (:func:`flops_table`) and per token (MFU's); the
+planner's bytes per device (:mod:`seqshard.planner`: weights, grads,
 optimizer state, activations, logits, the largest transient); with a chip, the planner's
 whole plan for it (FLOPs and communication per step, roofline step time and MFU, and whether
 it fits); and, from the train step compiled for the config's mesh (nothing runs, nothing is
@@ -17,16 +18,17 @@ from seqshard.batch import batch_structs
 from seqshard.comms import collectives, format_comm_table
 from seqshard.config import Config, config_to_yaml
 from seqshard.flops import (
+    PHASES,
     flops_per_token,
     format_bytes,
     hardware_flops_per_token,
-    matmul_flops_per_token,
+    step_flops,
 )
 from seqshard.model.weights import Weights, param_count
 from seqshard.planner import FUSED_ATTENTION, describe_memory, memory_plan, plan
 from seqshard.shardtypes import block_shape, type_tree
 
-__all__ = ["describe", "weight_table"]
+__all__ = ["describe", "flops_table", "weight_table"]
 
 
 def _shape(s) -> str:
@@ -53,14 +55,83 @@ def weight_table(cfg: Config) -> list[tuple[str, str, str, str, str]]:
     return rows
 
 
-def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+def _table(
+    rows: list[tuple[str, ...]], header: tuple[str, ...], right: frozenset[int] = frozenset()
+) -> str:
+    """Columns padded to their widest cell; those in ``right`` (numbers) aligned right."""
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in (header, *rows)
-    ]
+
+    def line(r: tuple[str, ...]) -> str:
+        cells = (
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        return "  ".join(cells).rstrip()
+
+    lines = [line(r) for r in (header, *rows)]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _count(n: float) -> str:
+    """FLOPs in a table cell: ``-`` for none, exact below a million, else three digits and a
+    unit: ``'2.10 M'``, ``'15.7 G'``, ``'563 T'``."""
+    if n == 0:
+        return "-"
+    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if n >= scale:
+            x = n / scale
+            return f"{x:.{2 if x < 10 else 1 if x < 100 else 0}f} {unit}"
+    return f"{int(n):,}"
+
+
+def flops_table(cfg: Config) -> str:
+    """The FLOPs of one training step of ``cfg`` by operation (:func:`seqshard.flops.step_flops`):
+    forward, backward, remat's recompute and the optimizer update, each over the whole step
+    (all devices), with the row's total on one device of the mesh; matmul and elementwise
+    sums; attention's causal half; and the model FLOPs per token (the numerator of MFU)."""
+    m, train = cfg.model, cfg.train
+    step = step_flops(
+        m, batch=train.batch_size, seq_len=train.seq_len, microbatches=train.microbatches
+    )
+    device = step.per_device(cfg.mesh.sizes())
+    rows = [
+        (op.name, op.kind, str(op.runs), *(_count(getattr(op, p)) for p in PHASES),
+         _count(op.total), _count(dev.total))
+        for op, dev in zip(step.ops, device.ops, strict=True)
+    ]  # fmt: skip
+    for name, kind in (("all", "matmul"), ("all", "elementwise"), ("total", None)):
+        rows.append(
+            (name, kind or "", "", *(_count(step.sum(p, kind)) for p in PHASES),
+             _count(step.sum("total", kind)), _count(device.sum("total", kind)))
+        )  # fmt: skip
+    header = ("operation", "kind", "runs", *PHASES, "sum", "per device")
+    length = train.seq_len
+    causal = step_flops(
+        m, batch=train.batch_size, seq_len=length, causal=True, microbatches=train.microbatches
+    )
+    attention = [op.name for op in step.ops if op.per == "pair"]  # over (query, key) pairs
+    model, hw = flops_per_token(m, length), hardware_flops_per_token(m, length)
+    tokens = train.batch_size * length
+    return "\n".join(
+        [
+            f"FLOPs per training step of {train.batch_size} x {length} tokens, all devices "
+            f"(remat={m.remat}; matmuls 2 per multiply-add, elementwise 1 per add, multiply, "
+            f"exp, ...; attention over all {length} x {length} (query, key) pairs; per device "
+            f"on mesh {cfg.mesh.describe()}):",
+            _table(rows, header, right=frozenset(range(2, len(header)))),
+            "  runs: per pass over the batch (a layer's operations once per layer); update: the "
+            "optimizer step",
+            f"  attention's causal half only (the useful work: {length * (length + 1) // 2:,} of "
+            f"{length * length:,} pairs per row): {', '.join(attention)} "
+            f"{_count(causal.sum(names=attention))} of {_count(step.sum(names=attention))}; "
+            f"step total {_count(causal.total)}",
+            f"model FLOPs per token at seq_len {length} (the matmul rows, forward + backward, "
+            f"for MFU): {model.total:,}; with remat={m.remat}'s recompute {hw.total:,}; per "
+            f"step {_count(model.total * tokens)} (model), {_count(hw.total * tokens)} (with "
+            f"recompute)",
+        ]
+    )
 
 
 def compiled_step_report(cfg: Config) -> str:
@@ -120,23 +191,7 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
         _table(weight_table(cfg), ("weight", "type", "global", "per device", "PartitionSpec"))
     )
     parts.append("")
-    per_part = matmul_flops_per_token(m, train_cfg.seq_len)
-    model = flops_per_token(m, train_cfg.seq_len)
-    hw = hardware_flops_per_token(m, train_cfg.seq_len)
-    tokens = train_cfg.batch_size * train_cfg.seq_len
-    parts.append(
-        f"FLOPs per token at seq_len {train_cfg.seq_len} (matmuls, 2 per multiply-add, attention unmasked):"
-    )
-    parts.append(
-        f"  forward {model.forward:,}  (per layer: qkv {per_part.qkv:,}, scores {per_part.attn_scores:,}, "
-        f"values {per_part.attn_values:,}, out {per_part.out_proj:,}, ffn {per_part.ffn:,}; lm_head {per_part.lm_head:,})"
-    )
-    parts.append(
-        f"  forward + backward {model.total:,} (model FLOPs, for MFU); with remat={m.remat} recompute {hw.total:,}"
-    )
-    parts.append(
-        f"  per step ({train_cfg.batch_size} x {train_cfg.seq_len} tokens): {model.total * tokens / 1e12:.3f} TFLOP"
-    )
+    parts.append(flops_table(cfg))
     parts.append("")
     if chip is not None:
         parts.append(plan(cfg, cfg.mesh.n_devices, chip).format())

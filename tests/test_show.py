@@ -7,8 +7,9 @@ import re
 import pytest
 
 from seqshard.config import load_config
+from seqshard.flops import PHASES, flops_per_token, hardware_flops_per_token, step_flops
 from seqshard.model.weights import param_count
-from seqshard.show import describe, weight_table
+from seqshard.show import describe, flops_table, weight_table
 
 OVERRIDES = [
     "model.vocab=64",
@@ -74,3 +75,30 @@ def test_describe_with_a_chip_shows_its_plan(cfg):
     assert text.count("  total ") == 1
     plain = describe(cfg, compile_step=False)
     assert "estimated memory per device at the peak of a step" in plain and "verdict" not in plain
+
+
+def test_flops_table_is_the_step_table(cfg):
+    """One line per operation of seqshard.flops.step_flops (kind, runs, each phase; exact below a
+    million FLOPs), the matmul, elementwise and total sums, and the per-token figures."""
+    text = flops_table(cfg)
+    step = step_flops(cfg.model, batch=8, seq_len=16)
+    lines = {line.split()[0]: line for line in text.splitlines() if line and line[0] != " "}
+    for op in step.ops:
+        cells = lines[op.name].split()
+        assert cells[1:3] == [op.kind, str(op.runs)], op.name
+    # 8 x 16 tokens of d_model 32: the embedding's backward scatter-adds 128 x 32; on mesh
+    # d=4 x t=2 its 'B/d L M' runs whole on each t shard, so 1/4 of it per device.
+    assert lines["embed"].split()[2:] == ["1", "-", "4,096", "-", "-", "4,096", "1,024"]
+    assert step["embed"].backward == 8 * 16 * 32
+    assert re.search(
+        r"^operation +kind +runs +" + " +".join(PHASES) + " +sum +per device$", text, re.M
+    )
+    for name in ("matmul", "elementwise"):
+        assert re.search(rf"^all +{name} ", text, re.M), name
+    assert re.search(r"^total  ", text, re.M)
+    assert "attention's causal half only (the useful work: 136 of 256 pairs per row)" in text
+    model, hw = flops_per_token(cfg.model, 16), hardware_flops_per_token(cfg.model, 16)
+    assert f"for MFU): {model.total:,}; with remat=saved's recompute {hw.total:,}" in text
+    # describe prints it, with the words the CLI's test looks for.
+    plain = describe(cfg, compile_step=False)
+    assert text in plain and "FLOPs per token" in plain
