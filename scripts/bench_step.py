@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Time seqshard's train step against a plain-``jax.jit`` GSPMD baseline, on 8 fake CPU devices.
+"""Time seqshard's train step against a plain-``jax.jit`` GSPMD baseline, and its hand-written
+backward against autodiff, on 8 fake CPU devices.
 
-    python scripts/bench_step.py                       # f32, meshes 8x1 4x2 2x4: ~4.5 min on 2 cores
+    python scripts/bench_step.py                       # f32, meshes 8x1 4x2 2x4: ~7 min on 2 cores
     python scripts/bench_step.py --dtype bfloat16 --meshes 4x2 --steps 5
     python scripts/bench_step.py --remat full --hlo-dir /tmp/hlo   # also writes each variant's HLO
     python scripts/bench_step.py --impls seqshard,gspmd,gspmd-act --meshes 8x1,4x2
@@ -11,7 +12,11 @@ d_ff 1024, vocab 1280, packed documents (``attention_mask='document'``), einsum 
 batch 32 x 128 tokens; AdamW + clipping from :func:`seqshard.train.optimizer.make_optimizer`.
 
 * **seqshard**: :func:`seqshard.train.step.make_train_step` (one ``shard_map``, every
-  collective written), state from :func:`seqshard.train.state.init_train_state`.
+  collective written), state from :func:`seqshard.train.state.init_train_state`; its
+  gradient by autodiff (``model.backward=autodiff``, the default).
+* **seqshard-explicit**: the same step with ``model.backward=explicit``: the gradient is
+  ``seqshard/model/backward.py``'s hand-written backward pass. Same forward, same state,
+  same first-step loss.
 * **gspmd** (the baseline): the single-device oracle's math, ``seqshard/model/reference.py``
   (:func:`~seqshard.model.reference.reference_layer` and its loss terms; no copy of the model
   here), as one plain single-program forward: ``lax.scan`` over layers under seqshard's own
@@ -39,8 +44,12 @@ Timing: every variant is compiled and warmed up first; then the timed steps run 
 with ``block_until_ready``; the table shows medians. Peak FLOP/s (for MFU) is measured in the
 same run by :func:`seqshard.hardware.measure_matmul_flops` (2048^3 f32 and bf16 matmuls on
 one fake device, i.e. the host's cores; best of 8), once before and once after the timed
-rounds, best kept; MFU uses the peak of the run's compute dtype. The last line is
-``ratio_vs_gspmd=X``: seqshard tokens/s at its best mesh over the baseline's at its best mesh.
+rounds, best kept; MFU uses the peak of the run's compute dtype. After the table, a block
+compares the two backward passes mesh by mesh (tokens/s, temp memory, compiled collectives)
+and ends with the line ``ratio_explicit_vs_autodiff=X``: explicit over autodiff tokens/s, the
+minimum over the meshes (each mesh compares the same model, ``2x4*`` included). The last line
+is ``ratio_vs_gspmd=X``: seqshard (autodiff) tokens/s at its best mesh over the baseline's at
+its best mesh.
 
 Columns: step time (median and min over the timed steps), tokens/s (all B x L tokens),
 GFLOP/s of model FLOPs (``seqshard.flops.flops_per_token``: no credit for recomputation), MFU,
@@ -164,8 +173,15 @@ def make_gspmd_step(
 # Variants
 
 
+def make_explicit_step(cfg: Config, mesh: Mesh, opt: optax.GradientTransformation):
+    """seqshard's step with the hand-written backward pass (``model.backward=explicit``)."""
+    model = dataclasses.replace(cfg.model, backward="explicit")
+    return make_train_step(dataclasses.replace(cfg, model=model), mesh, opt)
+
+
 IMPLS = {
     "seqshard": make_train_step,
+    "seqshard-explicit": make_explicit_step,
     "gspmd": make_gspmd_step,
     "gspmd-act": functools.partial(make_gspmd_step, constrain_acts=True),
 }
@@ -304,7 +320,11 @@ def main(argv: list[str] | None = None) -> None:
         help="compute_dtype (default float32, the CPU configs' choice)",
     )
     p.add_argument("--remat", default="saved", choices=("saved", "full", "none"))
-    p.add_argument("--impls", default="seqshard,gspmd", help="which variants (default both)")
+    p.add_argument(
+        "--impls",
+        default="seqshard,seqshard-explicit,gspmd",
+        help=f"which variants, of {','.join(IMPLS)} (default seqshard,seqshard-explicit,gspmd)",
+    )
     p.add_argument(
         "--peak-n", type=int, default=2048, help="matmul size for the peak (default 2048)"
     )
@@ -358,24 +378,16 @@ def main(argv: list[str] | None = None) -> None:
     peak = peaks[args.dtype]
     tokens_per_step = BATCH * SEQ_LEN
     rows, tps = [], {}
-    short = {
-        "all-gather": "AG",
-        "reduce-scatter": "RS",
-        "all-reduce": "AR",
-        "all-to-all": "A2A",
-        "collective-permute": "CP",
-    }
     for v in variants:
         med = statistics.median(v.times)
         tps[v.name] = tokens_per_step / med
         flops = flops_per_token(v.cfg.model, SEQ_LEN).total * tokens_per_step / med
         calls = sum(n for n, _ in v.per_step.values())
         sent = sum(b for _, b in v.per_step.values())
-        counts = " ".join(f"{short[k]}{v.counts[k]}" for k in COLLECTIVE_KINDS if v.counts[k])
         rows.append(
             [v.impl, v.mesh_name, f"{med * 1e3:.0f}", f"{min(v.times) * 1e3:.0f}"]
             + [f"{tps[v.name]:.0f}", f"{flops / 1e9:.1f}", f"{100 * flops / peak:.1f}%"]
-            + [counts or "-", str(calls), format_bytes(sent), format_bytes(v.temp_bytes)]
+            + [_counts(v.counts), str(calls), format_bytes(sent), format_bytes(v.temp_bytes)]
             + [f"{v.loss0:.5f}"]
         )
     header = ["impl", "mesh", "step ms (med)", "min ms", "tokens/s", "GFLOP/s", "MFU"]
@@ -387,6 +399,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{flops_per_token(model, SEQ_LEN).total / 1e6:.2f} M/token; collectives in HLO: "
         f"count_collectives, a scan body once; calls/step: x trip count; '*': changed model)"
     )
+
+    compare_backwards(variants, tps)
 
     def best(impl: str, spec_only: bool) -> tuple[str, float] | None:
         got = [
@@ -414,6 +428,42 @@ def main(argv: list[str] | None = None) -> None:
             print(line)
         else:
             print(f"(with '*' meshes too: seqshard@{s[0]} vs gspmd@{g[0]}: {line})")
+
+
+def compare_backwards(variants: list[Variant], tps: dict[str, float]) -> None:
+    """Explicit vs autodiff backward, mesh by mesh; ends with ``ratio_explicit_vs_autodiff=X``
+    (tokens/s, the minimum over the meshes that ran both)."""
+    by_mesh = {(v.impl, v.mesh_name): v for v in variants}
+    rows, ratios = [], []
+    for v in variants:
+        e = by_mesh.get(("seqshard-explicit", v.mesh_name))
+        if v.impl != "seqshard" or e is None:
+            continue
+        ratio = tps[e.name] / tps[v.name]
+        ratios.append(ratio)
+        more = [k for k in COLLECTIVE_KINDS if e.counts[k] > v.counts[k]]
+        rows.append(
+            [v.mesh_name, f"{tps[v.name]:.0f}", f"{tps[e.name]:.0f}", f"{ratio:.3f}"]
+            + [format_bytes(v.temp_bytes), format_bytes(e.temp_bytes)]
+            + [f"{e.temp_bytes / v.temp_bytes - 1:+.1%}" if v.temp_bytes > 0 else "?"]
+            + [_counts(v.counts), _counts(e.counts), "more: " + ",".join(more) if more else "<="]
+            + [f"{abs(e.loss0 - v.loss0):.1e}"]
+        )
+    if not rows:
+        print("ratio_explicit_vs_autodiff=nan  (run --impls with seqshard and seqshard-explicit)")
+        return
+    header = ["mesh", "autodiff tok/s", "explicit tok/s", "ratio", "temp autodiff"]
+    header += ["temp explicit", "temp +/-", "collectives autodiff", "explicit", "vs autodiff"]
+    header += ["|loss0 diff|"]
+    print("\nbackward: explicit (model/backward.py) vs autodiff, same model, mesh and state")
+    print(table(rows, header))
+    print(f"ratio_explicit_vs_autodiff={min(ratios):.3f}")
+
+
+def _counts(counts: dict[str, int]) -> str:
+    short = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR"}
+    short |= {"all-to-all": "A2A", "collective-permute": "CP"}
+    return " ".join(f"{short[k]}{counts[k]}" for k in COLLECTIVE_KINDS if counts[k]) or "-"
 
 
 if __name__ == "__main__":

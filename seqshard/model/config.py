@@ -12,10 +12,18 @@ from typing import Literal
 
 from seqshard.remat import RematName
 
-__all__ = ["DIM_FIELDS", "AttentionImpl", "AttentionMask", "ModelConfig", "RematName"]
+__all__ = [
+    "DIM_FIELDS",
+    "AttentionImpl",
+    "AttentionMask",
+    "Backward",
+    "ModelConfig",
+    "RematName",
+]
 
 AttentionImpl = Literal["auto", "einsum", "cudnn", "xla", "splash"]
 AttentionMask = Literal["document", "causal"]
+Backward = Literal["autodiff", "explicit"]
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -48,6 +56,10 @@ class ModelConfig:
     attention_mask: ``document`` restricts attention to the same packed document; ``causal``
         ignores document boundaries (faster with cudnn; leaks across packed documents).
     compute_dtype: matmul input dtype; master weights, norms, softmax, logits and loss are f32.
+    backward: how ``jax.grad`` of the loss is computed. ``autodiff``: JAX differentiates the
+        forward pass (transposing each collective). ``explicit``: the hand-written backward of
+        ``seqshard/model/backward.py`` (a ``jax.custom_vjp`` over the whole model), keeping
+        what ``remat`` says; same values to f32 rounding, same collectives.
     """
 
     vocab: int = 4096
@@ -63,6 +75,7 @@ class ModelConfig:
     remat: RematName = "saved"
     attention_impl: AttentionImpl = "auto"
     attention_mask: AttentionMask = "document"
+    backward: Backward = "autodiff"
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():
@@ -80,6 +93,7 @@ class ModelConfig:
         _check_choice("remat", self.remat, RematName)
         _check_choice("attention_impl", self.attention_impl, AttentionImpl)
         _check_choice("attention_mask", self.attention_mask, AttentionMask)
+        _check_choice("backward", self.backward, Backward)
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(
                 f"model.rope_theta and model.norm_eps must be positive, got "

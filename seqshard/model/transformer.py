@@ -8,7 +8,8 @@ rows) and t (tensor: heads, d_ff, vocab, and the residual's M).
 
 Per device, a layer holds the residual ``x: 'B/d L M/t'`` and, per weight, one all-gather over
 d just before use. Communication per layer, forward (``remat=saved`` repeats the gathers in
-the backward pass, whose transposes add the reduce-scatters of FSDP):
+the backward pass, whose transposes add the reduce-scatters of FSDP; ``model.backward=explicit``
+writes that backward pass out, in backward.py):
 
     all_gather over t,d   ln1, ln2                        (norm gains, tiny)
     all_gather over t     x before each norm (2)          (activations: B/d L M)
@@ -50,6 +51,7 @@ __all__ = [
     "embed",
     "ffn",
     "final_norm",
+    "forward_loss_terms",
     "logits_fn",
     "loss_fn",
     "loss_sum_and_count",
@@ -192,14 +194,27 @@ def _loss_terms(logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array) -
     return shardops.psum("2{U_d} -> 2", local)
 
 
+def forward_loss_terms(
+    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+) -> jax.Array:
+    """The forward pass on per-device blocks (inside the shard_map): f32[2], the summed loss
+    and the positions counted."""
+    hidden = _final_hidden(cfg, w, tokens, is_seq_start)
+    return _loss_terms(unembed(cfg, w, hidden), tokens, is_seq_start)
+
+
 @functools.lru_cache(maxsize=64)
 def _sharded(cfg: ModelConfig, mesh: Mesh, output: str):
     cfg.check_mesh(dict(mesh.shape))
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def loss_terms(w: Weights, batch: TokenBatch) -> f32["2"]:
-        hidden = _final_hidden(cfg, w, batch.tokens, batch.is_seq_start)
-        return _loss_terms(unembed(cfg, w, hidden), batch.tokens, batch.is_seq_start)
+        if cfg.backward == "explicit":
+            # The same forward value; jax.grad runs backward.py's hand-written backward.
+            from seqshard.model.backward import explicit_loss_terms  # it imports this module
+
+            return explicit_loss_terms(cfg, w, batch.tokens, batch.is_seq_start)
+        return forward_loss_terms(cfg, w, batch.tokens, batch.is_seq_start)
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def logits(w: Weights, batch: TokenBatch) -> f32[b"B/d L V/t"]:

@@ -66,6 +66,7 @@ _RESUMABLE_CHANGES = {
     "mesh",
     "run",
     "runtime",
+    "model.backward",  # the same gradients, written by hand or by autodiff
     "train.steps",
     "train.microbatches",
     "train.log_every",

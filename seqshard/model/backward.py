@@ -1,0 +1,566 @@
+"""The hand-written backward pass of transformer.py's model (seed 001, Parts 3-4), in shardops.
+
+    cfg = ModelConfig(..., backward="explicit")                     # model.backward=explicit
+    jax.grad(loss_fn)(weights, tokens, is_seq_start, cfg, mesh)     # runs the backward below
+
+Inside the model's shard_map, :func:`explicit_loss_terms` is a ``jax.custom_vjp`` over the
+whole model. Its value is transformer.py's forward pass, unchanged (so eval and generation
+are the same programs whichever backward is chosen); under differentiation its forward keeps
+per layer what ``cfg.remat`` says (:data:`KEPT`), and its backward is written out here, layer
+by layer in reverse under ``lax.scan``, in the same notation as the forward. Gradients come
+out in the weights' own layouts, as a :class:`~seqshard.model.weights.Weights`.
+
+Dimensions and mesh axes as in transformer.py: B, L (Qlen, Klen), M, F, V, Q, K, D; d (FSDP:
+batch and weight rows), t (tensor). Every weight's gradient follows one pattern, the
+transpose of the forward's all_gather -> einsum:
+
+    w = all_gather('M/d F/t -> M F/t', w)                          # again, as FSDP does
+    dw = einsum_unreduced('B/d L M, B/d L F/t -> M F/t{U_d}', nx, dy)   # sums this B/d only
+    dw = psum_scatter('M F/t{U_d} -> M/d F/t', dw)                 # FSDP's reduce-scatter
+
+Communication per layer, backward pass (``remat=saved``; each line is the transpose of a
+forward collective, or the forward's own collective repeated to recompute what is not kept):
+
+    all_gather over t,d   ln1, ln2                       recomputed (tiny)
+    all_gather over t     x, h                           recomputed: the norms' inputs
+    all_gather over d     w_q, w_kv, w_o, w_gate, w_up, w_down   recomputed, as FSDP does
+    all_gather over t     dL/dh, dL/dout                 transposes of the output psum_scatters
+    psum_scatter over d   the six matrices' gradients    transposes of their gathers
+    psum_scatter over t,d ln1, ln2 gradients             transposes of their gathers
+    psum_scatter over t   dL/dx twice                    transposes of the residual's gathers
+
+``remat=full`` recomputes the attention output's psum_scatter too (h is not kept);
+``remat=none`` keeps every activation, gathered weights included, and recomputes nothing.
+Outside the layers: the loss needs no collective (the per-position max and sums over the
+vocab blocks were all-reduced in the forward and are kept), the unembedding and the three
+norms reduce-scatter their gradients, and the embedding gathers dL/dx over t and
+reduce-scatters its table over d. So the step holds exactly autodiff's collectives
+(tests/test_backward.py counts them in the compiled HLO).
+
+How the seed's open questions are resolved:
+
+* **Residual 'B/d L M' or 'B/d L M/t'.** 'B/d L M/t', as the forward's residual between
+  blocks: the scan carries dL/dx split over t, and the seed's 'B/d L M' gradient exists only
+  inside a block, gathered over t just before the output projections' backward (the
+  transposes of the forward's psum_scatters). Keeping 'B/d L M' through the layer would need
+  an all-reduce over t where the norms' partial sums meet the residual (the same bytes as
+  reduce-scatter + all-gather) and t times the memory for the carry.
+* **Where the sums over t happen.** Einsums that contract a t-split dimension (F/t into the
+  FFN norm, K/t into the attention norm, V/t into the final norm) leave dL/d(normed input)
+  owing a sum over t. The RMSNorm backward is linear in its cotangent (the gathered input it
+  also reads is whole), so it runs on the partial sums, and the one reduce-scatter that
+  transposes the residual's all_gather does the sum over t and lands it 'B/d L M/t': no
+  all-reduce, nowhere.
+* **Norm gains.** dL/dgain sums dy * x / rms(x) over this device's B/d rows of a dy that owes
+  a sum over t: 'M{U_t,d}', reduced by one psum_scatter over (t, d) straight into
+  'd_model/t/d', t major, the one order weights.py declares for all three norms (ln1, ln2,
+  final_norm) and their forward all_gathers read.
+* **Why gather a weight only to reduce-scatter its gradient (the seed's TODO at unembed).**
+  The table rests split 'V/t M/d' (FSDP); the logits contract all of M, so it is gathered
+  over d. Each d shard then holds other batch rows, so its gradient of the whole gathered
+  table is a partial sum over d: the psum_scatter adds the shards' partials and hands each
+  one its own M/d block, the layout the optimizer updates. It is the gather's transpose and
+  the gradient's only communication (the same for every matrix).
+* **index_add.** :func:`seqshard.shardops.index_add`, the transpose of ``index_unreduced``:
+  each t shard scatter-adds the rows of its vocab block, owing the other d shards' rows, and
+  a psum_scatter over d lands the table gradient 'V/t M/d'.
+* **Fused attention.** For ``attention_impl`` cudnn, xla and splash the backward calls the
+  implementation's own VJP (``jax.vjp``) for the attention core only (softmax(q k^T) v); it
+  re-runs the kernel's forward for its residuals, as those kernels do. Einsum attention
+  (and everything around every core) is hand-written.
+
+Numerics mirror autodiff of the forward: cotangents of compute-dtype values are in the
+compute dtype (so matrix gradients are reduce-scattered in it, as autodiff transposes the
+gather of the cast weight), norms, softmax, logits and the loss are in f32, and every gradient
+is cast to f32, the weights' dtype. In f32 the gradients equal autodiff's to rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqshard import shardops
+from seqshard.model.attention import (
+    apply_rope,
+    attention,
+    attention_mask,
+    document_positions,
+    resolve_impl,
+    rope_tables,
+)
+from seqshard.model.config import ModelConfig
+from seqshard.model.transformer import embed, forward_loss_terms, next_token_targets, rms_norm
+from seqshard.model.weights import Layer, Weights
+from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
+
+__all__ = [
+    "ACTIVATIONS",
+    "KEPT",
+    "attention_backward",
+    "embed_backward",
+    "explicit_loss_terms",
+    "head_backward",
+    "head_forward",
+    "kept_activations",
+    "layer_activations",
+    "layer_backward",
+    "layer_output",
+    "rms_norm_backward",
+]
+
+Activations = dict[str, jax.Array]
+
+ACTIVATIONS = (
+    "x",  # the layer input, the residual 'B/d L M/t'
+    "ln1",  # the pre-attention norm gain, gathered: 'M' f32
+    "gx",  # x gathered over t: 'B/d L M'
+    "nx",  # the normed input of the q, k, v projections: 'B/d L M'
+    "w_q",  # gathered over d, as every matrix below: 'M Q K/t D'
+    "w_kv",  # '2 M K/t D'
+    "q",  # after RoPE: 'B/d L Q K/t D'
+    "k",  # after RoPE: 'B/d L K/t D'
+    "v",  # 'B/d L K/t D'
+    "probs",  # einsum attention only: f32 'B/d Qlen Klen Q K/t'
+    "attn",  # the attention output before w_o: 'B/d L Q K/t D'
+    "w_o",  # 'M Q K/t D'
+    "h",  # the residual after attention: 'B/d L M/t'
+    "ln2",  # 'M' f32
+    "gh",  # h gathered over t: 'B/d L M'
+    "nh",  # the FFN's normed input: 'B/d L M'
+    "w_gate",  # 'M F/t'
+    "w_up",  # 'M F/t'
+    "w_down",  # 'M F/t'
+    "gate",  # 'B/d L F/t'
+    "up",  # 'B/d L F/t'
+)
+"""One layer's activations in the order of its forward pass: everything its backward reads."""
+
+KEPT: Mapping[str, tuple[str, ...]] = {
+    # The layer input and exactly what transformer.py's _layer and ffn mark with
+    # save_for_backward, the operands whose recomputation would cost a matmul.
+    "saved": ("x", "q", "k", "v", "attn", "h", "gate", "up"),
+    # Only the input: the backward re-runs the layer's forward (but the down projection).
+    "full": ("x",),
+    # Everything, gathered weights and attention probabilities included: nothing recomputed.
+    "none": ACTIVATIONS,
+}
+"""``model.remat`` -> the activations the forward pass keeps per layer for the backward pass."""
+
+
+def kept_activations(cfg: ModelConfig) -> tuple[str, ...]:
+    """What the forward pass keeps per layer under ``cfg.remat`` (:data:`KEPT`); fused
+    attention has no probabilities to keep."""
+    return tuple(n for n in KEPT[cfg.remat] if n != "probs" or _einsum_attention(cfg))
+
+
+def _einsum_attention(cfg: ModelConfig) -> bool:
+    """Attention whose backward is written here; fused kernels bring their own VJP."""
+    return resolve_impl(cfg.attention_impl) == "einsum"
+
+
+# ---------------------------------------------------------------------------------------------
+# One layer: its forward as named activations, and its backward
+
+
+def layer_activations(
+    cfg: ModelConfig, rope, mask: jax.Array, w: Layer, kept: Mapping[str, jax.Array]
+) -> Activations:
+    """One layer's forward pass (transformer.py's ``_layer``) as :data:`ACTIVATIONS`.
+
+    ``kept`` holds what the forward pass kept (at least the input ``x``); each of those is
+    taken as it is, and every other activation is (re)computed from the ones before it: the
+    forward pass calls this with ``{'x': x}``, the backward pass with what was kept.
+    """
+    dt = jnp.dtype(cfg.compute_dtype)
+    cos, sin = rope
+    a = dict(kept)
+
+    def at(name: str, compute: Callable[[], jax.Array]) -> jax.Array:
+        if name not in a:
+            a[name] = compute()
+        return a[name]
+
+    x = a["x"]
+    # attention_inputs. The norm needs all of M: gather its gain, and the residual over t.
+    ln1 = at("ln1", lambda: shardops.all_gather("M/t/d -> M", w.ln1))
+    gx = at("gx", lambda: shardops.all_gather("B/d L M/t -> B/d L M", x))
+    nx = at("nx", lambda: rms_norm(gx, ln1, cfg.norm_eps).astype(dt))
+    # FSDP: each matrix is gathered over d just before use, in the backward pass again (only
+    # remat=none keeps gathered weights).
+    w_q = at("w_q", lambda: shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
+    w_kv = at("w_kv", lambda: shardops.all_gather("2 M/d K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
+    q = at(
+        "q",
+        lambda: apply_rope(
+            shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q), cos, sin
+        ),
+    )
+    if "k" not in a or "v" not in a:
+        k, v = shardops.einsum_unreduced("B/d L M, 2 M K/t D -> 2 B/d L K/t D", nx, w_kv)
+        a.setdefault("k", apply_rope(k, cos, sin))
+        a.setdefault("v", v)
+    k, v = a["k"], a["v"]
+    if _einsum_attention(cfg):  # attention.py's einsum attention, its probabilities named
+        probs = at("probs", lambda: _probabilities(q, k, mask))
+        attn = at(
+            "attn",
+            lambda: shardops.einsum_unreduced(
+                "B/d Qlen Klen Q K/t, B/d Klen K/t D -> B/d Qlen Q K/t D", probs.astype(v.dtype), v
+            ),
+        )
+    else:
+        causal_only = cfg.attention_mask == "causal"
+        attn = at("attn", lambda: attention(q, k, v, mask, cfg.attention_impl, causal_only))
+    # attention_output (w_o gathered over d, as above)
+    w_o = at("w_o", lambda: shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
+
+    def residual_after_attention() -> jax.Array:
+        out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
+        # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
+        return x + shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+
+    h = at("h", residual_after_attention)
+    # ffn: as before the attention, the norm needs all of M; the matrices are gathered over d.
+    ln2 = at("ln2", lambda: shardops.all_gather("M/t/d -> M", w.ln2))
+    gh = at("gh", lambda: shardops.all_gather("B/d L M/t -> B/d L M", h))
+    nh = at("nh", lambda: rms_norm(gh, ln2, cfg.norm_eps).astype(dt))
+    w_gate = at("w_gate", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt)))
+    w_up = at("w_up", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt)))
+    at("w_down", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt)))
+    at("gate", lambda: shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_gate))
+    at("up", lambda: shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_up))
+    return a
+
+
+def _probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """attention.py's einsum attention up to its softmax: f32 'B/d Qlen Klen Q K/t'."""
+    scores = shardops.einsum_unreduced(
+        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d Qlen Klen Q K/t",
+        q,
+        k,
+        preferred_element_type=jnp.float32,
+    )
+    scores = jnp.where(mask[:, :, :, None, None], scores * (1 / math.sqrt(q.shape[-1])), -1e30)
+    return jax.nn.softmax(scores, axis=2)
+
+
+def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
+    """The layer's output 'B/d L M/t' from its activations: the SwiGLU down projection added
+    to the residual h (the rest of transformer.py's ``ffn``)."""
+    y = jax.nn.silu(a["gate"]) * a["up"]
+    out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, a["w_down"])
+    # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
+    out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+    return (a["h"] + out).astype(jnp.dtype(cfg.compute_dtype))
+
+
+def rms_norm_backward(
+    x: jax.Array, gain: jax.Array, dy: jax.Array, eps: float
+) -> tuple[jax.Array, jax.Array]:
+    """The VJP of :func:`~seqshard.model.transformer.rms_norm`, in f32: (dL/dx, dL/dgain).
+
+    ``x`` is the norm's whole input (all of the last dimension), ``dy`` the cotangent of its
+    output; dL/dgain is summed over every leading dimension. Both are linear in ``dy``, so a
+    ``dy`` that owes a sum over a mesh axis gives results that owe the same sum.
+    """
+    x, dy = x.astype(jnp.float32), dy.astype(jnp.float32)
+    inv_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    normed = x * inv_rms
+    d_gain = jnp.sum(dy * normed, axis=tuple(range(x.ndim - 1)))
+    d_normed = dy * gain.reshape((1,) * (x.ndim - 1) + gain.shape)
+    # d/dx of x / rms(x): take out the component of d_normed along normed, then / rms(x).
+    along = jnp.mean(d_normed * normed, axis=-1, keepdims=True)
+    return (d_normed - normed * along) * inv_rms, d_gain
+
+
+def attention_backward(
+    cfg: ModelConfig, mask: jax.Array, a: Activations, d_attn: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dL/dq 'B/d L Q K/t D' and dL/dk, dL/dv 'B/d L K/t D' from dL/dattn; per device (each t
+    shard holds whole kv heads and their query heads), no communication.
+
+    Einsum attention: written out. Fused kernels (cudnn, xla, splash): the implementation's
+    own VJP (``jax.vjp``) for this core only, re-running its forward for its residuals.
+    """
+    q, k, v = a["q"], a["k"], a["v"]
+    if not _einsum_attention(cfg):
+        causal_only = cfg.attention_mask == "causal"
+        _, pullback = jax.vjp(
+            lambda q, k, v: attention(q, k, v, mask, cfg.attention_impl, causal_only), q, k, v
+        )
+        return pullback(d_attn)
+    probs = a["probs"]
+    # attn = probs . v
+    d_probs = shardops.einsum_unreduced(
+        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d Qlen Klen Q K/t",
+        d_attn,
+        v,
+        preferred_element_type=jnp.float32,
+    )
+    dv = shardops.einsum_unreduced(
+        "B/d Qlen Klen Q K/t, B/d Qlen Q K/t D -> B/d Klen K/t D", probs.astype(v.dtype), d_attn
+    )
+    # softmax over Klen, in f32. A masked key has probability exactly 0, so its score's
+    # gradient is 0 too: the mask needs no second application.
+    d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=2, keepdims=True))
+    d_scores = (d_scores * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
+    # scores = q . k (each kv head's gradient sums over its Q query heads)
+    dq = shardops.einsum_unreduced(
+        "B/d Qlen Klen Q K/t, B/d Klen K/t D -> B/d Qlen Q K/t D", d_scores, k
+    )
+    dk = shardops.einsum_unreduced(
+        "B/d Qlen Klen Q K/t, B/d Qlen Q K/t D -> B/d Klen K/t D", d_scores, q
+    )
+    return dq, dk, dv
+
+
+def layer_backward(
+    cfg: ModelConfig, rope, mask: jax.Array, a: Activations, d_out: jax.Array
+) -> tuple[jax.Array, Layer]:
+    """dL/dx 'B/d L M/t' and the layer's weight gradients (a :class:`Layer`, each field in its
+    own sharded layout, f32), from the layer's activations and dL/d(output) ``d_out``."""
+    dt, f32 = jnp.dtype(cfg.compute_dtype), jnp.float32
+    cos, sin = rope
+
+    # --- FFN: out = h + psum_scatter(swiglu(nh) . w_down) ---------------------------------
+    # The forward reduce-scattered the down projection over t; its transpose gathers the
+    # gradient over t, so each t shard has all of M against its slice of F.
+    g = shardops.all_gather("B/d L M/t -> B/d L M", d_out)
+    gate, up = a["gate"], a["up"]
+    y = jax.nn.silu(gate) * up
+    d_y = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", g, a["w_down"])
+    d_w_down = shardops.einsum_unreduced("B/d L F/t, B/d L M -> M F/t{U_d}", y, g)
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+    d_w_down = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_down)
+    # y = silu(gate) * up, silu(z) = z * sigmoid(z)
+    sig = jax.nn.sigmoid(gate)
+    d_up = d_y * (gate * sig)
+    d_gate = d_y * up * (sig * (1 + gate * (1 - sig)))
+    nh = a["nh"]
+    d_nh = shardops.einsum_unreduced(
+        "B/d L F/t, M F/t -> B/d L M{U_t}", d_gate, a["w_gate"]
+    ) + shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M{U_t}", d_up, a["w_up"])
+    d_w_gate = shardops.einsum_unreduced("B/d L M, B/d L F/t -> M F/t{U_d}", nh, d_gate)
+    d_w_up = shardops.einsum_unreduced("B/d L M, B/d L F/t -> M F/t{U_d}", nh, d_up)
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+    d_w_gate = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_gate)
+    d_w_up = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_up)
+    # d_nh still owes the sum over the F/t shards; the norm's backward is linear in it.
+    d_gh, d_ln2 = rms_norm_backward(a["gh"], a["ln2"], d_nh, cfg.norm_eps)
+    # Summed over this device's rows, of partial sums over t: one reduce-scatter over both,
+    # into ln2's 'M/t/d' (the transpose of its gather).
+    d_ln2 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln2)
+    # The transpose of the gather of h over t: it sums the partial d_gh over t as it scatters.
+    d_h = d_out + shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gh.astype(dt))
+
+    # --- attention: h = x + psum_scatter(attn . w_o) -------------------------------------
+    # As for the down projection: the transpose of the output's psum_scatter over t.
+    g = shardops.all_gather("B/d L M/t -> B/d L M", d_h)
+    d_attn = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", g, a["w_o"])
+    d_w_o = shardops.einsum_unreduced("B/d L Q K/t D, B/d L M -> M Q K/t D{U_d}", a["attn"], g)
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+    d_w_o = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_o)
+    d_q, d_k, d_v = attention_backward(cfg, mask, a, d_attn)
+    # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
+    d_q = apply_rope(d_q, cos, -sin)
+    d_kv = jnp.stack([apply_rope(d_k, cos, -sin), d_v])
+    nx = a["nx"]
+    d_nx = shardops.einsum_unreduced(
+        "B/d L Q K/t D, M Q K/t D -> B/d L M{U_t}", d_q, a["w_q"]
+    ) + shardops.einsum_unreduced("2 B/d L K/t D, 2 M K/t D -> B/d L M{U_t}", d_kv, a["w_kv"])
+    d_w_q = shardops.einsum_unreduced("B/d L M, B/d L Q K/t D -> M Q K/t D{U_d}", nx, d_q)
+    d_w_kv = shardops.einsum_unreduced("B/d L M, 2 B/d L K/t D -> 2 M K/t D{U_d}", nx, d_kv)
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+    d_w_q = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_q)
+    d_w_kv = shardops.psum_scatter("2 M K/t D{U_d} -> 2 M/d K/t D", d_w_kv)
+    # d_nx owes the sum over the K/t shards (heads); as for ln2 and h above.
+    d_gx, d_ln1 = rms_norm_backward(a["gx"], a["ln1"], d_nx, cfg.norm_eps)
+    d_ln1 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln1)
+    d_x = d_h + shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gx.astype(dt))
+
+    grads = Layer(
+        ln1=d_ln1,
+        w_q=d_w_q.astype(f32),
+        w_kv=d_w_kv.astype(f32),
+        w_o=d_w_o.astype(f32),
+        ln2=d_ln2,
+        w_gate=d_w_gate.astype(f32),
+        w_up=d_w_up.astype(f32),
+        w_down=d_w_down.astype(f32),
+    )
+    return d_x, grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Outside the layers: the final norm, unembedding and loss; the embedding
+
+
+def head_forward(
+    cfg: ModelConfig, w: Weights, x: jax.Array, tokens: jax.Array, is_seq_start: jax.Array
+) -> tuple[jax.Array, Activations]:
+    """transformer.py's final_norm, unembed and loss on the last residual 'B/d L M/t': the
+    loss terms f32[2] and what the backward keeps of them (everything it reads, as autodiff
+    keeps outside the scanned layers)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    # final_norm: the norm needs all of M, so the residual is gathered over t.
+    ln = shardops.all_gather("M/t/d -> M", w.final_norm)
+    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+    nx = rms_norm(gx, ln, cfg.norm_eps).astype(dt)
+    # unembed: each t shard computes the logits of its vocab block.
+    table = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(dt))
+    logits = shardops.einsum_unreduced(
+        "B/d L M, V/t M -> B/d L V/t", nx, table, preferred_element_type=jnp.float32
+    )
+    # _loss_terms: a stable logsumexp over the vocab split across t.
+    targets, counted = next_token_targets(tokens, is_seq_start)
+    shift = shardops.pmax("B/d L{U_t} -> B/d L", jnp.max(logits, axis=-1))
+    exp = jnp.exp(logits - shift[..., None])
+    sum_exp = jnp.sum(exp, axis=-1)
+    vocab_block = logits.shape[-1]
+    local_target = targets - shardops.axis_index("t") * vocab_block
+    here = (local_target >= 0) & (local_target < vocab_block)
+    picked = jnp.take_along_axis(
+        logits, jnp.clip(local_target, 0, vocab_block - 1)[..., None], axis=-1
+    )
+    target_logit = jnp.where(here, picked[..., 0], 0.0)
+    # Both are partial over the vocab blocks: one all-reduce over t carries the pair.
+    sum_exp, target_logit = shardops.psum(
+        "2 B/d L{U_t} -> 2 B/d L", jnp.stack([sum_exp, target_logit])
+    )
+    nll = jnp.log(sum_exp) + shift - target_logit
+    counted = counted.astype(jnp.float32)
+    local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
+    # Each d shard summed its own rows of the batch: add them up.
+    terms = shardops.psum("2{U_d} -> 2", local)
+    return terms, {"ln": ln, "gx": gx, "table": table, "exp": exp, "sum_exp": sum_exp}
+
+
+def head_backward(
+    cfg: ModelConfig,
+    kept: Activations,
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    d_total: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dL/dx 'B/d L M/t' of the last residual and the gradients of ``final_norm`` and
+    ``unembed`` in their layouts, given dL/d(summed loss) ``d_total`` (a scalar)."""
+    dt, f32 = jnp.dtype(cfg.compute_dtype), jnp.float32
+    targets, counted = next_token_targets(tokens, is_seq_start)
+    # The loss psum over d transposes to each d shard taking d_total for its own rows.
+    d_nll = d_total * counted.astype(f32)
+    # nll = log(sum_exp) + shift - target_logit. The psum over t of sum_exp and target_logit
+    # transposes to each t shard taking the whole cotangent for its vocab block: dL/dlogits is
+    # softmax - onehot(target) on the block, no communication. (shift only stabilizes.)
+    exp, sum_exp = kept["exp"], kept["sum_exp"]
+    vocab_block = exp.shape[-1]
+    local_target = targets - shardops.axis_index("t") * vocab_block
+    is_target = jnp.arange(vocab_block)[None, None, :] == local_target[..., None]  # none elsewhere
+    d_logits = (d_nll / sum_exp)[..., None] * exp - jnp.where(is_target, d_nll[..., None], 0.0)
+    d_logits = d_logits.astype(dt)
+    # unembed: logits = nx . table^T, the table gathered over d.
+    ln, gx, table = kept["ln"], kept["gx"], kept["table"]
+    nx = rms_norm(gx, ln, cfg.norm_eps).astype(dt)  # elementwise: recomputed, not kept
+    d_nx = shardops.einsum_unreduced("B/d L V/t, V/t M -> B/d L M{U_t}", d_logits, table)
+    d_table = shardops.einsum_unreduced("B/d L M, B/d L V/t -> V/t M{U_d}", nx, d_logits)
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+    d_unembed = shardops.psum_scatter("V/t M{U_d} -> V/t M/d", d_table).astype(f32)
+    # final_norm, with d_nx owing the sum over the vocab blocks (as in layer_backward).
+    d_gx, d_ln = rms_norm_backward(gx, ln, d_nx, cfg.norm_eps)
+    d_final_norm = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln)
+    d_x = shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gx.astype(dt))
+    return d_x, d_final_norm, d_unembed
+
+
+def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.Array:
+    """The embedding table's gradient 'V/t M/d' (f32) from dL/dx 'B/d L M/t' of the first
+    residual: the transpose of transformer.py's ``embed``."""
+    # The forward's psum_scatter summed the vocab shards' lookups over t; its transpose gives
+    # every t shard the gradient of all of M.
+    g = shardops.all_gather("B/d L M/t -> B/d L M", d_x)
+    # index_unreduced's transpose: each t shard adds up the rows of its vocab block, over its
+    # own B/d rows only.
+    d_table = shardops.index_add("B/d L M, B/d L -> V/t M{U_d}", g, tokens, vocab=cfg.vocab)
+    # Each d shard summed its own rows: sum the shards, keep FSDP's M/d (the gather's transpose).
+    return shardops.psum_scatter("V/t M{U_d} -> V/t M/d", d_table).astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole model, as a custom VJP inside the shard_map
+
+
+_RECOMPUTE = "rematted_computation"
+
+
+def _rope_and_mask(cfg: ModelConfig, is_seq_start: jax.Array):
+    """As transformer.py's _final_hidden: RoPE tables and the attention mask, cheap to rebuild."""
+    rope = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
+    return rope, attention_mask(is_seq_start, cfg.attention_mask, cfg.attention_impl)
+
+
+def explicit_loss_terms(
+    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+) -> jax.Array:
+    """:func:`~seqshard.model.transformer.forward_loss_terms` (per-device blocks in, f32[2]
+    out), whose gradient is the hand-written backward pass of this module."""
+    axes = block_axes()
+    if axes is None:
+        raise ValueError(
+            "explicit_loss_terms runs on per-device blocks, inside the model's shard_map "
+            "(loss_fn, batch_loss_terms); it was called outside one."
+        )
+    return _with_explicit_backward(
+        cfg, (tuple(axes.sizes.items()), axes.manual), w, tokens, is_seq_start
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start):
+    # Not differentiated (eval): the model's forward pass itself.
+    return forward_loss_terms(cfg, w, tokens, is_seq_start)
+
+
+def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start: jax.Array):
+    """The forward pass for differentiation: the loss terms and what the backward reads."""
+    rope, mask = _rope_and_mask(cfg, is_seq_start)
+    keep = kept_activations(cfg)
+
+    def layer(x, w_layer):
+        a = layer_activations(cfg, rope, mask, w_layer, {"x": x})
+        return layer_output(cfg, a), {name: a[name] for name in keep}
+
+    x, kept = lax.scan(layer, embed(cfg, w, tokens), w.layers)
+    terms, head = head_forward(cfg, w, x, tokens, is_seq_start)
+    # The weights are kept as they are (FSDP shards): the backward gathers them again.
+    return terms, (w, tokens, is_seq_start, kept, head)
+
+
+def _backward(cfg: ModelConfig, axes, residuals, d_terms: jax.Array):
+    """The backward pass: Weights of gradients in their own layouts; ids get none."""
+    w, tokens, is_seq_start, kept, head = residuals
+    sizes, manual = axes
+    # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
+    with block_axes_scope(dict(sizes), manual), shape_scope():
+        d_x, d_final_norm, d_unembed = head_backward(cfg, head, tokens, is_seq_start, d_terms[0])
+        rope, mask = _rope_and_mask(cfg, is_seq_start)
+
+        def layer(d_out, w_and_kept):
+            w_layer, kept_layer = w_and_kept
+            # Named as JAX names remat's recomputation, so HLO audits (seqshard.comms) put its
+            # re-gathers in the 'recompute' phase, as for autodiff.
+            with jax.named_scope(_RECOMPUTE):
+                a = layer_activations(cfg, rope, mask, w_layer, kept_layer)
+            return layer_backward(cfg, rope, mask, a, d_out)
+
+        d_x, d_layers = lax.scan(layer, d_x, (w.layers, kept), reverse=True)
+        d_embed = embed_backward(cfg, tokens, d_x)
+    grads = Weights(embed=d_embed, layers=d_layers, final_norm=d_final_norm, unembed=d_unembed)
+    return grads, None, None
+
+
+_with_explicit_backward.defvjp(_forward, _backward)
