@@ -95,7 +95,13 @@ from seqshard.model.attention import (
     rope_tables,
 )
 from seqshard.model.config import ModelConfig
-from seqshard.model.transformer import embed, forward_loss_terms, next_token_targets, rms_norm
+from seqshard.model.transformer import (
+    embed,
+    forward_loss_terms,
+    loss_terms_and_softmax,
+    next_token_targets,
+    rms_norm,
+)
 from seqshard.model.weights import Layer, Weights
 from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
 
@@ -417,27 +423,7 @@ def head_forward(
     logits = shardops.einsum_unreduced(
         "B/d L M, V/t M -> B/d L V/t", nx, table, preferred_element_type=jnp.float32
     )
-    # _loss_terms: a stable logsumexp over the vocab split across t.
-    targets, counted = next_token_targets(tokens, is_seq_start)
-    shift = shardops.pmax("B/d L{U_t} -> B/d L", jnp.max(logits, axis=-1))
-    exp = jnp.exp(logits - shift[..., None])
-    sum_exp = jnp.sum(exp, axis=-1)
-    vocab_block = logits.shape[-1]
-    local_target = targets - shardops.axis_index("t") * vocab_block
-    here = (local_target >= 0) & (local_target < vocab_block)
-    picked = jnp.take_along_axis(
-        logits, jnp.clip(local_target, 0, vocab_block - 1)[..., None], axis=-1
-    )
-    target_logit = jnp.where(here, picked[..., 0], 0.0)
-    # Both are partial over the vocab blocks: one all-reduce over t carries the pair.
-    sum_exp, target_logit = shardops.psum(
-        "2 B/d L{U_t} -> 2 B/d L", jnp.stack([sum_exp, target_logit])
-    )
-    nll = jnp.log(sum_exp) + shift - target_logit
-    counted = counted.astype(jnp.float32)
-    local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
-    # Each d shard summed its own rows of the batch: add them up.
-    terms = shardops.psum("2{U_d} -> 2", local)
+    terms, exp, sum_exp = loss_terms_and_softmax(logits, tokens, is_seq_start)
     return terms, {"ln": ln, "gx": gx, "table": table, "exp": exp, "sum_exp": sum_exp}
 
 

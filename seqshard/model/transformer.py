@@ -54,6 +54,7 @@ __all__ = [
     "forward_loss_terms",
     "logits_fn",
     "loss_fn",
+    "loss_terms_and_softmax",
     "loss_sum_and_count",
     "next_token_targets",
     "rms_norm",
@@ -169,12 +170,21 @@ def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array) -> jax.Array:
 
 def _loss_terms(logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array) -> jax.Array:
     """[sum of next-token losses, number of counted positions], summed over the whole batch."""
+    return loss_terms_and_softmax(logits, tokens, is_seq_start)[0]
+
+
+def loss_terms_and_softmax(
+    logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The loss terms f32[2], and the softmax's pieces the hand-written backward reuses:
+    ``exp(logits - max)`` 'B/d L V/t' and its sum over the whole vocab 'B/d L'."""
     targets, counted = next_token_targets(tokens, is_seq_start)
     # A stable logsumexp over the vocab split across t. The max only shifts the exponent, so it
     # needs no gradient (and pmax has none): take it of the stop-gradiented local max.
     local_max = jnp.max(logits, axis=-1)
     shift = shardops.pmax("B/d L{U_t} -> B/d L", lax.stop_gradient(local_max))
-    sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
+    exp = jnp.exp(logits - shift[..., None])
+    sum_exp = jnp.sum(exp, axis=-1)
     # The target's logit lives on the one t shard whose vocab block holds it; others give 0.
     vocab_block = logits.shape[-1]
     local_target = targets - shardops.axis_index("t") * vocab_block
@@ -191,7 +201,7 @@ def _loss_terms(logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array) -
     counted = counted.astype(jnp.float32)
     local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
     # Each d shard summed its own rows of the batch: add them up.
-    return shardops.psum("2{U_d} -> 2", local)
+    return shardops.psum("2{U_d} -> 2", local), exp, sum_exp
 
 
 def forward_loss_terms(
