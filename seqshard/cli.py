@@ -41,16 +41,22 @@ class Command:
     description: str = ""
 
 
-def _load(path: str, overrides: Sequence[str], devices: int | None = None):
-    """The config, with its mesh resolved (``-1`` sizes) for ``devices`` if given."""
-    from seqshard.config import load_config, resolve_mesh
+def _load(path: str, overrides: Sequence[str], devices: int | None = None, processes: int = 1):
+    """The config. With ``devices``: planned for that many (``-1`` sizes resolved, the mesh
+    held to the count), and this machine's devices left alone. Otherwise, before JAX's backend
+    starts, each of ``processes`` CPU processes gets its share of the mesh's devices (unless
+    XLA_FLAGS sets a count, which wins)."""
+    from seqshard.config import load_config
     from seqshard.launch import use_cpu_devices
 
     cfg = load_config(path, overrides)
     if devices is not None:
-        return resolve_mesh(cfg, devices)
+        from seqshard.planner import target_config
+
+        return target_config(cfg, devices)
     if cfg.mesh.is_resolved:
-        use_cpu_devices(cfg.mesh.n_devices)
+        per_process, extra = divmod(cfg.mesh.n_devices, processes)
+        use_cpu_devices(per_process + bool(extra))  # uneven: the mesh check says so
     return cfg
 
 
@@ -72,15 +78,12 @@ def _start(args, config_path: str, overrides: Sequence[str]):
 
     Before JAX's backend starts: the collective-overlap XLA flags, and on CPU each process's
     share of the mesh's devices (unless XLA_FLAGS sets a count, which wins)."""
-    from seqshard.config import load_config, resolve_mesh
-    from seqshard.launch import find_processes, set_overlap_flags, start_processes, use_cpu_devices
+    from seqshard.config import resolve_mesh
+    from seqshard.launch import find_processes, set_overlap_flags, start_processes
 
     processes = find_processes(args.coordinator, args.num_processes, args.process_id)
-    cfg = load_config(config_path, overrides)
+    cfg = _load(config_path, overrides, processes=processes.num_processes or 1)
     set_overlap_flags(cfg.runtime.overlap_collectives)
-    if cfg.mesh.is_resolved:
-        per_process, extra = divmod(cfg.mesh.n_devices, processes.num_processes or 1)
-        use_cpu_devices(per_process + bool(extra))  # uneven: the mesh check says so
     start_processes(processes, cfg.runtime)
     import jax
 
@@ -414,8 +417,6 @@ def _show(args) -> int:
     if args.chip is not None:
         chip(args.chip)  # an unknown name fails here, before anything compiles
     cfg = _load(args.config, args.overrides, args.devices)
-    if args.devices is not None:
-        cfg = target_config(cfg, args.devices)
     compile_step = not args.no_compile
     if compile_step:
         import jax

@@ -75,10 +75,10 @@ class MeshConfig:
 
     def resolved(self, n_devices: int) -> MeshConfig:
         """This mesh on ``n_devices`` devices: a ``-1`` axis takes the devices the others leave."""
-        given = self.given()
-        fixed = math.prod(n for n in given.values() if n != REMAINING)
         if self.is_resolved:
             return self
+        given = self.given()
+        fixed = math.prod(n for n in given.values() if n != REMAINING)
         free = next(a for a, n in given.items() if n == REMAINING)
         if n_devices % fixed:
             raise ConfigError(
