@@ -110,7 +110,9 @@ def test_the_training_mesh_must_use_every_device_of_an_accelerator_or_multi_proc
     ):
         training_mesh({"d": 2, "t": 2}, devices=two_hosts)
     # Only d crosses the slower links between hosts: 2 hosts of 3 devices cannot hold d=3.
-    with pytest.raises(RuntimeError, match="d=3 is not a multiple of 2. Choose mesh.d divisible by 2"):
+    with pytest.raises(
+        RuntimeError, match="d=3 is not a multiple of 2. Choose mesh.d divisible by 2"
+    ):
         training_mesh({"d": 3, "t": 2}, devices=[Device(i, i // 3) for i in range(6)])
     with pytest.raises(RuntimeError, match="needs 16 devices, but the run has 8 CPU devices"):
         training_mesh({"d": 16})
