@@ -61,13 +61,19 @@ def small_disk(tmp_path):
 
 
 def _fill(disk: Path) -> None:
-    with open(disk / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
+    """Write a filler file until the disk is full, to the last byte. Unbuffered: a buffered
+    file whose flush failed retries that flush on close and raises ENOSPC a second time."""
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        chunk = 65536
+        while chunk:
+            try:
+                os.write(fd, b"\0" * chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+                chunk //= 2
+    finally:
+        os.close(fd)
 
 
 def _next_check_raises(ckpt: Checkpointer) -> CheckpointSaveError:
