@@ -30,19 +30,12 @@ fragmentation. Checked against XLA's ``memory_analysis`` (arguments + temporarie
 train step compiled for fake CPU devices (tests/test_planner.py): within 15%, measured 0.90
 to 1.10 of XLA's figure.
 
-**Communication** (:class:`PlannedCollective`), read off the weight types and the collectives
-``seqshard/model/transformer.py`` writes. Each weight is gathered to a whole ``d_model``
-before use (``'M/d F/t -> M F/t'``; the norm gains ``'M/t/d -> M'``), in compute dtype but
-the norm gains (f32): once per microbatch in the forward pass, again in the backward pass
-under ``saved``/``full`` (the policies keep no gathered weight), and its transpose, the
-reduce-scatter of its gradient, in the backward pass. Per layer the residual is gathered
-over t before each norm and each block's output is reduce-scattered over t; the backward
-pass transposes both, and ``saved``/``full`` re-gather the residual to rebuild the norms
-(``full`` also repeats the attention output's reduce-scatter, to rebuild h). The embedding
-adds one reduce-scatter over t, the final norm one gather; the loss all-reduces two
-per-position f32 scalars over t and the summed loss over d. Bytes per call are the ring
-formulas of :func:`seqshard.comms.ring_bytes_sent`. Not counted: the optimizer's global-norm
-all-reduces (a few f32 scalars).
+**Communication** (:class:`PlannedCollective`): every collective the step's shardops calls
+emit, predicted from the notation by :mod:`seqshard.step_comms` (the step traced on an
+abstract mesh, nothing compiled): the forward's, their transposes (autodiff) or the
+hand-written backward's (``model.backward=explicit``), and what the remat policy re-runs.
+Bytes per call are the ring formulas of :func:`seqshard.comms.ring_bytes_sent`. Not counted:
+the optimizer's global-norm all-reduces (a few f32 scalars).
 
 **Roofline.** Compute: the hardware FLOPs of the step (model FLOPs plus what remat re-runs,
 :mod:`seqshard.flops`, attention unmasked) at the chip's dense bf16 peak. Each collective
@@ -77,7 +70,6 @@ from collections.abc import Iterable, Mapping
 import jax.numpy as jnp
 
 from seqshard import hardware
-from seqshard.comms import ring_bytes_sent
 from seqshard.config import Config, ConfigError, check_config, resolve_mesh
 from seqshard.flops import (
     flops_per_token,
@@ -89,6 +81,7 @@ from seqshard.flops import (
 from seqshard.model.weights import Layer, Weights
 from seqshard.remat import NoRemat, remat_policy
 from seqshard.shardtypes import ArrayType, block_shape, type_tree
+from seqshard.step_comms import PlannedCollective, collectives_per_step
 
 __all__ = [
     "FUSED_ATTENTION",
@@ -268,110 +261,6 @@ def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
         logits=2 * base.logits,
         transient=hoisted + max(head, layer),
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Communication
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedCollective:
-    """One collective of the step as the code writes it, and how often a step runs it."""
-
-    what: str  # e.g. 'w_q gather', 'w_q gradient', 'ffn output'
-    phase: str  # 'forward', 'recompute' (remat's re-run in the backward pass) or 'backward'
-    kind: str  # 'all-gather', 'reduce-scatter', 'all-reduce'
-    axes: tuple[str, ...]  # mesh axes it runs over (those of size 1 left out)
-    group_size: int
-    result_bytes: int  # per device, per call
-    calls: int  # per step
-    weights: bool  # weight traffic (overlaps with compute) rather than activations
-
-    @property
-    def axis_key(self) -> str:
-        """``'d'``, ``'t'``, ``'t/d'``: the axes as :func:`seqshard.comms.format_comm_table` keys them."""
-        return "/".join(self.axes)
-
-    @property
-    def bytes_per_call(self) -> float:
-        return ring_bytes_sent(self.kind, self.group_size, self.result_bytes)
-
-    @property
-    def bytes_per_step(self) -> float:
-        return self.calls * self.bytes_per_call
-
-
-def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
-    """Every collective a training step of ``cfg`` (mesh resolved) runs, per device."""
-    m, train = cfg.model, cfg.train
-    mesh = cfg.mesh.sizes()
-    d, t, k, n = mesh["d"], mesh["t"], train.microbatches, m.n_layers
-    b = _microbatch_rows(cfg) // d
-    c = _dtype_bytes(m.compute_dtype)
-    whole = c * b * train.seq_len * m.d_model  # 'B/d L M', per device
-    split = whole // t  # 'B/d L M/t'
-    policy = remat_policy(m.remat)
-    regathers = policy.checkpoint_policy is not None  # saved, full: no gathered weight kept
-    rebuilds_h = policy.name == "full"  # only the layer input kept: h is recomputed
-
-    out: list[PlannedCollective] = []
-
-    def add(what, phase, kind, axes, result: int, calls: int, *, weights: bool) -> None:
-        axes = tuple(a for a in axes if mesh[a] > 1)  # an axis of size 1 moves nothing
-        group = math.prod(mesh[a] for a in axes)
-        if group > 1 and calls:
-            out.append(PlannedCollective(what, phase, kind, axes, group, result, calls, weights))
-
-    def weight(g: _Gather, *, forward: int, backward: int, recompute: bool) -> None:
-        # Gathered before use, under saved/full again in the backward pass; the gather's
-        # transpose reduce-scatters the gradient back to the shard.
-        size = g.gathered_bytes
-        shard = size // math.prod(mesh[a] for a in g.axes)
-        for phase in ("forward", "recompute") if recompute else ("forward",):
-            add(f"{g.name} gather", phase, "all-gather", g.axes, size, forward, weights=True)
-        add(
-            f"{g.name} gradient",
-            "backward",
-            "reduce-scatter",
-            g.axes,
-            shard,
-            backward,
-            weights=True,
-        )
-
-    def activation(what: str, kind: str, calls: int, recompute: bool) -> None:
-        # Over t: a gather 'B/d L M/t -> B/d L M' (before a norm) or a reduce-scatter
-        # 'B/d L M -> B/d L M/t' (after a t-split contraction); the transpose is the other.
-        result = {"all-gather": whole, "reduce-scatter": split}
-        other = "reduce-scatter" if kind == "all-gather" else "all-gather"
-        for phase in ("forward", "recompute") if recompute else ("forward",):
-            add(what, phase, kind, ("t",), result[kind], calls, weights=False)
-        add(f"{what} (transpose)", "backward", other, ("t",), result[other], calls, weights=False)
-
-    # The weights outside the layer scan: their gathers do not depend on the microbatch, so
-    # XLA hoists them out of the accumulation loop (once a step); their gradients differ per
-    # microbatch.
-    for g in _outer_gathers(cfg).values():
-        weight(g, forward=1, backward=k, recompute=False)
-    activation("embedding lookup", "reduce-scatter", k, False)
-    per_layer = n * k
-    for g in _layer_gathers(cfg):
-        weight(g, forward=per_layer, backward=per_layer, recompute=regathers)
-    activation("residual before ln1", "all-gather", per_layer, regathers)
-    activation("attention output", "reduce-scatter", per_layer, rebuilds_h)
-    activation("residual before ln2", "all-gather", per_layer, regathers)
-    activation("ffn output", "reduce-scatter", per_layer, False)
-    activation("residual before the final norm", "all-gather", k, False)
-    # The loss over the t-split vocabulary: the max, then (sum of exponentials, target logit)
-    # per position; the summed loss and count over d. No gradient flows through these.
-    positions = b * train.seq_len
-    for what, axis, result in (
-        ("loss max over the vocabulary", "t", 4 * positions),
-        ("loss sums over the vocabulary", "t", 2 * 4 * positions),
-        ("loss sum over the batch", "d", 2 * 4),
-    ):
-        add(what, "forward", "all-reduce", (axis,), result, k, weights=False)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

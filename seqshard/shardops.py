@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from seqshard import collective_log
 from seqshard.notation import OpSpec, Shape, parse_op
 from seqshard.shapecheck import BlockAxes, ShapeError, block_axes, check_block, current_scope
 from seqshard.vma import replication_checked, varying_axes
@@ -192,6 +193,12 @@ class _Call:
     def index(self, axes: Sequence[str]) -> jax.Array:
         return _linear_index(axes, self.axes)
 
+    def log(self, kind: str, axes: Sequence[str], x: jax.Array, y: jax.Array, **kw) -> None:
+        """Record the collective just emitted (:mod:`seqshard.collective_log`)."""
+        collective_log.emit(
+            self.name, self.text, kind, axes, self.size(axes), x, y, checked=self.checked, **kw
+        )
+
 
 def _linear_index(axes: Sequence[str], sizes: Mapping[str, int]) -> jax.Array:
     """The block index of this device over ``axes`` taken major to minor."""
@@ -273,7 +280,9 @@ def all_gather(
         gathered = [ax for ax in a if ax in src[keep:] or ax in stuck]
         if not gathered:
             continue  # one shard: the block is already whole along this dimension
-        y = lax.all_gather(y, _axis_arg(gathered), axis=dim, tiled=True, to=mode)
+        gathered_y = lax.all_gather(y, _axis_arg(gathered), axis=dim, tiled=True, to=mode)
+        call.log("all-gather", gathered, y, gathered_y, invarying=mode == "invarying")
+        y = gathered_y
         if dst[keep:]:
             size = y.shape[dim] // call.size(dst[keep:])
             y = lax.dynamic_slice_in_dim(y, call.index(dst[keep:]) * size, size, axis=dim)
@@ -319,7 +328,11 @@ def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
         call.require_divisible(y, dim, new)
         if not call.over(new):
             continue  # a sum over one shard: the value is already reduced and in place
-        y = lax.psum_scatter(y, _axis_arg(call.over(new)), scatter_dimension=dim, tiled=True)
+        scattered = lax.psum_scatter(
+            y, _axis_arg(call.over(new)), scatter_dimension=dim, tiled=True
+        )
+        call.log("reduce-scatter", call.over(new), y, scattered)
+        y = scattered
     return call.finish(y)
 
 
@@ -355,7 +368,11 @@ def psum(spec: str, x: jax.Array) -> jax.Array:
     # Axes of size 1 drop out, except those x still varies over (see _Call.stuck): only an
     # all-reduce makes it invariant there, as the caller's replicated result must be.
     axes = [a for a in reduced if a in call.over(reduced) or a in call.stuck(x, reduced)]
-    return call.finish(lax.psum(x, _axis_arg(axes)) if axes else x)
+    if not axes:
+        return call.finish(x)
+    y = lax.psum(x, _axis_arg(axes))
+    call.log("all-reduce", axes, x, y)
+    return call.finish(y)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -389,7 +406,11 @@ def pmax(spec: str, x: jax.Array) -> jax.Array:
     call.require_varying(x, reduced, "a partial max")
     # As in psum: axes of size 1 drop out unless x varies over them.
     axes = [a for a in reduced if a in call.over(reduced) or a in call.stuck(x, reduced)]
-    return call.finish(_pmax_no_tangent(x, _axis_arg(axes)) if axes else x)
+    if not axes:
+        return call.finish(x)
+    y = _pmax_no_tangent(x, _axis_arg(axes))
+    call.log("all-reduce", axes, x, y)
+    return call.finish(y)
 
 
 def all_to_all(spec: str, x: jax.Array) -> jax.Array:
@@ -429,6 +450,7 @@ def all_to_all(spec: str, x: jax.Array) -> jax.Array:
     y = lax.all_to_all(
         x, _axis_arg(call.over(moved)), split_axis=dst_dim, concat_axis=src_dim, tiled=True
     )
+    call.log("all-to-all", call.over(moved), x, y)
     return call.finish(y)
 
 

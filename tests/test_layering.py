@@ -29,6 +29,7 @@ PACKAGE = REPO / "seqshard"
 CORE = {
     "seqshard",
     "seqshard.batch",
+    "seqshard.collective_log",
     "seqshard.comms",
     "seqshard.flops",
     "seqshard.hardware",
@@ -43,7 +44,7 @@ CORE = {
     "seqshard.vma",
 }
 # The planner reads a whole Config (config.py) and the model's weight types: the train layer.
-TRAIN = {"seqshard.config", "seqshard.planner"}
+TRAIN = {"seqshard.config", "seqshard.planner", "seqshard.step_comms"}
 APP = {"seqshard.cli", "seqshard.show", "seqshard.sample"}
 MAY_USE = {
     "core": {"core"},

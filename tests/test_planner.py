@@ -169,12 +169,14 @@ def test_collectives_follow_the_remat_policy():
         )
 
     n = 2  # layers
+    w_gate = "gate: all_gather('M/d F/t -> M F/t')"
     for remat in ("saved", "full"):
-        assert count(remat, "recompute", "w_gate gather") == n
-    assert count("none", "recompute", "gather") == 0
-    assert count("full", "recompute", "attention output") == n
-    assert count("saved", "recompute", "attention output") == 0
-    assert count("saved", "backward", "w_q gradient") == n
+        assert count(remat, "recompute", w_gate) == n
+    assert count("none", "recompute", "all_gather") == 0
+    attention_output = "o: psum_scatter('B/d L M -> B/d L M/t')"
+    assert count("full", "recompute", attention_output) == n
+    assert count("saved", "recompute", attention_output) == 0
+    assert count("saved", "backward", "q: all_gather('M/d Q K/t D -> M Q K/t D')") == n
 
 
 def test_a_single_device_moves_nothing():

@@ -85,7 +85,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard import shardops
+from seqshard import collective_log, shardops
+from seqshard.collective_log import part
 from seqshard.model.attention import (
     apply_rope,
     attention,
@@ -158,6 +159,11 @@ KEPT: Mapping[str, tuple[str, ...]] = {
 }
 """``model.remat`` -> the activations the forward pass keeps per layer for the backward pass."""
 
+_PART_OF = {"ln1": "attn_norm", "gx": "attn_norm", "w_kv": "kv", "w_o": "o", "h": "o"}
+_PART_OF |= {"ln2": "ffn_norm", "gh": "ffn_norm", "w_gate": "gate", "w_up": "up", "w_down": "down"}
+"""The operation (as :func:`seqshard.flops.step_flops` names it) each activation belongs to,
+for the collective log; others are named as themselves (``q``)."""
+
 
 def kept_activations(cfg: ModelConfig) -> tuple[str, ...]:
     """What the forward pass keeps per layer under ``cfg.remat`` (:data:`KEPT`); fused
@@ -189,7 +195,8 @@ def layer_activations(
 
     def at(name: str, compute: Callable[[], jax.Array]) -> jax.Array:
         if name not in a:
-            a[name] = compute()
+            with part(_PART_OF.get(name, name)):
+                a[name] = compute()
         return a[name]
 
     x = a["x"]
@@ -260,9 +267,10 @@ def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
     """The layer's output 'B/d L M/t' from its activations: the SwiGLU down projection added
     to the residual h (the rest of transformer.py's ``ffn``)."""
     y = jax.nn.silu(a["gate"]) * a["up"]
-    out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, a["w_down"])
-    # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
-    out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+    with part("down"):
+        out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, a["w_down"])
+        # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
+        out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
     return (a["h"] + out).astype(jnp.dtype(cfg.compute_dtype))
 
 
@@ -337,13 +345,14 @@ def layer_backward(
     # --- FFN: out = h + psum_scatter(swiglu(nh) . w_down) ---------------------------------
     # The forward reduce-scattered the down projection over t; its transpose gathers the
     # gradient over t, so each t shard has all of M against its slice of F.
-    g = shardops.all_gather("B/d L M/t -> B/d L M", d_out)
-    gate, up = a["gate"], a["up"]
-    y = jax.nn.silu(gate) * up
-    d_y = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", g, a["w_down"])
-    d_w_down = shardops.einsum_unreduced("B/d L F/t, B/d L M -> M F/t{U_d}", y, g)
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
-    d_w_down = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_down)
+    with part("down"):
+        g = shardops.all_gather("B/d L M/t -> B/d L M", d_out)
+        gate, up = a["gate"], a["up"]
+        y = jax.nn.silu(gate) * up
+        d_y = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", g, a["w_down"])
+        d_w_down = shardops.einsum_unreduced("B/d L F/t, B/d L M -> M F/t{U_d}", y, g)
+        # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+        d_w_down = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_down)
     # y = silu(gate) * up, silu(z) = z * sigmoid(z)
     sig = jax.nn.sigmoid(gate)
     d_up = d_y * (gate * sig)
@@ -355,23 +364,26 @@ def layer_backward(
     d_w_gate = shardops.einsum_unreduced("B/d L M, B/d L F/t -> M F/t{U_d}", nh, d_gate)
     d_w_up = shardops.einsum_unreduced("B/d L M, B/d L F/t -> M F/t{U_d}", nh, d_up)
     # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
-    d_w_gate = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_gate)
-    d_w_up = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_up)
+    with part("gate_up"):
+        d_w_gate = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_gate)
+        d_w_up = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_up)
     # d_nh still owes the sum over the F/t shards; the norm's backward is linear in it.
     d_gh, d_ln2 = rms_norm_backward(a["gh"], a["ln2"], d_nh, cfg.norm_eps)
     # Summed over this device's rows, of partial sums over t: one reduce-scatter over both,
     # into ln2's 'M/t/d' (the transpose of its gather).
-    d_ln2 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln2)
-    # The transpose of the gather of h over t: it sums the partial d_gh over t as it scatters.
-    d_h = d_out + shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gh.astype(dt))
+    with part("ffn_norm"):
+        d_ln2 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln2)
+        # The transpose of the gather of h over t: it sums the partial d_gh over t as it scatters.
+        d_h = d_out + shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gh.astype(dt))
 
     # --- attention: h = x + psum_scatter(attn . w_o) -------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
-    g = shardops.all_gather("B/d L M/t -> B/d L M", d_h)
-    d_attn = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", g, a["w_o"])
-    d_w_o = shardops.einsum_unreduced("B/d L Q K/t D, B/d L M -> M Q K/t D{U_d}", a["attn"], g)
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
-    d_w_o = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_o)
+    with part("o"):
+        g = shardops.all_gather("B/d L M/t -> B/d L M", d_h)
+        d_attn = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", g, a["w_o"])
+        d_w_o = shardops.einsum_unreduced("B/d L Q K/t D, B/d L M -> M Q K/t D{U_d}", a["attn"], g)
+        # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+        d_w_o = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_o)
     d_q, d_k, d_v = attention_backward(cfg, mask, a, d_attn)
     # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
     d_q = apply_rope(d_q, cos, -sin)
@@ -383,12 +395,14 @@ def layer_backward(
     d_w_q = shardops.einsum_unreduced("B/d L M, B/d L Q K/t D -> M Q K/t D{U_d}", nx, d_q)
     d_w_kv = shardops.einsum_unreduced("B/d L M, 2 B/d L K/t D -> 2 M K/t D{U_d}", nx, d_kv)
     # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
-    d_w_q = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_q)
-    d_w_kv = shardops.psum_scatter("2 M K/t D{U_d} -> 2 M/d K/t D", d_w_kv)
+    with part("q_kv"):
+        d_w_q = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_q)
+        d_w_kv = shardops.psum_scatter("2 M K/t D{U_d} -> 2 M/d K/t D", d_w_kv)
     # d_nx owes the sum over the K/t shards (heads); as for ln2 and h above.
     d_gx, d_ln1 = rms_norm_backward(a["gx"], a["ln1"], d_nx, cfg.norm_eps)
-    d_ln1 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln1)
-    d_x = d_h + shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gx.astype(dt))
+    with part("attn_norm"):
+        d_ln1 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln1)
+        d_x = d_h + shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gx.astype(dt))
 
     grads = Layer(
         ln1=d_ln1,
@@ -415,11 +429,13 @@ def head_forward(
     keeps outside the scanned layers)."""
     dt = jnp.dtype(cfg.compute_dtype)
     # final_norm: the norm needs all of M, so the residual is gathered over t.
-    ln = shardops.all_gather("M/t/d -> M", w.final_norm)
-    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+    with part("final_norm"):
+        ln = shardops.all_gather("M/t/d -> M", w.final_norm)
+        gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
     nx = rms_norm(gx, ln, cfg.norm_eps).astype(dt)
     # unembed: each t shard computes the logits of its vocab block.
-    table = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(dt))
+    with part("logits"):
+        table = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(dt))
     logits = shardops.einsum_unreduced(
         "B/d L M, V/t M -> B/d L V/t", nx, table, preferred_element_type=jnp.float32
     )
@@ -455,14 +471,17 @@ def head_backward(
     d_nx = shardops.einsum_unreduced("B/d L V/t, V/t M -> B/d L M{U_t}", d_logits, table)
     d_table = shardops.einsum_unreduced("B/d L M, B/d L V/t -> V/t M{U_d}", nx, d_logits)
     # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
-    d_unembed = shardops.psum_scatter("V/t M{U_d} -> V/t M/d", d_table).astype(f32)
+    with part("logits"):
+        d_unembed = shardops.psum_scatter("V/t M{U_d} -> V/t M/d", d_table).astype(f32)
     # final_norm, with d_nx owing the sum over the vocab blocks (as in layer_backward).
     d_gx, d_ln = rms_norm_backward(gx, ln, d_nx, cfg.norm_eps)
-    d_final_norm = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln)
-    d_x = shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gx.astype(dt))
+    with part("final_norm"):
+        d_final_norm = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln)
+        d_x = shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gx.astype(dt))
     return d_x, d_final_norm, d_unembed
 
 
+@part("embed")
 def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.Array:
     """The embedding table's gradient 'V/t M/d' (f32) from dL/dx 'B/d L M/t' of the first
     residual: the transpose of transformer.py's ``embed``."""
@@ -520,8 +539,9 @@ def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start
         a = layer_activations(cfg, rope, mask, w_layer, {"x": x})
         return layer_output(cfg, a), {name: a[name] for name in keep}
 
-    x, kept = lax.scan(layer, embed(cfg, w, tokens), w.layers)
-    terms, head = head_forward(cfg, w, x, tokens, is_seq_start)
+    with collective_log.hand_differentiated():  # _backward logs its own collectives
+        x, kept = collective_log.scan("layers", layer, embed(cfg, w, tokens), w.layers)
+        terms, head = head_forward(cfg, w, x, tokens, is_seq_start)
     # The weights are kept as they are (FSDP shards): the backward gathers them again.
     return terms, (w, tokens, is_seq_start, kept, head)
 
@@ -531,7 +551,7 @@ def _backward(cfg: ModelConfig, axes, residuals, d_terms: jax.Array):
     w, tokens, is_seq_start, kept, head = residuals
     sizes, manual = axes
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
-    with block_axes_scope(dict(sizes), manual), shape_scope():
+    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
         d_x, d_final_norm, d_unembed = head_backward(cfg, head, tokens, is_seq_start, d_terms[0])
         rope, mask = _rope_and_mask(cfg, is_seq_start)
 
@@ -539,11 +559,11 @@ def _backward(cfg: ModelConfig, axes, residuals, d_terms: jax.Array):
             w_layer, kept_layer = w_and_kept
             # Named as JAX names remat's recomputation, so HLO audits (seqshard.comms) put its
             # re-gathers in the 'recompute' phase, as for autodiff.
-            with jax.named_scope(_RECOMPUTE):
+            with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
                 a = layer_activations(cfg, rope, mask, w_layer, kept_layer)
             return layer_backward(cfg, rope, mask, a, d_out)
 
-        d_x, d_layers = lax.scan(layer, d_x, (w.layers, kept), reverse=True)
+        d_x, d_layers = collective_log.scan("layers", layer, d_x, (w.layers, kept), reverse=True)
         d_embed = embed_backward(cfg, tokens, d_x)
     grads = Weights(embed=d_embed, layers=d_layers, final_norm=d_final_norm, unembed=d_unembed)
     return grads, None, None

@@ -30,8 +30,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from seqshard import shardops
+from seqshard import collective_log, shardops
 from seqshard.batch import TokenBatch, token_batch
+from seqshard.collective_log import part
 from seqshard.model.attention import (
     apply_rope,
     attention,
@@ -82,10 +83,13 @@ def next_token_targets(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.
 
 def embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
     """'B/d L' ids -> the residual 'B/d L M/t' in compute dtype."""
-    table = shardops.all_gather("V/t M/d -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype)))
-    x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", table, tokens)
-    # Each t shard looked up only the rows of its vocab block: sum the shards, keep M/t.
-    return shardops.psum_scatter("B/d L M -> B/d L M/t", x)
+    with part("embed"):
+        table = shardops.all_gather(
+            "V/t M/d -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype))
+        )
+        x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", table, tokens)
+        # Each t shard looked up only the rows of its vocab block: sum the shards, keep M/t.
+        return shardops.psum_scatter("B/d L M -> B/d L M/t", x)
 
 
 def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[jax.Array, ...]:
@@ -93,41 +97,51 @@ def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[ja
     dt = jnp.dtype(cfg.compute_dtype)
     cos, sin = rope
     # The norm needs all of M: gather the residual over t.
-    ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
-    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
-    nx = rms_norm(gx, ln1, cfg.norm_eps).astype(dt)
-    w_q = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt))
-    q = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
-    w_kv = shardops.all_gather("2 M/d K/t D -> 2 M K/t D", w.w_kv.astype(dt))
-    k, v = shardops.einsum_unreduced("B/d L M, 2 M K/t D -> 2 B/d L K/t D", nx, w_kv)
+    with part("attn_norm"):
+        ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
+        gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+        nx = rms_norm(gx, ln1, cfg.norm_eps).astype(dt)
+    with part("q"):
+        w_q = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt))
+        q = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
+    with part("kv"):
+        w_kv = shardops.all_gather("2 M/d K/t D -> 2 M K/t D", w.w_kv.astype(dt))
+        k, v = shardops.einsum_unreduced("B/d L M, 2 M K/t D -> 2 B/d L K/t D", nx, w_kv)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def attention_output(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) -> jax.Array:
     """The output projection of attn 'B/d L Q K/t D' plus the residual x: h 'B/d L M/t'."""
     dt = jnp.dtype(cfg.compute_dtype)
-    w_o = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt))
-    out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
-    # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
-    out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+    with part("o"):
+        w_o = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt))
+        out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
+        # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
+        out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
     return x + out
 
 
 def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
     """The pre-norm SwiGLU FFN plus the residual h: 'B/d L M/t' in compute dtype."""
     dt = jnp.dtype(cfg.compute_dtype)
-    ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
-    gh = shardops.all_gather("B/d L M/t -> B/d L M", h)
-    nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
-    w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt))
-    gate = save_for_backward(shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_gate))
-    w_up = shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt))
-    up = save_for_backward(shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_up))
+    with part("ffn_norm"):
+        ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
+        gh = shardops.all_gather("B/d L M/t -> B/d L M", h)
+        nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
+    with part("gate"):
+        w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt))
+        gate = save_for_backward(
+            shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_gate)
+        )
+    with part("up"):
+        w_up = shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt))
+        up = save_for_backward(shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_up))
     y = jax.nn.silu(gate) * up
-    w_down = shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt))
-    out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, w_down)
-    # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
-    out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+    with part("down"):
+        w_down = shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt))
+        out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, w_down)
+        # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
+        out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
     return (h + out).astype(dt)
 
 
@@ -143,9 +157,10 @@ def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Ar
 
 def final_norm(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
     """The residual 'B/d L M/t' -> final RMSNorm 'B/d L M' in compute dtype."""
-    ln = shardops.all_gather("M/t/d -> M", w.final_norm)
-    gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
-    return rms_norm(gx, ln, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
+    with part("final_norm"):
+        ln = shardops.all_gather("M/t/d -> M", w.final_norm)
+        gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+        return rms_norm(gx, ln, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
 
 
 def _final_hidden(
@@ -156,13 +171,16 @@ def _final_hidden(
     rope = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
     mask = attention_mask(is_seq_start, cfg.attention_mask, cfg.attention_impl)
     body = explicit_activation_checkpointing(functools.partial(_layer, cfg, rope, mask), cfg.remat)
-    x, _ = lax.scan(body, x, w.layers)
+    x, _ = collective_log.scan("layers", body, x, w.layers)
     return final_norm(cfg, w, x)
 
 
 def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array) -> jax.Array:
     """'B/d L M' -> logits 'B/d L V/t' f32: each t shard computes the logits of its vocab block."""
-    table = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(jnp.dtype(cfg.compute_dtype)))
+    with part("logits"):
+        table = shardops.all_gather(
+            "V/t M/d -> V/t M", w.unembed.astype(jnp.dtype(cfg.compute_dtype))
+        )
     return shardops.einsum_unreduced(
         "B/d L M, V/t M -> B/d L V/t", nx, table, preferred_element_type=jnp.float32
     )
@@ -173,6 +191,7 @@ def _loss_terms(logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array) -
     return loss_terms_and_softmax(logits, tokens, is_seq_start)[0]
 
 
+@part("loss")
 def loss_terms_and_softmax(
     logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from seqshard import collective_log
 from seqshard.batch import TokenBatch, split_microbatches
 from seqshard.config import Config
 from seqshard.model.transformer import batch_loss_terms
@@ -74,7 +75,7 @@ def grads_and_loss(
 
         zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, weights))
         micro = split_microbatches(batch, k, mesh)
-        (total, count, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+        (total, count, grads), _ = collective_log.scan("microbatches", accumulate, zeros, micro)
     count = jnp.maximum(count, 1.0)
     return jax.tree.map(lambda g: g / count, grads), total / count, count
 

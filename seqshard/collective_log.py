@@ -1,0 +1,252 @@
+"""Collectives predicted from the notation: each shardops call records the one it lowers to.
+
+While a function is traced under :func:`recording`, every collective a shardops call emits is
+logged with its kind, mesh axes, per-device operand and result shapes and dtype, and where it
+is: the phase of the training step, the scans around it, and the model operation it belongs
+to. Nothing is compiled or run (trace with ``jax.eval_shape``; an ``AbstractMesh`` needs no
+devices)::
+
+    log = collective_log.traced(jax.grad(loss), weight_structs, batch_structs)
+    log.calls[0]   # LoggedCollective(op='all_gather', spec='V/t M/d -> V/t M', kind='all-gather',
+                   #                  axes=('d',), phase='forward', loops=(), part='embed', ...)
+
+Autodiff's backward pass runs no shardops: :func:`transpose` derives its collectives from the
+forward's by JAX's transpose rules::
+
+    all_gather   'M/d F/t -> M F/t'      <->  psum_scatter 'M F/t -> M/d F/t' (FSDP's gradient)
+    psum         'B/d L{U_t} -> B/d L'    ->  nothing with check_vma=True (the cotangent of an
+                                             invariant value is invariant: each device keeps
+                                             it), an all-reduce with check_vma=False
+    pmax                                  ->  nothing (no gradient)
+    all_to_all   'B/d L -> B L/d'         ->  all_to_all 'B L/d -> B/d L'
+
+A hand-written backward (``model.backward=explicit``) runs shardops itself: it logs its own
+collectives under :func:`phase` ``'backward'`` (``'recompute'`` for what it recomputes) and
+marks its forward pass :func:`hand_differentiated`, so that no transposes are derived for it.
+
+Scans are logged with their trip counts (:func:`scan`, a ``lax.scan`` that says its name), so a
+collective's calls per step are the product of its loops' trips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+
+from seqshard.notation import parse_op
+
+__all__ = [
+    "Log",
+    "LoggedCollective",
+    "emit",
+    "hand_differentiated",
+    "part",
+    "phase",
+    "recording",
+    "scan",
+    "traced",
+    "transpose",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggedCollective:
+    """One collective a shardops call emitted while a function was traced (per device)."""
+
+    op: str  # the shardops function: 'all_gather', 'psum_scatter', 'psum', 'pmax', 'all_to_all'
+    spec: str  # its op spec, e.g. 'M/d F/t -> M F/t'
+    kind: str  # as the compiled HLO names it: 'all-gather', 'reduce-scatter', 'all-reduce', ...
+    axes: tuple[str, ...]  # the mesh axes it runs over, major to minor (size-1 axes left out)
+    group_size: int
+    operand_shape: tuple[int, ...]
+    result_shape: tuple[int, ...]
+    dtype: str  # e.g. 'float32'
+    phase: str = "forward"  # 'forward', 'recompute' or 'backward'
+    loops: tuple[tuple[str, int], ...] = ()  # enclosing scans, outermost first: (name, trips)
+    part: str | None = None  # the model operation it belongs to ('attn_norm', 'q', ...)
+    checked: bool = True  # emitted inside a shard_map with check_vma=True
+    invarying: bool = False  # an all_gather(..., to='invarying')
+    autodiff: bool = True  # its backward is autodiff's (not hand-written)
+
+    @property
+    def weight(self) -> bool:
+        """A weight's gather (its input has no batch dimension B), or that gather's transpose."""
+        return "B" not in _input_labels(self.spec)
+
+    @property
+    def calls(self) -> int:
+        """Calls per traced function: the product of the enclosing scans' trips."""
+        return math.prod(trips for _, trips in self.loops)
+
+    @property
+    def result_bytes(self) -> int:
+        return math.prod(self.result_shape) * np.dtype(self.dtype).itemsize
+
+    def in_loop(self, name: str) -> bool:
+        return any(n == name for n, _ in self.loops)
+
+
+def _input_labels(spec: str) -> set[str]:
+    return {label for shape in parse_op(spec).inputs for label in shape.labels}
+
+
+@dataclasses.dataclass
+class Log:
+    """What :func:`recording` collected, in trace order."""
+
+    calls: list[LoggedCollective] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _State:
+    log: Log | None = None
+    phase: str = "forward"
+    loops: tuple[tuple[str, int], ...] = ()
+    part: str | None = None
+    autodiff: bool = True
+
+
+_local = threading.local()
+
+
+def _state() -> _State:
+    if not hasattr(_local, "state"):
+        _local.state = _State()
+    return _local.state
+
+
+@contextlib.contextmanager
+def _setting(**changes) -> Iterator[None]:
+    state = _state()
+    before = {k: getattr(state, k) for k in changes}
+    for k, v in changes.items():
+        setattr(state, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(state, k, v)
+
+
+def traced(fn: Callable, *args) -> Log:
+    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct`` s) with ``jax.eval_shape`` under
+    :func:`recording`: nothing is compiled or run. ``fn`` is traced through a new closure, so
+    that JAX's trace cache cannot serve an earlier trace of it, in which nothing was logged."""
+    with recording() as log:
+        jax.eval_shape(lambda *a: fn(*a), *args)
+    return log
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Log]:
+    """Log every collective shardops emit while the block traces; yields the :class:`Log`.
+
+    Only code that is traced logs: a function JAX traced before with the same argument types
+    may be served from its trace cache (``jax.jit``, ``jax.eval_shape`` of the same function
+    object, a ``lax.scan`` of the same body function). :func:`traced` avoids the outer cache."""
+    log = Log()
+    with _setting(log=log, phase="forward", loops=(), part=None, autodiff=True):
+        yield log
+
+
+def phase(name: str):
+    """Collectives traced in this block belong to phase ``name`` ('forward', 'recompute',
+    'backward')."""
+    if name not in ("forward", "recompute", "backward"):
+        raise ValueError(f"phase must be 'forward', 'recompute' or 'backward', got {name!r}.")
+    return _setting(phase=name)
+
+
+def part(name: str):
+    """Collectives traced in this block belong to the model operation ``name`` (the names of
+    :func:`seqshard.flops.step_flops`, which remat policies are asked about)."""
+    return _setting(part=name)
+
+
+def hand_differentiated():
+    """This block's backward pass is written by hand and logs its own collectives: derive no
+    transposes for the ones logged here."""
+    return _setting(autodiff=False)
+
+
+def scan(name: str, f: Callable, init, xs, **kwargs):
+    """``lax.scan(f, init, xs, **kwargs)``, its body's collectives logged as run ``trips``
+    times, the length of ``xs`` (or ``length``)."""
+    trips = kwargs.get("length")
+    if trips is None:
+        trips = jax.tree.leaves(xs)[0].shape[0]
+    state = _state()
+    with _setting(loops=(*state.loops, (name, int(trips)))):
+        return lax.scan(f, init, xs, **kwargs)
+
+
+def emit(
+    op: str,
+    spec: str,
+    kind: str,
+    axes: Sequence[str],
+    group_size: int,
+    operand: jax.Array,
+    result: jax.Array,
+    *,
+    checked: bool,
+    invarying: bool = False,
+) -> None:
+    """Called by shardops next to each collective they emit; a no-op unless recording."""
+    state = _state()
+    if state.log is None:
+        return
+    state.log.calls.append(
+        LoggedCollective(
+            op=op,
+            spec=spec,
+            kind=kind,
+            axes=tuple(axes),
+            group_size=group_size,
+            operand_shape=tuple(operand.shape),
+            result_shape=tuple(result.shape),
+            dtype=np.dtype(result.dtype).name,
+            phase=state.phase,
+            loops=state.loops,
+            part=state.part,
+            checked=checked,
+            invarying=invarying,
+            autodiff=state.autodiff,
+        )
+    )
+
+
+_TRANSPOSED_KIND = {
+    "all-gather": "reduce-scatter",
+    "reduce-scatter": "all-gather",
+    "all-to-all": "all-to-all",
+    "all-reduce": "all-reduce",
+}
+
+
+def transpose(c: LoggedCollective) -> LoggedCollective | None:
+    """The collective autodiff's backward pass runs for ``c`` (see the module docstring), in
+    the same loops, or None when its transpose moves nothing."""
+    if c.op == "pmax":
+        return None  # no gradient (shardops takes the max of a stop-gradiented value)
+    if c.op == "psum" and c.checked:
+        return None  # psum's result is invariant; so is its cotangent: no collective back
+    if c.invarying:
+        # The gather's result is invariant; its cotangent too, and each device slices its own
+        # block out of it. (Where that value met varying ones, JAX inserted a pvary, whose
+        # transpose is a psum: JAX's, not a shardops call, so not logged.)
+        return None
+    return dataclasses.replace(
+        c,
+        kind=_TRANSPOSED_KIND[c.kind],
+        operand_shape=c.result_shape,
+        result_shape=c.operand_shape,
+        phase="backward",
+    )

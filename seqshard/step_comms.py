@@ -1,0 +1,202 @@
+"""A training step's collectives, predicted from the notation without compiling.
+
+    calls = collectives_per_step(cfg)      # cfg's mesh resolved; no device, nothing compiled
+    print(format_planned_table(calls))     # per phase and per layer (`seqshard show`)
+
+The step's loss and gradient (``seqshard.train.step.grads_and_loss``, every microbatch) are
+traced with ``jax.eval_shape`` on an ``AbstractMesh`` of the config's sizes, under
+:func:`seqshard.collective_log.recording`: each shardops call logs the collective it lowers
+to. From that log:
+
+* **forward**: what the forward pass logged;
+* **backward**: with ``model.backward=autodiff``, the transpose of each forward collective
+  (:func:`seqshard.collective_log.transpose`); with ``explicit``, what backward.py logged;
+* **recompute**: with autodiff, the forward collectives of the layer body that the remat
+  policy re-runs in the backward pass (:func:`recomputed`); with ``explicit``, what
+  backward.py logged as recomputation.
+
+The optimizer update runs no shardops (its global gradient norm is plain jit: XLA adds a few
+all-reduces of f32 scalars there, not predicted). One XLA optimization is modelled because it
+changes calls per step: with microbatches, the gathers of the weights outside the layer scan
+(embedding, unembedding, final norm) do not depend on the microbatch, and XLA hoists them out
+of the accumulation loop, once per step. tests/test_step_comms.py holds the prediction equal
+to the compiled HLO (:mod:`seqshard.comms`) kind by kind, per phase, in and out of loops.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+from jax.sharding import AbstractMesh, AxisType
+
+from seqshard import collective_log
+from seqshard.batch import batch_structs
+from seqshard.collective_log import LoggedCollective
+from seqshard.comms import ring_bytes_sent
+from seqshard.config import Config
+from seqshard.flops import format_bytes
+from seqshard.model.weights import weight_structs
+from seqshard.remat import remat_policy
+
+__all__ = [
+    "PHASES",
+    "PlannedCollective",
+    "collectives_per_step",
+    "format_planned_table",
+    "logged_step",
+    "recomputed",
+]
+
+PHASES = ("forward", "recompute", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCollective:
+    """One collective of the step as the code writes it, and how often a step runs it."""
+
+    what: str  # the model operation and the op spec, e.g. "q: all_gather('M/d Q K/t D -> ...')"
+    phase: str  # 'forward', 'recompute' (re-run in the backward pass) or 'backward'
+    kind: str  # 'all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all'
+    axes: tuple[str, ...]  # mesh axes it runs over (those of size 1 left out)
+    group_size: int
+    result_bytes: int  # per device, per call
+    calls: int  # per step
+    weights: bool  # weight traffic (overlaps with compute) rather than activations
+    in_layers: bool = False  # in the scanned layer body (calls = layers x microbatches)
+    in_loop: bool = False  # inside any loop of the compiled step (layers or microbatches)
+    result_shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    @property
+    def axis_key(self) -> str:
+        """``'d'``, ``'t'``, ``'t/d'``: the axes as :func:`seqshard.comms.format_comm_table` keys them."""
+        return "/".join(self.axes)
+
+    @property
+    def bytes_per_call(self) -> float:
+        return ring_bytes_sent(self.kind, self.group_size, self.result_bytes)
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.calls * self.bytes_per_call
+
+
+def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+    return AbstractMesh(
+        tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
+    )
+
+
+def logged_step(cfg: Config) -> list[LoggedCollective]:
+    """What the shardops calls of one training step's loss and gradient log (traced once,
+    nothing compiled): the forward's collectives and, with ``model.backward=explicit``, the
+    hand-written backward's."""
+    return list(_logged_step(cfg))
+
+
+@functools.lru_cache(maxsize=64)
+def _logged_step(cfg: Config) -> tuple[LoggedCollective, ...]:
+    from seqshard.train.step import grads_and_loss  # the train layer's step: imports this one
+
+    mesh = _abstract_mesh(cfg.mesh.sizes())
+    weights = weight_structs(cfg.model)
+    batch = batch_structs(cfg.train.batch_size, cfg.train.seq_len)
+    log = collective_log.traced(lambda w, b: grads_and_loss(w, b, cfg, mesh), weights, batch)
+    return tuple(log.calls)
+
+
+def recomputed(c: LoggedCollective, remat: str) -> bool:
+    """Whether autodiff's backward pass re-runs forward collective ``c`` under ``remat``.
+
+    Only the scanned layer body is checkpointed. No policy keeps a gathered weight (the
+    ``saved`` policy keeps what the model marks, and it marks no weight), so under ``saved``
+    and ``full`` every layer weight is gathered again; an activation collective is re-run when
+    the policy re-runs the operation it belongs to (:meth:`seqshard.remat.RematPolicy.recomputes`:
+    the norms' gathers under both, the attention output's reduce-scatter under ``full``, the
+    FFN output's never, since nothing in the backward pass reads it)."""
+    policy = remat_policy(remat)
+    if not c.in_loop("layers") or policy.checkpoint_policy is None:
+        return False
+    return c.weight or policy.recomputes(c.part or "")
+
+
+def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
+    """Every collective a training step of ``cfg`` (mesh resolved) runs, per device."""
+    m, k = cfg.model, cfg.train.microbatches
+    logged = logged_step(cfg)
+    steps: list[tuple[LoggedCollective, str]] = []
+    for c in logged:
+        if c.phase != "forward" or not c.autodiff:
+            steps.append((c, c.phase))  # hand-written: as logged
+            continue
+        steps.append((c, "forward"))
+        if recomputed(c, m.remat):
+            steps.append((c, "recompute"))
+        back = collective_log.transpose(c)
+        if back is not None:
+            steps.append((back, "backward"))
+    out = []
+    for c, phase in steps:
+        calls = c.calls
+        in_loop = bool(c.loops)
+        if phase == "forward" and c.weight and c.kind == "all-gather" and not c.in_loop("layers"):
+            # Loop-invariant: XLA hoists it out of the microbatch loop (see the docstring).
+            calls, in_loop = calls // k if c.in_loop("microbatches") else calls, False
+        out.append(
+            PlannedCollective(
+                what=f"{c.part or '-'}: {c.op}('{c.spec}')",
+                phase=phase,
+                kind=c.kind,
+                axes=c.axes,
+                group_size=c.group_size,
+                result_bytes=c.result_bytes,
+                calls=calls,
+                weights=c.weight,
+                in_layers=c.in_loop("layers"),
+                in_loop=in_loop,
+                result_shape=c.result_shape,
+                dtype=c.dtype,
+            )
+        )
+    return out
+
+
+def format_planned_table(calls: list[PlannedCollective], n_layers: int) -> str:
+    """One row per collective of the step, by phase, the layer body's per layer (with calls
+    per step): operation and spec, kind, axes, result per device, calls, bytes sent."""
+    order = {p: i for i, p in enumerate(PHASES)}
+    rows = collections.OrderedDict()
+    for c in sorted(calls, key=lambda c: (order[c.phase], not c.in_layers)):
+        key = (
+            c.phase,
+            "per layer" if c.in_layers else "outside",
+            c.what,
+            c.kind,
+            c.axis_key,
+            f"{_short_dtype(c.dtype)}[{','.join(map(str, c.result_shape))}]",
+        )
+        n, sent = rows.get(key, (0, 0.0))
+        rows[key] = (n + c.calls, sent + c.bytes_per_step)
+    header = ("phase", "where", "operation: op(spec)", "collective", "axes", "result", "calls",
+              "sent per device")  # fmt: skip
+    body = [(*key, str(n), format_bytes(sent)) for key, (n, sent) in rows.items()]
+    widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
+             for r in (header, *body)]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    by_phase = collections.Counter()
+    for c in calls:
+        by_phase[c.phase] += c.bytes_per_step
+    per_layer = sum(c.bytes_per_step for c in calls if c.in_layers) / max(n_layers, 1)
+    lines.append(
+        "sent per device per step: "
+        + ", ".join(f"{p} {format_bytes(by_phase[p])}" for p in PHASES)
+        + f"; per layer {format_bytes(per_layer)} (x {n_layers} layers)"
+    )
+    return "\n".join(lines)
+
+
+def _short_dtype(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)

@@ -1,0 +1,138 @@
+"""seqshard.step_comms: a training step's collectives predicted from the notation (nothing
+compiled) equal the collectives of the step XLA compiles (seqshard.comms), kind by kind.
+
+Compared per (phase, inside a loop or not, kind, mesh axes, per-device result shape): calls
+per step, hence bytes. f32 compute: XLA's CPU backend runs bf16 collectives in f32.
+
+What XLA adds, merges or drops, named:
+* adds: the optimizer's global gradient norm (optax.tree.norm in train/step.py, plain jit, no
+  shardops): each weight's sum of squares all-reduced over the axes it is split over. XLA's
+  all-reduce combiner merges them into one tuple-shaped all-reduce of f32 scalars per group
+  of axes, in the 'update' phase. Not predicted; checked to be exactly that.
+* hoists (modelled by step_comms): with microbatches, the gathers of the embedding,
+  unembedding and final norm out of the accumulation loop.
+* drops (modelled by recomputed()): what remat would recompute but nothing reads (the FFN
+  output's reduce-scatter under 'full').
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from conftest import TINY_MODEL
+
+from seqshard.batch import batch_structs
+from seqshard.comms import collectives
+from seqshard.config import load_config
+from seqshard.mesh import training_mesh
+from seqshard.step_comms import collectives_per_step, format_planned_table, logged_step
+from seqshard.train.optimizer import make_optimizer
+from seqshard.train.state import train_state_structs
+from seqshard.train.step import make_train_step
+
+
+def _config(mesh: str, backward: str, remat: str, microbatches: int):
+    d, t = mesh.split("x")
+    return load_config(
+        None,
+        [
+            *(f"model.{k}={v}" for k, v in TINY_MODEL.items()),
+            f"mesh.d={d}",
+            f"mesh.t={t}",
+            f"model.backward={backward}",
+            f"model.remat={remat}",
+            "data.vocab_size=300",
+            "train.batch_size=8",
+            "train.seq_len=32",
+            f"train.microbatches={microbatches}",
+        ],
+    )
+
+
+def _predicted(cfg) -> collections.Counter:
+    out = collections.Counter()
+    for c in collectives_per_step(cfg):
+        out[(c.phase, c.in_loop, c.kind, c.axis_key, c.result_shape)] += c.calls
+    return out
+
+
+def _compiled(cfg):
+    mesh = training_mesh(cfg.mesh.sizes())
+    opt = make_optimizer(cfg.train)
+    step = make_train_step(cfg, mesh, opt).lower(
+        train_state_structs(cfg.model, mesh, opt),
+        batch_structs(cfg.train.batch_size, cfg.train.seq_len, mesh),
+    )
+    return collectives(step.compile().as_text(), mesh)
+
+
+def _check(cfg) -> None:
+    predicted = _predicted(cfg)
+    compiled = collections.Counter()
+    update = []
+    for c in _compiled(cfg):
+        if c.phase == "update":
+            update.append(c)
+            continue
+        shape = c.result_shapes[0] if len(c.result_shapes) == 1 else tuple(c.result_shapes)
+        compiled[(c.phase, c.in_loop, c.kind, "/".join(c.axes), shape)] += c.calls_per_step
+    assert predicted == compiled, (predicted - compiled, compiled - predicted)
+    # XLA's addition: the global norm's scalar all-reduces, combined, once per step.
+    assert update and all(
+        c.kind == "all-reduce" and c.calls_per_step == 1 and set(c.result_shapes) == {()}
+        for c in update
+    ), update
+    assert not any(phase == "update" for phase, *_ in predicted)
+
+
+CASES = [
+    ("2x4", "autodiff", "saved", 1),
+    ("2x4", "explicit", "saved", 1),
+    ("4x2", "autodiff", "full", 2),
+    ("4x2", "explicit", "full", 2),
+]
+MORE = [
+    ("4x2", "autodiff", "none", 1),
+    ("4x2", "explicit", "none", 1),
+    ("2x4", "autodiff", "full", 2),
+    ("2x4", "explicit", "saved", 2),
+    ("8x1", "explicit", "saved", 1),
+    ("1x4", "autodiff", "saved", 1),
+]
+
+
+@pytest.mark.parametrize("mesh,backward,remat,microbatches", CASES)
+def test_predicted_collectives_are_the_compiled_ones(mesh, backward, remat, microbatches):
+    _check(_config(mesh, backward, remat, microbatches))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,backward,remat,microbatches", MORE)
+def test_predicted_collectives_on_more_configs(mesh, backward, remat, microbatches):
+    _check(_config(mesh, backward, remat, microbatches))
+
+
+def test_phases_and_layers():
+    """Autodiff: each forward collective has its transpose in the backward pass, the
+    layers' weight gathers are recomputed under 'saved'; explicit: backward.py's own."""
+    auto = collectives_per_step(_config("2x4", "autodiff", "saved", 1))
+    by = collections.Counter((c.phase, c.kind) for c in auto)
+    assert by[("forward", "all-gather")] == by[("backward", "reduce-scatter")]
+    assert by[("forward", "reduce-scatter")] == by[("backward", "all-gather")]
+    recomputed = {c.what for c in auto if c.phase == "recompute"}
+    assert "q: all_gather('M/d Q K/t D -> M Q K/t D')" in recomputed
+    assert not any("psum_scatter" in w for w in recomputed)  # h is kept; the FFN output unread
+    assert all(c.in_layers and c.calls == 2 for c in auto if c.phase == "recompute")
+    explicit = _config("2x4", "explicit", "saved", 1)
+    logged = logged_step(explicit)
+    assert {c.phase for c in logged} == {"forward", "recompute", "backward"}
+    # backward.py writes every transfer of the backward pass: no transposes derived
+    assert not any(c.autodiff for c in logged if c.phase == "forward")
+    table = format_planned_table(collectives_per_step(explicit), n_layers=2)
+    assert "backward   per layer  down: psum_scatter('M F/t{U_d} -> M/d F/t')" in table
+    assert table.splitlines()[-1].startswith("sent per device per step: forward ")
+
+
+def test_a_single_device_predicts_nothing():
+    assert collectives_per_step(_config("1x1", "autodiff", "saved", 1)) == []
