@@ -1,7 +1,9 @@
 """``seqshard show``: what a config means on its mesh, read off the types and the compiled step.
 
 Resolved config; parameter count; each weight's global and per-device shape and layout;
-the FLOPs of a training step by operation (:func:`flops_table`) and per token (MFU's); the
+the FLOPs of a training step by operation (:func:`flops_table`) and per token (MFU's); every
+collective of the step predicted from the notation, per phase and per layer, without
+compiling (:func:`predicted_comm_report`); the
 planner's bytes per device (:mod:`seqshard.planner`: weights, grads,
 optimizer state, activations, logits, the largest transient); with a chip, the planner's
 whole plan for it (FLOPs and communication per step, roofline step time and MFU, and whether
@@ -27,6 +29,7 @@ from seqshard.flops import (
 from seqshard.model.weights import Weights, param_count
 from seqshard.planner import FUSED_ATTENTION, describe_memory, memory_plan, plan
 from seqshard.shardtypes import block_shape, type_tree
+from seqshard.step_comms import collectives_per_step, format_planned_table
 
 __all__ = ["describe", "flops_table", "weight_table"]
 
@@ -134,6 +137,22 @@ def flops_table(cfg: Config) -> str:
     )
 
 
+def predicted_comm_report(cfg: Config) -> str:
+    """Every collective of a training step, predicted from the notation without compiling
+    (:mod:`seqshard.step_comms`), per phase and per layer."""
+    m = cfg.model
+    calls = collectives_per_step(cfg)
+    head = (
+        f"communication per train step, predicted from the notation (nothing compiled; mesh "
+        f"{cfg.mesh.describe()}, per device, model.backward={m.backward}, remat={m.remat}, "
+        f"{cfg.train.microbatches} microbatch(es); calls per step, per layer rows x "
+        f"{m.n_layers} layers; bytes for ring algorithms):"
+    )
+    if not calls:
+        return head + "\n  none: no mesh axis has more than one device"
+    return head + "\n" + format_planned_table(calls, m.n_layers)
+
+
 def compiled_step_report(cfg: Config) -> str:
     """Collectives and XLA memory of the train step compiled for ``cfg``'s mesh."""
     from seqshard.mesh import training_mesh
@@ -192,6 +211,8 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
     )
     parts.append("")
     parts.append(flops_table(cfg))
+    parts.append("")
+    parts.append(predicted_comm_report(cfg))
     parts.append("")
     if chip is not None:
         parts.append(plan(cfg, cfg.mesh.n_devices, chip).format())

@@ -126,19 +126,19 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     """Every collective a training step of ``cfg`` (mesh resolved) runs, per device."""
     m, k = cfg.model, cfg.train.microbatches
     logged = logged_step(cfg)
-    steps: list[tuple[LoggedCollective, str]] = []
+    steps: list[tuple[LoggedCollective, str, str]] = []  # (collective, phase, how)
     for c in logged:
         if c.phase != "forward" or not c.autodiff:
-            steps.append((c, c.phase))  # hand-written: as logged
+            steps.append((c, c.phase, ""))  # hand-written: as logged
             continue
-        steps.append((c, "forward"))
+        steps.append((c, "forward", ""))
         if recomputed(c, m.remat):
-            steps.append((c, "recompute"))
+            steps.append((c, "recompute", ""))
         back = collective_log.transpose(c)
         if back is not None:
-            steps.append((back, "backward"))
+            steps.append((back, "backward", " transposed"))
     out = []
-    for c, phase in steps:
+    for c, phase, how in steps:
         calls = c.calls
         in_loop = bool(c.loops)
         if phase == "forward" and c.weight and c.kind == "all-gather" and not c.in_loop("layers"):
@@ -146,7 +146,7 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
             calls, in_loop = calls // k if c.in_loop("microbatches") else calls, False
         out.append(
             PlannedCollective(
-                what=f"{c.part or '-'}: {c.op}('{c.spec}')",
+                what=f"{c.part or '-'}: {c.op}('{c.spec}'){how}",
                 phase=phase,
                 kind=c.kind,
                 axes=c.axes,

@@ -50,7 +50,15 @@ def test_describe_without_compiling(cfg):
     text = describe(cfg, compile_step=False)
     assert f"parameters: {param_count(cfg.model):,}" in text
     assert "weights on mesh d=4 x t=2" in text
-    assert "communication per train step" not in text
+    assert "from the step compiled" not in text
+    # Every collective of the step, predicted from the notation without compiling.
+    assert "communication per train step, predicted from the notation (nothing compiled" in text
+    assert re.search(
+        r"^backward +per layer +down: all_gather\('M/d F/t -> M F/t'\) transposed +reduce-scatter +d ",
+        text,
+        re.M,
+    )
+    assert re.search(r"^recompute +per layer +q: all_gather", text, re.M)
     for part in ("weights", "grads", "optimizer", "activations", "logits", "total"):
         assert re.search(rf"^  {part}\s+\d", text, re.M), part
 
