@@ -226,4 +226,5 @@ def test_show_plans_for_other_machines_without_compiling(tmp_path, tiny_yaml, ca
     assert "not compiling the train step: mesh d=8 x t=2 needs 16 devices" in out
     assert "plan for 16 chips (a v5e-16 slice), mesh d=8 x t=2" in out
     assert re.search(r"^verdict: fits: ", out, re.M)
-    assert "communication per train step" not in out
+    assert "from the step compiled" not in out
+    assert "communication per train step, predicted from the notation (nothing compiled" in out

@@ -460,10 +460,17 @@ def test_remat_recompute_matches_xla():
     its recompute here) and the norms, mask, softmax and SwiGLU product; leaving out q . k^T
     would put the ratio near 6, leaving out the softmax and mask near 1.3. (XLA counts the
     recomputed elementwise work at 1.5x to 2.5x the table's, so the ratio for 'saved' grows
-    where that work is a larger share: 1.63 with d_ff=512 and d_head=16.)"""
-    none = _xla_train_step(ModelConfig(**XLA_MODEL, remat="none"), XLA_MESH, XLA_BATCH, XLA_LEN)
+    where that work is a larger share: 1.63 with d_ff=512 and d_head=16.)
+
+    Autodiff's backward. The hand-written one (the default) matches the table over the whole
+    step (the tests above run it; measured XLA / table: none 1.022, saved 1.018, full 1.016),
+    but it rebuilds swish(gate) * up in its backward under every policy ('none' keeps no
+    SwiGLU product, backward.ACTIVATIONS), so what 'saved' adds over its own 'none' leaves
+    that op out: measured 0.877 of the table's recompute for 'saved', 0.990 for 'full'."""
+    autodiff = dict(XLA_MODEL, backward="autodiff")
+    none = _xla_train_step(ModelConfig(**autodiff, remat="none"), XLA_MESH, XLA_BATCH, XLA_LEN)
     for remat, (low, high) in (("saved", (1.0, 1.2)), ("full", (1.0, 1.05))):
-        model = ModelConfig(**XLA_MODEL, remat=remat)
+        model = ModelConfig(**autodiff, remat=remat)
         added = _xla_train_step(model, XLA_MESH, XLA_BATCH, XLA_LEN) - none
         ratio = added / _ours(model, XLA_MESH, XLA_BATCH, XLA_LEN).sum("recompute")
         assert low <= ratio < high, (remat, ratio)

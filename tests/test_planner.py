@@ -160,10 +160,11 @@ def test_fused_attention_holds_no_scores():
 
 def test_collectives_follow_the_remat_policy():
     """saved and full re-gather every layer weight in the backward pass; none keeps them;
-    full alone repeats the attention output's reduce-scatter."""
+    full alone repeats the attention output's reduce-scatter (autodiff's backward, derived
+    from the policy; the hand-written one logs its own, tests/test_step_comms.py)."""
 
     def count(remat, phase, what):
-        cfg = one_b("mesh.d=4", "mesh.t=2", f"model.remat={remat}")
+        cfg = one_b("mesh.d=4", "mesh.t=2", f"model.remat={remat}", "model.backward=autodiff")
         return sum(
             c.calls for c in collectives_per_step(cfg) if c.phase == phase and what in c.what
         )

@@ -34,6 +34,7 @@ __all__ = [
     "apply_rope",
     "attention",
     "attention_mask",
+    "attention_vjp",
     "document_positions",
     "fused_attention",
     "resolve_impl",
@@ -135,6 +136,28 @@ def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     return shardops.einsum_unreduced(
         "B/d Qlen Klen Q K/t, B/d Klen K/t D -> B/d Qlen Q K/t D", probs, v
     )
+
+
+def attention_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    impl: str,
+    causal_only: bool,
+    g: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dq, dk, dv of :func:`attention` given its output's cotangent ``g``: the
+    implementation's own VJP. Splash's backward re-runs its forward kernel itself (for the
+    logsumexp), so it is called directly; the others through ``jax.vjp`` (cudnn's forward
+    keeps softmax statistics its backward reads)."""
+    impl = resolve_impl(impl)
+    if impl == "splash" and mask.ndim == 2:
+        from seqshard.model.splash import splash_attention_vjp
+
+        return splash_attention_vjp(q, k, v, None if causal_only else mask, g)
+    _, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, mask, impl, causal_only), q, k, v)
+    return pullback(g)
 
 
 def fused_attention(q, k, v, mask, impl: str, causal_only: bool) -> jax.Array:

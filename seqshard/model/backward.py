@@ -91,6 +91,7 @@ from seqshard.model.attention import (
     apply_rope,
     attention,
     attention_mask,
+    attention_vjp,
     document_positions,
     resolve_impl,
     rope_tables,
@@ -159,7 +160,7 @@ KEPT: Mapping[str, tuple[str, ...]] = {
 }
 """``model.remat`` -> the activations the forward pass keeps per layer for the backward pass."""
 
-_PART_OF = {"ln1": "attn_norm", "gx": "attn_norm", "w_kv": "kv", "w_o": "o", "h": "o"}
+_PART_OF = {"ln1": "attn_norm", "gx": "attn_norm", "w_q": "q", "w_kv": "kv", "w_o": "o", "h": "o"}
 _PART_OF |= {"ln2": "ffn_norm", "gh": "ffn_norm", "w_gate": "gate", "w_up": "up", "w_down": "down"}
 """The operation (as :func:`seqshard.flops.step_flops` names it) each activation belongs to,
 for the collective log; others are named as themselves (``q``)."""
@@ -300,15 +301,13 @@ def attention_backward(
     shard holds whole kv heads and their query heads), no communication.
 
     Einsum attention: written out. Fused kernels (cudnn, xla, splash): the implementation's
-    own VJP (``jax.vjp``) for this core only, re-running its forward for its residuals.
+    own VJP for this core only (:func:`seqshard.model.attention.attention_vjp`: cudnn and xla
+    re-run their forward for its residuals; splash's backward re-runs its kernel itself).
     """
     q, k, v = a["q"], a["k"], a["v"]
     if not _einsum_attention(cfg):
         causal_only = cfg.attention_mask == "causal"
-        _, pullback = jax.vjp(
-            lambda q, k, v: attention(q, k, v, mask, cfg.attention_impl, causal_only), q, k, v
-        )
-        return pullback(d_attn)
+        return attention_vjp(q, k, v, mask, cfg.attention_impl, causal_only, d_attn)
     probs = a["probs"]
     # attn = probs . v
     d_probs = shardops.einsum_unreduced(

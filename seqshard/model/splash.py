@@ -39,7 +39,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from seqshard.shardtypes import manual_axes, per_device_unchecked
 from seqshard.vma import varying_axes
 
-__all__ = ["block_size", "splash_attention"]
+__all__ = ["block_size", "splash_attention", "splash_attention_vjp"]
 
 LANES = 128
 """Splash blocks are multiples of the TPU lane width: L must be one too."""
@@ -88,6 +88,23 @@ def splash_attention(
     axes = tuple(a for a in manual if a in varying)
     q, k, v, segment_ids = (None if x is None else _vary(x, axes) for x in (q, k, v, segment_ids))
     return _hosted(axes, q, k, v, segment_ids)
+
+
+def splash_attention_vjp(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, g: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dq, dk, dv of :func:`splash_attention` given its output's cotangent ``g``, hosted as
+    its backward is (the kernel's own VJP), without running the forward kernel first: for a
+    hand-written backward (``model.backward=explicit``), which has q, k, v at hand. Each
+    cotangent is typed as varying over the axes its inputs vary over."""
+    manual = manual_axes()
+    if not manual:
+        return _local_attention_vjp(q, k, v, segment_ids, g)
+    inputs = (q, k, v, segment_ids, g)
+    varying = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
+    axes = tuple(a for a in manual if a in varying)
+    q, k, v, segment_ids, g = (None if x is None else _vary(x, axes) for x in inputs)
+    return _hosted_bwd(axes, (q, k, v, segment_ids), g)[:3]
 
 
 # ---------------------------------------------------------------------------------------------
