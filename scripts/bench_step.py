@@ -183,10 +183,20 @@ def make_step_with_backward(
     return make_train_step(dataclasses.replace(cfg, model=model), mesh, opt)
 
 
+def make_step_with_residual(
+    residual: str, cfg: Config, mesh: Mesh, opt: optax.GradientTransformation
+):
+    """seqshard's step with ``model.residual`` set to ``residual``."""
+    model = dataclasses.replace(cfg.model, residual=residual)
+    return make_train_step(dataclasses.replace(cfg, model=model), mesh, opt)
+
+
 IMPLS = {
     "seqshard": make_train_step,
     "seqshard-autodiff": functools.partial(make_step_with_backward, "autodiff"),
     "seqshard-explicit": functools.partial(make_step_with_backward, "explicit"),
+    "seqshard-M/t": functools.partial(make_step_with_residual, "M/t"),
+    "seqshard-L/t": functools.partial(make_step_with_residual, "L/t"),
     "gspmd": make_gspmd_step,
     "gspmd-act": functools.partial(make_gspmd_step, constrain_acts=True),
 }
@@ -430,6 +440,17 @@ def main(argv: list[str] | None = None) -> None:
                 f"(vs gspmd-act, the baseline with the residual constrained: seqshard@{s[0]} "
                 f"vs gspmd-act@{g[0]}: {s[1] / g[1]:.3f})"
             )
+        per_mesh = {
+            v.mesh_name: tps[f"seqshard@{v.mesh_name}"] / tps[v.name]
+            for v in variants
+            if v.impl == "gspmd-act" and f"seqshard@{v.mesh_name}" in tps
+        }
+        if per_mesh:
+            print(
+                "seqshard / gspmd-act on the same mesh: "
+                + ", ".join(f"{m} {r:.3f}" for m, r in per_mesh.items())
+            )
+            print(f"ratio_vs_gspmd_act={min(per_mesh.values()):.3f}")
     for spec_only in (False, True):
         s, g = best("seqshard", spec_only), best("gspmd", spec_only)
         if s is None or g is None:

@@ -293,6 +293,12 @@ def check_config(cfg: Config) -> None:
             f"mesh axis d={mesh.d} does not divide (the batch is split over d). Choose "
             f"train.batch_size divisible by mesh.d * train.microbatches = {mesh.d * train.microbatches}."
         )
+    if mesh.is_resolved and cfg.model.residual == "L/t" and train.seq_len % mesh.t:
+        raise ConfigError(
+            f"model.residual=L/t splits the sequence over t, but train.seq_len={train.seq_len} "
+            f"is not divisible by mesh.t={mesh.t}. Choose train.seq_len divisible by "
+            f"{mesh.t}, or model.residual=M/t."
+        )
     if train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}.")
     if not 0 <= train.min_lr_ratio <= 1 or not 0 < train.decay_fraction <= 1:

@@ -32,7 +32,7 @@ from seqshard.train.state import train_state_structs
 from seqshard.train.step import make_train_step
 
 
-def _config(mesh: str, backward: str, remat: str, microbatches: int):
+def _config(mesh: str, backward: str, remat: str, microbatches: int, residual: str = "M/t"):
     d, t = mesh.split("x")
     return load_config(
         None,
@@ -42,6 +42,7 @@ def _config(mesh: str, backward: str, remat: str, microbatches: int):
             f"mesh.t={t}",
             f"model.backward={backward}",
             f"model.remat={remat}",
+            f"model.residual={residual}",
             "data.vocab_size=64",
             "train.batch_size=8",
             "train.seq_len=32",
@@ -105,6 +106,15 @@ MORE = [
 @pytest.mark.parametrize("mesh,backward,remat,microbatches", CASES)
 def test_predicted_collectives_are_the_compiled_ones(mesh, backward, remat, microbatches):
     _check(_config(mesh, backward, remat, microbatches))
+
+
+@pytest.mark.parametrize("backward", ["autodiff", "explicit"])
+def test_predicted_collectives_with_the_sequence_split_residual(backward):
+    """model.residual=L/t: the residual gathered and scattered along L instead of M."""
+    cfg = _config("2x4", backward, "saved", 1, residual="L/t")
+    _check(cfg)
+    gathers = {c.what for c in collectives_per_step(cfg) if c.kind == "all-gather"}
+    assert "attn_norm: all_gather('B/d L/t M -> B/d L M')" in gathers
 
 
 @pytest.mark.slow

@@ -156,6 +156,21 @@ def test_sharded_equals_reference_f32(shape):
     )
 
 
+SEQUENCE_PARALLEL = [(8, 1), (4, 2), (2, 4), (1, 8)]
+
+
+@pytest.mark.parametrize("shape", SEQUENCE_PARALLEL, ids=[f"{d}x{t}" for d, t in SEQUENCE_PARALLEL])
+@pytest.mark.parametrize("backward", ["explicit", "autodiff"])
+def test_sequence_parallel_residual_equals_reference(shape, backward):
+    """model.residual=L/t: the residual 'B/d L/t M' between blocks (Megatron's sequence
+    parallelism), gathered over t along L before each norm. The same model: the same loss,
+    logits and gradients as the reference, to the same f32 tolerances."""
+    cfg = dataclasses.replace(CFG, residual="L/t", backward=backward)
+    assert_matches_reference(
+        sharded_outputs(cfg, shape), reference_outputs(CFG), F32_LOSS, F32_LOGITS, F32_GRADS
+    )
+
+
 def test_sharded_equals_reference_bf16():
     """bf16 matmul inputs round differently in the two programs (the sharded one sums
     psum_scatter partials and vocab blocks in its own order, in bf16 where the activations are

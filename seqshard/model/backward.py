@@ -39,8 +39,9 @@ reduce-scatters its table over d. So the step holds exactly autodiff's collectiv
 
 How the seed's open questions are resolved:
 
-* **Residual 'B/d L M' or 'B/d L M/t'.** 'B/d L M/t', as the forward's residual between
-  blocks: the scan carries dL/dx split over t, and the seed's 'B/d L M' gradient exists only
+* **Residual 'B/d L M' or 'B/d L M/t'.** The forward's residual between blocks
+  (``model.residual``: 'B/d L M/t', or 'B/d L/t M' under sequence parallelism; every spec
+  below that names the residual reads ``cfg.residual_spec``): the scan carries dL/dx split over t, and the seed's 'B/d L M' gradient exists only
   inside a block, gathered over t just before the output projections' backward (the
   transposes of the forward's psum_scatters). Keeping 'B/d L M' through the layer would need
   an all-reduce over t where the norms' partial sums meet the residual (the same bytes as
@@ -49,7 +50,7 @@ How the seed's open questions are resolved:
   FFN norm, K/t into the attention norm, V/t into the final norm) leave dL/d(normed input)
   owing a sum over t. The RMSNorm backward is linear in its cotangent (the gathered input it
   also reads is whole), so it runs on the partial sums, and the one reduce-scatter that
-  transposes the residual's all_gather does the sum over t and lands it 'B/d L M/t': no
+  transposes the residual's all_gather does the sum over t and lands it split over t: no
   all-reduce, nowhere.
 * **Norm gains.** dL/dgain sums dy * x / rms(x) over this device's B/d rows of a dy that owes
   a sum over t: 'M{U_t,d}', reduced by one psum_scatter over (t, d) straight into
@@ -125,7 +126,7 @@ __all__ = [
 Activations = dict[str, jax.Array]
 
 ACTIVATIONS = (
-    "x",  # the layer input, the residual 'B/d L M/t'
+    "x",  # the layer input, the residual (cfg.residual_spec: 'B/d L M/t' or 'B/d L/t M')
     "ln1",  # the pre-attention norm gain, gathered: 'M' f32
     "gx",  # x gathered over t: 'B/d L M'
     "nx",  # the normed input of the q, k, v projections: 'B/d L M'
@@ -137,7 +138,7 @@ ACTIVATIONS = (
     "probs",  # einsum attention only: f32 'B/d Qlen Klen Q K/t'
     "attn",  # the attention output before w_o: 'B/d L Q K/t D'
     "w_o",  # 'M Q K/t D'
-    "h",  # the residual after attention: 'B/d L M/t'
+    "h",  # the residual after attention
     "ln2",  # 'M' f32
     "gh",  # h gathered over t: 'B/d L M'
     "nh",  # the FFN's normed input: 'B/d L M'
@@ -203,7 +204,7 @@ def layer_activations(
     x = a["x"]
     # attention_inputs. The norm needs all of M: gather its gain, and the residual over t.
     ln1 = at("ln1", lambda: shardops.all_gather("M/t/d -> M", w.ln1))
-    gx = at("gx", lambda: shardops.all_gather("B/d L M/t -> B/d L M", x))
+    gx = at("gx", lambda: shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x))
     nx = at("nx", lambda: rms_norm(gx, ln1, cfg.norm_eps).astype(dt))
     # FSDP: each matrix is gathered over d just before use, in the backward pass again (only
     # remat=none keeps gathered weights).
@@ -236,13 +237,13 @@ def layer_activations(
 
     def residual_after_attention() -> jax.Array:
         out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
-        # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
-        return x + shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+        # Each t shard contracted only its own heads (K/t): sum the shards, into the residual's layout.
+        return x + shardops.psum_scatter(f"B/d L M -> {cfg.residual_spec}", out)
 
     h = at("h", residual_after_attention)
     # ffn: as before the attention, the norm needs all of M; the matrices are gathered over d.
     ln2 = at("ln2", lambda: shardops.all_gather("M/t/d -> M", w.ln2))
-    gh = at("gh", lambda: shardops.all_gather("B/d L M/t -> B/d L M", h))
+    gh = at("gh", lambda: shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", h))
     nh = at("nh", lambda: rms_norm(gh, ln2, cfg.norm_eps).astype(dt))
     w_gate = at("w_gate", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt)))
     w_up = at("w_up", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt)))
@@ -265,13 +266,13 @@ def _probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
-    """The layer's output 'B/d L M/t' from its activations: the SwiGLU down projection added
+    """The layer's output (a residual) from its activations: the SwiGLU down projection added
     to the residual h (the rest of transformer.py's ``ffn``)."""
     y = jax.nn.silu(a["gate"]) * a["up"]
     with part("down"):
         out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, a["w_down"])
-        # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
-        out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+        # Each t shard contracted only its own slice of F (F/t): sum the shards, into the residual's layout.
+        out = shardops.psum_scatter(f"B/d L M -> {cfg.residual_spec}", out)
     return (a["h"] + out).astype(jnp.dtype(cfg.compute_dtype))
 
 
@@ -336,7 +337,7 @@ def attention_backward(
 def layer_backward(
     cfg: ModelConfig, rope, mask: jax.Array, a: Activations, d_out: jax.Array
 ) -> tuple[jax.Array, Layer]:
-    """dL/dx 'B/d L M/t' and the layer's weight gradients (a :class:`Layer`, each field in its
+    """dL/dx (a residual) and the layer's weight gradients (a :class:`Layer`, each field in its
     own sharded layout, f32), from the layer's activations and dL/d(output) ``d_out``."""
     dt, f32 = jnp.dtype(cfg.compute_dtype), jnp.float32
     cos, sin = rope
@@ -345,7 +346,7 @@ def layer_backward(
     # The forward reduce-scattered the down projection over t; its transpose gathers the
     # gradient over t, so each t shard has all of M against its slice of F.
     with part("down"):
-        g = shardops.all_gather("B/d L M/t -> B/d L M", d_out)
+        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", d_out)
         gate, up = a["gate"], a["up"]
         y = jax.nn.silu(gate) * up
         d_y = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", g, a["w_down"])
@@ -373,12 +374,14 @@ def layer_backward(
     with part("ffn_norm"):
         d_ln2 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln2)
         # The transpose of the gather of h over t: it sums the partial d_gh over t as it scatters.
-        d_h = d_out + shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gh.astype(dt))
+        d_h = d_out + shardops.psum_scatter(
+            f"B/d L M{{U_t}} -> {cfg.residual_spec}", d_gh.astype(dt)
+        )
 
     # --- attention: h = x + psum_scatter(attn . w_o) -------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
     with part("o"):
-        g = shardops.all_gather("B/d L M/t -> B/d L M", d_h)
+        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", d_h)
         d_attn = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", g, a["w_o"])
         d_w_o = shardops.einsum_unreduced("B/d L Q K/t D, B/d L M -> M Q K/t D{U_d}", a["attn"], g)
         # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
@@ -401,7 +404,7 @@ def layer_backward(
     d_gx, d_ln1 = rms_norm_backward(a["gx"], a["ln1"], d_nx, cfg.norm_eps)
     with part("attn_norm"):
         d_ln1 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln1)
-        d_x = d_h + shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gx.astype(dt))
+        d_x = d_h + shardops.psum_scatter(f"B/d L M{{U_t}} -> {cfg.residual_spec}", d_gx.astype(dt))
 
     grads = Layer(
         ln1=d_ln1,
@@ -423,14 +426,14 @@ def layer_backward(
 def head_forward(
     cfg: ModelConfig, w: Weights, x: jax.Array, tokens: jax.Array, is_seq_start: jax.Array
 ) -> tuple[jax.Array, Activations]:
-    """transformer.py's final_norm, unembed and loss on the last residual 'B/d L M/t': the
+    """transformer.py's final_norm, unembed and loss on the last residual: the
     loss terms f32[2] and what the backward keeps of them (everything it reads, as autodiff
     keeps outside the scanned layers)."""
     dt = jnp.dtype(cfg.compute_dtype)
     # final_norm: the norm needs all of M, so the residual is gathered over t.
     with part("final_norm"):
         ln = shardops.all_gather("M/t/d -> M", w.final_norm)
-        gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+        gx = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x)
     nx = rms_norm(gx, ln, cfg.norm_eps).astype(dt)
     # unembed: each t shard computes the logits of its vocab block.
     with part("logits"):
@@ -449,7 +452,7 @@ def head_backward(
     is_seq_start: jax.Array,
     d_total: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dL/dx 'B/d L M/t' of the last residual and the gradients of ``final_norm`` and
+    """dL/dx of the last residual and the gradients of ``final_norm`` and
     ``unembed`` in their layouts, given dL/d(summed loss) ``d_total`` (a scalar)."""
     dt, f32 = jnp.dtype(cfg.compute_dtype), jnp.float32
     targets, counted = next_token_targets(tokens, is_seq_start)
@@ -476,17 +479,17 @@ def head_backward(
     d_gx, d_ln = rms_norm_backward(gx, ln, d_nx, cfg.norm_eps)
     with part("final_norm"):
         d_final_norm = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln)
-        d_x = shardops.psum_scatter("B/d L M{U_t} -> B/d L M/t", d_gx.astype(dt))
+        d_x = shardops.psum_scatter(f"B/d L M{{U_t}} -> {cfg.residual_spec}", d_gx.astype(dt))
     return d_x, d_final_norm, d_unembed
 
 
 @part("embed")
 def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.Array:
-    """The embedding table's gradient 'V/t M/d' (f32) from dL/dx 'B/d L M/t' of the first
+    """The embedding table's gradient 'V/t M/d' (f32) from dL/dx of the first
     residual: the transpose of transformer.py's ``embed``."""
     # The forward's psum_scatter summed the vocab shards' lookups over t; its transpose gives
     # every t shard the gradient of all of M.
-    g = shardops.all_gather("B/d L M/t -> B/d L M", d_x)
+    g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", d_x)
     # index_unreduced's transpose: each t shard adds up the rows of its vocab block, over its
     # own B/d rows only.
     d_table = shardops.index_add("B/d L M, B/d L -> V/t M{U_d}", g, tokens, vocab=cfg.vocab)

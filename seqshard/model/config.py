@@ -18,12 +18,18 @@ __all__ = [
     "AttentionMask",
     "Backward",
     "ModelConfig",
+    "RESIDUAL_SPECS",
+    "Residual",
     "RematName",
 ]
 
 AttentionImpl = Literal["auto", "einsum", "cudnn", "xla", "splash"]
 AttentionMask = Literal["document", "causal"]
 Backward = Literal["autodiff", "explicit"]
+Residual = Literal["M/t", "L/t"]
+
+RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/d L M/t", "L/t": "B/d L/t M"}
+"""``model.residual`` -> the residual stream's layout between blocks, per device."""
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -62,6 +68,11 @@ class ModelConfig:
         the same collectives, less temporary memory, and 1.10x to 1.57x autodiff's tokens/s
         on ``scripts/bench_step.py``. ``autodiff``: JAX differentiates the forward pass
         (transposing each collective).
+    residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``M/t``:
+        ``'B/d L M/t'``, d_model split over t. ``L/t`` (Megatron's sequence parallelism):
+        ``'B/d L/t M'``, the sequence split over t (``train.seq_len`` divisible by t). Either
+        way each block gathers the residual to ``'B/d L M'`` before its norm and
+        reduce-scatters its output back: the same model, other spec strings.
     """
 
     vocab: int = 4096
@@ -78,6 +89,7 @@ class ModelConfig:
     attention_impl: AttentionImpl = "auto"
     attention_mask: AttentionMask = "document"
     backward: Backward = "explicit"
+    residual: Residual = "M/t"
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():
@@ -96,6 +108,7 @@ class ModelConfig:
         _check_choice("attention_impl", self.attention_impl, AttentionImpl)
         _check_choice("attention_mask", self.attention_mask, AttentionMask)
         _check_choice("backward", self.backward, Backward)
+        _check_choice("residual", self.residual, Residual)
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(
                 f"model.rope_theta and model.norm_eps must be positive, got "
@@ -115,6 +128,11 @@ class ModelConfig:
         from seqshard.model.weights import check_weights_split  # weights.py imports this module
 
         check_weights_split(self, mesh_sizes)
+
+    @property
+    def residual_spec(self) -> str:
+        """The residual stream between blocks: ``'B/d L M/t'`` or ``'B/d L/t M'``."""
+        return RESIDUAL_SPECS[self.residual]
 
     @property
     def n_heads(self) -> int:

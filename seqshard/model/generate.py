@@ -457,7 +457,9 @@ def _checked(
             f"max_len, shorten the prompt, or ask for fewer tokens."
         )
     spec = DecodeSpec(
-        cfg=cfg,
+        # A decode step feeds one token per row: nothing to split over t in L. Whatever the
+        # training layout, the residual is 'B/d L M/t' here (the same model and weights).
+        cfg=dataclasses.replace(cfg, residual="M/t"),
         mesh=mesh,
         max_new_tokens=max_new_tokens,
         cache_len=cache_len,

@@ -4,10 +4,13 @@ Dimensions (one vocabulary, two registers): weight types use config names (``d_m
 ``d_ff``, ``vocab``, ``n_q_per_kv``, ``n_kv``, ``d_head``); op specs use B (batch),
 L (sequence), M (d_model), F (d_ff), V (vocab), Q (q heads per kv head), K (kv heads),
 D (head dim); Qlen/Klen are L on the query and key side. Mesh axes: d (FSDP: batch and weight
-rows) and t (tensor: heads, d_ff, vocab, and the residual's M).
+rows) and t (tensor: heads, d_ff, vocab, and the residual's M or L).
 
-Per device, a layer holds the residual ``x: 'B/d L M/t'`` and, per weight, one all-gather over
-d just before use. Communication per layer, forward (``remat=saved`` repeats the gathers in
+Per device, a layer holds the residual ``x`` and, per weight, one all-gather over d just
+before use. The residual's layout is ``model.residual`` (``cfg.residual_spec``): ``'B/d L M/t'``
+(``M/t``) or Megatron's sequence parallelism ``'B/d L/t M'`` (``L/t``). Both are gathered to
+``'B/d L M'`` before each norm and scattered back after each block: one model, two spec
+strings. Communication per layer, forward (``remat=saved`` repeats the gathers in
 the backward pass, whose transposes add the reduce-scatters of FSDP; ``model.backward=explicit``
 writes that backward pass out, in backward.py):
 
@@ -82,14 +85,15 @@ def next_token_targets(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.
 
 
 def embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
-    """'B/d L' ids -> the residual 'B/d L M/t' in compute dtype."""
+    """'B/d L' ids -> the residual (``cfg.residual_spec``) in compute dtype."""
     with part("embed"):
         table = shardops.all_gather(
             "V/t M/d -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype))
         )
         x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", table, tokens)
-        # Each t shard looked up only the rows of its vocab block: sum the shards, keep M/t.
-        return shardops.psum_scatter("B/d L M -> B/d L M/t", x)
+        # Each t shard looked up only the rows of its vocab block: sum the shards, scattered
+        # into the residual's layout.
+        return shardops.psum_scatter(f"B/d L M -> {cfg.residual_spec}", x)
 
 
 def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[jax.Array, ...]:
@@ -99,7 +103,7 @@ def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[ja
     # The norm needs all of M: gather the residual over t.
     with part("attn_norm"):
         ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
-        gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+        gx = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x)
         nx = rms_norm(gx, ln1, cfg.norm_eps).astype(dt)
     with part("q"):
         w_q = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt))
@@ -111,22 +115,23 @@ def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[ja
 
 
 def attention_output(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """The output projection of attn 'B/d L Q K/t D' plus the residual x: h 'B/d L M/t'."""
+    """The output projection of attn 'B/d L Q K/t D' plus the residual x: h, a residual."""
     dt = jnp.dtype(cfg.compute_dtype)
     with part("o"):
         w_o = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt))
         out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
-        # Each t shard contracted only its own heads (K/t): sum the shards, keep M/t.
-        out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+        # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
+        # residual's layout.
+        out = shardops.psum_scatter(f"B/d L M -> {cfg.residual_spec}", out)
     return x + out
 
 
 def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
-    """The pre-norm SwiGLU FFN plus the residual h: 'B/d L M/t' in compute dtype."""
+    """The pre-norm SwiGLU FFN plus the residual h: a residual in compute dtype."""
     dt = jnp.dtype(cfg.compute_dtype)
     with part("ffn_norm"):
         ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
-        gh = shardops.all_gather("B/d L M/t -> B/d L M", h)
+        gh = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", h)
         nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
     with part("gate"):
         w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt))
@@ -140,13 +145,14 @@ def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
     with part("down"):
         w_down = shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt))
         out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, w_down)
-        # Each t shard contracted only its own slice of F (F/t): sum the shards, keep M/t.
-        out = shardops.psum_scatter("B/d L M -> B/d L M/t", out)
+        # Each t shard contracted only its own slice of F (F/t): sum the shards, scattered into
+        # the residual's layout.
+        out = shardops.psum_scatter(f"B/d L M -> {cfg.residual_spec}", out)
     return (h + out).astype(dt)
 
 
 def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
-    """One pre-norm layer on the residual 'B/d L M/t', marking what the backward pass keeps."""
+    """One pre-norm layer on the residual, marking what the backward pass keeps."""
     q, k, v = (save_for_backward(a) for a in attention_inputs(cfg, w, x, rope))
     causal_only = cfg.attention_mask == "causal"
     attn = save_for_backward(attention(q, k, v, mask, cfg.attention_impl, causal_only))
@@ -156,10 +162,10 @@ def _layer(cfg: ModelConfig, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Ar
 
 
 def final_norm(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
-    """The residual 'B/d L M/t' -> final RMSNorm 'B/d L M' in compute dtype."""
+    """The residual -> final RMSNorm 'B/d L M' in compute dtype."""
     with part("final_norm"):
         ln = shardops.all_gather("M/t/d -> M", w.final_norm)
-        gx = shardops.all_gather("B/d L M/t -> B/d L M", x)
+        gx = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x)
         return rms_norm(gx, ln, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
 
 

@@ -67,6 +67,7 @@ _RESUMABLE_CHANGES = {
     "run",
     "runtime",
     "model.backward",  # the same gradients, written by hand or by autodiff
+    "model.residual",  # the same model, its residual in another layout
     "train.steps",
     "train.microbatches",
     "train.log_every",
