@@ -68,11 +68,13 @@ class ModelConfig:
         the same collectives, less temporary memory, and 1.10x to 1.57x autodiff's tokens/s
         on ``scripts/bench_step.py``. ``autodiff``: JAX differentiates the forward pass
         (transposing each collective).
-    residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``M/t``:
-        ``'B/d L M/t'``, d_model split over t. ``L/t`` (Megatron's sequence parallelism):
-        ``'B/d L/t M'``, the sequence split over t (``train.seq_len`` divisible by t). Either
-        way each block gathers the residual to ``'B/d L M'`` before its norm and
-        reduce-scatters its output back: the same model, other spec strings.
+    residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
+        (default; Megatron's sequence parallelism): ``'B/d L/t M'``, the sequence split over t
+        (``train.seq_len`` divisible by t). ``M/t``: ``'B/d L M/t'``, d_model split over t.
+        Either way each block gathers the residual to ``'B/d L M'`` before its norm and
+        reduce-scatters its output back: the same model, other spec strings. L/t ran 1.15x
+        (4x2) and 1.19x (2x4) M/t's tokens/s on ``scripts/bench_step.py``; with t = 1 they are
+        the same layout.
     """
 
     vocab: int = 4096
@@ -89,7 +91,7 @@ class ModelConfig:
     attention_impl: AttentionImpl = "auto"
     attention_mask: AttentionMask = "document"
     backward: Backward = "explicit"
-    residual: Residual = "M/t"
+    residual: Residual = "L/t"
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():
