@@ -104,6 +104,10 @@ def reference_loss_and_grads(cfg: ModelConfig):
 # ---------------------------------------------------------------------------------------------
 # One layer
 
+# The layer-level tests declare the residual 'B/d L M/t' in their types; the default 'B/d L/t M'
+# (model.residual=L/t) is checked through the whole model below.
+LAYER_CFG = dataclasses.replace(CFG, residual="M/t")
+
 LayerOut = tuple[f32[b"B/d L M/t"], f32[b"B/d L M/t"], Layer]  # output, dL/dx, dL/dweights
 Marked = tuple[  # what _layer marks with save_for_backward: q, k, v, attn, h, gate, up
     f32[b"B/d L Q K/t D"],
@@ -123,28 +127,30 @@ def test_layer_backward_equals_vjp_of_the_layer():
     mesh = mesh_of((2, 4))
     layer_w = jax.tree.map(lambda a: a[0], WEIGHTS.layers)
     rng = np.random.default_rng(1)
-    x, d_out = rng.standard_normal((2, BATCH, LENGTH, CFG.d_model), np.float32)
+    x, d_out = rng.standard_normal((2, BATCH, LENGTH, LAYER_CFG.d_model), np.float32)
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_autodiff(
         w: Layer, x: f32[b"B/d L M/t"], d_out: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
     ) -> LayerOut:
-        rope, mask = bw._rope_and_mask(CFG, is_seq_start)
-        (out, _), pullback = jax.vjp(lambda x, w: transformer._layer(CFG, rope, mask, x, w), x, w)
+        rope, mask = bw._rope_and_mask(LAYER_CFG, is_seq_start)
+        (out, _), pullback = jax.vjp(
+            lambda x, w: transformer._layer(LAYER_CFG, rope, mask, x, w), x, w
+        )
         return (out, *pullback((d_out, None)))
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_hand(
         w: Layer, x: f32[b"B/d L M/t"], d_out: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
     ) -> LayerOut:
-        rope, mask = bw._rope_and_mask(CFG, is_seq_start)
-        a = bw.layer_activations(CFG, rope, mask, w, {"x": x})
+        rope, mask = bw._rope_and_mask(LAYER_CFG, is_seq_start)
+        a = bw.layer_activations(LAYER_CFG, rope, mask, w, {"x": x})
         kept = {name: a[name] for name in bw.KEPT["saved"]}
         with shape_scope():  # as in the model: the backward is traced in a scope of its own
             d_x, d_w = bw.layer_backward(
-                CFG, rope, mask, bw.layer_activations(CFG, rope, mask, w, kept), d_out
+                LAYER_CFG, rope, mask, bw.layer_activations(LAYER_CFG, rope, mask, w, kept), d_out
             )
-        return bw.layer_output(CFG, a), d_x, d_w
+        return bw.layer_output(LAYER_CFG, a), d_x, d_w
 
     args = (layer_w, x, d_out, IS_SEQ_START)
     out, d_x, d_w = jax.tree.map(np.asarray, jax.jit(by_hand)(*args))
@@ -165,24 +171,24 @@ def test_saved_keeps_exactly_what_the_forward_marks(monkeypatch):
     monkeypatch.setattr(transformer, "save_for_backward", record)
     mesh = mesh_of((2, 4))
     layer_w = jax.tree.map(lambda a: a[0], WEIGHTS.layers)
-    x = np.random.default_rng(2).standard_normal((BATCH, LENGTH, CFG.d_model), np.float32)
+    x = np.random.default_rng(2).standard_normal((BATCH, LENGTH, LAYER_CFG.d_model), np.float32)
     names = bw.KEPT["saved"][1:]  # after the input x
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def both(
         w: Layer, x: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
     ) -> tuple[Marked, Marked]:
-        rope, mask = bw._rope_and_mask(CFG, is_seq_start)
-        transformer._layer(CFG, rope, mask, x, w)
+        rope, mask = bw._rope_and_mask(LAYER_CFG, is_seq_start)
+        transformer._layer(LAYER_CFG, rope, mask, x, w)
         with shape_scope():
-            a = bw.layer_activations(CFG, rope, mask, w, {"x": x})
+            a = bw.layer_activations(LAYER_CFG, rope, mask, w, {"x": x})
         return tuple(marked), tuple(a[n] for n in names)
 
     from_marks, kept = jax.jit(both)(layer_w, x, IS_SEQ_START)
     assert len(marked) == len(names), "save_for_backward marks changed: update backward.KEPT"
     for name, m, k in zip(names, from_marks, kept, strict=True):
         np.testing.assert_array_equal(np.asarray(k), np.asarray(m), err_msg=name)
-    assert bw.kept_activations(CFG) == bw.KEPT["saved"] == ("x", *names)
+    assert bw.kept_activations(LAYER_CFG) == bw.KEPT["saved"] == ("x", *names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +202,15 @@ CASES = [("saved", shape) for shape in MESHES] + [("full", (2, 4)), ("none", (2,
 def test_explicit_gradients_equal_the_reference(remat, shape):
     cfg = dataclasses.replace(CFG, remat=remat)
     loss, grads = sharded_loss_and_grads(cfg, shape)
+    ref_loss, ref_grads = reference_loss_and_grads(AUTODIFF)
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    assert_grads_close(grads, ref_grads, GRAD_TOL)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+def test_explicit_gradients_with_the_residual_split_over_d_model(shape):
+    """model.residual=M/t: the norms' backward before the gather's transpose."""
+    loss, grads = sharded_loss_and_grads(dataclasses.replace(CFG, residual="M/t"), shape)
     ref_loss, ref_grads = reference_loss_and_grads(AUTODIFF)
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
     assert_grads_close(grads, ref_grads, GRAD_TOL)

@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from model_weights import packed_batch as shared_packed_batch
 from model_weights import random_weights, tiny_model
 
-from seqshard import shardops
+from seqshard import collective_log
 from seqshard.config import ConfigError, load_config
 from seqshard.model import (
     ModelConfig,
@@ -43,11 +41,10 @@ from seqshard.model import (
     loss_fn,
     reference_logits_fn,
     reference_loss_fn,
-    transformer,
     weight_structs,
 )
 from seqshard.model.attention import resolve_impl
-from seqshard.remat import explicit_activation_checkpointing
+from seqshard.model.config import RESIDUAL_SPECS
 from seqshard.testing import count_collectives, fake_cpu_mesh, list_collectives
 
 CFG = tiny_model()
@@ -398,49 +395,31 @@ def totals(counter: collections.Counter) -> dict[str, int]:
     return {k: by_kind[k] for k in ("all-gather", "reduce-scatter", "all-reduce")}
 
 
-def test_comm_table_lists_the_shardops_calls_of_transformer_py(monkeypatch):
-    """Trace the model with the shardops collectives wrapped, recording each call site, in
-    the order the forward pass makes them, and whether it is inside the scanned layer body
-    (the function transformer.py hands to explicit_activation_checkpointing)."""
-    calls, in_body = {}, [False]
+def _for_residual(comms: tuple[Comm, ...], residual: str) -> list[tuple[str, str]]:
+    """(op, spec) of each call, the tables' 'B/d L M/t' read as ``residual``'s layout."""
+    layout = RESIDUAL_SPECS[residual]
+    return [(c.op, c.spec.replace("B/d L M/t", layout)) for c in comms]
 
-    def spy(op):
-        real = getattr(shardops, op)
 
-        def wrapper(spec, *args, **kwargs):
-            caller = sys._getframe(1)
-            if f"{os.sep}model{os.sep}" in caller.f_code.co_filename:
-                site = (caller.f_code.co_filename, caller.f_lineno)
-                calls.setdefault(site, (in_body[0], op, spec))
-            return real(spec, *args, **kwargs)
-
-        monkeypatch.setattr(shardops, op, wrapper)
-
-    def checkpointing(fn, policy):
-        def body(*args):
-            in_body[0] = True
-            try:
-                return fn(*args)
-            finally:
-                in_body[0] = False
-
-        return explicit_activation_checkpointing(body, policy)
-
-    for op in HLO_KIND:
-        spy(op)
-    monkeypatch.setattr(transformer, "explicit_activation_checkpointing", checkpointing)
-    cfg = dataclasses.replace(CFG, n_layers=3, rope_theta=12345.0)  # traced nowhere else
+@pytest.mark.parametrize("residual", ["M/t", "L/t"])
+def test_comm_table_lists_the_shardops_calls_of_transformer_py(residual):
+    """The collectives transformer.py's forward pass writes, as shardops log them while it
+    is traced (seqshard.collective_log), in order, inside the scanned layer body or not."""
+    cfg = dataclasses.replace(
+        CFG, n_layers=3, rope_theta=12345.0, backward="autodiff", residual=residual
+    )
     mesh = mesh_of((2, 4))
-    jax.eval_shape(
+    log = collective_log.traced(
         lambda w, tok, start: loss_fn(w, tok, start, cfg, mesh),
         weight_structs(cfg, mesh),
         jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32),
         jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.bool_),
     )
-    in_layer = [(op, spec) for body, op, spec in calls.values() if body]
-    outside = [(op, spec) for body, op, spec in calls.values() if not body]
-    assert in_layer == [(c.op, c.spec) for c in LAYER_BODY]
-    assert outside == [(c.op, c.spec) for c in OUTSIDE_SCAN]
+    in_layer = [(c.op, c.spec) for c in log.calls if c.in_loop("layers")]
+    outside = [(c.op, c.spec) for c in log.calls if not c.in_loop("layers")]
+    assert in_layer == _for_residual(LAYER_BODY, residual)
+    assert outside == _for_residual(OUTSIDE_SCAN, residual)
+    assert {c.loops for c in log.calls if c.in_loop("layers")} == {(("layers", 3),)}
 
 
 @functools.cache

@@ -103,7 +103,8 @@ from seqshard.model.transformer import (
     forward_loss_terms,
     loss_terms_and_softmax,
     next_token_targets,
-    rms_norm,
+    norm_input,
+    normed,
 )
 from seqshard.model.weights import Layer, Weights
 from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
@@ -120,6 +121,7 @@ __all__ = [
     "layer_activations",
     "layer_backward",
     "layer_output",
+    "norm_backward",
     "rms_norm_backward",
 ]
 
@@ -128,7 +130,7 @@ Activations = dict[str, jax.Array]
 ACTIVATIONS = (
     "x",  # the layer input, the residual (cfg.residual_spec: 'B/d L M/t' or 'B/d L/t M')
     "ln1",  # the pre-attention norm gain, gathered: 'M' f32
-    "gx",  # x gathered over t: 'B/d L M'
+    "gx",  # the norm's input (norm_input): x gathered over t 'B/d L M' (M/t), or x (L/t)
     "nx",  # the normed input of the q, k, v projections: 'B/d L M'
     "w_q",  # gathered over d, as every matrix below: 'M Q K/t D'
     "w_kv",  # '2 M K/t D'
@@ -140,7 +142,7 @@ ACTIVATIONS = (
     "w_o",  # 'M Q K/t D'
     "h",  # the residual after attention
     "ln2",  # 'M' f32
-    "gh",  # h gathered over t: 'B/d L M'
+    "gh",  # h, as gx
     "nh",  # the FFN's normed input: 'B/d L M'
     "w_gate",  # 'M F/t'
     "w_up",  # 'M F/t'
@@ -161,8 +163,9 @@ KEPT: Mapping[str, tuple[str, ...]] = {
 }
 """``model.remat`` -> the activations the forward pass keeps per layer for the backward pass."""
 
-_PART_OF = {"ln1": "attn_norm", "gx": "attn_norm", "w_q": "q", "w_kv": "kv", "w_o": "o", "h": "o"}
-_PART_OF |= {"ln2": "ffn_norm", "gh": "ffn_norm", "w_gate": "gate", "w_up": "up", "w_down": "down"}
+_PART_OF = {"ln1": "attn_norm", "gx": "attn_norm", "nx": "attn_norm", "w_q": "q", "w_kv": "kv"}
+_PART_OF |= {"w_o": "o", "h": "o", "ln2": "ffn_norm", "gh": "ffn_norm", "nh": "ffn_norm"}
+_PART_OF |= {"w_gate": "gate", "w_up": "up", "w_down": "down"}
 """The operation (as :func:`seqshard.flops.step_flops` names it) each activation belongs to,
 for the collective log; others are named as themselves (``q``)."""
 
@@ -202,10 +205,11 @@ def layer_activations(
         return a[name]
 
     x = a["x"]
-    # attention_inputs. The norm needs all of M: gather its gain, and the residual over t.
+    # attention_inputs. The norm needs all of M, the projections every row: gather the gain,
+    # and the residual over t (before the norm for M/t, its output after it for L/t).
     ln1 = at("ln1", lambda: shardops.all_gather("M/t/d -> M", w.ln1))
-    gx = at("gx", lambda: shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x))
-    nx = at("nx", lambda: rms_norm(gx, ln1, cfg.norm_eps).astype(dt))
+    gx = at("gx", lambda: norm_input(cfg, x))
+    nx = at("nx", lambda: normed(cfg, gx, ln1))
     # FSDP: each matrix is gathered over d just before use, in the backward pass again (only
     # remat=none keeps gathered weights).
     w_q = at("w_q", lambda: shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
@@ -243,8 +247,8 @@ def layer_activations(
     h = at("h", residual_after_attention)
     # ffn: as before the attention, the norm needs all of M; the matrices are gathered over d.
     ln2 = at("ln2", lambda: shardops.all_gather("M/t/d -> M", w.ln2))
-    gh = at("gh", lambda: shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", h))
-    nh = at("nh", lambda: rms_norm(gh, ln2, cfg.norm_eps).astype(dt))
+    gh = at("gh", lambda: norm_input(cfg, h))
+    nh = at("nh", lambda: normed(cfg, gh, ln2))
     w_gate = at("w_gate", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt)))
     w_up = at("w_up", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt)))
     at("w_down", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt)))
@@ -274,6 +278,31 @@ def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
         # Each t shard contracted only its own slice of F (F/t): sum the shards, into the residual's layout.
         out = shardops.psum_scatter(f"B/d L M -> {cfg.residual_spec}", out)
     return (a["h"] + out).astype(jnp.dtype(cfg.compute_dtype))
+
+
+def norm_backward(
+    cfg: ModelConfig, x: jax.Array, gain: jax.Array, d_n: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The transpose of ``normed(cfg, x, gain)`` and of the gather in ``norm_input``: dL/d(the
+    residual) in its layout (compute dtype) and the gain's gradient 'M/t/d' (f32), from
+    ``d_n``, dL/d(normed rows) 'B/d L M' owing a sum over t (the projections contracted a
+    t-split dimension). ``x`` is what :func:`~seqshard.model.transformer.norm_input` gave."""
+    dt, residual = jnp.dtype(cfg.compute_dtype), cfg.residual_spec
+    if cfg.residual == "M/t":
+        # The norm's backward is linear in its cotangent (and reads the gathered x, whole), so
+        # it runs on the partial sums; the transpose of the residual's gather over t sums them
+        # as it scatters.
+        d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
+        d_x = shardops.psum_scatter(f"B/d L M{{U_t}} -> {residual}", d_x.astype(dt))
+    else:
+        # The transpose of the gather of the normed rows: summed over t, each shard its own
+        # rows; then the norm's backward on them, local.
+        d_n = shardops.psum_scatter(f"B/d L M{{U_t}} -> {residual}", d_n.astype(dt))
+        d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
+        d_x = d_x.astype(dt)
+    # Summed over this device's rows, partial over t (partial sums, or other rows): one
+    # reduce-scatter over both, into the gain's 'M/t/d' (the transpose of its gather).
+    return d_x, shardops.psum_scatter("M{U_t,d} -> M/t/d", d_gain)
 
 
 def rms_norm_backward(
@@ -339,7 +368,7 @@ def layer_backward(
 ) -> tuple[jax.Array, Layer]:
     """dL/dx (a residual) and the layer's weight gradients (a :class:`Layer`, each field in its
     own sharded layout, f32), from the layer's activations and dL/d(output) ``d_out``."""
-    dt, f32 = jnp.dtype(cfg.compute_dtype), jnp.float32
+    f32 = jnp.float32
     cos, sin = rope
 
     # --- FFN: out = h + psum_scatter(swiglu(nh) . w_down) ---------------------------------
@@ -367,16 +396,10 @@ def layer_backward(
     with part("gate_up"):
         d_w_gate = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_gate)
         d_w_up = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_up)
-    # d_nh still owes the sum over the F/t shards; the norm's backward is linear in it.
-    d_gh, d_ln2 = rms_norm_backward(a["gh"], a["ln2"], d_nh, cfg.norm_eps)
-    # Summed over this device's rows, of partial sums over t: one reduce-scatter over both,
-    # into ln2's 'M/t/d' (the transpose of its gather).
+    # d_nh still owes the sum over the F/t shards.
     with part("ffn_norm"):
-        d_ln2 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln2)
-        # The transpose of the gather of h over t: it sums the partial d_gh over t as it scatters.
-        d_h = d_out + shardops.psum_scatter(
-            f"B/d L M{{U_t}} -> {cfg.residual_spec}", d_gh.astype(dt)
-        )
+        d_gh, d_ln2 = norm_backward(cfg, a["gh"], a["ln2"], d_nh)
+    d_h = d_out + d_gh
 
     # --- attention: h = x + psum_scatter(attn . w_o) -------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
@@ -400,11 +423,10 @@ def layer_backward(
     with part("q_kv"):
         d_w_q = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_q)
         d_w_kv = shardops.psum_scatter("2 M K/t D{U_d} -> 2 M/d K/t D", d_w_kv)
-    # d_nx owes the sum over the K/t shards (heads); as for ln2 and h above.
-    d_gx, d_ln1 = rms_norm_backward(a["gx"], a["ln1"], d_nx, cfg.norm_eps)
+    # d_nx owes the sum over the K/t shards (heads).
     with part("attn_norm"):
-        d_ln1 = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln1)
-        d_x = d_h + shardops.psum_scatter(f"B/d L M{{U_t}} -> {cfg.residual_spec}", d_gx.astype(dt))
+        d_gx, d_ln1 = norm_backward(cfg, a["gx"], a["ln1"], d_nx)
+    d_x = d_h + d_gx
 
     grads = Layer(
         ln1=d_ln1,
@@ -430,11 +452,11 @@ def head_forward(
     loss terms f32[2] and what the backward keeps of them (everything it reads, as autodiff
     keeps outside the scanned layers)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    # final_norm: the norm needs all of M, so the residual is gathered over t.
+    # final_norm: the norm needs all of M, the logits every row (as in the layers).
     with part("final_norm"):
         ln = shardops.all_gather("M/t/d -> M", w.final_norm)
-        gx = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x)
-    nx = rms_norm(gx, ln, cfg.norm_eps).astype(dt)
+        gx = norm_input(cfg, x)
+        nx = normed(cfg, gx, ln)
     # unembed: each t shard computes the logits of its vocab block.
     with part("logits"):
         table = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(dt))
@@ -442,7 +464,8 @@ def head_forward(
         "B/d L M, V/t M -> B/d L V/t", nx, table, preferred_element_type=jnp.float32
     )
     terms, exp, sum_exp = loss_terms_and_softmax(logits, tokens, is_seq_start)
-    return terms, {"ln": ln, "gx": gx, "table": table, "exp": exp, "sum_exp": sum_exp}
+    kept = {"ln": ln, "gx": gx, "nx": nx, "table": table, "exp": exp, "sum_exp": sum_exp}
+    return terms, kept
 
 
 def head_backward(
@@ -468,18 +491,15 @@ def head_backward(
     d_logits = (d_nll / sum_exp)[..., None] * exp - jnp.where(is_target, d_nll[..., None], 0.0)
     d_logits = d_logits.astype(dt)
     # unembed: logits = nx . table^T, the table gathered over d.
-    ln, gx, table = kept["ln"], kept["gx"], kept["table"]
-    nx = rms_norm(gx, ln, cfg.norm_eps).astype(dt)  # elementwise: recomputed, not kept
+    ln, gx, nx, table = kept["ln"], kept["gx"], kept["nx"], kept["table"]
     d_nx = shardops.einsum_unreduced("B/d L V/t, V/t M -> B/d L M{U_t}", d_logits, table)
     d_table = shardops.einsum_unreduced("B/d L M, B/d L V/t -> V/t M{U_d}", nx, d_logits)
     # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
     with part("logits"):
         d_unembed = shardops.psum_scatter("V/t M{U_d} -> V/t M/d", d_table).astype(f32)
     # final_norm, with d_nx owing the sum over the vocab blocks (as in layer_backward).
-    d_gx, d_ln = rms_norm_backward(gx, ln, d_nx, cfg.norm_eps)
     with part("final_norm"):
-        d_final_norm = shardops.psum_scatter("M{U_t,d} -> M/t/d", d_ln)
-        d_x = shardops.psum_scatter(f"B/d L M{{U_t}} -> {cfg.residual_spec}", d_gx.astype(dt))
+        d_x, d_final_norm = norm_backward(cfg, gx, ln, d_nx)
     return d_x, d_final_norm, d_unembed
 
 

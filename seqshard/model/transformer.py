@@ -7,15 +7,16 @@ D (head dim); Qlen/Klen are L on the query and key side. Mesh axes: d (FSDP: bat
 rows) and t (tensor: heads, d_ff, vocab, and the residual's M or L).
 
 Per device, a layer holds the residual ``x`` and, per weight, one all-gather over d just
-before use. The residual's layout is ``model.residual`` (``cfg.residual_spec``): ``'B/d L M/t'``
-(``M/t``) or Megatron's sequence parallelism ``'B/d L/t M'`` (``L/t``). Both are gathered to
-``'B/d L M'`` before each norm and scattered back after each block: one model, two spec
-strings. Communication per layer, forward (``remat=saved`` repeats the gathers in
+before use. The residual's layout is ``model.residual`` (``cfg.residual_spec``): Megatron's
+sequence parallelism ``'B/d L/t M'`` (``L/t``, the default) or ``'B/d L M/t'`` (``M/t``). Each
+block gathers it over t to ``'B/d L M'`` around its norm (after the norm for ``L/t``, which
+holds all of M per row; before it for ``M/t``) and reduce-scatters its output back: one
+model, other spec strings. Communication per layer, forward (``remat=saved`` repeats the gathers in
 the backward pass, whose transposes add the reduce-scatters of FSDP; ``model.backward=explicit``
 writes that backward pass out, in backward.py):
 
     all_gather over t,d   ln1, ln2                        (norm gains, tiny)
-    all_gather over t     x before each norm (2)          (activations: B/d L M)
+    all_gather over t     the residual around each norm (2) (activations: B/d L M)
     all_gather over d     w_q, w_kv, w_o, w_gate, w_up, w_down
     psum_scatter over t   attention and FFN outputs (2)   (they contract a t-split dim)
 
@@ -61,6 +62,8 @@ __all__ = [
     "loss_terms_and_softmax",
     "loss_sum_and_count",
     "next_token_targets",
+    "norm_input",
+    "normed",
     "rms_norm",
     "unembed",
 ]
@@ -71,6 +74,26 @@ def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
     x = x.astype(jnp.float32)
     gain = gain.reshape((1,) * (x.ndim - 1) + gain.shape)
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def norm_input(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """What the pre-norm normalizes: the residual with all of M. A residual split over M
+    (``'B/d L M/t'``) is gathered over t; one split over L (``'B/d L/t M'``) already holds all of
+    M for its rows and is normalized as it is (:func:`normed`)."""
+    if cfg.residual == "M/t":
+        return shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x)
+    return x
+
+
+def normed(cfg: ModelConfig, x: jax.Array, gain: jax.Array) -> jax.Array:
+    """RMSNorm of :func:`norm_input`'s ``x`` with the gathered ``gain`` 'M', as 'B/d L M' in
+    compute dtype: the projections need every row. Under ``model.residual=L/t`` each device
+    normalizes its own rows (t times less work than on gathered rows), then the rows are
+    gathered over t (Megatron's sequence parallelism)."""
+    n = rms_norm(x, gain, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
+    if cfg.residual == "M/t":
+        return n
+    return shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", n)
 
 
 def next_token_targets(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -100,11 +123,10 @@ def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[ja
     """Pre-norm, then q 'B/d L Q K/t D' and k, v 'B/d L K/t D', q and k rotated by RoPE."""
     dt = jnp.dtype(cfg.compute_dtype)
     cos, sin = rope
-    # The norm needs all of M: gather the residual over t.
+    # The norm needs all of M; the projections, every row (norm_input, normed).
     with part("attn_norm"):
         ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
-        gx = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x)
-        nx = rms_norm(gx, ln1, cfg.norm_eps).astype(dt)
+        nx = normed(cfg, norm_input(cfg, x), ln1)
     with part("q"):
         w_q = shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt))
         q = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
@@ -131,8 +153,7 @@ def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
     dt = jnp.dtype(cfg.compute_dtype)
     with part("ffn_norm"):
         ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
-        gh = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", h)
-        nh = rms_norm(gh, ln2, cfg.norm_eps).astype(dt)
+        nh = normed(cfg, norm_input(cfg, h), ln2)
     with part("gate"):
         w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt))
         gate = save_for_backward(
@@ -165,8 +186,7 @@ def final_norm(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
     """The residual -> final RMSNorm 'B/d L M' in compute dtype."""
     with part("final_norm"):
         ln = shardops.all_gather("M/t/d -> M", w.final_norm)
-        gx = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", x)
-        return rms_norm(gx, ln, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
+        return normed(cfg, norm_input(cfg, x), ln)
 
 
 def _final_hidden(
