@@ -6,6 +6,7 @@ backward against autodiff, on 8 fake CPU devices.
     python scripts/bench_step.py --dtype bfloat16 --meshes 4x2 --steps 5
     python scripts/bench_step.py --remat full --hlo-dir /tmp/hlo   # also writes each variant's HLO
     python scripts/bench_step.py --impls seqshard,gspmd,gspmd-act --meshes 8x1,4x2
+    python scripts/bench_step.py --impls seqshard,seqshard-M/t,gspmd-act   # the residual's layouts
 
 The model (both variants): 2 layers, d_model 256, 2 kv heads x 2 query heads each, d_head 32,
 d_ff 1024, vocab 1280, packed documents (``attention_mask='document'``), einsum attention;
@@ -27,6 +28,9 @@ batch 32 x 128 tokens; AdamW + clipping from :func:`seqshard.train.optimizer.mak
   and optimizer state in the shardings of their types (``seqshard.shardtypes.shardings``), the
   batch ``TokenBatch``'s ``'B/d L'``; XLA's SPMD partitioner chooses every collective. It
   starts from the very same initial state, so the two first-step losses printed must agree.
+* **seqshard-M/t**, **seqshard-L/t** (only with ``--impls``): seqshard's step with
+  ``model.residual`` pinned: the residual between blocks ``'B/d L M/t'`` or ``'B/d L/t M'``
+  (sequence parallelism, the default).
 * **gspmd-act** (only with ``--impls``, not in the default run): the baseline plus one
   ``with_sharding_constraint`` of the residual stream to ``shardings(f32[b'B/d L M'], mesh)``
   (batch over d, replicated over t) after each residual add. Weights-only annotations leave
@@ -51,7 +55,9 @@ compares the two backward passes mesh by mesh (tokens/s, temp memory, compiled c
 and ends with the line ``ratio_explicit_vs_autodiff=X``: explicit over autodiff tokens/s, the
 minimum over the meshes (each mesh compares the same model, ``2x4*`` included). The last line
 is ``ratio_vs_gspmd=X``: seqshard (as configured by default) tokens/s at its best mesh over
-the baseline's at its best mesh.
+the baseline's at its best mesh. With ``gspmd-act`` in ``--impls``, the line
+``ratio_vs_gspmd_act=X`` gives the smallest, over the meshes run, of seqshard's tokens/s over
+gspmd-act's on the same mesh.
 
 Columns: step time (median and min over the timed steps), tokens/s (all B x L tokens),
 GFLOP/s of model FLOPs (``seqshard.flops.flops_per_token``: no credit for recomputation), MFU,
