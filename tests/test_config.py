@@ -123,7 +123,8 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "remat": "none",
         "attention_impl": "einsum",
         "attention_mask": "causal",
-        "backward": "explicit",
+        "backward": "autodiff",
+        "residual": "M/t",
     }
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (
         "a ModelConfig field was added or renamed: add it here"
@@ -133,6 +134,16 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
     )
     assert dataclasses.asdict(cfg.model) == values
     assert (cfg.mesh.d, cfg.mesh.t, cfg.train.steps) == (2, 2, 5)
+
+
+def test_a_sequence_the_residual_cannot_split_is_rejected():
+    with pytest.raises(ConfigError) as info:
+        load("mesh.d=2", "mesh.t=4", "model.n_kv=4", "train.seq_len=130")
+    msg = str(info.value)
+    assert "model.residual=L/t splits the sequence over t" in msg
+    assert "train.seq_len=130 is not divisible by mesh.t=4" in msg and "model.residual=M/t" in msg
+    cfg = load("mesh.d=2", "mesh.t=4", "model.n_kv=4", "train.seq_len=130", "model.residual=M/t")
+    assert cfg.model.residual_spec == "B/d L M/t"
 
 
 def test_resolved_config_round_trips(tmp_path):
