@@ -123,11 +123,19 @@ def test_resume_on_the_same_mesh_is_bit_for_bit(runs, half_copy, tiny_overrides)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize(("d", "t"), [(2, 4), (8, 1)])
-def test_resume_on_another_mesh_matches_within_tolerance(runs, half_copy, tiny_overrides, d, t):
+RESUME_CHANGES = [
+    ["mesh.d=2", "mesh.t=4"],
+    ["mesh.d=8", "mesh.t=1"],
+    # Same model, other layouts and the hand-written backward: the residual over M, not L.
+    ["model.residual=M/t", "model.backward=explicit"],
+]
+
+
+@pytest.mark.parametrize("changes", RESUME_CHANGES, ids=["2x4", "8x1", "M/t-explicit"])
+def test_resume_on_another_mesh_matches_within_tolerance(runs, half_copy, tiny_overrides, changes):
     root, _ = runs
     overrides = tiny_overrides(half_copy, "half", steps=12, **FLAT)
-    run([*overrides, f"mesh.d={d}", f"mesh.t={t}"])
+    run([*overrides, *changes])
     resumed, straight = by_step(half_copy / "half"), by_step(root / "straight")
     assert sorted(resumed) == list(range(1, 13))
     for step in range(7, 13):
@@ -137,8 +145,10 @@ def test_resume_on_another_mesh_matches_within_tolerance(runs, half_copy, tiny_o
                     resumed[step][key], straight[step][key], rtol=2e-5, err_msg=f"{step} {key}"
                 )
     assert resumed[12]["lr"] == straight[12]["lr"]
-    # The saved config records the mesh it last ran on.
-    assert load_config(half_copy / "half" / "config.yaml").mesh.d == d
+    # The saved config records the mesh and layouts it last ran on.
+    assert load_config(half_copy / "half" / "config.yaml") == load_config(
+        None, [*overrides, *changes]
+    )
 
 
 def test_a_changed_train_steps_is_noted_with_the_lr_it_changes():
