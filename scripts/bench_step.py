@@ -14,11 +14,12 @@ batch 32 x 128 tokens; AdamW + clipping from :func:`seqshard.train.optimizer.mak
 
 * **seqshard**: :func:`seqshard.train.step.make_train_step` (one ``shard_map``, every
   collective written) as configured by default, state from
-  :func:`seqshard.train.state.init_train_state`; its gradient by autodiff
-  (``model.backward=autodiff``, the default).
-* **seqshard-explicit**: the same step with ``model.backward=explicit``: the gradient is
-  ``seqshard/model/backward.py``'s hand-written backward pass. Same forward, same state,
-  same first-step loss. (**seqshard-autodiff**, only with ``--impls``, pins autodiff.)
+  :func:`seqshard.train.state.init_train_state`; its gradient is
+  ``seqshard/model/backward.py``'s hand-written backward pass (``model.backward=explicit``,
+  the default).
+* **seqshard-autodiff**: the same step with ``model.backward=autodiff``: JAX differentiates
+  the forward pass. Same forward, same state, same first-step loss. (**seqshard-explicit**,
+  only with ``--impls``, pins ``model.backward=explicit``.)
 * **gspmd** (the baseline): the single-device oracle's math, ``seqshard/model/reference.py``
   (:func:`~seqshard.model.reference.reference_layer` and its loss terms; no copy of the model
   here), as one plain single-program forward: ``lax.scan`` over layers under seqshard's own
@@ -350,8 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--remat", default="saved", choices=("saved", "full", "none"))
     p.add_argument(
         "--impls",
-        default="seqshard,seqshard-explicit,gspmd",
-        help=f"which variants, of {','.join(IMPLS)} (default seqshard,seqshard-explicit,gspmd)",
+        default="seqshard,seqshard-autodiff,gspmd",
+        help=f"which variants, of {','.join(IMPLS)} (default seqshard,seqshard-autodiff,gspmd)",
     )
     p.add_argument(
         "--peak-n", type=int, default=2048, help="matmul size for the peak (default 2048)"
@@ -492,7 +493,7 @@ def compare_backwards(variants: list[Variant], tps: dict[str, float]) -> None:
             + [f"{abs(e.loss0 - v.loss0):.1e}"]
         )
     if not rows:
-        print("ratio_explicit_vs_autodiff=nan  (run --impls with seqshard and seqshard-explicit)")
+        print("ratio_explicit_vs_autodiff=nan  (run --impls with seqshard and seqshard-autodiff)")
         return
     header = ["mesh", "autodiff tok/s", "explicit tok/s", "ratio", "temp autodiff"]
     header += ["temp explicit", "temp +/-", "collectives autodiff", "explicit", "vs autodiff"]

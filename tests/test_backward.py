@@ -428,7 +428,7 @@ def test_compiled_train_step_has_no_more_collectives():
 
 def test_backward_is_a_checked_choice():
     assert typing.get_args(Backward) == ("autodiff", "explicit")
-    assert ModelConfig().backward == "autodiff"
+    assert ModelConfig().backward == "explicit"
     with pytest.raises(ValueError, match=r"model\.backward must be one of .*'explicit'.*'manual'"):
         ModelConfig(backward="manual")
     assert load_config(None, ["model.backward=explicit"]).model.backward == "explicit"

@@ -123,7 +123,7 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "remat": "none",
         "attention_impl": "einsum",
         "attention_mask": "causal",
-        "backward": "explicit",
+        "backward": "autodiff",
         "residual": "M/t",
     }
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (

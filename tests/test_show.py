@@ -54,7 +54,7 @@ def test_describe_without_compiling(cfg):
     # Every collective of the step, predicted from the notation without compiling.
     assert "communication per train step, predicted from the notation (nothing compiled" in text
     assert re.search(
-        r"^backward +per layer +down: all_gather\('M/d F/t -> M F/t'\) transposed +reduce-scatter +d ",
+        r"^backward +per layer +down: psum_scatter\('M F/t\{U_d\} -> M/d F/t'\) +reduce-scatter +d ",
         text,
         re.M,
     )

