@@ -3,7 +3,8 @@
 Call them inside ``jax.shard_map`` (or :func:`seqshard.typed_shard_map`); each array is the
 per-device block of a global array whose layout the spec states. Each op checks its inputs
 against the spec's left side, works out which mesh axes change, and lowers to exactly one
-collective per changed dimension (or none)::
+collective per changed dimension (or none), which it logs for :mod:`seqshard.collective_log`
+(a step's communication predicted from the notation, nothing compiled)::
 
     w = all_gather('M/d F/t -> M F/t', w)                  # lax.all_gather over d
     y = einsum_unreduced('B/d L M, M F/t -> B/d L F/t', x, w)   # local, no communication
