@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 
 from seqshard.batch import batch_structs
-from seqshard.comms import collectives, format_comm_table
+from seqshard.comms import Collective, collectives, format_comm_table
 from seqshard.config import Config, config_to_yaml
 from seqshard.flops import (
     PHASES,
@@ -29,7 +29,7 @@ from seqshard.flops import (
 from seqshard.model.weights import Weights, param_count
 from seqshard.planner import FUSED_ATTENTION, describe_memory, memory_plan, plan
 from seqshard.shardtypes import block_shape, type_tree
-from seqshard.step_comms import collectives_per_step, format_planned_table
+from seqshard.step_comms import PlannedCollective, collectives_per_step, format_planned_table
 
 __all__ = ["describe", "flops_table", "weight_table"]
 
@@ -153,6 +153,28 @@ def predicted_comm_report(cfg: Config) -> str:
     return head + "\n" + format_planned_table(calls, m.n_layers)
 
 
+def predicted_vs_compiled(predicted: list[PlannedCollective], compiled: list[Collective]) -> str:
+    """One line: the prediction from the notation (:mod:`seqshard.step_comms`) against the
+    compiled step's collectives (:mod:`seqshard.comms`), calls and bytes per step, and what
+    XLA adds in the optimizer update (its global gradient norm, no shardops call)."""
+    model = [c for c in compiled if c.phase != "update"]
+    update = [c for c in compiled if c.phase == "update"]
+    calls = (sum(c.calls for c in predicted), sum(c.calls_per_step for c in model))
+    sent = (
+        sum(c.bytes_per_step for c in predicted),
+        sum(c.calls_per_step * c.bytes_sent for c in model),
+    )
+    ratio = f"{sent[1] / sent[0]:.3f}" if sent[0] else "-"
+    return (
+        f"predicted from the notation vs compiled, forward + recompute + backward: {calls[0]} vs "
+        f"{calls[1]} calls, {format_bytes(sent[0])} vs {format_bytes(sent[1])} sent per device "
+        f"(compiled / predicted {ratio}; XLA's CPU backend runs bf16 collectives in f32, "
+        f"doubling their compiled bytes); the update adds {sum(c.calls_per_step for c in update)} "
+        f"all-reduce(s), {format_bytes(sum(c.calls_per_step * c.bytes_sent for c in update))}: "
+        f"the optimizer's global gradient norm"
+    )
+
+
 def compiled_step_report(cfg: Config) -> str:
     """Collectives and XLA memory of the train step compiled for ``cfg``'s mesh."""
     from seqshard.mesh import training_mesh
@@ -171,10 +193,12 @@ def compiled_step_report(cfg: Config) -> str:
         )
         .compile()
     )
+    found = collectives(compiled.as_text(), mesh)
     lines = [
         f"communication per train step, from the step compiled for mesh {cfg.mesh.describe()} "
         f"(per device; scanned layer bodies counted x{cfg.model.n_layers}; bytes for ring algorithms):",
-        format_comm_table(collectives(compiled.as_text(), mesh)),
+        format_comm_table(found),
+        predicted_vs_compiled(collectives_per_step(cfg), found),
     ]
     mem = compiled.memory_analysis()
     if mem is not None:

@@ -66,6 +66,15 @@ def test_describe_without_compiling(cfg):
 def test_describe_with_the_compiled_step(cfg):
     text = describe(cfg, compile_step=True)
     assert "communication per train step, from the step compiled for mesh d=4 x t=2" in text
+    # The prediction from the notation is the compiled program's communication, exactly (f32).
+    m = re.search(
+        r"predicted from the notation vs compiled, .*: (\d+) vs (\d+) calls, .*\(compiled / predicted ([\d.]+);",
+        text,
+    )
+    assert m and m[1] == m[2] and m[3] == "1.000", m and m.group(0)
+    assert re.search(
+        r"the update adds \d+ all-reduce\(s\), .*: the optimizer's global gradient norm", text
+    )
     assert re.search(r"all-gather", text) and "temporaries" in text
     # XLA's peak beside the planner's, for the attention this machine runs.
     assert re.search(
