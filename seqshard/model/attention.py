@@ -125,16 +125,19 @@ def attention(
 def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     scale = 1 / math.sqrt(q.shape[-1])
     # Scores and softmax in f32: bf16 scores lose the small differences softmax amplifies.
+    # Heads major, keys minor ('B/d K/t Q Qlen Klen'): batched dots over (B, K, Q) as XLA
+    # lays them out, and a softmax along the last axis. With 'B/d Qlen Klen Q K/t' the
+    # hand-written backward's score-shaped fusion ran at 0.8x on CPU.
     scores = shardops.einsum_unreduced(
-        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d Qlen Klen Q K/t",
+        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d K/t Q Qlen Klen",
         q,
         k,
         preferred_element_type=jnp.float32,
     )
-    scores = jnp.where(mask[:, :, :, None, None], scores * scale, -1e30)
-    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype)
+    scores = jnp.where(mask[:, None, None], scores * scale, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return shardops.einsum_unreduced(
-        "B/d Qlen Klen Q K/t, B/d Klen K/t D -> B/d Qlen Q K/t D", probs, v
+        "B/d K/t Q Qlen Klen, B/d Klen K/t D -> B/d Qlen Q K/t D", probs, v
     )
 
 

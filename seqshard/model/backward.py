@@ -137,7 +137,7 @@ ACTIVATIONS = (
     "q",  # after RoPE: 'B/d L Q K/t D'
     "k",  # after RoPE: 'B/d L K/t D'
     "v",  # 'B/d L K/t D'
-    "probs",  # einsum attention only: f32 'B/d Qlen Klen Q K/t'
+    "probs",  # einsum attention only: f32 'B/d K/t Q Qlen Klen'
     "attn",  # the attention output before w_o: 'B/d L Q K/t D'
     "w_o",  # 'M Q K/t D'
     "h",  # the residual after attention
@@ -230,7 +230,7 @@ def layer_activations(
         attn = at(
             "attn",
             lambda: shardops.einsum_unreduced(
-                "B/d Qlen Klen Q K/t, B/d Klen K/t D -> B/d Qlen Q K/t D", probs.astype(v.dtype), v
+                "B/d K/t Q Qlen Klen, B/d Klen K/t D -> B/d Qlen Q K/t D", probs.astype(v.dtype), v
             ),
         )
     else:
@@ -258,15 +258,16 @@ def layer_activations(
 
 
 def _probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """attention.py's einsum attention up to its softmax: f32 'B/d Qlen Klen Q K/t'."""
+    """attention.py's einsum attention up to its softmax: f32 'B/d K/t Q Qlen Klen' (heads
+    major, keys minor, as there)."""
     scores = shardops.einsum_unreduced(
-        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d Qlen Klen Q K/t",
+        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d K/t Q Qlen Klen",
         q,
         k,
         preferred_element_type=jnp.float32,
     )
-    scores = jnp.where(mask[:, :, :, None, None], scores * (1 / math.sqrt(q.shape[-1])), -1e30)
-    return jax.nn.softmax(scores, axis=2)
+    scores = jnp.where(mask[:, None, None], scores * (1 / math.sqrt(q.shape[-1])), -1e30)
+    return jax.nn.softmax(scores, axis=-1)
 
 
 def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
@@ -341,24 +342,24 @@ def attention_backward(
     probs = a["probs"]
     # attn = probs . v
     d_probs = shardops.einsum_unreduced(
-        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d Qlen Klen Q K/t",
+        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d K/t Q Qlen Klen",
         d_attn,
         v,
         preferred_element_type=jnp.float32,
     )
     dv = shardops.einsum_unreduced(
-        "B/d Qlen Klen Q K/t, B/d Qlen Q K/t D -> B/d Klen K/t D", probs.astype(v.dtype), d_attn
+        "B/d K/t Q Qlen Klen, B/d Qlen Q K/t D -> B/d Klen K/t D", probs.astype(v.dtype), d_attn
     )
     # softmax over Klen, in f32. A masked key has probability exactly 0, so its score's
     # gradient is 0 too: the mask needs no second application.
-    d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=2, keepdims=True))
+    d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
     d_scores = (d_scores * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
     # scores = q . k (each kv head's gradient sums over its Q query heads)
     dq = shardops.einsum_unreduced(
-        "B/d Qlen Klen Q K/t, B/d Klen K/t D -> B/d Qlen Q K/t D", d_scores, k
+        "B/d K/t Q Qlen Klen, B/d Klen K/t D -> B/d Qlen Q K/t D", d_scores, k
     )
     dk = shardops.einsum_unreduced(
-        "B/d Qlen Klen Q K/t, B/d Qlen Q K/t D -> B/d Klen K/t D", d_scores, q
+        "B/d K/t Q Qlen Klen, B/d Qlen Q K/t D -> B/d Klen K/t D", d_scores, q
     )
     return dq, dk, dv
 

@@ -65,11 +65,9 @@ class ModelConfig:
     backward: how ``jax.grad`` of the loss is computed. ``explicit`` (default): the
         hand-written backward of ``seqshard/model/backward.py`` (a ``jax.custom_vjp`` over the
         whole model), keeping what ``remat`` says; same values as autodiff to f32 rounding,
-        the same collectives, and 1.14x to 1.52x autodiff's tokens/s with 10-15% less
-        temporary memory on ``scripts/bench_step.py``'s model (d_model 256). On small models
-        autodiff can be faster: configs/tiny-cpu.yaml (d_model 128, vocab 4096) sets it,
-        1.26x explicit's tokens/s there. ``autodiff``: JAX differentiates the forward pass
-        (transposing each collective).
+        the same collectives, less temporary memory, and faster on CPU: 1.21x to 1.51x on
+        ``scripts/bench_step.py``'s model, 1.07x on tiny-cpu's. ``autodiff``: JAX
+        differentiates the forward pass (transposing each collective).
     residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
         (default; Megatron's sequence parallelism): ``'B/d L/t M'``, the sequence split over t
         (``train.seq_len`` divisible by t). ``M/t``: ``'B/d L M/t'``, d_model split over t.
