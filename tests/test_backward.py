@@ -253,15 +253,17 @@ def test_fused_attention_backward_is_its_own_vjp():
 @pytest.mark.slow
 def test_bf16_gradients_equal_autodiff_loosely():
     """bf16 matmul inputs: the two backward passes round differently (e.g. the softmax's
-    gradient is cast to bf16 before its matmuls here). Measured on 2x4: identical losses,
-    gradients within 1.25% of each leaf's largest entry (each is within 2.5% and 3.1% of the
-    f32 reference, autodiff's being the larger)."""
+    gradient is cast to bf16 before its matmuls here). Gradients measured on 2x4 within 1.25%
+    of each leaf's largest entry (each within 2.5% and 3.1% of the f32 reference, autodiff's
+    the larger). The losses are the same math, but XLA may keep f32 where the program casts to
+    bf16 (its allow_excess_precision), and each program fuses differently: identical with the
+    residual 'B/d L M/t', 1.8e-4 apart with 'B/d L/t M' (the default), within bf16 rounding."""
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
     loss, grads = sharded_loss_and_grads(cfg, (2, 4))
     ref_loss, ref_grads = sharded_loss_and_grads(
         dataclasses.replace(cfg, backward="autodiff"), (2, 4)
     )
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-3)
     assert_grads_close(grads, ref_grads, 0.04)
 
 
