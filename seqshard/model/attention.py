@@ -36,6 +36,8 @@ __all__ = [
     "attention_mask",
     "attention_vjp",
     "document_positions",
+    "einsum_probabilities",
+    "einsum_values",
     "fused_attention",
     "resolve_impl",
     "rope_tables",
@@ -123,19 +125,29 @@ def attention(
 
 
 def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    scale = 1 / math.sqrt(q.shape[-1])
-    # Scores and softmax in f32: bf16 scores lose the small differences softmax amplifies.
-    # Heads major, keys minor ('B/d K/t Q Qlen Klen'): batched dots over (B, K, Q) as XLA
-    # lays them out, and a softmax along the last axis. With 'B/d Qlen Klen Q K/t' the
-    # hand-written backward's score-shaped fusion ran at 0.8x on CPU.
+    return einsum_values(einsum_probabilities(q, k, mask).astype(v.dtype), v)
+
+
+def einsum_probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """Einsum attention's softmax(q k^T / sqrt(D)) under ``mask`` [B, Lq, Lk]: f32
+    'B/d K/t Q Qlen Klen' (the hand-written backward keeps or rebuilds it).
+
+    Scores and softmax in f32: bf16 scores lose the small differences softmax amplifies.
+    Heads major, keys minor: batched dots over (B, K, Q) as XLA lays them out, and a softmax
+    along the last axis. With 'B/d Qlen Klen Q K/t' the hand-written backward's score-shaped
+    fusion ran at 0.8x on CPU."""
     scores = shardops.einsum_unreduced(
         "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d K/t Q Qlen Klen",
         q,
         k,
         preferred_element_type=jnp.float32,
     )
-    scores = jnp.where(mask[:, None, None], scores * scale, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    scores = jnp.where(mask[:, None, None], scores * (1 / math.sqrt(q.shape[-1])), -1e30)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def einsum_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """The attention output 'B/d Qlen Q K/t D' from :func:`einsum_probabilities` (in v's dtype)."""
     return shardops.einsum_unreduced(
         "B/d K/t Q Qlen Klen, B/d Klen K/t D -> B/d Qlen Q K/t D", probs, v
     )

@@ -94,6 +94,8 @@ from seqshard.model.attention import (
     attention_mask,
     attention_vjp,
     document_positions,
+    einsum_probabilities,
+    einsum_values,
     resolve_impl,
     rope_tables,
 )
@@ -226,13 +228,8 @@ def layer_activations(
         a.setdefault("v", v)
     k, v = a["k"], a["v"]
     if _einsum_attention(cfg):  # attention.py's einsum attention, its probabilities named
-        probs = at("probs", lambda: _probabilities(q, k, mask))
-        attn = at(
-            "attn",
-            lambda: shardops.einsum_unreduced(
-                "B/d K/t Q Qlen Klen, B/d Klen K/t D -> B/d Qlen Q K/t D", probs.astype(v.dtype), v
-            ),
-        )
+        probs = at("probs", lambda: einsum_probabilities(q, k, mask))
+        attn = at("attn", lambda: einsum_values(probs.astype(v.dtype), v))
     else:
         causal_only = cfg.attention_mask == "causal"
         attn = at("attn", lambda: attention(q, k, v, mask, cfg.attention_impl, causal_only))
@@ -255,19 +252,6 @@ def layer_activations(
     at("gate", lambda: shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_gate))
     at("up", lambda: shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_up))
     return a
-
-
-def _probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """attention.py's einsum attention up to its softmax: f32 'B/d K/t Q Qlen Klen' (heads
-    major, keys minor, as there)."""
-    scores = shardops.einsum_unreduced(
-        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d K/t Q Qlen Klen",
-        q,
-        k,
-        preferred_element_type=jnp.float32,
-    )
-    scores = jnp.where(mask[:, None, None], scores * (1 / math.sqrt(q.shape[-1])), -1e30)
-    return jax.nn.softmax(scores, axis=-1)
 
 
 def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
