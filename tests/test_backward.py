@@ -133,7 +133,7 @@ def test_layer_backward_equals_vjp_of_the_layer():
     def by_autodiff(
         w: Layer, x: f32[b"B/d L M/t"], d_out: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
     ) -> LayerOut:
-        rope, mask = bw._rope_and_mask(LAYER_CFG, is_seq_start)
+        rope, mask = transformer.rope_and_mask(LAYER_CFG, is_seq_start)
         (out, _), pullback = jax.vjp(
             lambda x, w: transformer._layer(LAYER_CFG, rope, mask, x, w), x, w
         )
@@ -143,7 +143,7 @@ def test_layer_backward_equals_vjp_of_the_layer():
     def by_hand(
         w: Layer, x: f32[b"B/d L M/t"], d_out: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
     ) -> LayerOut:
-        rope, mask = bw._rope_and_mask(LAYER_CFG, is_seq_start)
+        rope, mask = transformer.rope_and_mask(LAYER_CFG, is_seq_start)
         a = bw.layer_activations(LAYER_CFG, rope, mask, w, {"x": x})
         kept = {name: a[name] for name in bw.KEPT["saved"]}
         with shape_scope():  # as in the model: the backward is traced in a scope of its own
@@ -178,7 +178,7 @@ def test_saved_keeps_exactly_what_the_forward_marks(monkeypatch):
     def both(
         w: Layer, x: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
     ) -> tuple[Marked, Marked]:
-        rope, mask = bw._rope_and_mask(LAYER_CFG, is_seq_start)
+        rope, mask = transformer.rope_and_mask(LAYER_CFG, is_seq_start)
         transformer._layer(LAYER_CFG, rope, mask, x, w)
         with shape_scope():
             a = bw.layer_activations(LAYER_CFG, rope, mask, w, {"x": x})

@@ -91,13 +91,10 @@ from seqshard.collective_log import part
 from seqshard.model.attention import (
     apply_rope,
     attention,
-    attention_mask,
     attention_vjp,
-    document_positions,
     einsum_probabilities,
     einsum_values,
     resolve_impl,
-    rope_tables,
 )
 from seqshard.model.config import ModelConfig
 from seqshard.model.transformer import (
@@ -107,6 +104,7 @@ from seqshard.model.transformer import (
     next_token_targets,
     norm_input,
     normed,
+    rope_and_mask,
 )
 from seqshard.model.weights import Layer, Weights
 from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
@@ -509,12 +507,6 @@ def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.A
 _RECOMPUTE = "rematted_computation"
 
 
-def _rope_and_mask(cfg: ModelConfig, is_seq_start: jax.Array):
-    """As transformer.py's _final_hidden: RoPE tables and the attention mask, cheap to rebuild."""
-    rope = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
-    return rope, attention_mask(is_seq_start, cfg.attention_mask, cfg.attention_impl)
-
-
 def explicit_loss_terms(
     cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
 ) -> jax.Array:
@@ -539,7 +531,7 @@ def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start):
 
 def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start: jax.Array):
     """The forward pass for differentiation: the loss terms and what the backward reads."""
-    rope, mask = _rope_and_mask(cfg, is_seq_start)
+    rope, mask = rope_and_mask(cfg, is_seq_start)
     keep = kept_activations(cfg)
 
     def layer(x, w_layer):
@@ -560,7 +552,7 @@ def _backward(cfg: ModelConfig, axes, residuals, d_terms: jax.Array):
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
     with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
         d_x, d_final_norm, d_unembed = head_backward(cfg, head, tokens, is_seq_start, d_terms[0])
-        rope, mask = _rope_and_mask(cfg, is_seq_start)
+        rope, mask = rope_and_mask(cfg, is_seq_start)
 
         def layer(d_out, w_and_kept):
             w_layer, kept_layer = w_and_kept

@@ -65,6 +65,7 @@ __all__ = [
     "norm_input",
     "normed",
     "rms_norm",
+    "rope_and_mask",
     "unembed",
 ]
 
@@ -189,13 +190,19 @@ def final_norm(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
         return normed(cfg, norm_input(cfg, x), ln)
 
 
+def rope_and_mask(cfg: ModelConfig, is_seq_start: jax.Array):
+    """RoPE's (cos, sin) tables at each token's position in its document, and the attention
+    mask (:func:`~seqshard.model.attention.attention_mask`) for ``cfg``: per batch, cheap."""
+    rope = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
+    return rope, attention_mask(is_seq_start, cfg.attention_mask, cfg.attention_impl)
+
+
 def _final_hidden(
     cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
 ) -> jax.Array:
     """Embedding, the scanned layers and the final norm: 'B/d L M' in compute dtype."""
     x = embed(cfg, w, tokens)
-    rope = rope_tables(document_positions(is_seq_start), cfg.d_head, cfg.rope_theta)
-    mask = attention_mask(is_seq_start, cfg.attention_mask, cfg.attention_impl)
+    rope, mask = rope_and_mask(cfg, is_seq_start)
     body = explicit_activation_checkpointing(functools.partial(_layer, cfg, rope, mask), cfg.remat)
     x, _ = collective_log.scan("layers", body, x, w.layers)
     return final_norm(cfg, w, x)
