@@ -167,7 +167,6 @@ class _Gather:
     """One weight's gather to a whole ``d_model`` (what its use in transformer.py needs)."""
 
     name: str
-    axes: tuple[str, ...]  # the mesh axes its d_model is split over, major first
     gathered_bytes: int  # per device, after the gather
     minor: bool  # gathered along a dimension that is not the major one: a transposed copy
 
@@ -194,7 +193,6 @@ def _gathers(cfg: Config, types: Iterable[tuple[str, ArrayType]]) -> list[_Gathe
         out.append(
             _Gather(
                 name=name,
-                axes=tuple(a for a in axes if mesh[a] > 1),
                 gathered_bytes=elements * (4 if name in NORM_GAINS else c),
                 minor=pos > 0,
             )
