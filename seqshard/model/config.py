@@ -71,10 +71,10 @@ class ModelConfig:
     residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
         (default; Megatron's sequence parallelism): ``'B/d L/t M'``, the sequence split over t
         (``train.seq_len`` divisible by t). ``M/t``: ``'B/d L M/t'``, d_model split over t.
-        Either way each block gathers the residual to ``'B/d L M'`` before its norm and
-        reduce-scatters its output back: the same model, other spec strings. L/t ran 1.15x
-        (4x2) and 1.19x (2x4) M/t's tokens/s on ``scripts/bench_step.py``; with t = 1 they are
-        the same layout.
+        Either way each block gathers over t to ``'B/d L M'`` around its norm (M/t before it,
+        L/t its normalized rows after it) and reduce-scatters its output back: the same model,
+        other spec strings. L/t ran 1.19x (4x2) and 1.34x (2x4) M/t's tokens/s on
+        ``scripts/bench_step.py``; with t = 1 they are the same layout.
     """
 
     vocab: int = 4096
