@@ -2,14 +2,18 @@
 
     @pytree_dataclass
     class TokenBatch:
-        tokens: i32[b'B/d L']            # packed token ids: rows split over d
-        is_seq_start: bool_[b'B/d L']    # True at the first token of each packed document
+        tokens: i32[b'B/d L/c']          # packed token ids: rows over d, positions over c
+        is_seq_start: bool_[b'B/d L/c']  # True at the first token of each packed document
 
 Every batch sharding comes from these types: the loader's arrays
 (``shardings(TokenBatch, mesh)``), the train and eval steps' in_shardings, the model's
 shard_map in_specs, ``seqshard show``'s abstract inputs (:func:`batch_structs`), and the
 gradient-accumulation split (:func:`split_microbatches`, typed
-``Array['microbatches', TokenBatch]``: ``'microbatches B/d L'``).
+``Array['microbatches', TokenBatch]``: ``'microbatches B/d L/c'``).
+
+The positions are in their natural order, split contiguously over the context axis c (the
+loader's layout); the model reorders them into its zigzag layout itself
+(:mod:`seqshard.model.context`).
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ __all__ = ["TokenBatch", "batch_structs", "split_microbatches", "token_batch"]
 
 @pytree_dataclass
 class TokenBatch:
-    """One global batch of packed rows, ``[B, L]`` each, rows split over d."""
+    """One global batch of packed rows, ``[B, L]`` each, rows split over d, positions over c."""
 
-    tokens: i32[b"B/d L"]
-    is_seq_start: bool_[b"B/d L"]
+    tokens: i32[b"B/d L/c"]
+    is_seq_start: bool_[b"B/d L/c"]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -57,7 +61,7 @@ def batch_structs(batch_size: int, seq_len: int, mesh: Mesh | None = None) -> To
 
 
 def split_microbatches(batch: TokenBatch, k: int, mesh: Mesh) -> TokenBatch:
-    """``'B/d L'`` -> ``'microbatches B/d L'``: row i goes to microbatch i % k.
+    """``'B/d L/c'`` -> ``'microbatches B/d L/c'``: row i goes to microbatch i % k.
 
     Each device's block of ``B/d`` rows already holds its share of every microbatch (rows
     i, i+k, ... of a block stay on it), so with the layout pinned to the stacked type's

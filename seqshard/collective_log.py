@@ -228,6 +228,7 @@ _TRANSPOSED_KIND = {
     "reduce-scatter": "all-gather",
     "all-to-all": "all-to-all",
     "all-reduce": "all-reduce",
+    "collective-permute": "collective-permute",
 }
 
 

@@ -10,7 +10,7 @@
 Loading goes through omegaconf structured configs, so an unknown key is an error with a
 close-match suggestion and a wrong type names the key, the expected type and the value.
 Cross-field checks (mesh vs model sizes, batch vs mesh and microbatches) run before anything
-compiles. Keys users rely on: ``model.<any ModelConfig field>``, ``mesh.d``, ``mesh.t``,
+compiles. Keys users rely on: ``model.<any ModelConfig field>``, ``mesh.d``, ``mesh.c``, ``mesh.t``,
 ``train.steps``.
 """
 
@@ -57,12 +57,14 @@ class ConfigError(ValueError):
 class MeshConfig:
     """The size of each mesh axis (``seqshard.mesh.MESH_AXES``); an axis left out has size 1.
 
-    d: data / FSDP (batch rows, weight rows); t: tensor (heads, d_ff, vocab). The product of
+    d: data / FSDP (batch rows, weight rows); c: context (the sequence, split in zigzag
+    order; weight rows as d); t: tensor (heads, d_ff, vocab). The product of
     the sizes is the number of devices used. One axis may be ``-1``: "the remaining devices"
     (``{d: -1, t: 8}`` on 64 devices is d=8 x t=8), fixed by :meth:`resolved` once the device
     count is known (:func:`resolve_mesh`)."""
 
     d: int = 1
+    c: int = 1
     t: int = 1
 
     def given(self) -> dict[str, int]:
@@ -293,11 +295,18 @@ def check_config(cfg: Config) -> None:
             f"mesh axis d={mesh.d} does not divide (the batch is split over d). Choose "
             f"train.batch_size divisible by mesh.d * train.microbatches = {mesh.d * train.microbatches}."
         )
-    if mesh.is_resolved and cfg.model.residual == "L/t" and train.seq_len % mesh.t:
+    if mesh.is_resolved and mesh.c > 1 and train.seq_len % (2 * mesh.c):
         raise ConfigError(
-            f"model.residual=L/t splits the sequence over t, but train.seq_len={train.seq_len} "
-            f"is not divisible by mesh.t={mesh.t}. Choose train.seq_len divisible by "
-            f"{mesh.t}, or model.residual=M/t."
+            f"mesh.c={mesh.c} splits the sequence over c in zigzag order (2c = {2 * mesh.c} "
+            f"chunks, shard i holding chunks i and 2c-1-i), but train.seq_len={train.seq_len} "
+            f"is not divisible by {2 * mesh.c}. Choose train.seq_len divisible by {2 * mesh.c}."
+        )
+    if mesh.is_resolved and cfg.model.residual == "L/t" and train.seq_len % (mesh.c * mesh.t):
+        raise ConfigError(
+            f"model.residual=L/t splits the sequence over t (within each c shard), but "
+            f"train.seq_len={train.seq_len} is not divisible by mesh.c x mesh.t = "
+            f"{mesh.c * mesh.t}. Choose train.seq_len divisible by {mesh.c * mesh.t}, or "
+            f"model.residual=M/t."
         )
     if train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}.")

@@ -8,7 +8,16 @@ axes it is split over, major to minor::
     '2 M/d K/t D'               a literal dimension of size 2
     'M/t/d'                     M split over t, then each t-block split over d
     'B/d L M{U_t}'              a partial sum: the value still owes a sum over t
+    'B/d L@zigzag/c M/t'        L in zigzag order, split over c (see below)
     '()'                        a scalar
+
+A dimension may name its *order* after ``@``: the global dimension is a permutation of the
+natural one. The one order is ``zigzag``, the load-balanced layout of a causal sequence over
+the context axis ``c``: the dimension is cut into 2c equal chunks and laid out as chunk 0,
+2c-1, 1, 2c-2, ..., so that its split over c gives shard i chunks i and 2c-1-i (with c = 1 it
+is the natural order). Labels bind one size whatever the order, but layouts differ: an op
+that reads a zigzag array with a spec that omits the order is an error, and only
+:func:`seqshard.shardops.reorder` changes it.
 
 ``{U_t}`` (or ``{U_t,d}``) is the seed's *unreduced* marker: it belongs to the whole operand.
 In ``index_unreduced`` the table operand marks its indexed dimension with brackets:
@@ -32,6 +41,7 @@ import re
 
 __all__ = [
     "Dim",
+    "ORDERS",
     "OpSpec",
     "Shape",
     "SpecSyntaxError",
@@ -41,6 +51,9 @@ __all__ = [
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _INT = re.compile(r"[0-9]+")
+
+ORDERS = ("zigzag",)
+"""The orders a dimension may name after ``@`` (``'L@zigzag/c'``)."""
 
 
 class SpecSyntaxError(ValueError):
@@ -62,6 +75,7 @@ class Dim:
     label: str
     axes: tuple[str, ...] = ()
     indexed: bool = False
+    order: str = ""  # "" (natural) or one of ORDERS: the global dimension permuted
 
     @property
     def literal(self) -> int | None:
@@ -69,7 +83,7 @@ class Dim:
         return int(self.label) if self.label[0].isdigit() else None
 
     def __str__(self) -> str:
-        core = "/".join((self.label, *self.axes))
+        core = "/".join((self.label + (f"@{self.order}" if self.order else ""), *self.axes))
         return f"[{core}]" if self.indexed else core
 
 
@@ -174,6 +188,17 @@ class _Parser:
             raise self.fail("a size must be a positive integer without leading zeros", start)
         if label[0].isdigit() and self.peek() and (self.peek().isalpha() or self.peek() == "_"):
             raise self.fail("a name cannot start with a digit", start)
+        order = ""
+        if self.peek() == "@":
+            self.pos += 1
+            order_pos = self.pos
+            order = self.match(_IDENT) or ""
+            if order not in ORDERS:
+                raise self.fail(
+                    f"unknown order {order!r} after '@'",
+                    order_pos,
+                    fix=f"the orders are {', '.join(ORDERS)}, e.g. 'L@zigzag/c'",
+                )
         axes: list[str] = []
         while self.peek() == "/":
             self.pos += 1
@@ -190,7 +215,7 @@ class _Parser:
             if self.peek() != "]":
                 raise self.fail("expected ']' to close the indexed dimension")
             self.pos += 1
-        return Dim(label, tuple(axes), indexed)
+        return Dim(label, tuple(axes), indexed, order)
 
     def marker(self) -> tuple[str, ...]:
         if not self.text.startswith("{U_", self.pos):

@@ -172,6 +172,17 @@ def _bind_dim(scope: ShapeScope, dim, size: int, spec: Shape, where: str) -> Non
         scope.bind(dim.label, size, where)
 
 
+def _check_order(dim, size: int, mesh_axes: Mapping[str, int], spec: Shape, where: str) -> None:
+    """A zigzag dimension is cut into 2c chunks (c the context axis): 2c must divide it."""
+    chunks = 2 * mesh_axes.get("c", 1)
+    if dim.order == "zigzag" and chunks > 2 and size % chunks:
+        raise ShapeError(
+            f"{where}: dimension {dim.label} of spec '{spec}' is in zigzag order, cut into "
+            f"2c = {chunks} chunks, but its global size {size} is not divisible by {chunks}. "
+            f"Choose a sequence length divisible by {chunks} (2 x mesh.c)."
+        )
+
+
 def check_shape(
     spec: Shape,
     shape: Sequence[int],
@@ -201,6 +212,7 @@ def check_shape(
                 f"mesh axes splitting it ({split} = {n_shards} shards) do not divide. Choose a "
                 f"size divisible by {n_shards} or a mesh whose axes divide {size}."
             )
+        _check_order(dim, size, mesh_axes, spec, where)
         _bind_dim(scope, dim, size, spec, where)
         sizes[dim.label] = size
     return sizes

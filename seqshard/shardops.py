@@ -43,7 +43,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from seqshard import collective_log
-from seqshard.notation import OpSpec, Shape, parse_op
+from seqshard.notation import Dim, OpSpec, Shape, parse_op
 from seqshard.shapecheck import BlockAxes, ShapeError, block_axes, check_block, current_scope
 from seqshard.vma import replication_checked, varying_axes
 
@@ -58,6 +58,10 @@ __all__ = [
     "pmax",
     "psum",
     "psum_scatter",
+    "reorder",
+    "ring_shift",
+    "split",
+    "zigzag_chunks",
 ]
 
 
@@ -109,6 +113,14 @@ class _Call:
             known = self.scope.known_layout(x)
             if known is not None and len(known.dims) == len(shape.dims):
                 for dk, ds in zip(known.dims, shape.dims, strict=True):
+                    if dk.order != ds.order:
+                        raise ShapeError(
+                            f"{where}: the array was declared '{known}', but the spec reads it "
+                            f"as '{shape}' (dimension {ds.label}: order "
+                            f"{dk.order or 'natural'} vs {ds.order or 'natural'}). The order is "
+                            f"layout: write the spec as the array is laid out, or change the "
+                            f"order with shardops.reorder."
+                        )
                     if dk.axes != ds.axes:
                         raise ShapeError(
                             f"{where}: the array was declared '{known}', but the spec reads it "
@@ -145,6 +157,15 @@ class _Call:
                 raise self.fail(
                     "brackets are only for index_unreduced's table", "remove the brackets"
                 )
+        if self.name != "reorder":
+            for a, b in zip(self.src.dims, self.dst.dims, strict=True):
+                if a.order != b.order:
+                    raise self.fail(
+                        f"dimension {a.label} goes from '{a}' to '{b}': {self.name} keeps the "
+                        f"order of every dimension",
+                        "change the order with shardops.reorder (on a dimension split over no "
+                        "axis of size > 1)",
+                    )
 
     def require_varying(self, x: jax.Array, axes: Sequence[str], why: str) -> None:
         """With replication checked, a block split or unreduced over ``axes`` must vary there
@@ -455,6 +476,115 @@ def all_to_all(spec: str, x: jax.Array) -> jax.Array:
     return call.finish(y)
 
 
+def ring_shift(spec: str, x: jax.Array, axis: str, offset: int = 1) -> jax.Array:
+    """Pass blocks around the ring of mesh axis ``axis``: each device sends its block to the
+    device ``offset`` further along it (modulo its size) and receives the block of the one
+    ``offset`` before it. ``ring_shift('B/d L@zigzag/c K/t D', k, 'c')`` is one
+    ``lax.ppermute`` over c (ring attention's step). The spec states the blocks' layout, which
+    the shift keeps (each device now holds another shard's block of the same layout); ``axis``
+    must split one of its dimensions. Over an axis of size 1 nothing moves: no collective.
+
+    Its transpose (autodiff's backward) is the shift by ``-offset``."""
+    if "->" in str(spec):
+        raise ShapeError(
+            f"ring_shift({spec!r}): the spec is the blocks' one layout, which the shift keeps "
+            f"(e.g. 'B/d L@zigzag/c K/t D'), not an op spec with '->'."
+        )
+    call = _Call("ring_shift", f"{spec} -> {spec}", [x], 1)
+    if axis not in call.src.split_axes:
+        raise call.fail(
+            f"mesh axis {axis!r} splits no dimension of '{call.src}'",
+            "shift along an axis the blocks are split over",
+        )
+    if call.src.unreduced:
+        raise call.fail("the blocks owe a reduction", "reduce them first (psum)")
+    n = call.axes[axis]
+    if n == 1 or offset % n == 0:
+        return call.finish(x)
+    call.require_varying(x, [axis], "split")
+    y = lax.ppermute(x, axis, [(i, (i + offset) % n) for i in range(n)])
+    call.log("collective-permute", [axis], x, y)
+    return call.finish(y)
+
+
+def zigzag_chunks(n: int) -> tuple[int, ...]:
+    """The natural chunk at each position of the zigzag order over ``n`` shards (2n chunks):
+    ``zigzag_chunks(2) == (0, 3, 1, 2)``; shard i holds chunks i and 2n-1-i."""
+    return tuple(c for i in range(n) for c in (i, 2 * n - 1 - i))
+
+
+def _permute_chunks(x: jax.Array, dim: int, order: Sequence[int]) -> jax.Array:
+    chunks = jnp.split(x, len(order), axis=dim)
+    return jnp.concatenate([chunks[c] for c in order], axis=dim)
+
+
+def reorder(spec: str, x: jax.Array) -> jax.Array:
+    """Permute a dimension into or out of an order: ``reorder('B/d L -> B/d L@zigzag', ids)``.
+
+    Local, no communication: the dimension must be whole on this device (split over no axis
+    of size > 1). Zigzag cuts it into 2c chunks (c: the context axis's size) and lays out chunk
+    0, 2c-1, 1, 2c-2, ... (:func:`zigzag_chunks`); the reverse puts them back."""
+    call = _Call("reorder", spec, [x], 1)
+    call.require_same_labels()
+    if call.src.unreduced != call.dst.unreduced:
+        raise call.fail("a reorder does not reduce", "keep the markers the same")
+    changed = [i for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims)) if a.order != b.order]
+    if any(a.axes != b.axes for a, b in zip(call.src.dims, call.dst.dims)) or len(changed) != 1:
+        raise call.fail(
+            "a reorder changes the order of exactly one dimension and no split",
+            "e.g. 'B/d L -> B/d L@zigzag'; gather or split in separate calls",
+        )
+    dim = changed[0]
+    split_over = call.over(call.src.dims[dim].axes)
+    if split_over:
+        raise call.fail(
+            f"dimension {call.src.dims[dim]} is split over {split_over}, so no device holds "
+            f"all of it",
+            "gather it first (all_gather), reorder, then split",
+        )
+    n = call.axes.get("c", 1)
+    order = zigzag_chunks(n)
+    if call.src.dims[dim].order == "zigzag":  # back to the natural order
+        order = tuple(sorted(range(2 * n), key=order.__getitem__))
+    if x.shape[dim] % (2 * n):
+        raise call.fail(
+            f"dimension {call.src.dims[dim].label} has size {x.shape[dim]}, not divisible into "
+            f"2c = {2 * n} chunks",
+            "choose a size divisible by 2 x mesh.c",
+        )
+    return call.finish(_permute_chunks(x, dim, order) if n > 1 else x)
+
+
+def split(spec: str, x: jax.Array) -> jax.Array:
+    """Split whole dimensions over mesh axes, each device keeping its own block:
+    ``split('B/d L@zigzag -> B/d L@zigzag/c', positions)``. Local, no communication (the
+    transpose of a gather, for values every device of those axes holds whole). New axes are
+    appended as the minor-most split of a dimension; over axes of size 1 nothing changes."""
+    call = _Call("split", spec, [x], 1)
+    call.require_same_labels()
+    if call.src.unreduced or call.dst.unreduced:
+        raise call.fail("a split does not reduce", "reduce first (psum, psum_scatter)")
+    plan = []
+    for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims, strict=True)):
+        if b.axes[: len(a.axes)] != a.axes:
+            raise call.fail(
+                f"dimension {a.label} goes from '{a}' to '{b}', but a split can only append "
+                f"minor axes",
+                "write the new axes after the existing ones (L -> L/c)",
+            )
+        if b.axes[len(a.axes) :]:
+            plan.append((i, b.axes[len(a.axes) :]))
+    if not plan:
+        raise call.fail("no axis is added: nothing is split", "drop the call")
+    y = x
+    for dim, new in plan:
+        call.require_divisible(y, dim, new)
+        if call.over(new):
+            size = y.shape[dim] // call.size(new)
+            y = lax.dynamic_slice_in_dim(y, call.index(new) * size, size, axis=dim)
+    return call.finish(y)
+
+
 # ---------------------------------------------------------------------------------------------
 # Local ops that leave a reduction to the caller
 
@@ -483,7 +613,7 @@ def einsum_unreduced(spec: str, *operands: jax.Array, preferred_element_type=Non
     state what it owes (``'... -> B/d L M{U_t}'``).
     """
     call = _Call("einsum_unreduced", spec, list(operands), None)
-    splits: dict[str, tuple[str, ...]] = {}
+    splits: dict[str, Dim] = {}
     letters: dict[str, str] = {}
     for i, shape in enumerate((*call.op.inputs, call.dst)):
         if shape.unreduced and i < len(call.op.inputs):
@@ -503,18 +633,19 @@ def einsum_unreduced(spec: str, *operands: jax.Array, preferred_element_type=Non
                 raise call.fail(
                     f"output dimension {d.label} is in no input", "einsum cannot create dimensions"
                 )
-            if splits.setdefault(d.label, d.axes) != d.axes:
+            first = splits.setdefault(d.label, d)
+            if (first.axes, first.order) != (d.axes, d.order):
                 raise call.fail(
-                    f"dimension {d.label} is split as '{'/'.join((d.label, *splits[d.label]))}' in "
-                    f"one operand and '{d}' in another",
-                    "an einsum is local: gather or slice an operand so the splits agree",
+                    f"dimension {d.label} is laid out as '{first}' in one operand and '{d}' in "
+                    f"another",
+                    "an einsum is local: gather, slice or reorder an operand so the layouts agree",
                 )
             if d.label not in letters:
                 if len(letters) == len(_LETTERS):
                     raise call.fail("too many distinct dimensions", "use at most 52")
                 letters[d.label] = _LETTERS[len(letters)]
     contracted = set(splits) - set(call.dst.labels)
-    owed = {a for label in contracted for a in splits[label]}
+    owed = {a for label in contracted for a in splits[label].axes}
     _check_owed_not_split(call, owed, f"contracting {sorted(contracted)}")
     if call.dst.unreduced and set(call.dst.unreduced) != owed:
         raise call.fail(

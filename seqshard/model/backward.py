@@ -14,9 +14,9 @@ Dimensions and mesh axes as in transformer.py: B, L (Qlen, Klen), M, F, V, Q, K,
 batch and weight rows), t (tensor). Every weight's gradient follows one pattern, the
 transpose of the forward's all_gather -> einsum:
 
-    w = all_gather('M/d F/t -> M F/t', w)                          # again, as FSDP does
-    dw = einsum_unreduced('B/d L M, B/d L F/t -> M F/t{U_d}', nx, dy)   # sums this B/d only
-    dw = psum_scatter('M F/t{U_d} -> M/d F/t', dw)                 # FSDP's reduce-scatter
+    w = all_gather('M/d/c F/t -> M F/t', w)                          # again, as FSDP does
+    dw = einsum_unreduced('B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}', nx, dy)   # sums this B/d only
+    dw = psum_scatter('M F/t{U_d,c} -> M/d/c F/t', dw)                 # FSDP's reduce-scatter
 
 Communication per layer, backward pass (``remat=saved``; each line is the transpose of a
 forward collective, or the forward's own collective repeated to recompute what is not kept):
@@ -39,11 +39,11 @@ reduce-scatters its table over d. So the step holds exactly autodiff's collectiv
 
 How the seed's open questions are resolved:
 
-* **Residual 'B/d L M' or 'B/d L M/t'.** The forward's residual between blocks
-  (``model.residual``: 'B/d L M/t', or 'B/d L/t M' under sequence parallelism; every spec
-  below that names the residual reads ``cfg.residual_spec``): the scan carries dL/dx split over t, and the seed's 'B/d L M' gradient exists only
+* **Residual 'B/d L@zigzag/c M' or 'B/d L@zigzag/c M/t'.** The forward's residual between blocks
+  (``model.residual``: 'B/d L@zigzag/c M/t', or 'B/d L/t M' under sequence parallelism; every spec
+  below that names the residual reads ``cfg.residual_spec``): the scan carries dL/dx split over t, and the seed's 'B/d L@zigzag/c M' gradient exists only
   inside a block, gathered over t just before the output projections' backward (the
-  transposes of the forward's psum_scatters). Keeping 'B/d L M' through the layer would need
+  transposes of the forward's psum_scatters). Keeping 'B/d L@zigzag/c M' through the layer would need
   an all-reduce over t where the norms' partial sums meet the residual (the same bytes as
   reduce-scatter + all-gather) and t times the memory for the carry.
 * **Where the sums over t happen.** Einsums that contract a t-split dimension (F/t into the
@@ -53,18 +53,18 @@ How the seed's open questions are resolved:
   transposes the residual's all_gather does the sum over t and lands it split over t: no
   all-reduce, nowhere.
 * **Norm gains.** dL/dgain sums dy * x / rms(x) over this device's B/d rows of a dy that owes
-  a sum over t: 'M{U_t,d}', reduced by one psum_scatter over (t, d) straight into
-  'd_model/t/d', t major, the one order weights.py declares for all three norms (ln1, ln2,
+  a sum over t: 'M{U_t,d,c}', reduced by one psum_scatter over (t, d) straight into
+  'd_model/t/d/c', t major, the one order weights.py declares for all three norms (ln1, ln2,
   final_norm) and their forward all_gathers read.
 * **Why gather a weight only to reduce-scatter its gradient (the seed's TODO at unembed).**
-  The table rests split 'V/t M/d' (FSDP); the logits contract all of M, so it is gathered
+  The table rests split 'V/t M/d/c' (FSDP); the logits contract all of M, so it is gathered
   over d. Each d shard then holds other batch rows, so its gradient of the whole gathered
   table is a partial sum over d: the psum_scatter adds the shards' partials and hands each
-  one its own M/d block, the layout the optimizer updates. It is the gather's transpose and
+  one its own M/d/c block, the layout the optimizer updates. It is the gather's transpose and
   the gradient's only communication (the same for every matrix).
 * **index_add.** :func:`seqshard.shardops.index_add`, the transpose of ``index_unreduced``:
   each t shard scatter-adds the rows of its vocab block, owing the other d shards' rows, and
-  a psum_scatter over d lands the table gradient 'V/t M/d'.
+  a psum_scatter over d lands the table gradient 'V/t M/d/c'.
 * **Fused attention.** For ``attention_impl`` cudnn, xla and splash the backward calls the
   implementation's own VJP (``jax.vjp``) for the attention core only (softmax(q k^T) v); it
   re-runs the kernel's forward for its residuals, as those kernels do. Einsum attention
@@ -97,11 +97,17 @@ from seqshard.model.attention import (
     resolve_impl,
 )
 from seqshard.model.config import ModelConfig
+from seqshard.model.context import (
+    SequenceRows,
+    gathered_kv,
+    ring_backward,
+    ring_forward,
+    sequence_rows,
+)
 from seqshard.model.transformer import (
     embed,
     forward_loss_terms,
     loss_terms_and_softmax,
-    next_token_targets,
     norm_input,
     normed,
     rope_and_mask,
@@ -128,34 +134,37 @@ __all__ = [
 Activations = dict[str, jax.Array]
 
 ACTIVATIONS = (
-    "x",  # the layer input, the residual (cfg.residual_spec: 'B/d L M/t' or 'B/d L/t M')
+    "x",  # the layer input, the residual (cfg.residual_spec: 'B/d L@zigzag/c M/t' or 'B/d L/t M')
     "ln1",  # the pre-attention norm gain, gathered: 'M' f32
-    "gx",  # the norm's input (norm_input): x gathered over t 'B/d L M' (M/t), or x (L/t)
-    "nx",  # the normed input of the q, k, v projections: 'B/d L M'
+    "gx",  # the norm's input (norm_input): x gathered over t 'B/d L@zigzag/c M' (M/t), or x (L/t)
+    "nx",  # the normed input of the q, k, v projections: 'B/d L@zigzag/c M'
     "w_q",  # gathered over d, as every matrix below: 'M Q K/t D'
     "w_kv",  # '2 M K/t D'
-    "q",  # after RoPE: 'B/d L Q K/t D'
-    "k",  # after RoPE: 'B/d L K/t D'
-    "v",  # 'B/d L K/t D'
-    "probs",  # einsum attention only: f32 'B/d K/t Q Qlen Klen'
-    "attn",  # the attention output before w_o: 'B/d L Q K/t D'
+    "q",  # after RoPE: 'B/d L@zigzag/c Q K/t D'
+    "k",  # after RoPE: 'B/d L@zigzag/c K/t D'
+    "v",  # 'B/d L@zigzag/c K/t D'
+    "keys",  # k gathered over c: 'B/d L@zigzag K/t D' (k itself when c = 1; not for the ring)
+    "values",  # v gathered over c, as keys
+    "probs",  # einsum attention only: f32 'B/d K/t Q Qlen@zigzag/c Klen@zigzag'
+    "attn",  # the attention output before w_o: 'B/d L@zigzag/c Q K/t D'
+    "lse",  # the ring's softmax logsumexp per query (ring attention over c > 1 only)
     "w_o",  # 'M Q K/t D'
     "h",  # the residual after attention
     "ln2",  # 'M' f32
     "gh",  # h, as gx
-    "nh",  # the FFN's normed input: 'B/d L M'
+    "nh",  # the FFN's normed input: 'B/d L@zigzag/c M'
     "w_gate",  # 'M F/t'
     "w_up",  # 'M F/t'
     "w_down",  # 'M F/t'
-    "gate",  # 'B/d L F/t'
-    "up",  # 'B/d L F/t'
+    "gate",  # 'B/d L@zigzag/c F/t'
+    "up",  # 'B/d L@zigzag/c F/t'
 )
 """One layer's activations in the order of its forward pass: everything its backward reads."""
 
 KEPT: Mapping[str, tuple[str, ...]] = {
     # The layer input and exactly what transformer.py's _layer and ffn mark with
     # save_for_backward, the operands whose recomputation would cost a matmul.
-    "saved": ("x", "q", "k", "v", "attn", "h", "gate", "up"),
+    "saved": ("x", "q", "k", "v", "attn", "lse", "h", "gate", "up"),
     # Only the input: the backward re-runs the layer's forward (but the down projection).
     "full": ("x",),
     # Everything, gathered weights and attention probabilities included: nothing recomputed.
@@ -166,14 +175,25 @@ KEPT: Mapping[str, tuple[str, ...]] = {
 _PART_OF = {"ln1": "attn_norm", "gx": "attn_norm", "nx": "attn_norm", "w_q": "q", "w_kv": "kv"}
 _PART_OF |= {"w_o": "o", "h": "o", "ln2": "ffn_norm", "gh": "ffn_norm", "nh": "ffn_norm"}
 _PART_OF |= {"w_gate": "gate", "w_up": "up", "w_down": "down"}
+_PART_OF |= {"keys": "context", "values": "context", "lse": "context"}
 """The operation (as :func:`seqshard.flops.step_flops` names it) each activation belongs to,
 for the collective log; others are named as themselves (``q``)."""
 
 
-def kept_activations(cfg: ModelConfig) -> tuple[str, ...]:
-    """What the forward pass keeps per layer under ``cfg.remat`` (:data:`KEPT`); fused
-    attention has no probabilities to keep."""
-    return tuple(n for n in KEPT[cfg.remat] if n != "probs" or _einsum_attention(cfg))
+def kept_activations(cfg: ModelConfig, c: int = 1) -> tuple[str, ...]:
+    """What the forward pass keeps per layer under ``cfg.remat`` (:data:`KEPT`) on a mesh whose
+    context axis has size ``c``: fused attention has no probabilities to keep, only the ring
+    (c > 1) has a logsumexp and no gathered keys, and with c = 1 the keys are k itself."""
+    ring = _ring(cfg, c)
+    drop = {"probs"} if ring or not _einsum_attention(cfg) else set()
+    drop |= {"keys", "values"} if ring or c == 1 else {"lse"}
+    drop |= set() if ring else {"lse"}
+    return tuple(n for n in KEPT[cfg.remat] if n not in drop)
+
+
+def _ring(cfg: ModelConfig, c: int) -> bool:
+    """Ring attention over the context axis (``model.context_impl=ring`` and c > 1)."""
+    return c > 1 and cfg.context_impl == "ring"
 
 
 def _einsum_attention(cfg: ModelConfig) -> bool:
@@ -186,7 +206,12 @@ def _einsum_attention(cfg: ModelConfig) -> bool:
 
 
 def layer_activations(
-    cfg: ModelConfig, rope, mask: jax.Array, w: Layer, kept: Mapping[str, jax.Array]
+    cfg: ModelConfig,
+    rows: SequenceRows,
+    rope,
+    mask: jax.Array | None,
+    w: Layer,
+    kept: Mapping[str, jax.Array],
 ) -> Activations:
     """One layer's forward pass (transformer.py's ``_layer``) as :data:`ACTIVATIONS`.
 
@@ -207,48 +232,64 @@ def layer_activations(
     x = a["x"]
     # attention_inputs. The norm needs all of M, the projections every row: gather the gain,
     # and the residual over t (before the norm for M/t, its output after it for L/t).
-    ln1 = at("ln1", lambda: shardops.all_gather("M/t/d -> M", w.ln1))
+    ln1 = at("ln1", lambda: shardops.all_gather("M/t/d/c -> M", w.ln1))
     gx = at("gx", lambda: norm_input(cfg, x))
     nx = at("nx", lambda: normed(cfg, gx, ln1))
     # FSDP: each matrix is gathered over d just before use, in the backward pass again (only
     # remat=none keeps gathered weights).
-    w_q = at("w_q", lambda: shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
-    w_kv = at("w_kv", lambda: shardops.all_gather("2 M/d K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
+    w_q = at("w_q", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
+    w_kv = at("w_kv", lambda: shardops.all_gather("2 M/d/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
     q = at(
         "q",
         lambda: apply_rope(
-            shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q), cos, sin
+            shardops.einsum_unreduced("B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", nx, w_q), cos, sin
         ),
     )
     if "k" not in a or "v" not in a:
-        k, v = shardops.einsum_unreduced("B/d L M, 2 M K/t D -> 2 B/d L K/t D", nx, w_kv)
+        k, v = shardops.einsum_unreduced("B/d L@zigzag/c M, 2 M K/t D -> 2 B/d L@zigzag/c K/t D", nx, w_kv)
         a.setdefault("k", apply_rope(k, cos, sin))
         a.setdefault("v", v)
     k, v = a["k"], a["v"]
-    if _einsum_attention(cfg):  # attention.py's einsum attention, its probabilities named
-        probs = at("probs", lambda: einsum_probabilities(q, k, mask))
-        attn = at("attn", lambda: einsum_values(probs.astype(v.dtype), v))
+    c, causal_only = shardops.axis_size("c"), cfg.attention_mask == "causal"
+    if _ring(cfg, c):  # context.py's ring attention over c, its logsumexp named
+        if "attn" not in a or "lse" not in a:
+            with part("context"):
+                attn, lse = ring_forward(q, k, v, rows.segments, causal_only)
+            a.setdefault("attn", attn)
+            a.setdefault("lse", lse)
+        attn = a["attn"]
     else:
-        causal_only = cfg.attention_mask == "causal"
-        attn = at("attn", lambda: attention(q, k, v, mask, cfg.attention_impl, causal_only))
+        # Every key of the row: k and v gathered over c (themselves when c = 1).
+        if "keys" not in a or "values" not in a:
+            with part("context"):
+                keys, values = gathered_kv(k, v)
+            a.setdefault("keys", keys)
+            a.setdefault("values", values)
+        keys, values = a["keys"], a["values"]
+        if _einsum_attention(cfg):  # attention.py's einsum attention, its probabilities named
+            probs = at("probs", lambda: einsum_probabilities(q, keys, mask))
+            attn = at("attn", lambda: einsum_values(probs.astype(v.dtype), values))
+        else:
+            impl, causal_only = cfg.attention_impl, causal_only and c == 1
+            attn = at("attn", lambda: attention(q, keys, values, mask, impl, causal_only))
     # attention_output (w_o gathered over d, as above)
-    w_o = at("w_o", lambda: shardops.all_gather("M/d Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
+    w_o = at("w_o", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
 
     def residual_after_attention() -> jax.Array:
-        out = shardops.einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", attn, w_o)
+        out = shardops.einsum_unreduced("B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M", attn, w_o)
         # Each t shard contracted only its own heads (K/t): sum the shards, into the residual's layout.
-        return x + shardops.psum_scatter(f"B/d L M -> {cfg.residual_spec}", out)
+        return x + shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
 
     h = at("h", residual_after_attention)
     # ffn: as before the attention, the norm needs all of M; the matrices are gathered over d.
-    ln2 = at("ln2", lambda: shardops.all_gather("M/t/d -> M", w.ln2))
+    ln2 = at("ln2", lambda: shardops.all_gather("M/t/d/c -> M", w.ln2))
     gh = at("gh", lambda: norm_input(cfg, h))
     nh = at("nh", lambda: normed(cfg, gh, ln2))
-    w_gate = at("w_gate", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_gate.astype(dt)))
-    w_up = at("w_up", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_up.astype(dt)))
-    at("w_down", lambda: shardops.all_gather("M/d F/t -> M F/t", w.w_down.astype(dt)))
-    at("gate", lambda: shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_gate))
-    at("up", lambda: shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nh, w_up))
+    w_gate = at("w_gate", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_gate.astype(dt)))
+    w_up = at("w_up", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_up.astype(dt)))
+    at("w_down", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_down.astype(dt)))
+    at("gate", lambda: shardops.einsum_unreduced("B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_gate))
+    at("up", lambda: shardops.einsum_unreduced("B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_up))
     return a
 
 
@@ -257,9 +298,9 @@ def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
     to the residual h (the rest of transformer.py's ``ffn``)."""
     y = jax.nn.silu(a["gate"]) * a["up"]
     with part("down"):
-        out = shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M", y, a["w_down"])
+        out = shardops.einsum_unreduced("B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M", y, a["w_down"])
         # Each t shard contracted only its own slice of F (F/t): sum the shards, into the residual's layout.
-        out = shardops.psum_scatter(f"B/d L M -> {cfg.residual_spec}", out)
+        out = shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
     return (a["h"] + out).astype(jnp.dtype(cfg.compute_dtype))
 
 
@@ -267,8 +308,8 @@ def norm_backward(
     cfg: ModelConfig, x: jax.Array, gain: jax.Array, d_n: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The transpose of ``normed(cfg, x, gain)`` and of the gather in ``norm_input``: dL/d(the
-    residual) in its layout (compute dtype) and the gain's gradient 'M/t/d' (f32), from
-    ``d_n``, dL/d(normed rows) 'B/d L M' owing a sum over t (the projections contracted a
+    residual) in its layout (compute dtype) and the gain's gradient 'M/t/d/c' (f32), from
+    ``d_n``, dL/d(normed rows) 'B/d L@zigzag/c M' owing a sum over t (the projections contracted a
     t-split dimension). ``x`` is what :func:`~seqshard.model.transformer.norm_input` gave."""
     dt, residual = jnp.dtype(cfg.compute_dtype), cfg.residual_spec
     if cfg.residual == "M/t":
@@ -276,16 +317,16 @@ def norm_backward(
         # it runs on the partial sums; the transpose of the residual's gather over t sums them
         # as it scatters.
         d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
-        d_x = shardops.psum_scatter(f"B/d L M{{U_t}} -> {residual}", d_x.astype(dt))
+        d_x = shardops.psum_scatter(f"B/d L@zigzag/c M{{U_t}} -> {residual}", d_x.astype(dt))
     else:
         # The transpose of the gather of the normed rows: summed over t, each shard its own
         # rows; then the norm's backward on them, local.
-        d_n = shardops.psum_scatter(f"B/d L M{{U_t}} -> {residual}", d_n.astype(dt))
+        d_n = shardops.psum_scatter(f"B/d L@zigzag/c M{{U_t}} -> {residual}", d_n.astype(dt))
         d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
         d_x = d_x.astype(dt)
     # Summed over this device's rows, partial over t (partial sums, or other rows): one
-    # reduce-scatter over both, into the gain's 'M/t/d' (the transpose of its gather).
-    return d_x, shardops.psum_scatter("M{U_t,d} -> M/t/d", d_gain)
+    # reduce-scatter over both, into the gain's 'M/t/d/c' (the transpose of its gather).
+    return d_x, shardops.psum_scatter("M{U_t,d,c} -> M/t/d/c", d_gain)
 
 
 def rms_norm_backward(
@@ -308,29 +349,45 @@ def rms_norm_backward(
 
 
 def attention_backward(
-    cfg: ModelConfig, mask: jax.Array, a: Activations, d_attn: jax.Array
+    cfg: ModelConfig, rows: SequenceRows, mask: jax.Array | None, a: Activations, d_attn: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dL/dq 'B/d L Q K/t D' and dL/dk, dL/dv 'B/d L K/t D' from dL/dattn; per device (each t
+    """dL/dq 'B/d L@zigzag/c Q K/t D' and dL/dk, dL/dv 'B/d L@zigzag/c K/t D' from dL/dattn; per device (each t
     shard holds whole kv heads and their query heads), no communication.
 
     Einsum attention: written out. Fused kernels (cudnn, xla, splash): the implementation's
     own VJP for this core only (:func:`seqshard.model.attention.attention_vjp`: cudnn and xla
     re-run their forward for its residuals; splash's backward re-runs its kernel itself).
     """
-    q, k, v = a["q"], a["k"], a["v"]
+    q, c, causal_only = a["q"], shardops.axis_size("c"), cfg.attention_mask == "causal"
+    if _ring(cfg, c):  # its own backward: k, v and their gradients around the ring again
+        with part("context"):
+            args = (a["k"], a["v"], a["attn"], a["lse"], rows.segments, causal_only, d_attn)
+            return ring_backward(q, *args)
+    k, v = a["keys"], a["values"]
     if not _einsum_attention(cfg):
-        causal_only = cfg.attention_mask == "causal"
-        return attention_vjp(q, k, v, mask, cfg.attention_impl, causal_only, d_attn)
-    probs = a["probs"]
+        impl = cfg.attention_impl
+        dq, dk, dv = attention_vjp(q, k, v, mask, impl, causal_only and c == 1, d_attn)
+    else:
+        dq, dk, dv = _einsum_attention_backward(a["probs"], q, k, v, d_attn)
+    # Each c shard's queries reached every key: the transposes of the gathers over c sum the
+    # shards' partial gradients, each keeping its own positions (nothing moves when c = 1).
+    with part("context"):
+        spec = "B/d L@zigzag K/t D{U_c} -> B/d L@zigzag/c K/t D"
+        return dq, shardops.psum_scatter(spec, dk), shardops.psum_scatter(spec, dv)
+
+
+def _einsum_attention_backward(probs, q, k, v, d_attn):
+    """dq and the gathered keys' dk, dv (owing a sum over c) of attention.py's einsum
+    attention, from its probabilities."""
     # attn = probs . v
     d_probs = shardops.einsum_unreduced(
-        "B/d Qlen Q K/t D, B/d Klen K/t D -> B/d K/t Q Qlen Klen",
+        "B/d Qlen@zigzag/c Q K/t D, B/d Klen@zigzag K/t D -> B/d K/t Q Qlen@zigzag/c Klen@zigzag",
         d_attn,
         v,
         preferred_element_type=jnp.float32,
     )
     dv = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen Klen, B/d Qlen Q K/t D -> B/d Klen K/t D", probs.astype(v.dtype), d_attn
+        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Qlen@zigzag/c Q K/t D -> B/d Klen@zigzag K/t D", probs.astype(v.dtype), d_attn
     )
     # softmax over Klen, in f32. A masked key has probability exactly 0, so its score's
     # gradient is 0 too: the mask needs no second application.
@@ -338,16 +395,21 @@ def attention_backward(
     d_scores = (d_scores * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
     # scores = q . k (each kv head's gradient sums over its Q query heads)
     dq = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen Klen, B/d Klen K/t D -> B/d Qlen Q K/t D", d_scores, k
+        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Klen@zigzag K/t D -> B/d Qlen@zigzag/c Q K/t D", d_scores, k
     )
     dk = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen Klen, B/d Qlen Q K/t D -> B/d Klen K/t D", d_scores, q
+        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Qlen@zigzag/c Q K/t D -> B/d Klen@zigzag K/t D", d_scores, q
     )
     return dq, dk, dv
 
 
 def layer_backward(
-    cfg: ModelConfig, rope, mask: jax.Array, a: Activations, d_out: jax.Array
+    cfg: ModelConfig,
+    rows: SequenceRows,
+    rope,
+    mask: jax.Array | None,
+    a: Activations,
+    d_out: jax.Array,
 ) -> tuple[jax.Array, Layer]:
     """dL/dx (a residual) and the layer's weight gradients (a :class:`Layer`, each field in its
     own sharded layout, f32), from the layer's activations and dL/d(output) ``d_out``."""
@@ -358,27 +420,27 @@ def layer_backward(
     # The forward reduce-scattered the down projection over t; its transpose gathers the
     # gradient over t, so each t shard has all of M against its slice of F.
     with part("down"):
-        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", d_out)
+        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_out)
         gate, up = a["gate"], a["up"]
         y = jax.nn.silu(gate) * up
-        d_y = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", g, a["w_down"])
-        d_w_down = shardops.einsum_unreduced("B/d L F/t, B/d L M -> M F/t{U_d}", y, g)
-        # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
-        d_w_down = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_down)
+        d_y = shardops.einsum_unreduced("B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", g, a["w_down"])
+        d_w_down = shardops.einsum_unreduced("B/d L@zigzag/c F/t, B/d L@zigzag/c M -> M F/t{U_d,c}", y, g)
+        # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
+        d_w_down = shardops.psum_scatter("M F/t{U_d,c} -> M/d/c F/t", d_w_down)
     # y = silu(gate) * up, silu(z) = z * sigmoid(z)
     sig = jax.nn.sigmoid(gate)
     d_up = d_y * (gate * sig)
     d_gate = d_y * up * (sig * (1 + gate * (1 - sig)))
     nh = a["nh"]
     d_nh = shardops.einsum_unreduced(
-        "B/d L F/t, M F/t -> B/d L M{U_t}", d_gate, a["w_gate"]
-    ) + shardops.einsum_unreduced("B/d L F/t, M F/t -> B/d L M{U_t}", d_up, a["w_up"])
-    d_w_gate = shardops.einsum_unreduced("B/d L M, B/d L F/t -> M F/t{U_d}", nh, d_gate)
-    d_w_up = shardops.einsum_unreduced("B/d L M, B/d L F/t -> M F/t{U_d}", nh, d_up)
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+        "B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M{U_t}", d_gate, a["w_gate"]
+    ) + shardops.einsum_unreduced("B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M{U_t}", d_up, a["w_up"])
+    d_w_gate = shardops.einsum_unreduced("B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}", nh, d_gate)
+    d_w_up = shardops.einsum_unreduced("B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}", nh, d_up)
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
     with part("gate_up"):
-        d_w_gate = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_gate)
-        d_w_up = shardops.psum_scatter("M F/t{U_d} -> M/d F/t", d_w_up)
+        d_w_gate = shardops.psum_scatter("M F/t{U_d,c} -> M/d/c F/t", d_w_gate)
+        d_w_up = shardops.psum_scatter("M F/t{U_d,c} -> M/d/c F/t", d_w_up)
     # d_nh still owes the sum over the F/t shards.
     with part("ffn_norm"):
         d_gh, d_ln2 = norm_backward(cfg, a["gh"], a["ln2"], d_nh)
@@ -387,25 +449,25 @@ def layer_backward(
     # --- attention: h = x + psum_scatter(attn . w_o) -------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
     with part("o"):
-        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", d_h)
-        d_attn = shardops.einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", g, a["w_o"])
-        d_w_o = shardops.einsum_unreduced("B/d L Q K/t D, B/d L M -> M Q K/t D{U_d}", a["attn"], g)
-        # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
-        d_w_o = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_o)
-    d_q, d_k, d_v = attention_backward(cfg, mask, a, d_attn)
+        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_h)
+        d_attn = shardops.einsum_unreduced("B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", g, a["w_o"])
+        d_w_o = shardops.einsum_unreduced("B/d L@zigzag/c Q K/t D, B/d L@zigzag/c M -> M Q K/t D{U_d,c}", a["attn"], g)
+        # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
+        d_w_o = shardops.psum_scatter("M Q K/t D{U_d,c} -> M/d/c Q K/t D", d_w_o)
+    d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
     # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
     d_q = apply_rope(d_q, cos, -sin)
     d_kv = jnp.stack([apply_rope(d_k, cos, -sin), d_v])
     nx = a["nx"]
     d_nx = shardops.einsum_unreduced(
-        "B/d L Q K/t D, M Q K/t D -> B/d L M{U_t}", d_q, a["w_q"]
-    ) + shardops.einsum_unreduced("2 B/d L K/t D, 2 M K/t D -> B/d L M{U_t}", d_kv, a["w_kv"])
-    d_w_q = shardops.einsum_unreduced("B/d L M, B/d L Q K/t D -> M Q K/t D{U_d}", nx, d_q)
-    d_w_kv = shardops.einsum_unreduced("B/d L M, 2 B/d L K/t D -> 2 M K/t D{U_d}", nx, d_kv)
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+        "B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M{U_t}", d_q, a["w_q"]
+    ) + shardops.einsum_unreduced("2 B/d L@zigzag/c K/t D, 2 M K/t D -> B/d L@zigzag/c M{U_t}", d_kv, a["w_kv"])
+    d_w_q = shardops.einsum_unreduced("B/d L@zigzag/c M, B/d L@zigzag/c Q K/t D -> M Q K/t D{U_d,c}", nx, d_q)
+    d_w_kv = shardops.einsum_unreduced("B/d L@zigzag/c M, 2 B/d L@zigzag/c K/t D -> 2 M K/t D{U_d,c}", nx, d_kv)
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
     with part("q_kv"):
-        d_w_q = shardops.psum_scatter("M Q K/t D{U_d} -> M/d Q K/t D", d_w_q)
-        d_w_kv = shardops.psum_scatter("2 M K/t D{U_d} -> 2 M/d K/t D", d_w_kv)
+        d_w_q = shardops.psum_scatter("M Q K/t D{U_d,c} -> M/d/c Q K/t D", d_w_q)
+        d_w_kv = shardops.psum_scatter("2 M K/t D{U_d,c} -> 2 M/d/c K/t D", d_w_kv)
     # d_nx owes the sum over the K/t shards (heads).
     with part("attn_norm"):
         d_gx, d_ln1 = norm_backward(cfg, a["gx"], a["ln1"], d_nx)
@@ -429,7 +491,7 @@ def layer_backward(
 
 
 def head_forward(
-    cfg: ModelConfig, w: Weights, x: jax.Array, tokens: jax.Array, is_seq_start: jax.Array
+    cfg: ModelConfig, w: Weights, x: jax.Array, rows: SequenceRows
 ) -> tuple[jax.Array, Activations]:
     """transformer.py's final_norm, unembed and loss on the last residual: the
     loss terms f32[2] and what the backward keeps of them (everything it reads, as autodiff
@@ -437,32 +499,28 @@ def head_forward(
     dt = jnp.dtype(cfg.compute_dtype)
     # final_norm: the norm needs all of M, the logits every row (as in the layers).
     with part("final_norm"):
-        ln = shardops.all_gather("M/t/d -> M", w.final_norm)
+        ln = shardops.all_gather("M/t/d/c -> M", w.final_norm)
         gx = norm_input(cfg, x)
         nx = normed(cfg, gx, ln)
     # unembed: each t shard computes the logits of its vocab block.
     with part("logits"):
-        table = shardops.all_gather("V/t M/d -> V/t M", w.unembed.astype(dt))
+        table = shardops.all_gather("V/t M/d/c -> V/t M", w.unembed.astype(dt))
     logits = shardops.einsum_unreduced(
-        "B/d L M, V/t M -> B/d L V/t", nx, table, preferred_element_type=jnp.float32
+        "B/d L@zigzag/c M, V/t M -> B/d L@zigzag/c V/t", nx, table, preferred_element_type=jnp.float32
     )
-    terms, exp, sum_exp = loss_terms_and_softmax(logits, tokens, is_seq_start)
+    terms, exp, sum_exp = loss_terms_and_softmax(logits, rows.targets, rows.counted)
     kept = {"ln": ln, "gx": gx, "nx": nx, "table": table, "exp": exp, "sum_exp": sum_exp}
     return terms, kept
 
 
 def head_backward(
-    cfg: ModelConfig,
-    kept: Activations,
-    tokens: jax.Array,
-    is_seq_start: jax.Array,
-    d_total: jax.Array,
+    cfg: ModelConfig, kept: Activations, rows: SequenceRows, d_total: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dL/dx of the last residual and the gradients of ``final_norm`` and
     ``unembed`` in their layouts, given dL/d(summed loss) ``d_total`` (a scalar)."""
     dt, f32 = jnp.dtype(cfg.compute_dtype), jnp.float32
-    targets, counted = next_token_targets(tokens, is_seq_start)
-    # The loss psum over d transposes to each d shard taking d_total for its own rows.
+    targets, counted = rows.targets, rows.counted
+    # The loss psum over (d, c) transposes to each shard taking d_total for its own positions.
     d_nll = d_total * counted.astype(f32)
     # nll = log(sum_exp) + shift - target_logit. The psum over t of sum_exp and target_logit
     # transposes to each t shard taking the whole cotangent for its vocab block: dL/dlogits is
@@ -475,11 +533,11 @@ def head_backward(
     d_logits = d_logits.astype(dt)
     # unembed: logits = nx . table^T, the table gathered over d.
     ln, gx, nx, table = kept["ln"], kept["gx"], kept["nx"], kept["table"]
-    d_nx = shardops.einsum_unreduced("B/d L V/t, V/t M -> B/d L M{U_t}", d_logits, table)
-    d_table = shardops.einsum_unreduced("B/d L M, B/d L V/t -> V/t M{U_d}", nx, d_logits)
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d.
+    d_nx = shardops.einsum_unreduced("B/d L@zigzag/c V/t, V/t M -> B/d L@zigzag/c M{U_t}", d_logits, table)
+    d_table = shardops.einsum_unreduced("B/d L@zigzag/c M, B/d L@zigzag/c V/t -> V/t M{U_d,c}", nx, d_logits)
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
     with part("logits"):
-        d_unembed = shardops.psum_scatter("V/t M{U_d} -> V/t M/d", d_table).astype(f32)
+        d_unembed = shardops.psum_scatter("V/t M{U_d,c} -> V/t M/d/c", d_table).astype(f32)
     # final_norm, with d_nx owing the sum over the vocab blocks (as in layer_backward).
     with part("final_norm"):
         d_x, d_final_norm = norm_backward(cfg, gx, ln, d_nx)
@@ -488,16 +546,16 @@ def head_backward(
 
 @part("embed")
 def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.Array:
-    """The embedding table's gradient 'V/t M/d' (f32) from dL/dx of the first
+    """The embedding table's gradient 'V/t M/d/c' (f32) from dL/dx of the first
     residual: the transpose of transformer.py's ``embed``."""
     # The forward's psum_scatter summed the vocab shards' lookups over t; its transpose gives
     # every t shard the gradient of all of M.
-    g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L M", d_x)
+    g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_x)
     # index_unreduced's transpose: each t shard adds up the rows of its vocab block, over its
     # own B/d rows only.
-    d_table = shardops.index_add("B/d L M, B/d L -> V/t M{U_d}", g, tokens, vocab=cfg.vocab)
-    # Each d shard summed its own rows: sum the shards, keep FSDP's M/d (the gather's transpose).
-    return shardops.psum_scatter("V/t M{U_d} -> V/t M/d", d_table).astype(jnp.float32)
+    d_table = shardops.index_add("B/d L@zigzag/c M, B/d L@zigzag/c -> V/t M{U_d,c}", g, tokens, vocab=cfg.vocab)
+    # Each d shard summed its own rows: sum the shards, keep FSDP's M/d/c (the gather's transpose).
+    return shardops.psum_scatter("V/t M{U_d,c} -> V/t M/d/c", d_table).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,39 +589,41 @@ def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start):
 
 def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start: jax.Array):
     """The forward pass for differentiation: the loss terms and what the backward reads."""
-    rope, mask = rope_and_mask(cfg, is_seq_start)
-    keep = kept_activations(cfg)
-
-    def layer(x, w_layer):
-        a = layer_activations(cfg, rope, mask, w_layer, {"x": x})
-        return layer_output(cfg, a), {name: a[name] for name in keep}
+    keep = kept_activations(cfg, shardops.axis_size("c"))
 
     with collective_log.hand_differentiated():  # _backward logs its own collectives
-        x, kept = collective_log.scan("layers", layer, embed(cfg, w, tokens), w.layers)
-        terms, head = head_forward(cfg, w, x, tokens, is_seq_start)
+        rows = sequence_rows(tokens, is_seq_start)
+        rope, mask = rope_and_mask(cfg, rows)
+
+        def layer(x, w_layer):
+            a = layer_activations(cfg, rows, rope, mask, w_layer, {"x": x})
+            return layer_output(cfg, a), {name: a[name] for name in keep}
+
+        x, kept = collective_log.scan("layers", layer, embed(cfg, w, rows.tokens), w.layers)
+        terms, head = head_forward(cfg, w, x, rows)
     # The weights are kept as they are (FSDP shards): the backward gathers them again.
-    return terms, (w, tokens, is_seq_start, kept, head)
+    return terms, (w, rows, kept, head)
 
 
 def _backward(cfg: ModelConfig, axes, residuals, d_terms: jax.Array):
     """The backward pass: Weights of gradients in their own layouts; ids get none."""
-    w, tokens, is_seq_start, kept, head = residuals
+    w, rows, kept, head = residuals
     sizes, manual = axes
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
     with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
-        d_x, d_final_norm, d_unembed = head_backward(cfg, head, tokens, is_seq_start, d_terms[0])
-        rope, mask = rope_and_mask(cfg, is_seq_start)
+        d_x, d_final_norm, d_unembed = head_backward(cfg, head, rows, d_terms[0])
+        rope, mask = rope_and_mask(cfg, rows)
 
         def layer(d_out, w_and_kept):
             w_layer, kept_layer = w_and_kept
             # Named as JAX names remat's recomputation, so HLO audits (seqshard.comms) put its
             # re-gathers in the 'recompute' phase, as for autodiff.
             with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
-                a = layer_activations(cfg, rope, mask, w_layer, kept_layer)
-            return layer_backward(cfg, rope, mask, a, d_out)
+                a = layer_activations(cfg, rows, rope, mask, w_layer, kept_layer)
+            return layer_backward(cfg, rows, rope, mask, a, d_out)
 
         d_x, d_layers = collective_log.scan("layers", layer, d_x, (w.layers, kept), reverse=True)
-        d_embed = embed_backward(cfg, tokens, d_x)
+        d_embed = embed_backward(cfg, rows.tokens, d_x)
     grads = Weights(embed=d_embed, layers=d_layers, final_norm=d_final_norm, unembed=d_unembed)
     return grads, None, None
 

@@ -1,6 +1,6 @@
 """ModelConfig: the sizes and numerics of the decoder; its field names name the weight dims.
 
-Weight types are written in these names (``w_up: f32['d_model/d d_ff/t']``), so a config gives
+Weight types are written in these names (``w_up: f32['d_model/d/c d_ff/t']``), so a config gives
 every weight's global shape through :meth:`ModelConfig.dim_sizes`.
 """
 
@@ -17,6 +17,7 @@ __all__ = [
     "AttentionImpl",
     "AttentionMask",
     "Backward",
+    "ContextImpl",
     "ModelConfig",
     "RESIDUAL_SPECS",
     "Residual",
@@ -27,8 +28,9 @@ AttentionImpl = Literal["auto", "einsum", "cudnn", "xla", "splash"]
 AttentionMask = Literal["document", "causal"]
 Backward = Literal["autodiff", "explicit"]
 Residual = Literal["M/t", "L/t"]
+ContextImpl = Literal["allgather", "ring"]
 
-RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/d L M/t", "L/t": "B/d L/t M"}
+RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/d L@zigzag/c M/t", "L/t": "B/d L@zigzag/c/t M"}
 """``model.residual`` -> the residual stream's layout between blocks, per device."""
 _DTYPES = ("float32", "bfloat16")
 
@@ -70,11 +72,16 @@ class ModelConfig:
         differentiates the forward pass (transposing each collective).
     residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
         (default; Megatron's sequence parallelism): ``'B/d L/t M'``, the sequence split over t
-        (``train.seq_len`` divisible by t). ``M/t``: ``'B/d L M/t'``, d_model split over t.
-        Either way each block gathers over t to ``'B/d L M'`` around its norm (M/t before it,
+        (``train.seq_len`` divisible by c x t). ``M/t``: ``'B/d L@zigzag/c M/t'``, d_model split over t.
+        Either way each block gathers over t to ``'B/d L@zigzag/c M'`` around its norm (M/t before it,
         L/t its normalized rows after it) and reduce-scatters its output back: the same model,
         other spec strings. L/t ran 1.19x (4x2) and 1.34x (2x4) M/t's tokens/s on
         ``scripts/bench_step.py``; with t = 1 they are the same layout.
+    context_impl: attention across the sequence split over mesh axis c (``mesh.c > 1``; with
+        c = 1 there is nothing to choose). ``allgather`` (default): k and v gathered over c in
+        each layer, queries local. ``ring``: k and v blocks passed around the c ring with an
+        online softmax, never more than two blocks' keys on a device, and pairs of chunks
+        that the causal or document mask hides skipped (:mod:`seqshard.model.context`).
     """
 
     vocab: int = 4096
@@ -92,6 +99,7 @@ class ModelConfig:
     attention_mask: AttentionMask = "document"
     backward: Backward = "explicit"
     residual: Residual = "L/t"
+    context_impl: ContextImpl = "allgather"
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():
@@ -111,6 +119,7 @@ class ModelConfig:
         _check_choice("attention_mask", self.attention_mask, AttentionMask)
         _check_choice("backward", self.backward, Backward)
         _check_choice("residual", self.residual, Residual)
+        _check_choice("context_impl", self.context_impl, ContextImpl)
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(
                 f"model.rope_theta and model.norm_eps must be positive, got "
@@ -126,14 +135,15 @@ class ModelConfig:
         ``{'d': 4, 't': 2}``, missing axes 1) cannot split the model's weights.
 
         The rule is read off the weight types: each dimension split over mesh axes (``vocab/t``,
-        ``d_model/t/d``) must be divisible by the product of their sizes."""
+        ``d_model/t/d/c``) must be divisible by the product of their sizes."""
         from seqshard.model.weights import check_weights_split  # weights.py imports this module
 
         check_weights_split(self, mesh_sizes)
 
     @property
     def residual_spec(self) -> str:
-        """The residual stream between blocks: ``'B/d L M/t'`` or ``'B/d L/t M'``."""
+        """The residual stream between blocks: ``'B/d L@zigzag/c M/t'`` or ``'B/d L@zigzag/c/t M'``
+        (the sequence in zigzag order over the context axis c: :mod:`seqshard.model.context`)."""
         return RESIDUAL_SPECS[self.residual]
 
     @property

@@ -15,7 +15,7 @@ shards pool. Mesh axes: d (batch, and FSDP weight rows) and t (heads, d_ff, voca
 Everything runs in the training layout, one shard_map per phase, in one jit per
 :class:`DecodeSpec` (the static options) and prompt shape:
 
-    _prefill      'B/d L' prompt -> cache 'layers 2 B/d S K/t D' (k at [:, 0], v at [:, 1])
+    _prefill      'B/d L@zigzag/c' prompt -> cache 'layers 2 B/d S K/t D' (k at [:, 0], v at [:, 1])
                   and the last position's logits 'B/d V/t'
     _decode_step  'B/d' token, cache -> cache with the token's k, v written at its index, logits
     sampling      inside both shard_maps, on the vocab-sharded logits; the steps run in a
@@ -55,6 +55,7 @@ from seqshard import shardops
 from seqshard.mesh import AXES, mesh_of_sizes
 from seqshard.model.attention import attention, rope_tables
 from seqshard.model.config import ModelConfig
+from seqshard.model.context import gathered_kv
 from seqshard.model.transformer import (
     attention_inputs,
     attention_output,
@@ -173,11 +174,12 @@ def _sample(
 def _prefill_layer(
     spec: DecodeSpec, rope, mask: jax.Array, x: jax.Array, w: Layer
 ) -> tuple[jax.Array, jax.Array]:
-    """One layer on the prompt's residual 'B/d L M/t'; also its k, v '2 B/d L K/t D'."""
+    """One layer on the prompt's residual 'B/d L@zigzag/c M/t'; also its k, v '2 B/d L@zigzag/c K/t D'."""
     cfg = spec.cfg
     q, k, v = attention_inputs(cfg, w, x, rope)
+    keys, values = gathered_kv(k, v)  # c = 1: k and v themselves, typed as every key
     # Without padding the mask is exactly causal, which fused kernels take as is_causal.
-    attn = attention(q, k, v, mask, cfg.attention_impl, causal_only=not spec.padded)
+    attn = attention(q, keys, values, mask, cfg.attention_impl, causal_only=not spec.padded)
     return ffn(cfg, w, attention_output(cfg, w, x, attn)), jnp.stack([k, v])
 
 
@@ -189,7 +191,7 @@ def _prefill(
     noise: jax.Array,
     temperature: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per device: the prompt 'B/d L' (row b's first real token at start[b]) -> the first new
+    """Per device: the prompt 'B/d L@zigzag/c' (row b's first real token at start[b]) -> the first new
     token 'B/d', its logits 'B/d V/t' and the cache 'layers 2 B/d S K/t D'."""
     cfg = spec.cfg
     length = prompt.shape[1]
@@ -205,7 +207,7 @@ def _prefill(
     mask = causal & (real_key | diagonal)
     x = embed(cfg, w, prompt)
     x, kv = lax.scan(functools.partial(_prefill_layer, spec, rope, mask), x, w.layers)
-    # kv: 'layers 2 B/d L K/t D'; the cache holds S positions, the rest filled by decode.
+    # kv: 'layers 2 B/d L@zigzag/c K/t D'; the cache holds S positions, the rest filled by decode.
     kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, spec.cache_len - length), (0, 0), (0, 0)))
     logits = _next_logits(cfg, w, x[:, -1])
     return _sample(spec, logits, noise, temperature), logits, kv
@@ -220,7 +222,7 @@ def _decode_layer(
     w, layer = xs
     q, k, v = attention_inputs(cfg, w, x, rope)
     # Write this token's k, v in place at cache index `index`, then read the layer's cache.
-    new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/d L K/t D', L = 1
+    new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/d L@zigzag/c K/t D', L = 1
     zero = jnp.int32(0)
     kv = lax.dynamic_update_slice(kv, new, (layer, zero, zero, index, zero, zero))
     cache_k, cache_v = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
@@ -265,7 +267,7 @@ def _shard_mapped(spec: DecodeSpec) -> tuple[Callable, Callable]:
 
     def prefill(
         w: Weights,
-        prompt: i32[b"B/d L"],
+        prompt: i32[b"B/d L@zigzag/c"],
         start: i32[b"B/d"],
         noise: f32[b"B/d V/t"],
         temperature: f32[()],
@@ -417,6 +419,12 @@ def _checked(
             f"generate: mesh must be a jax.sharding.Mesh with axes {AXES}, got "
             f"{getattr(mesh, 'shape', mesh)!r}. Make one with decode_mesh(batch, cfg)."
         )
+    if mesh.shape["c"] != 1:
+        raise ValueError(
+            f"generate: mesh axis c (context) has size {mesh.shape['c']}, but generation keeps "
+            f"each row's cache whole on a device and needs c = 1. Make the mesh with "
+            f"decode_mesh(batch, cfg) (axes d and t; weights trained with c > 1 load on it)."
+        )
     cfg.check_mesh(dict(mesh.shape))
     if not isinstance(weights, Weights):
         raise TypeError(f"generate: weights must be a Weights, got {type(weights).__name__}.")
@@ -458,7 +466,7 @@ def _checked(
         )
     spec = DecodeSpec(
         # A decode step feeds one token per row: nothing to split over t in L. Whatever the
-        # training layout, the residual is 'B/d L M/t' here (the same model and weights).
+        # training layout, the residual is 'B/d L@zigzag/c M/t' here (the same model and weights).
         cfg=dataclasses.replace(cfg, residual="M/t"),
         mesh=mesh,
         max_new_tokens=max_new_tokens,

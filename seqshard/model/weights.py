@@ -1,7 +1,7 @@
 """The model's weights: each layout declared once, in its field type, and made in place.
 
 Weights at rest are fully sharded: rows (``d_model``) over d (FSDP), heads / ``d_ff`` /
-``vocab`` over t (Megatron). Norm weights are split over both, t major: ``'d_model/t/d'``,
+``vocab`` over t (Megatron). Norm weights are split over both, t major: ``'d_model/t/d/c'``,
 the same order for all three (the seed mixes ``d/t`` and ``t/d``).
 
 Initial values (std of a normal, zero mean), chosen so every residual-stream contribution
@@ -50,24 +50,24 @@ __all__ = [
 class Layer:
     """One transformer layer (pre-norm attention, then pre-norm SwiGLU FFN)."""
 
-    ln1: f32["d_model/t/d"]  # pre-attention RMSNorm gain
-    w_q: f32["d_model/d n_q_per_kv n_kv/t d_head"]
-    w_kv: f32["2 d_model/d n_kv/t d_head"]  # [0] makes k, [1] makes v
-    w_o: f32["d_model/d n_q_per_kv n_kv/t d_head"]
-    ln2: f32["d_model/t/d"]  # pre-FFN RMSNorm gain
-    w_gate: f32["d_model/d d_ff/t"]
-    w_up: f32["d_model/d d_ff/t"]
-    w_down: f32["d_model/d d_ff/t"]
+    ln1: f32["d_model/t/d/c"]  # pre-attention RMSNorm gain
+    w_q: f32["d_model/d/c n_q_per_kv n_kv/t d_head"]
+    w_kv: f32["2 d_model/d/c n_kv/t d_head"]  # [0] makes k, [1] makes v
+    w_o: f32["d_model/d/c n_q_per_kv n_kv/t d_head"]
+    ln2: f32["d_model/t/d/c"]  # pre-FFN RMSNorm gain
+    w_gate: f32["d_model/d/c d_ff/t"]
+    w_up: f32["d_model/d/c d_ff/t"]
+    w_down: f32["d_model/d/c d_ff/t"]
 
 
 @pytree_dataclass
 class Weights:
     """All weights; ``layers`` holds every Layer field with a leading ``layers`` dimension."""
 
-    embed: f32["vocab/t d_model/d"]
+    embed: f32["vocab/t d_model/d/c"]
     layers: Array["layers", Layer]
-    final_norm: f32["d_model/t/d"]
-    unembed: f32["vocab/t d_model/d"]
+    final_norm: f32["d_model/t/d/c"]
+    unembed: f32["vocab/t d_model/d/c"]
 
 
 def weight_structs(cfg: ModelConfig, mesh: Mesh | None = None) -> Weights:
@@ -79,7 +79,7 @@ def weight_structs(cfg: ModelConfig, mesh: Mesh | None = None) -> Weights:
 
 def check_weights_split(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
     """Raise ValueError if a weight dimension is not divisible by the mesh axes its type splits
-    it over: ``embed: 'vocab/t d_model/d'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
+    it over: ``embed: 'vocab/t d_model/d/c'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
 
     Dimensions are named after config fields, so the message names the field to change."""
     sizes, mesh = cfg.dim_sizes(), axis_sizes(mesh_sizes)

@@ -1,0 +1,364 @@
+"""The sequence split over the context axis c: rows in zigzag order, and attention across them.
+
+With ``mesh.c > 1`` each device holds ``L/c`` positions of every row it holds. A causal mask
+gives later positions more keys, so a contiguous split would hand the last shard c times the
+first one's attention work. The model's rows are laid out in *zigzag* order instead
+(:mod:`seqshard.notation`: the row cut into 2c chunks, shard i holding chunks i and 2c-1-i),
+written in every spec as ``'B/d L@zigzag/c ...'``: each shard then holds one early and one
+late chunk, and the same amount of work.
+
+The batch arrives in the natural order, ``TokenBatch`` 'B/d L/c'. :func:`sequence_rows`
+gathers its ids and document starts over c (int32 and bool, one row of each per step: a few
+KB against the megabytes of activations a layer moves), computes everything
+position-dependent on the whole row (document positions for RoPE, segment ids, each
+position's next-token target and whether it counts, which lives on the next shard for a
+shard's last position), and keeps this device's zigzag chunks of each::
+
+    ids   = all_gather('B/d L/c -> B/d L', tokens)              # over c
+    local = split('B/d L@zigzag -> B/d L@zigzag/c', reorder('B/d L -> B/d L@zigzag', x))
+
+Attention across the split (``model.context_impl``):
+
+    allgather   k, v = all_gather('B/d L@zigzag/c K/t D -> B/d L@zigzag K/t D')   one each
+                over c, inside the layer; queries stay local; the mask compares true
+                positions. Backward: the gathers' transposes, reduce-scatters over c.
+    ring        k, v blocks travel around the c ring (ring_shift, a collective-permute over
+                c) in a ``lax.scan`` of c - 1 steps; an online softmax (running max and sum,
+                f32) folds each block in. Each device's rows and each visiting block are two
+                chunks; a pair of chunks entirely masked (a later key chunk, or other
+                documents) is skipped by ``lax.cond``: in zigzag order every step but the
+                first computes exactly half of its block. Backward (:func:`ring_backward`):
+                k, v travel the ring again with their gradients, which one more shift brings
+                home. Per layer: forward c - 1 shifts of k and of v; backward c - 1 of k and v
+                and c of dk and dv.
+
+With c = 1 every gather, reorder and split here is the identity and emits nothing: the
+model is the one it was before c existed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqshard import collective_log, shardops
+from seqshard.model.attention import attention, document_positions
+from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
+from seqshard.vma import varying_axes
+
+__all__ = [
+    "SequenceRows",
+    "attend",
+    "gathered_kv",
+    "context_mask",
+    "ring_attention",
+    "ring_backward",
+    "ring_forward",
+    "sequence_rows",
+]
+
+
+class SequenceRows(NamedTuple):
+    """Per device: this device's positions of its rows (zigzag chunks) and whole-row facts."""
+
+    tokens: jax.Array  # i32 'B/d L@zigzag/c': the ids to embed
+    targets: jax.Array  # i32 'B/d L@zigzag/c': each position's next token
+    counted: jax.Array  # bool 'B/d L@zigzag/c': the next token exists in the same document
+    positions: jax.Array  # i32 'B/d L@zigzag/c': position within its document (RoPE)
+    is_seq_start: jax.Array  # bool 'B/d L/c' (natural order, as the batch has it)
+    segments: jax.Array  # i32 'B/d L': document number along the whole row (masks)
+
+
+def _local(x: jax.Array) -> jax.Array:
+    """A whole row 'B/d L' -> this device's zigzag chunks 'B/d L@zigzag/c' (local)."""
+    return shardops.split(
+        "B/d L@zigzag -> B/d L@zigzag/c", shardops.reorder("B/d L -> B/d L@zigzag", x)
+    )
+
+
+def sequence_rows(tokens: jax.Array, is_seq_start: jax.Array) -> SequenceRows:
+    """The batch's 'B/d L/c' ids and document starts -> :class:`SequenceRows` (inside the
+    model's shard_map). One all-gather over c of each (none when c = 1)."""
+    from seqshard.model.transformer import next_token_targets  # it imports this module
+
+    whole = shardops.all_gather("B/d L/c -> B/d L", tokens)
+    starts = shardops.all_gather("B/d L/c -> B/d L", is_seq_start)
+    targets, counted = next_token_targets(whole, starts)
+    return SequenceRows(
+        tokens=_local(whole),
+        targets=_local(targets),
+        counted=_local(counted),
+        positions=_local(document_positions(starts)),
+        is_seq_start=is_seq_start,
+        segments=jnp.cumsum(starts, axis=-1, dtype=jnp.int32),
+    )
+
+
+def _true_index(length: int) -> jax.Array:
+    """The natural position of each of this device's rows 'L@zigzag/c', int32."""
+    index = shardops.reorder("L -> L@zigzag", jnp.arange(length, dtype=jnp.int32))
+    return shardops.split("L@zigzag -> L@zigzag/c", index)
+
+
+def context_mask(rows: SequenceRows, causal_only: bool) -> jax.Array:
+    """``[B, Lq, Lk]`` bool for all-gathered keys: this device's query rows (zigzag chunks)
+    against every key in zigzag order, causal by true position and (unless ``causal_only``)
+    within one document."""
+    length = rows.segments.shape[-1]
+    q_index = _true_index(length)
+    k_index = shardops.reorder("L -> L@zigzag", jnp.arange(length, dtype=jnp.int32))
+    mask = (k_index[None, :] <= q_index[:, None])[None]
+    if causal_only:
+        return jnp.broadcast_to(mask, (rows.segments.shape[0], *mask.shape))
+    k_segments = shardops.reorder("B/d L -> B/d L@zigzag", rows.segments)
+    q_segments = shardops.split("B/d L@zigzag -> B/d L@zigzag/c", k_segments)
+    return mask & (q_segments[:, :, None] == k_segments[:, None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's entry points
+
+
+def attend(cfg, q, k, v, mask, rows: SequenceRows) -> tuple[jax.Array, jax.Array | None]:
+    """Attention of this device's queries 'B/d L@zigzag/c Q K/t D' over the whole row:
+    (output 'B/d L@zigzag/c Q K/t D', the ring's logsumexp or None). ``mask`` is the model's
+    (:func:`~seqshard.model.transformer.rope_and_mask`)."""
+    causal_only = cfg.attention_mask == "causal"
+    if shardops.axis_size("c") > 1 and cfg.context_impl == "ring":
+        with collective_log.part("context"):
+            return ring_attention(q, k, v, rows.segments, causal_only)
+    with collective_log.part("context"):
+        keys, values = gathered_kv(k, v)
+    c1 = shardops.axis_size("c") == 1
+    return attention(q, keys, values, mask, cfg.attention_impl, causal_only and c1), None
+
+
+def gathered_kv(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """k, v gathered over c, 'B/d L@zigzag K/t D' (``allgather``; nothing moves when c = 1)."""
+    spec = "B/d L@zigzag/c K/t D -> B/d L@zigzag K/t D"
+    return shardops.all_gather(spec, k), shardops.all_gather(spec, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring attention
+
+
+def _chunks(x: jax.Array) -> jax.Array:
+    """A block of two zigzag chunks 'B/d L@zigzag/c ...' -> '2 B/d C ...' (C = L / 2c)."""
+    b, n2 = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, 2, n2 // 2, *x.shape[2:]), 1, 0)
+
+
+def _unchunk(x: jax.Array) -> jax.Array:
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _chunk_ids(shard: jax.Array, c: int) -> jax.Array:
+    """The natural chunk numbers of shard ``shard``'s two zigzag chunks."""
+    return jnp.stack([shard, 2 * c - 1 - shard])
+
+
+class _Pair(NamedTuple):
+    """One (query chunk, key chunk) pair's mask [B, C, C] and whether any of it is visible."""
+
+    mask: jax.Array
+    visible: jax.Array
+
+
+def _pair(segments, q_chunk, k_chunk, size: int, causal_only: bool) -> _Pair:
+    q_index = q_chunk * size + jnp.arange(size, dtype=jnp.int32)
+    k_index = k_chunk * size + jnp.arange(size, dtype=jnp.int32)
+    mask = (k_index[None, :] <= q_index[:, None])[None]
+    if causal_only:
+        mask = jnp.broadcast_to(mask, (segments.shape[0], size, size))
+    else:
+        q_seg = lax.dynamic_slice_in_dim(segments, q_chunk * size, size, axis=1)
+        k_seg = lax.dynamic_slice_in_dim(segments, k_chunk * size, size, axis=1)
+        mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
+    return _Pair(mask, jnp.any(mask))
+
+
+def _vary(x: jax.Array, like: tuple[jax.Array, ...]) -> jax.Array:
+    """``x`` typed as varying over every axis ``like`` varies over (a cast, no data moves):
+    both branches of a ``lax.cond`` must return the same types."""
+    axes = frozenset().union(*(varying_axes(a) for a in like))
+    return lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
+
+
+def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """One chunk pair's scores, f32 'B/d K/t Q Qc Kc' (Qc, Kc: a chunk of queries, of keys)."""
+    scores = shardops.einsum_unreduced(
+        "B/d Qc Q K/t D, B/d Kc K/t D -> B/d K/t Q Qc Kc", q, k, preferred_element_type=jnp.float32
+    )
+    return scores * (1 / math.sqrt(q.shape[-1]))
+
+
+def ring_forward(q, k, v, segments, causal_only: bool):
+    """Ring attention's forward: (output 'B/d L@zigzag/c Q K/t D' in v's dtype, logsumexp
+    f32 '2 B/d K/t Q C' per query chunk). See the module docstring."""
+    c, me = shardops.axis_size("c"), shardops.axis_index("c")
+    qs = _chunks(q)
+    size = qs.shape[2]
+    state = (
+        _vary(jnp.full((2, q.shape[0], q.shape[3], q.shape[2], size), -1e30, jnp.float32), (q, k)),
+        _vary(jnp.zeros((2, q.shape[0], q.shape[3], q.shape[2], size), jnp.float32), (q, k)),
+        _vary(jnp.zeros(qs.shape, jnp.float32), (q, k, v)),
+    )
+    mine = _chunk_ids(me, c)
+
+    def fold(state, ks, vs, source):
+        """Fold the key chunks of shard ``source`` into the running softmax of each query chunk."""
+        theirs = _chunk_ids(source, c)
+        for a in range(2):
+            for b in range(2):
+                pair = _pair(segments, mine[a], theirs[b], size, causal_only)
+
+                def add(state, a=a, b=b, pair=pair):
+                    m, l, acc = state
+                    s = jnp.where(pair.mask[:, None, None], _scores(qs[a], ks[b]), -1e30)
+                    m_new = jnp.maximum(m[a], jnp.max(s, axis=-1))
+                    p = jnp.where(pair.mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+                    scale = jnp.exp(m[a] - m_new)
+                    pv = shardops.einsum_unreduced(
+                        "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D",
+                        p.astype(vs.dtype),
+                        vs[b],
+                        preferred_element_type=jnp.float32,
+                    )
+                    rescale = jnp.swapaxes(scale, -1, -3)[..., None]  # 'B/d Qc Q K/t 1'
+                    l_new = l[a] * scale + jnp.sum(p, axis=-1)
+                    return (m.at[a].set(m_new), l.at[a].set(l_new), acc.at[a].set(acc[a] * rescale + pv))
+
+                state = lax.cond(pair.visible, add, lambda s: s, state)
+        return state
+
+    state = fold(state, _chunks(k), _chunks(v), me)
+
+    def step(carry, _):
+        state, k, v, source = carry
+        # Each block moves one shard along the ring while this one is folded in.
+        k = shardops.ring_shift("B/d L@zigzag/c K/t D", k, "c")
+        v = shardops.ring_shift("B/d L@zigzag/c K/t D", v, "c")
+        source = (source - 1) % c
+        return (fold(state, _chunks(k), _chunks(v), source), k, v, source), None
+
+    (state, _, _, _), _ = collective_log.scan("ring", step, (state, k, v, me), None, length=c - 1)
+    m, l, acc = state
+    out = acc / jnp.swapaxes(l, -1, -3)[..., None]
+    return _unchunk(out).astype(v.dtype), m + jnp.log(l)
+
+
+def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
+    """dq, dk, dv of :func:`ring_forward` given the output's cotangent ``g`` (flash attention's
+    backward, block by block around the ring): k, v and their gradients travel together; one
+    last shift brings each dk, dv home."""
+    c, me = shardops.axis_size("c"), shardops.axis_index("c")
+    qs, gs = _chunks(q), _chunks(g)
+    size = qs.shape[2]
+    # D = rowsum(g * out): the softmax backward's correction per query row, '2 B/d K/t Q C'.
+    delta = jnp.sum(gs.astype(jnp.float32) * _chunks(out).astype(jnp.float32), axis=-1)
+    delta = jnp.swapaxes(delta, -1, -3)
+    mine = _chunk_ids(me, c)
+    dq = _vary(jnp.zeros(qs.shape, jnp.float32), (q, k, v, g))
+
+    def fold(dq, ks, vs, dks, dvs, source):
+        theirs = _chunk_ids(source, c)
+        for a in range(2):
+            for b in range(2):
+                pair = _pair(segments, mine[a], theirs[b], size, causal_only)
+
+                def add(grads, a=a, b=b, pair=pair):
+                    dq, dks, dvs = grads
+                    s = _scores(qs[a], ks[b])
+                    p = jnp.where(pair.mask[:, None, None], jnp.exp(s - lse[a][..., None]), 0.0)
+                    dvs = dvs.at[b].add(
+                        shardops.einsum_unreduced(
+                            "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D",
+                            p.astype(g.dtype),
+                            gs[a],
+                            preferred_element_type=jnp.float32,
+                        )
+                    )
+                    dp = shardops.einsum_unreduced(
+                        "B/d Qc Q K/t D, B/d Kc K/t D -> B/d K/t Q Qc Kc",
+                        gs[a],
+                        vs[b],
+                        preferred_element_type=jnp.float32,
+                    )
+                    ds = p * (dp - delta[a][..., None]) * (1 / math.sqrt(q.shape[-1]))
+                    dq = dq.at[a].add(
+                        shardops.einsum_unreduced(
+                            "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D",
+                            ds.astype(q.dtype),
+                            ks[b],
+                            preferred_element_type=jnp.float32,
+                        )
+                    )
+                    dks = dks.at[b].add(
+                        shardops.einsum_unreduced(
+                            "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D",
+                            ds.astype(q.dtype),
+                            qs[a],
+                            preferred_element_type=jnp.float32,
+                        )
+                    )
+                    return dq, dks, dvs
+
+                dq, dks, dvs = lax.cond(pair.visible, add, lambda x: x, (dq, dks, dvs))
+        return dq, dks, dvs
+
+    zeros = _vary(jnp.zeros((2, *_chunks(k).shape[1:]), jnp.float32), (q, k, v, g))
+    dq, dk, dv = fold(dq, _chunks(k), _chunks(v), zeros, zeros, me)
+    dk, dv = _unchunk(dk), _unchunk(dv)
+
+    def step(carry, _):
+        dq, k, v, dk, dv, source = carry
+        spec = "B/d L@zigzag/c K/t D"
+        k, v = shardops.ring_shift(spec, k, "c"), shardops.ring_shift(spec, v, "c")
+        dk, dv = shardops.ring_shift(spec, dk, "c"), shardops.ring_shift(spec, dv, "c")
+        source = (source - 1) % c
+        dq, dks, dvs = fold(dq, _chunks(k), _chunks(v), _chunks(dk), _chunks(dv), source)
+        return (dq, k, v, _unchunk(dks), _unchunk(dvs), source), None
+
+    carry = (dq, k, v, dk, dv, me)
+    (dq, _, _, dk, dv, _), _ = collective_log.scan("ring", step, carry, None, length=c - 1)
+    # The gradients of the block held now belong to the next shard along the ring.
+    spec = "B/d L@zigzag/c K/t D"
+    dk, dv = shardops.ring_shift(spec, dk, "c"), shardops.ring_shift(spec, dv, "c")
+    return _unchunk(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def ring_attention(q, k, v, segments, causal_only: bool):
+    """Ring attention with its hand-written backward (a ``jax.custom_vjp``; the backward logs
+    its own collectives): (output, logsumexp)."""
+    axes = block_axes()
+    with collective_log.hand_differentiated():
+        return _ring(causal_only, (tuple(axes.sizes.items()), axes.manual), q, k, v, segments)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(causal_only, axes, q, k, v, segments):
+    return ring_forward(q, k, v, segments, causal_only)
+
+
+def _ring_fwd(causal_only, axes, q, k, v, segments):
+    out, lse = ring_forward(q, k, v, segments, causal_only)
+    return (out, lse), (q, k, v, out, lse, segments)
+
+
+def _ring_bwd(causal_only, axes, residuals, cotangents):
+    q, k, v, out, lse, segments = residuals
+    sizes, manual = axes
+    # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
+    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
+        dq, dk, dv = ring_backward(q, k, v, out, lse, segments, causal_only, cotangents[0])
+    return dq, dk, dv, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
