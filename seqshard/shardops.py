@@ -222,6 +222,37 @@ class _Call:
         )
 
 
+def _cpu_reduce_dtype(x: jax.Array):
+    """The dtype a sum over devices runs in: f32 for bf16 on XLA's CPU backend, else x's.
+
+    XLA's CPU backend sums bf16 collectives in f32 anyway; and a bf16 reduce-scatter or
+    all-reduce inside a shard_map that leaves a mesh axis automatic (typed_shard_map leaves
+    those of size 1, such as c = 1) aborts its compiler ("Invalid binary instruction opcode
+    copy", jaxlib 0.10.2). Summing in f32 explicitly gives the same values and compiles."""
+    if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return jnp.float32
+    return x.dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_summing_wide(x: jax.Array, axes, dim: int) -> jax.Array:
+    """A tiled all-gather whose transpose (a reduce-scatter) sums in f32: bf16 on XLA's CPU
+    backend (:func:`_cpu_reduce_dtype`). The same values as ``lax.all_gather``'s own."""
+    return lax.all_gather(x, axes, axis=dim, tiled=True)
+
+
+def _gather_summing_wide_fwd(x, axes, dim):
+    return _gather_summing_wide(x, axes, dim), None
+
+
+def _gather_summing_wide_bwd(axes, dim, _, g):
+    wide = lax.psum_scatter(g.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
+    return (wide.astype(g.dtype),)
+
+
+_gather_summing_wide.defvjp(_gather_summing_wide_fwd, _gather_summing_wide_bwd)
+
+
 def _linear_index(axes: Sequence[str], sizes: Mapping[str, int]) -> jax.Array:
     """The block index of this device over ``axes`` taken major to minor."""
     index = jnp.int32(0)
@@ -302,7 +333,10 @@ def all_gather(
         gathered = [ax for ax in a if ax in src[keep:] or ax in stuck]
         if not gathered:
             continue  # one shard: the block is already whole along this dimension
-        gathered_y = lax.all_gather(y, _axis_arg(gathered), axis=dim, tiled=True, to=mode)
+        if mode == "varying" and _cpu_reduce_dtype(y) != y.dtype:
+            gathered_y = _gather_summing_wide(y, _axis_arg(gathered), dim)
+        else:
+            gathered_y = lax.all_gather(y, _axis_arg(gathered), axis=dim, tiled=True, to=mode)
         call.log("all-gather", gathered, y, gathered_y, invarying=mode == "invarying")
         y = gathered_y
         if dst[keep:]:
@@ -350,11 +384,12 @@ def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
         call.require_divisible(y, dim, new)
         if not call.over(new):
             continue  # a sum over one shard: the value is already reduced and in place
+        wide = _cpu_reduce_dtype(y)
         scattered = lax.psum_scatter(
-            y, _axis_arg(call.over(new)), scatter_dimension=dim, tiled=True
+            y.astype(wide), _axis_arg(call.over(new)), scatter_dimension=dim, tiled=True
         )
-        call.log("reduce-scatter", call.over(new), y, scattered)
-        y = scattered
+        call.log("reduce-scatter", call.over(new), y.astype(wide), scattered)
+        y = scattered.astype(y.dtype)
     return call.finish(y)
 
 
@@ -392,9 +427,10 @@ def psum(spec: str, x: jax.Array) -> jax.Array:
     axes = [a for a in reduced if a in call.over(reduced) or a in call.stuck(x, reduced)]
     if not axes:
         return call.finish(x)
-    y = lax.psum(x, _axis_arg(axes))
-    call.log("all-reduce", axes, x, y)
-    return call.finish(y)
+    wide = _cpu_reduce_dtype(x)
+    y = lax.psum(x.astype(wide), _axis_arg(axes))
+    call.log("all-reduce", axes, x.astype(wide), y)
+    return call.finish(y.astype(x.dtype))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))

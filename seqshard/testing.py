@@ -18,7 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from seqshard.comms import KINDS, Collective, collectives
-from seqshard.mesh import mesh_from_devices
+from seqshard.mesh import AXES, mesh_from_devices
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -36,6 +36,9 @@ COLLECTIVE_KINDS = KINDS
 def fake_cpu_mesh(shape: Sequence[int], axis_names: Sequence[str]) -> Mesh:
     """A mesh of fake CPU devices with Auto axes (shard_map reshards its inputs itself).
 
+    When every name is one of seqshard's mesh axes (:data:`seqshard.mesh.MESH_AXES`), the
+    others are added with size 1 (``fake_cpu_mesh((2, 4), ('d', 't'))`` has axes d, t and c),
+    so seqshard's model, whose specs name them all, runs on it; same devices, same layout.
     The process must have been started with enough host devices, e.g.
     ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before JAX is imported.
     """
@@ -45,6 +48,9 @@ def fake_cpu_mesh(shape: Sequence[int], axis_names: Sequence[str]) -> Mesh:
             f"fake_cpu_mesh: shape {shape} has {len(shape)} axes but axis_names {axis_names} "
             f"has {len(axis_names)}; give one name per axis."
         )
+    if set(axis_names) <= set(AXES):
+        missing = tuple(a for a in AXES if a not in axis_names)
+        shape, axis_names = shape + (1,) * len(missing), axis_names + missing
     return mesh_from_devices(shape, axis_names, jax.devices("cpu"))
 
 
