@@ -56,7 +56,7 @@ each; o ``2 H D M``; gate, up, down ``2 M F`` each; and once, the logits ``2 M V
 
 Memory (:func:`memory_per_device`) is an estimate of what lives on one device of a
 ``d x t`` mesh through a training step: f32 master weights, f32 grads and AdamW's two f32
-moments, all fully sharded over ``d*t``; the activations each layer saves for the backward
+moments, all fully sharded over ``d*c*t``; the activations each layer saves for the backward
 pass under ``cfg.remat``; and the f32 logits.
 
 What ``cfg.remat`` recomputes and keeps is the policy's to say (:mod:`seqshard.remat`):
@@ -546,7 +546,7 @@ def _dtype_bytes(dtype: str) -> int:
 class MemoryEstimate:
     """Bytes on one device through a training step (see :func:`memory_per_device`)."""
 
-    weights: int  # f32 master weights, sharded over d*t
+    weights: int  # f32 master weights, sharded over d*c*t
     grads: int  # f32 gradients, sharded like the weights
     optimizer: int  # AdamW: two f32 moments, sharded like the weights
     activations_per_layer: int  # saved for the backward pass, one layer
@@ -588,45 +588,64 @@ class LayerBytes:
     q_k_before_rope: int  # 'b L Q K/t D' + 'b L K/t D' in c
     probs: int  # 'b L L Q K/t' in f32, plus its c copy (the probs . v operand) when c is not f32
     swiglu: int  # swish(gate) and swish(gate) * up: 2 x 'b L F/t' in c
+    # With the sequence split over the context axis: allgather's gathered k and v
+    # 'b L K/t D' (2 x, in c), or the ring's visiting block; 0 when the axis has size 1.
+    context_kv: int = 0
 
 
-def layer_bytes(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int) -> LayerBytes:
-    """The per-device arrays of one layer on a ``d x t`` mesh, global batch ``batch`` of
-    ``seq_len`` tokens (raises ValueError if the mesh cannot split the model or the batch)."""
-    _check_step(cfg, d=d, t=t, batch=batch, seq_len=seq_len)
-    c = _dtype_bytes(cfg.compute_dtype)
-    b, L = batch // d, seq_len
+def layer_bytes(
+    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1
+) -> LayerBytes:
+    """The per-device arrays of one layer on a ``d x c x t`` mesh, global batch ``batch`` of
+    ``seq_len`` tokens (raises ValueError if the mesh cannot split the model or the batch).
+
+    With the sequence split over c each device holds ``L/c`` positions of its rows: every
+    activation shrinks by c. Its attention: ``allgather`` holds every key and value of the
+    row ('b L K/t D' twice, :attr:`LayerBytes.context_kv`) and probabilities 'b L/c L Q K/t'
+    (1/c of c = 1's); the ring holds one visiting block of k and v (as large as its own) and
+    the scores of one pair of chunks at a time, 'b L/2c L/2c Q K/t' in f32 (1/c^2)."""
+    _check_step(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c)
+    cb = _dtype_bytes(cfg.compute_dtype)
+    b, L, Lc = batch // d, seq_len, seq_len // c
     m, f, q, k_t, dh = cfg.d_model, cfg.d_ff, cfg.n_q_per_kv, cfg.n_kv // t, cfg.d_head
+    ring = c > 1 and cfg.context_impl == "ring"
 
     # Elements of one per-device activation of each shape.
-    x_el = b * L * (m // t)  # 'b L M/t'
-    q_el = b * L * q * k_t * dh  # 'b L Q K/t D'
-    kv_el = b * L * k_t * dh  # 'b L K/t D'
-    ff_el = b * L * (f // t)  # 'b L F/t'
-    probs_el = b * L * L * q * k_t  # 'b L L Q K/t'
+    x_el = b * Lc * (m // t)  # 'b L/c M/t' (or 'b L/c/t M': the same size)
+    q_el = b * Lc * q * k_t * dh  # 'b L/c Q K/t D'
+    kv_el = b * Lc * k_t * dh  # 'b L/c K/t D'
+    ff_el = b * Lc * (f // t)  # 'b L/c F/t'
+    if ring:
+        probs = 4 * b * (Lc // 2) ** 2 * q * k_t  # one chunk pair's f32 scores
+        context_kv = cb * 2 * kv_el  # the visiting k and v block
+    else:
+        probs = (4 + (cb if cb != 4 else 0)) * b * Lc * L * q * k_t
+        context_kv = cb * 2 * b * L * k_t * dh if c > 1 else 0  # gathered over c
     return LayerBytes(
-        x=c * x_el,
-        q=c * q_el,
-        k=c * kv_el,
-        v=c * kv_el,
-        attn=c * q_el,
-        h=c * x_el,
-        gate=c * ff_el,
-        up=c * ff_el,
-        weights=c * (2 * m * q * k_t * dh + 2 * m * k_t * dh + 3 * m * (f // t)) + 4 * 2 * m,
-        block_inputs=c * 4 * b * L * m,
-        q_k_before_rope=c * (q_el + kv_el),
-        probs=(4 + (c if c != 4 else 0)) * probs_el,
-        swiglu=c * 2 * ff_el,
+        x=cb * x_el,
+        q=cb * q_el,
+        k=cb * kv_el,
+        v=cb * kv_el,
+        attn=cb * q_el,
+        h=cb * x_el,
+        gate=cb * ff_el,
+        up=cb * ff_el,
+        weights=cb * (2 * m * q * k_t * dh + 2 * m * k_t * dh + 3 * m * (f // t)) + 4 * 2 * m,
+        block_inputs=cb * 4 * b * Lc * m,
+        q_k_before_rope=cb * (q_el + kv_el),
+        probs=probs,
+        swiglu=cb * 2 * ff_el,
+        context_kv=context_kv,
     )
 
 
 def memory_per_device(
-    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int
+    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1
 ) -> MemoryEstimate:
-    """Estimate per-device memory on a ``d x t`` mesh for global batch ``batch`` of ``seq_len``.
+    """Estimate per-device memory on a ``d x c x t`` mesh for global batch ``batch`` of
+    ``seq_len`` (c splits the sequence, and the weights as d does).
 
-    Weights, grads and AdamW moments are f32 and fully sharded: ``param_bytes / (d*t)`` each
+    Weights, grads and AdamW moments are f32 and fully sharded: ``param_bytes / (d*c*t)`` each
     (x2 for the moments). Activations per layer are what the remat policy keeps of the
     layer's arrays (:func:`layer_bytes`; b = batch/d, c = bytes of ``cfg.compute_dtype``):
 
@@ -642,24 +661,31 @@ def memory_per_device(
     buffers, XLA temporaries and allocator fragmentation: leave headroom.
     """
     per_layer = remat_policy(cfg.remat).saved_bytes(
-        layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len)
+        layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c)
     )
-    weights = -(-param_bytes(cfg) // (d * t))  # ceil: exact whenever check_mesh passes
+    weights = -(-param_bytes(cfg) // (d * c * t))  # ceil: exact whenever check_mesh passes
     return MemoryEstimate(
         weights=weights,
         grads=weights,
         optimizer=2 * weights,
         activations_per_layer=per_layer,
         activations=cfg.n_layers * per_layer,
-        logits=4 * (batch // d) * seq_len * (cfg.vocab // t),
+        logits=4 * (batch // d) * (seq_len // c) * (cfg.vocab // t),
     )
 
 
-def _check_step(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int) -> None:
-    for name, value in (("d", d), ("t", t), ("batch", batch), ("seq_len", seq_len)):
+def _check_step(
+    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1
+) -> None:
+    for name, value in (("d", d), ("c", c), ("t", t), ("batch", batch), ("seq_len", seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    cfg.check_mesh({"d": d, "t": t})
+    cfg.check_mesh({"d": d, "c": c, "t": t})
+    if c > 1 and seq_len % (2 * c):
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by 2c = {2 * c} (the zigzag layout over c "
+            f"cuts each row into 2c chunks). Choose a seq_len divisible by {2 * c}."
+        )
     if batch % d:
         raise ValueError(
             f"batch={batch} is not divisible by mesh axis d={d} (the batch "

@@ -145,7 +145,7 @@ def target_config(cfg: Config, n_devices: int) -> Config:
 class MemoryPlan:
     """Bytes on one device at the peak of a training step (see the module docstring)."""
 
-    weights: int  # f32 master weights, sharded over d*t
+    weights: int  # f32 master weights, sharded over d*c*t
     grads: int  # f32 gradients, and with microbatches their accumulation buffer
     optimizer: int  # AdamW's two f32 moments
     activations: int  # what the remat policy keeps of every layer, one microbatch
@@ -220,10 +220,10 @@ def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     """Peak bytes per device of a training step of ``cfg`` (mesh resolved), with attention run
     as ``attention_impl`` (``einsum``, ``cudnn``, ``splash``, ``xla``)."""
     m, train = cfg.model, cfg.train
-    d, t = cfg.mesh.sizes()["d"], cfg.mesh.sizes()["t"]
+    d, c, t = (cfg.mesh.sizes()[a] for a in ("d", "c", "t"))
     micro = _microbatch_rows(cfg)
-    base = memory_per_device(m, d=d, t=t, batch=micro, seq_len=train.seq_len)
-    lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len)
+    base = memory_per_device(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c)
+    lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c)
     accumulate = train.microbatches > 1
 
     outer = _outer_gathers(cfg)
@@ -239,14 +239,15 @@ def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     copies = sum(g.gathered_bytes for g in gathered if g.minor)
     everything = NoRemat().saved_bytes(lb)
     rebuilt = everything - remat_policy(m.remat).saved_bytes(lb)  # re-run in the backward
-    fused = attention_impl in FUSED_ATTENTION
+    # Flash kernels and the ring (c > 1) never hold the probabilities, to keep or to rebuild.
+    fused = attention_impl in FUSED_ATTENTION or (c > 1 and m.context_impl == "ring")
     activations = base.activations
     if fused:  # flash attention never holds the probabilities, to keep or to rebuild
         rebuilt -= min(rebuilt, lb.probs)
         if m.remat == "none":
             activations -= m.n_layers * lb.probs
-    c = _dtype_bytes(m.compute_dtype)
-    probs_elements = lb.probs // (4 + (c if c != 4 else 0))  # f32, and a compute-dtype copy
+    cb = _dtype_bytes(m.compute_dtype)
+    probs_elements = lb.probs // (4 + (cb if cb != 4 else 0))  # f32, and a compute-dtype copy
     # One f32 gradient of the scores at a time: softmax's backward turns d probs into
     # d scores elementwise.
     score_grads = 0 if fused else 4 * probs_elements
@@ -476,9 +477,11 @@ def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
     links, bandwidths = {}, {}
     for key in keys:
         axes = key.split("/")
-        # t stays inside a fast domain when it fits one; d spans all devices' domains.
+        # c and t stay inside a fast domain when they fit one (training_mesh lays them out
+        # so); d spans all devices' domains.
+        inner = mesh["c"] * mesh["t"] if "c" in axes else mesh["t"]
         crosses = ("d" in axes and n_devices > ch.fast_domain_chips) or (
-            "t" in axes and mesh["t"] > ch.fast_domain_chips
+            ("t" in axes or "c" in axes) and inner > ch.fast_domain_chips
         )
         if crosses:
             if ch.slow_bytes_per_s is None:
@@ -567,10 +570,15 @@ def _candidate_changes(cfg: Config, n_devices: int) -> dict[str, list[dict[str, 
     """Per kind of change, the alternatives to try (dotted key -> value)."""
     mesh = cfg.mesh.sizes()
     t, k = mesh["t"], cfg.train.microbatches
+    c = mesh["c"]
     meshes = [
-        {"mesh.d": n_devices // t2, "mesh.t": t2}
+        {"mesh.d": n_devices // (c * t2), "mesh.t": t2}
         for t2 in range(t - 1, 0, -1)
         if t % t2 == 0  # more d through a smaller t, on the same devices
+    ]
+    # Long sequences: more c (the sequence split further) through a smaller d.
+    meshes += [
+        {"mesh.d": mesh["d"] // k, "mesh.c": c * k} for k in (2, 4, 8) if mesh["d"] % k == 0
     ]
     remat = [{"model.remat": "full"}] if cfg.model.remat != "full" else []
     rows = cfg.train.batch_size

@@ -31,7 +31,7 @@ from seqshard.planner import FUSED_ATTENTION, describe_memory, memory_plan, plan
 from seqshard.shardtypes import block_shape, type_tree
 from seqshard.step_comms import PlannedCollective, collectives_per_step, format_planned_table
 
-__all__ = ["describe", "flops_table", "weight_table"]
+__all__ = ["context_report", "describe", "flops_table", "weight_table"]
 
 
 def _shape(s) -> str:
@@ -153,6 +153,48 @@ def predicted_comm_report(cfg: Config) -> str:
     return head + "\n" + format_planned_table(calls, m.n_layers)
 
 
+def context_report(cfg: Config) -> str:
+    """The sequence split over c: for each ``model.context_impl``, what it moves per layer
+    (predicted from the notation, :mod:`seqshard.step_comms`) and the planner's per-device
+    activation and peak memory (:mod:`seqshard.planner`), side by side."""
+    import dataclasses
+
+    m, c = cfg.model, cfg.mesh.sizes()["c"]
+    if c == 1:
+        return (
+            "context: mesh.c = 1, the sequence is not split (mesh.c=k splits each row k ways, "
+            "'B/d L@zigzag/c M/t', for sequences whose activations do not fit)"
+        )
+    impl = "einsum" if m.attention_impl == "auto" else m.attention_impl
+    rows = []
+    for strategy in ("allgather", "ring"):
+        variant = dataclasses.replace(cfg, model=dataclasses.replace(m, context_impl=strategy))
+        calls = [x for x in collectives_per_step(variant) if x.what.startswith("context:")]
+        layer = [x for x in calls if x.in_layers]
+        per_layer = {
+            p: sum(x.bytes_per_step for x in layer if x.phase == p) / m.n_layers for p in PHASES
+        }
+        memory = memory_plan(variant, impl)
+        rows.append(
+            (
+                strategy + (" *" if strategy == m.context_impl else ""),
+                str(sum(x.calls for x in layer) // m.n_layers),
+                format_bytes(per_layer["forward"]),
+                format_bytes(per_layer["recompute"] + per_layer["backward"]),
+                format_bytes(memory.activations),
+                format_bytes(memory.total),
+            )
+        )
+    head = (
+        f"context: the sequence split over c = {c} ('B/d L@zigzag/c', zigzag chunks i and "
+        f"{2 * c - 1}-i per shard), per device; collectives and bytes sent per layer, from "
+        f"the notation; memory from the planner (* model.context_impl):"
+    )
+    columns = ("context_impl", "collectives", "sent forward", "sent backward",
+               "activations kept", "peak memory")  # fmt: skip
+    return head + "\n" + _table(rows, columns)
+
+
 def predicted_vs_compiled(predicted: list[PlannedCollective], compiled: list[Collective]) -> str:
     """One line: the prediction from the notation (:mod:`seqshard.step_comms`) against the
     compiled step's collectives (:mod:`seqshard.comms`), calls and bytes per step, and what
@@ -237,6 +279,8 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
     parts.append(flops_table(cfg))
     parts.append("")
     parts.append(predicted_comm_report(cfg))
+    parts.append("")
+    parts.append(context_report(cfg))
     parts.append("")
     if chip is not None:
         parts.append(plan(cfg, cfg.mesh.n_devices, chip).format())
