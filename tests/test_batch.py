@@ -14,9 +14,9 @@ from seqshard.testing import count_collectives, fake_cpu_mesh
 
 
 def test_the_batch_layout_is_its_types():
-    assert partition_specs(TokenBatch) == TokenBatch(tokens=P("d", None), is_seq_start=P("d", None))
+    assert partition_specs(TokenBatch) == TokenBatch(tokens=P("d", "c"), is_seq_start=P("d", "c"))
     stacked = partition_specs(Array["microbatches", TokenBatch])
-    assert stacked.tokens == P(None, "d", None)
+    assert stacked.tokens == P(None, "d", "c")
 
 
 def test_token_batch_casts_and_checks():

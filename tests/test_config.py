@@ -125,15 +125,16 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "attention_mask": "causal",
         "backward": "autodiff",
         "residual": "M/t",
+        "context_impl": "ring",
     }
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (
         "a ModelConfig field was added or renamed: add it here"
     )
     cfg = load(
-        *(f"model.{k}={v}" for k, v in values.items()), "mesh.d=2", "mesh.t=2", "train.steps=5"
+        *(f"model.{k}={v}" for k, v in values.items()), "mesh.d=2", "mesh.c=2", "mesh.t=2", "train.steps=5"
     )
     assert dataclasses.asdict(cfg.model) == values
-    assert (cfg.mesh.d, cfg.mesh.t, cfg.train.steps) == (2, 2, 5)
+    assert (cfg.mesh.d, cfg.mesh.c, cfg.mesh.t, cfg.train.steps) == (2, 2, 2, 5)
 
 
 def test_a_sequence_the_residual_cannot_split_is_rejected():
@@ -141,9 +142,18 @@ def test_a_sequence_the_residual_cannot_split_is_rejected():
         load("mesh.d=2", "mesh.t=4", "model.n_kv=4", "train.seq_len=130")
     msg = str(info.value)
     assert "model.residual=L/t splits the sequence over t" in msg
-    assert "train.seq_len=130 is not divisible by mesh.t=4" in msg and "model.residual=M/t" in msg
+    assert "train.seq_len=130 is not divisible by mesh.c x mesh.t = 4" in msg and "model.residual=M/t" in msg
     cfg = load("mesh.d=2", "mesh.t=4", "model.n_kv=4", "train.seq_len=130", "model.residual=M/t")
-    assert cfg.model.residual_spec == "B/d L M/t"
+    assert cfg.model.residual_spec == "B/d L@zigzag/c M/t"
+
+
+def test_a_sequence_the_context_axis_cannot_cut_in_zigzag_chunks_is_rejected():
+    with pytest.raises(ConfigError) as info:
+        load("mesh.c=4", "train.seq_len=132", "model.residual=M/t")
+    msg = str(info.value)
+    assert "mesh.c=4 splits the sequence over c in zigzag order (2c = 8 chunks" in msg
+    assert "train.seq_len=132 is not divisible by 8" in msg
+    assert load("mesh.c=4", "train.seq_len=136").mesh.c == 4
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -286,7 +296,7 @@ def test_bad_override_syntax(override):
         (["model.d_ff=100", "mesh.t=8", "model.n_kv=8"], ["model.d_ff=100", "= 8"]),
         (
             ["model.d_model=36", "mesh.d=4", "mesh.t=2"],
-            ["model.d_model=36", "t*d", "= 8", "d=4 x t=2", "d_model/t/d"],
+            ["model.d_model=36", "t*d*c", "= 8", "d=4 x c=1 x t=2", "d_model/t/d/c"],
         ),
         (["data.vocab_size=4096"], ["data.vocab_size=4096", "model.vocab=256"]),
         (["mesh.d=0"], ["mesh.d=0", ">= 1, or -1 for the remaining devices"]),
