@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from model_weights import tiny_model
 
+from seqshard.mesh import mesh_of_sizes
 from seqshard.model import init_weights, reference_logits_fn
 from seqshard.model.generate import DecodeSpec, _decoder, decode_mesh, generate
 from seqshard.testing import fake_cpu_mesh
@@ -61,13 +62,13 @@ def reference_logits(host_weights, seq, cfg=CFG):
 
 def test_decode_mesh_fills_t_then_divides_the_batch():
     # n_kv = 2 caps t at 2; d is the largest divisor of the batch that fits the rest.
-    assert dict(decode_mesh(1, CFG).shape) == {"d": 1, "t": 2}
-    assert dict(decode_mesh(4, CFG).shape) == {"d": 4, "t": 2}
-    assert dict(decode_mesh(8, CFG).shape) == {"d": 4, "t": 2}
+    assert dict(decode_mesh(1, CFG).shape) == {"d": 1, "c": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG).shape) == {"d": 4, "c": 1, "t": 2}
+    assert dict(decode_mesh(8, CFG).shape) == {"d": 4, "c": 1, "t": 2}
     # d = 3 does not divide d_model = 32 (norm gains are d_model/t/d): d falls back to 1.
-    assert dict(decode_mesh(3, CFG).shape) == {"d": 1, "t": 2}
-    assert dict(decode_mesh(4, CFG, max_d=1).shape) == {"d": 1, "t": 2}
-    assert dict(decode_mesh(4, CFG, jax.devices()[:1]).shape) == {"d": 1, "t": 1}
+    assert dict(decode_mesh(3, CFG).shape) == {"d": 1, "c": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG, max_d=1).shape) == {"d": 1, "c": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG, jax.devices()[:1]).shape) == {"d": 1, "c": 1, "t": 1}
 
 
 @pytest.mark.parametrize(
@@ -314,3 +315,10 @@ def test_bad_input_raises_a_clear_value_error(weights, change, match):
 def test_mesh_the_model_does_not_split_is_refused(weights):
     with pytest.raises(ValueError, match=r"model.n_kv=2 is not divisible by mesh axis t"):
         generate(weights, prompts(1, 3), CFG, mesh((1, 4)), max_new_tokens=2, temperature=0)
+
+
+def test_a_mesh_that_splits_the_sequence_is_refused(weights):
+    """Generation keeps each row's cache whole: a mesh with c > 1 is an error naming c."""
+    mesh = mesh_of_sizes({"c": 2})
+    with pytest.raises(ValueError, match=r"mesh axis c \(context\) has size 2.*decode_mesh"):
+        generate(weights, np.zeros((1, 4), np.int32), CFG, mesh, max_new_tokens=2)

@@ -1089,7 +1089,7 @@ ERRORS = [
         (P("d", "t"), P()),
         [(4, 8), (8, 4)],
         ShapeError,
-        ["dimension M is split as 'M/t' in one operand and 'M' in another"],
+        ["dimension M is laid out as 'M/t' in one operand and 'M' in another"],
     ),
     (
         "einsum with a wrong marker",
@@ -1318,7 +1318,7 @@ def test_op_outside_shard_map():
         so.all_gather("M/d -> M", jnp.ones(4))
     with (
         jax.set_mesh(mesh_of((2, 4))),
-        pytest.raises(ShapeError, match=r"outside one \(the mesh \{'d': 2, 't': 4\} has no manual"),
+        pytest.raises(ShapeError, match=r"outside one \(the mesh \{'d': 2, 't': 4, 'c': 1\} has no manual"),
     ):
         so.psum_scatter("M -> M/t", jnp.ones(4))
 
