@@ -121,11 +121,11 @@ def target_config(cfg: Config, n_devices: int) -> Config:
     if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
         raise ConfigError(f"the device count must be a positive integer, got {n_devices!r}.")
     cfg = resolve_mesh(cfg, n_devices)
-    modelled = {"d", "t"}  # the axes whose collectives this module lists
+    modelled = {"d", "c", "t"}  # the axes whose collectives this module lists
     other = {a: n for a, n in cfg.mesh.sizes().items() if a not in modelled and n > 1}
     if other:
         raise ConfigError(
-            f"the planner models mesh axes d and t only; mesh {cfg.mesh.describe()} also "
+            f"the planner models mesh axes d, c and t only; mesh {cfg.mesh.describe()} also "
             f"splits over {sorted(other)}."
         )
     if cfg.mesh.n_devices != n_devices:

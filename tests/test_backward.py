@@ -41,6 +41,7 @@ from seqshard.config import Config, ConfigError, DataConfig, MeshConfig, TrainCo
 from seqshard.model import ModelConfig, loss_fn, reference_loss_fn, transformer, weight_structs
 from seqshard.model import backward as bw
 from seqshard.model.config import Backward
+from seqshard.model.context import sequence_rows
 from seqshard.model.weights import Layer
 from seqshard.shapecheck import shape_scope
 from seqshard.shardtypes import bool_, f32, typed_shard_map
@@ -108,15 +109,15 @@ def reference_loss_and_grads(cfg: ModelConfig):
 # (model.residual=L/t) is checked through the whole model below.
 LAYER_CFG = dataclasses.replace(CFG, residual="M/t")
 
-LayerOut = tuple[f32[b"B/d L M/t"], f32[b"B/d L M/t"], Layer]  # output, dL/dx, dL/dweights
+LayerOut = tuple[f32[b"B/d L@zigzag/c M/t"], f32[b"B/d L@zigzag/c M/t"], Layer]  # output, dL/dx, dL/dweights
 Marked = tuple[  # what _layer marks with save_for_backward: q, k, v, attn, h, gate, up
-    f32[b"B/d L Q K/t D"],
-    f32[b"B/d L K/t D"],
-    f32[b"B/d L K/t D"],
-    f32[b"B/d L Q K/t D"],
-    f32[b"B/d L M/t"],
-    f32[b"B/d L F/t"],
-    f32[b"B/d L F/t"],
+    f32[b"B/d L@zigzag/c Q K/t D"],
+    f32[b"B/d L@zigzag/c K/t D"],
+    f32[b"B/d L@zigzag/c K/t D"],
+    f32[b"B/d L@zigzag/c Q K/t D"],
+    f32[b"B/d L@zigzag/c M/t"],
+    f32[b"B/d L@zigzag/c F/t"],
+    f32[b"B/d L@zigzag/c F/t"],
 ]
 
 
@@ -131,24 +132,26 @@ def test_layer_backward_equals_vjp_of_the_layer():
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_autodiff(
-        w: Layer, x: f32[b"B/d L M/t"], d_out: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
+        w: Layer, x: f32[b"B/d L@zigzag/c M/t"], d_out: f32[b"B/d L@zigzag/c M/t"], is_seq_start: bool_[b"B/d L/c"]
     ) -> LayerOut:
-        rope, mask = transformer.rope_and_mask(LAYER_CFG, is_seq_start)
+        rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
+        rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
         (out, _), pullback = jax.vjp(
-            lambda x, w: transformer._layer(LAYER_CFG, rope, mask, x, w), x, w
+            lambda x, w: transformer._layer(LAYER_CFG, rows, rope, mask, x, w), x, w
         )
         return (out, *pullback((d_out, None)))
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_hand(
-        w: Layer, x: f32[b"B/d L M/t"], d_out: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
+        w: Layer, x: f32[b"B/d L@zigzag/c M/t"], d_out: f32[b"B/d L@zigzag/c M/t"], is_seq_start: bool_[b"B/d L/c"]
     ) -> LayerOut:
-        rope, mask = transformer.rope_and_mask(LAYER_CFG, is_seq_start)
-        a = bw.layer_activations(LAYER_CFG, rope, mask, w, {"x": x})
-        kept = {name: a[name] for name in bw.KEPT["saved"]}
+        rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
+        rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
+        a = bw.layer_activations(LAYER_CFG, rows, rope, mask, w, {"x": x})
+        kept = {name: a[name] for name in bw.kept_activations(LAYER_CFG)}
         with shape_scope():  # as in the model: the backward is traced in a scope of its own
             d_x, d_w = bw.layer_backward(
-                LAYER_CFG, rope, mask, bw.layer_activations(LAYER_CFG, rope, mask, w, kept), d_out
+                LAYER_CFG, rows, rope, mask, bw.layer_activations(LAYER_CFG, rows, rope, mask, w, kept), d_out
             )
         return bw.layer_output(LAYER_CFG, a), d_x, d_w
 
@@ -172,23 +175,25 @@ def test_saved_keeps_exactly_what_the_forward_marks(monkeypatch):
     mesh = mesh_of((2, 4))
     layer_w = jax.tree.map(lambda a: a[0], WEIGHTS.layers)
     x = np.random.default_rng(2).standard_normal((BATCH, LENGTH, LAYER_CFG.d_model), np.float32)
-    names = bw.KEPT["saved"][1:]  # after the input x
+    names = bw.kept_activations(LAYER_CFG)[1:]  # after the input x (c = 1: no ring's lse)
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def both(
-        w: Layer, x: f32[b"B/d L M/t"], is_seq_start: bool_[b"B/d L"]
+        w: Layer, x: f32[b"B/d L@zigzag/c M/t"], is_seq_start: bool_[b"B/d L/c"]
     ) -> tuple[Marked, Marked]:
-        rope, mask = transformer.rope_and_mask(LAYER_CFG, is_seq_start)
-        transformer._layer(LAYER_CFG, rope, mask, x, w)
+        rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
+        rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
+        transformer._layer(LAYER_CFG, rows, rope, mask, x, w)
         with shape_scope():
-            a = bw.layer_activations(LAYER_CFG, rope, mask, w, {"x": x})
+            a = bw.layer_activations(LAYER_CFG, rows, rope, mask, w, {"x": x})
         return tuple(marked), tuple(a[n] for n in names)
 
     from_marks, kept = jax.jit(both)(layer_w, x, IS_SEQ_START)
     assert len(marked) == len(names), "save_for_backward marks changed: update backward.KEPT"
     for name, m, k in zip(names, from_marks, kept, strict=True):
         np.testing.assert_array_equal(np.asarray(k), np.asarray(m), err_msg=name)
-    assert bw.kept_activations(LAYER_CFG) == bw.KEPT["saved"] == ("x", *names)
+    assert bw.kept_activations(LAYER_CFG) == ("x", *names)
+    assert [n for n in bw.KEPT["saved"] if n != "lse"] == ["x", *names]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -212,9 +212,9 @@ def test_options_and_overrides_come_in_any_order(tmp_path, tiny_yaml, capsys):
     """argparse alone stops collecting overrides at the first option; seqshard does not."""
     config = tiny_yaml(tmp_path / "tiny.yaml", tmp_path / "runs")
     assert main(["show", str(config), "--no-compile", "mesh.d=2", "mesh.t=4"]) == 0
-    assert "mesh d=2 x t=4" in capsys.readouterr().out
+    assert "mesh d=2 x c=1 x t=4" in capsys.readouterr().out
     assert main(["show", "--no-compile", str(config), "mesh.d=8", "mesh.t=1"]) == 0
-    assert "mesh d=8 x t=1" in capsys.readouterr().out
+    assert "mesh d=8 x c=1 x t=1" in capsys.readouterr().out
 
 
 def test_show_plans_for_other_machines_without_compiling(tmp_path, tiny_yaml, capsys):
@@ -223,8 +223,8 @@ def test_show_plans_for_other_machines_without_compiling(tmp_path, tiny_yaml, ca
     config = tiny_yaml(tmp_path / "tiny.yaml", tmp_path / "runs")
     assert main(["show", str(config), "mesh.d=-1", "--devices", "16", "--chip", "v5e"]) == 0
     out = capsys.readouterr().out
-    assert "not compiling the train step: mesh d=8 x t=2 needs 16 devices" in out
-    assert "plan for 16 chips (a v5e-16 slice), mesh d=8 x t=2" in out
+    assert "not compiling the train step: mesh d=8 x c=1 x t=2 needs 16 devices" in out
+    assert "plan for 16 chips (a v5e-16 slice), mesh d=8 x c=1 x t=2" in out
     assert re.search(r"^verdict: fits: ", out, re.M)
     assert "from the step compiled" not in out
     assert "communication per train step, predicted from the notation (nothing compiled" in out

@@ -94,7 +94,7 @@ def test_slices_and_nodes_are_counted_in_chips():
     assert CHIPS["h100"].describe_count(16) == "16 H100 GPUs (2 nodes of 8)"
     assert CHIPS["h100"].describe_count(8) == "8 H100 GPUs (one node)"
     text = plan(one_b("mesh.d=-1", "train.batch_size=32"), 32, "v5p").format()
-    assert text.startswith("plan for 32 chips (a v5p-64 slice), mesh d=32 x t=1")
+    assert text.startswith("plan for 32 chips (a v5p-64 slice), mesh d=32 x c=1 x t=1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_slices_and_nodes_are_counted_in_chips():
 
 def test_minus_one_takes_the_devices_planned_for():
     p = plan(one_b("mesh.d=-1", "mesh.t=2", "train.batch_size=16"), 16, "h100")
-    assert p.config.mesh.sizes() == {"d": 8, "t": 2} and p.n_devices == 16
+    assert p.config.mesh.sizes() == {"d": 8, "c": 1, "t": 2} and p.n_devices == 16
 
 
 def test_the_mesh_must_use_the_devices_planned_for():
@@ -170,14 +170,14 @@ def test_collectives_follow_the_remat_policy():
         )
 
     n = 2  # layers
-    w_gate = "gate: all_gather('M/d F/t -> M F/t')"
+    w_gate = "gate: all_gather('M/d/c F/t -> M F/t')"
     for remat in ("saved", "full"):
         assert count(remat, "recompute", w_gate) == n
     assert count("none", "recompute", "all_gather") == 0
-    attention_output = "o: psum_scatter('B/d L M -> B/d L/t M')"  # model.residual=L/t
+    attention_output = "o: psum_scatter('B/d L@zigzag/c M -> B/d L@zigzag/c/t M')"  # model.residual=L/t
     assert count("full", "recompute", attention_output) == n
     assert count("saved", "recompute", attention_output) == 0
-    assert count("saved", "backward", "q: all_gather('M/d Q K/t D -> M Q K/t D')") == n
+    assert count("saved", "backward", "q: all_gather('M/d/c Q K/t D -> M Q K/t D')") == n
 
 
 def test_a_single_device_moves_nothing():
@@ -275,7 +275,7 @@ def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_would():
 
 def test_more_d_through_a_smaller_t_is_a_candidate():
     """Without remat every layer keeps its normalized inputs 'B/d L M', which t does not
-    split: on d=1 x t=8 they do not fit 16 GB. d=8 x t=1 splits them 8 ways and, with no
+    split: on d=1 x c=1 x t=8 they do not fit 16 GB. d=8 x c=1 x t=1 splits them 8 ways and, with no
     activation traffic over t left, is faster than the microbatches that would also fit."""
 
     def on_v5e(*overrides):
@@ -333,7 +333,7 @@ def test_the_gpu_configs_describe_the_shapes_asked_for():
     )  # fmt: skip
     assert (cfg.train.seq_len, cfg.train.batch_size) == (2048, 8)
     for path in CONFIGS:
-        if path.name in ("base.yaml", "tiny-cpu.yaml"):
+        if path.name in ("base.yaml", "tiny-cpu.yaml", "tiny-cpu-8k.yaml"):
             continue
         m = load_config(path).model
         assert m.compute_dtype == "bfloat16" and m.attention_impl == "auto", path.name
@@ -361,7 +361,7 @@ def test_the_gpu_configs_describe_the_shapes_asked_for():
 # * Peak memory, arguments + temporaries: to 15%. The peak depends on XLA's scheduling and
 #   fusion, which the planner models as the larger of two working sets (see its docstring).
 #   Measured planner / XLA over the 9 configs below (16 and 64 devices, remat
-#   saved/full/none, microbatches 1-2, t 1-4): 0.90 (d=4 x t=4) to 1.10 (64 x 512 tokens).
+#   saved/full/none, microbatches 1-2, t 1-4): 0.90 (d=4 x c=1 x t=4) to 1.10 (64 x 512 tokens).
 
 _MEASURE = r"""
 import json, os, sys

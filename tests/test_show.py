@@ -37,24 +37,24 @@ def test_weight_table_rows_come_from_the_types(cfg):
     rows = {r[0]: r for r in weight_table(cfg)}
     assert rows["embed"] == (
         "embed",
-        "f32['vocab/t d_model/d']",
+        "f32['vocab/t d_model/d/c']",
         "[64, 32]",
         "[32, 8]",
-        "P('t', 'd')",
+        "P('t', ('d', 'c'))",
     )
-    assert rows["layers.ln1"][2:] == ("[2, 32]", "[2, 4]", "P(None, ('t', 'd'))")
+    assert rows["layers.ln1"][2:] == ("[2, 32]", "[2, 4]", "P(None, ('t', 'd', 'c'))")
     assert len(rows) == 11  # embed, 8 layer weights, final_norm, unembed
 
 
 def test_describe_without_compiling(cfg):
     text = describe(cfg, compile_step=False)
     assert f"parameters: {param_count(cfg.model):,}" in text
-    assert "weights on mesh d=4 x t=2" in text
+    assert "weights on mesh d=4 x c=1 x t=2" in text
     assert "from the step compiled" not in text
     # Every collective of the step, predicted from the notation without compiling.
     assert "communication per train step, predicted from the notation (nothing compiled" in text
     assert re.search(
-        r"^backward +per layer +down: psum_scatter\('M F/t\{U_d\} -> M/d F/t'\) +reduce-scatter +d ",
+        r"^backward +per layer +down: psum_scatter\('M F/t\{U_d,c\} -> M/d/c F/t'\) +reduce-scatter +d ",
         text,
         re.M,
     )
@@ -65,7 +65,7 @@ def test_describe_without_compiling(cfg):
 
 def test_describe_with_the_compiled_step(cfg):
     text = describe(cfg, compile_step=True)
-    assert "communication per train step, from the step compiled for mesh d=4 x t=2" in text
+    assert "communication per train step, from the step compiled for mesh d=4 x c=1 x t=2" in text
     # The prediction from the notation is the compiled program's communication, exactly (f32).
     m = re.search(
         r"predicted from the notation vs compiled, .*: (\d+) vs (\d+) calls, .*\(compiled / predicted ([\d.]+);",
@@ -85,7 +85,7 @@ def test_describe_with_the_compiled_step(cfg):
 def test_describe_with_a_chip_shows_its_plan(cfg):
     """One memory figure: with a chip, the plan's (its attention kernel); without, einsum's."""
     text = describe(cfg, compile_step=False, chip="h100")
-    assert "plan for 8 H100 GPUs (one node), mesh d=4 x t=2" in text
+    assert "plan for 8 H100 GPUs (one node), mesh d=4 x c=1 x t=2" in text
     assert "attention_impl=einsum runs as einsum" in text
     assert re.search(r"^verdict: fits: ", text, re.M)
     assert "estimated memory per device at the peak" not in text
@@ -104,7 +104,7 @@ def test_flops_table_is_the_step_table(cfg):
         cells = lines[op.name].split()
         assert cells[1:3] == [op.kind, str(op.runs)], op.name
     # 8 x 16 tokens of d_model 32: the embedding's backward scatter-adds 128 x 32; on mesh
-    # d=4 x t=2 its 'B/d L M' runs whole on each t shard, so 1/4 of it per device.
+    # d=4 x c=1 x t=2 its 'B/d L M' runs whole on each t shard, so 1/4 of it per device.
     assert lines["embed"].split()[2:] == ["1", "-", "4,096", "-", "-", "4,096", "1,024"]
     assert step["embed"].backward == 8 * 16 * 32
     assert re.search(

@@ -336,30 +336,30 @@ class Comm:
 GATHERED_AGAIN = frozenset({"saved", "full"})  # save_for_backward marks no gathered value
 
 OUTSIDE_SCAN = (  # in the order the forward pass runs them: embed, final norm, unembed, loss
-    Comm("embed", "all_gather", "V/t M/d -> V/t M", ("d",)),
-    Comm("embeddings (partial: vocab blocks)", "psum_scatter", "B/d L M -> B/d L M/t", ("t",)),
-    Comm("final_norm", "all_gather", "M/t/d -> M", ("t", "d")),
-    Comm("residual, before the final norm", "all_gather", "B/d L M/t -> B/d L M", ("t",)),
-    Comm("unembed", "all_gather", "V/t M/d -> V/t M", ("d",)),
-    Comm("logsumexp shift", "pmax", "B/d L{U_t} -> B/d L", ("t",)),
-    Comm("(sum_exp, target_logit)", "psum", "2 B/d L{U_t} -> 2 B/d L", ("t",)),
-    Comm("(loss_sum, count)", "psum", "2{U_d} -> 2", ("d",)),
+    Comm("embed", "all_gather", "V/t M/d/c -> V/t M", ("d",)),
+    Comm("embeddings (partial: vocab blocks)", "psum_scatter", "B/d L@zigzag/c M -> B/d L@zigzag/c M/t", ("t",)),
+    Comm("final_norm", "all_gather", "M/t/d/c -> M", ("t", "d")),
+    Comm("residual, before the final norm", "all_gather", "B/d L@zigzag/c M/t -> B/d L@zigzag/c M", ("t",)),
+    Comm("unembed", "all_gather", "V/t M/d/c -> V/t M", ("d",)),
+    Comm("logsumexp shift", "pmax", "B/d L@zigzag/c{U_t} -> B/d L@zigzag/c", ("t",)),
+    Comm("(sum_exp, target_logit)", "psum", "2 B/d L@zigzag/c{U_t} -> 2 B/d L@zigzag/c", ("t",)),
+    Comm("(loss_sum, count)", "psum", "2{U_d,c} -> 2", ("d",)),
 )
 LAYER_BODY = (  # the scanned layer body, in order
-    Comm("ln1", "all_gather", "M/t/d -> M", ("t", "d"), GATHERED_AGAIN),
-    Comm("x", "all_gather", "B/d L M/t -> B/d L M", ("t",), GATHERED_AGAIN),
-    Comm("w_q", "all_gather", "M/d Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
-    Comm("w_kv", "all_gather", "2 M/d K/t D -> 2 M K/t D", ("d",), GATHERED_AGAIN),
-    Comm("w_o", "all_gather", "M/d Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
+    Comm("ln1", "all_gather", "M/t/d/c -> M", ("t", "d"), GATHERED_AGAIN),
+    Comm("x", "all_gather", "B/d L@zigzag/c M/t -> B/d L@zigzag/c M", ("t",), GATHERED_AGAIN),
+    Comm("w_q", "all_gather", "M/d/c Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
+    Comm("w_kv", "all_gather", "2 M/d/c K/t D -> 2 M K/t D", ("d",), GATHERED_AGAIN),
+    Comm("w_o", "all_gather", "M/d/c Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
     # 'saved' keeps h = x + out, so only 'full' recomputes this sum to rebuild h.
-    Comm("attention output", "psum_scatter", "B/d L M -> B/d L M/t", ("t",), frozenset({"full"})),
-    Comm("ln2", "all_gather", "M/t/d -> M", ("t", "d"), GATHERED_AGAIN),
-    Comm("h", "all_gather", "B/d L M/t -> B/d L M", ("t",), GATHERED_AGAIN),
-    Comm("w_gate", "all_gather", "M/d F/t -> M F/t", ("d",), GATHERED_AGAIN),
-    Comm("w_up", "all_gather", "M/d F/t -> M F/t", ("d",), GATHERED_AGAIN),
-    Comm("w_down", "all_gather", "M/d F/t -> M F/t", ("d",), GATHERED_AGAIN),
+    Comm("attention output", "psum_scatter", "B/d L@zigzag/c M -> B/d L@zigzag/c M/t", ("t",), frozenset({"full"})),
+    Comm("ln2", "all_gather", "M/t/d/c -> M", ("t", "d"), GATHERED_AGAIN),
+    Comm("h", "all_gather", "B/d L@zigzag/c M/t -> B/d L@zigzag/c M", ("t",), GATHERED_AGAIN),
+    Comm("w_gate", "all_gather", "M/d/c F/t -> M F/t", ("d",), GATHERED_AGAIN),
+    Comm("w_up", "all_gather", "M/d/c F/t -> M F/t", ("d",), GATHERED_AGAIN),
+    Comm("w_down", "all_gather", "M/d/c F/t -> M F/t", ("d",), GATHERED_AGAIN),
     # Its result only leaves the layer; no policy's backward pass needs it again.
-    Comm("FFN output", "psum_scatter", "B/d L M -> B/d L M/t", ("t",)),
+    Comm("FFN output", "psum_scatter", "B/d L@zigzag/c M -> B/d L@zigzag/c M/t", ("t",)),
 )
 HLO_KIND = {
     "all_gather": "all-gather",
@@ -396,9 +396,9 @@ def totals(counter: collections.Counter) -> dict[str, int]:
 
 
 def _for_residual(comms: tuple[Comm, ...], residual: str) -> list[tuple[str, str]]:
-    """(op, spec) of each call, the tables' 'B/d L M/t' read as ``residual``'s layout."""
+    """(op, spec) of each call, the tables' 'B/d L@zigzag/c M/t' read as ``residual``'s layout."""
     layout = RESIDUAL_SPECS[residual]
-    return [(c.op, c.spec.replace("B/d L M/t", layout)) for c in comms]
+    return [(c.op, c.spec.replace("B/d L@zigzag/c M/t", layout)) for c in comms]
 
 
 @pytest.mark.parametrize("residual", ["M/t", "L/t"])
@@ -460,7 +460,7 @@ BAD_FOR_4x2 = [  # (field, value, the mesh axes that must divide it, their size)
     ("n_kv", 3, "t", 2),
     ("d_ff", 65, "t", 2),
     ("vocab", 65, "t", 2),
-    ("d_model", 36, "t*d", 8),  # norm gains are d_model/t/d
+    ("d_model", 36, "t*d*c", 8),  # norm gains are d_model/t/d/c
 ]
 
 
@@ -486,7 +486,7 @@ def test_model_the_mesh_cannot_split_is_rejected(field, value, axis, size):
         message = str(info.value)
         assert f"model.{field}={value}" in message
         assert f"mesh axis {axis}" in message and f"= {size}" in message
-        assert "d=4 x t=2" in message
+        assert "d=4 x c=1 x t=2" in message
 
 
 def test_batch_the_mesh_cannot_split_is_rejected():
