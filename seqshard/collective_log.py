@@ -45,10 +45,13 @@ from seqshard.notation import parse_op
 __all__ = [
     "Log",
     "LoggedCollective",
+    "at",
+    "custom_vjp_primal",
     "emit",
     "hand_differentiated",
     "part",
     "phase",
+    "place",
     "recording",
     "scan",
     "traced",
@@ -74,6 +77,7 @@ class LoggedCollective:
     checked: bool = True  # emitted inside a shard_map with check_vma=True
     invarying: bool = False  # an all_gather(..., to='invarying')
     autodiff: bool = True  # its backward is autodiff's (not hand-written)
+    vjp_primal: bool = False  # in a custom VJP's primal function (see custom_vjp_primal)
 
     @property
     def weight(self) -> bool:
@@ -111,6 +115,7 @@ class _State:
     loops: tuple[tuple[str, int], ...] = ()
     part: str | None = None
     autodiff: bool = True
+    vjp_primal: bool = False
 
 
 _local = threading.local()
@@ -152,7 +157,7 @@ def recording() -> Iterator[Log]:
     may be served from its trace cache (``jax.jit``, ``jax.eval_shape`` of the same function
     object, a ``lax.scan`` of the same body function). :func:`traced` avoids the outer cache."""
     log = Log()
-    with _setting(log=log, phase="forward", loops=(), part=None, autodiff=True):
+    with _setting(log=log, phase="forward", loops=(), part=None, autodiff=True, vjp_primal=False):
         yield log
 
 
@@ -174,6 +179,27 @@ def hand_differentiated():
     """This block's backward pass is written by hand and logs its own collectives: derive no
     transposes for the ones logged here."""
     return _setting(autodiff=False)
+
+
+def custom_vjp_primal():
+    """This block is a ``jax.custom_vjp``'s primal function. Under differentiation JAX traces
+    it and, separately, the VJP's forward rule, and runs only the latter; the collectives
+    logged here are marked, so a step's count (:mod:`seqshard.step_comms`) takes them once."""
+    return _setting(vjp_primal=True)
+
+
+def place() -> tuple[tuple[tuple[str, int], ...], str | None]:
+    """Where the code being traced is: (the enclosing scans, the model operation). A custom VJP
+    passes it to its backward, which JAX traces later, outside those scans (:func:`at`)."""
+    state = _state()
+    return state.loops, state.part
+
+
+def at(where: tuple[tuple[tuple[str, int], ...], str | None]):
+    """Collectives traced in this block are logged as in the scans and operation of ``where``
+    (:func:`place`'s)."""
+    loops, name = where
+    return _setting(loops=loops, part=name)
 
 
 def scan(name: str, f: Callable, init, xs, **kwargs):
@@ -219,6 +245,7 @@ def emit(
             checked=checked,
             invarying=invarying,
             autodiff=state.autodiff,
+            vjp_primal=state.vjp_primal,
         )
     )
 
@@ -235,8 +262,8 @@ _TRANSPOSED_KIND = {
 def transpose(c: LoggedCollective) -> LoggedCollective | None:
     """The collective autodiff's backward pass runs for ``c`` (see the module docstring), in
     the same loops, or None when its transpose moves nothing."""
-    if c.op == "pmax":
-        return None  # no gradient (shardops takes the max of a stop-gradiented value)
+    if c.op == "pmax" or not np.issubdtype(np.dtype(c.dtype), np.floating):
+        return None  # no gradient (a max of a stop-gradiented value; ids and flags)
     if c.op == "psum" and c.checked:
         return None  # psum's result is invariant; so is its cotangent: no collective back
     if c.invarying:

@@ -47,6 +47,7 @@ _GROUPS_MESH = re.compile(
     r"(?:,\s*device_ids=\(\[(?P<ids>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\))?"
     r"(?:\s*\{(?P<over>[^}]*)\})?"
 )
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
 _BYTES = {
@@ -133,7 +134,28 @@ def ring_bytes_sent(kind: str, group_size: int, result_bytes: float) -> float:
     }[kind]
 
 
+def _ring_groups(pairs_text: str) -> list[list[int]]:
+    """A collective-permute's devices grouped by the pairs that connect them (one ring each),
+    each group in ring order from its lowest device."""
+    pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", pairs_text)]
+    after = dict(pairs)
+    groups, seen = [], set()
+    for start in sorted(after):
+        if start in seen:
+            continue
+        group, device = [], start
+        while device not in seen and device in after:
+            seen.add(device)
+            group.append(device)
+            device = after[device]
+        groups.append(group)
+    return groups
+
+
 def _groups(line: str) -> list[list[int]]:
+    m = _PAIRS.search(line)
+    if m:
+        return _ring_groups(m.group(1))
     m = _GROUPS_LIST.search(line)
     if m:
         return [
@@ -167,6 +189,9 @@ def _groups(line: str) -> list[list[int]]:
 
 def _groups_text(line: str) -> str:
     m = _GROUPS_LIST.search(line) or _GROUPS_IOTA.search(line) or _GROUPS_MESH.search(line)
+    if m is None:
+        m = _PAIRS.search(line)
+        return m.group(0).removeprefix("source_target_pairs=") if m else ""
     return m.group(0).removeprefix("replica_groups=") if m else ""
 
 

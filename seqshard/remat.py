@@ -106,7 +106,10 @@ class SavedRemat:
     normalized block inputs (``attn_norm``, ``ffn_norm``), operands of the projections'
     weight gradients; ``q . k^T`` with its scale, mask and softmax (``scores``, ``mask``,
     ``softmax``), for the probabilities that the softmax's and ``probs . v``'s backward need;
-    and ``swish(gate) * up`` (``swiglu``), the down projection's weight-gradient operand. The
+    ``swish(gate) * up`` (``swiglu``), the down projection's weight-gradient operand; and with
+    the sequence split over c, attention across it (``context``): allgather's k and v gathered
+    over c, or, under autodiff, the ring's forward (its custom VJP's residuals are not marked;
+    the hand-written backward keeps the ring's output and logsumexp instead). The
     only recomputed matmul is ``q . k^T``: the other projections' outputs are marked, and
     RoPE's backward needs only the cos / sin tables. A fused attention kernel (cudnn) re-runs
     ``q . k^T`` and the softmax in its own backward whatever the policy; that is not counted.
@@ -114,7 +117,7 @@ class SavedRemat:
 
     name: ClassVar[str] = "saved"
     RECOMPUTED: ClassVar[frozenset[str]] = frozenset(
-        {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu"}
+        {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu", "context"}
     )
 
     @property

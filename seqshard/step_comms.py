@@ -128,8 +128,14 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     logged = logged_step(cfg)
     steps: list[tuple[LoggedCollective, str, str]] = []  # (collective, phase, how)
     for c in logged:
+        if c.vjp_primal:
+            continue  # the step differentiates it: its custom VJP's forward rule runs instead
         if c.phase != "forward" or not c.autodiff:
             steps.append((c, c.phase, ""))  # hand-written: as logged
+            if c.phase == "forward" and m.backward == "autodiff" and recomputed(c, m.remat):
+                # A custom VJP inside autodiff's model (the ring over c): remat re-runs its
+                # forward, whose residuals nothing marks; its backward logs itself.
+                steps.append((c, "recompute", ""))
             continue
         steps.append((c, "forward", ""))
         if recomputed(c, m.remat):

@@ -114,7 +114,7 @@ def context_mask(rows: SequenceRows, causal_only: bool) -> jax.Array:
     k_index = shardops.reorder("L -> L@zigzag", jnp.arange(length, dtype=jnp.int32))
     mask = (k_index[None, :] <= q_index[:, None])[None]
     if causal_only:
-        return jnp.broadcast_to(mask, (rows.segments.shape[0], *mask.shape))
+        return jnp.broadcast_to(mask, (rows.segments.shape[0], *mask.shape[1:]))
     k_segments = shardops.reorder("B/d L -> B/d L@zigzag", rows.segments)
     q_segments = shardops.split("B/d L@zigzag -> B/d L@zigzag/c", k_segments)
     return mask & (q_segments[:, :, None] == k_segments[:, None, :])
@@ -335,29 +335,33 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
 
 
 def ring_attention(q, k, v, segments, causal_only: bool):
-    """Ring attention with its hand-written backward (a ``jax.custom_vjp``; the backward logs
-    its own collectives): (output, logsumexp)."""
+    """Ring attention with its hand-written backward (a ``jax.custom_vjp``; both passes log
+    their own collectives, the backward in the scans the forward ran in): (output, lse)."""
     axes = block_axes()
-    with collective_log.hand_differentiated():
-        return _ring(causal_only, (tuple(axes.sizes.items()), axes.manual), q, k, v, segments)
+    static = (causal_only, (tuple(axes.sizes.items()), axes.manual), collective_log.place())
+    return _ring(static, q, k, v, segments)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(causal_only, axes, q, k, v, segments):
-    return ring_forward(q, k, v, segments, causal_only)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(static, q, k, v, segments):
+    with collective_log.hand_differentiated(), collective_log.custom_vjp_primal():
+        return ring_forward(q, k, v, segments, static[0])
 
 
-def _ring_fwd(causal_only, axes, q, k, v, segments):
-    out, lse = ring_forward(q, k, v, segments, causal_only)
+def _ring_fwd(static, q, k, v, segments):
+    # Traced when JAX differentiates, maybe outside the caller's scans: log it where it runs.
+    with collective_log.at(static[2]), collective_log.hand_differentiated():
+        out, lse = ring_forward(q, k, v, segments, static[0])
     return (out, lse), (q, k, v, out, lse, segments)
 
 
-def _ring_bwd(causal_only, axes, residuals, cotangents):
+def _ring_bwd(static, residuals, cotangents):
     q, k, v, out, lse, segments = residuals
-    sizes, manual = axes
+    causal_only, (sizes, manual), where = static
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
-    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
-        dq, dk, dv = ring_backward(q, k, v, out, lse, segments, causal_only, cotangents[0])
+    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.at(where):
+        with collective_log.phase("backward"):
+            dq, dk, dv = ring_backward(q, k, v, out, lse, segments, causal_only, cotangents[0])
     return dq, dk, dv, None
 
 
