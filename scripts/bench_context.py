@@ -82,7 +82,9 @@ def make_batch(seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def build(v: Variant, impl: str, tokens, starts) -> None:
     model = dataclasses.replace(MODEL, context_impl=impl)
     train = TrainConfig(steps=10, batch_size=ROWS, seq_len=v.seq_len, warmup_steps=1)
-    cfg = Config(model=model, mesh=MeshConfig(d=ROWS // v.c if v.c < ROWS else 1, c=v.c), train=train)
+    cfg = Config(
+        model=model, mesh=MeshConfig(d=ROWS // v.c if v.c < ROWS else 1, c=v.c), train=train
+    )
     mesh = mesh_of_sizes(cfg.mesh.sizes())
     opt = make_optimizer(cfg.train)
     v.state = init_train_state(cfg.model, mesh, opt, jax.random.key(0))
@@ -142,7 +144,9 @@ def main(argv: list[str] | None = None) -> None:
                 run_once(v)  # warm-up
                 v.times.clear()
             variants.append(v)
-            print(f"  compiled {seq_len} {name}: temp {format_bytes(v.temp)} per device", flush=True)
+            print(
+                f"  compiled {seq_len} {name}: temp {format_bytes(v.temp)} per device", flush=True
+            )
     live = [v for v in variants if not v.skipped]
     for r in range(args.steps):
         for v in live[r % len(live) :] + live[: r % len(live)]:

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -262,7 +263,7 @@ _TRANSPOSED_KIND = {
 def transpose(c: LoggedCollective) -> LoggedCollective | None:
     """The collective autodiff's backward pass runs for ``c`` (see the module docstring), in
     the same loops, or None when its transpose moves nothing."""
-    if c.op == "pmax" or not np.issubdtype(np.dtype(c.dtype), np.floating):
+    if c.op == "pmax" or not jnp.issubdtype(c.dtype, jnp.inexact):
         return None  # no gradient (a max of a stop-gradiented value; ids and flags)
     if c.op == "psum" and c.checked:
         return None  # psum's result is invariant; so is its cotangent: no collective back

@@ -674,9 +674,7 @@ def memory_per_device(
     )
 
 
-def _check_step(
-    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1
-) -> None:
+def _check_step(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1) -> None:
     for name, value in (("d", d), ("c", c), ("t", t), ("batch", batch), ("seq_len", seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")

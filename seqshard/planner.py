@@ -577,9 +577,7 @@ def _candidate_changes(cfg: Config, n_devices: int) -> dict[str, list[dict[str, 
         if t % t2 == 0  # more d through a smaller t, on the same devices
     ]
     # Long sequences: more c (the sequence split further) through a smaller d.
-    meshes += [
-        {"mesh.d": mesh["d"] // k, "mesh.c": c * k} for k in (2, 4, 8) if mesh["d"] % k == 0
-    ]
+    meshes += [{"mesh.d": mesh["d"] // k, "mesh.c": c * k} for k in (2, 4, 8) if mesh["d"] % k == 0]
     remat = [{"model.remat": "full"}] if cfg.model.remat != "full" else []
     rows = cfg.train.batch_size
     micro = [

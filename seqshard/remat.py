@@ -107,7 +107,8 @@ class SavedRemat:
     weight gradients; ``q . k^T`` with its scale, mask and softmax (``scores``, ``mask``,
     ``softmax``), for the probabilities that the softmax's and ``probs . v``'s backward need;
     ``swish(gate) * up`` (``swiglu``), the down projection's weight-gradient operand; and with
-    the sequence split over c, attention across it (``context``): allgather's k and v gathered
+    the sequence split over c, attention across it (``context``, :attr:`RECOMPUTED_TRANSFERS`:
+    it moves data and computes nothing the FLOP table counts): allgather's k and v gathered
     over c, or, under autodiff, the ring's forward (its custom VJP's residuals are not marked;
     the hand-written backward keeps the ring's output and logsumexp instead). The
     only recomputed matmul is ``q . k^T``: the other projections' outputs are marked, and
@@ -117,15 +118,17 @@ class SavedRemat:
 
     name: ClassVar[str] = "saved"
     RECOMPUTED: ClassVar[frozenset[str]] = frozenset(
-        {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu", "context"}
+        {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu"}
     )
+    # Parts that move data and compute nothing (no row of seqshard.flops's table).
+    RECOMPUTED_TRANSFERS: ClassVar[frozenset[str]] = frozenset({"context"})
 
     @property
     def checkpoint_policy(self) -> Callable[..., bool]:
         return _SAVE_MARKED
 
     def recomputes(self, op: str) -> bool:
-        return op in self.RECOMPUTED
+        return op in self.RECOMPUTED or op in self.RECOMPUTED_TRANSFERS
 
     def recompute_flops(self, parts: MatmulFlops) -> int:
         return parts.recomputed(self.recomputes)

@@ -564,8 +564,9 @@ def reorder(spec: str, x: jax.Array) -> jax.Array:
     call.require_same_labels()
     if call.src.unreduced != call.dst.unreduced:
         raise call.fail("a reorder does not reduce", "keep the markers the same")
-    changed = [i for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims)) if a.order != b.order]
-    if any(a.axes != b.axes for a, b in zip(call.src.dims, call.dst.dims)) or len(changed) != 1:
+    pairs = list(zip(call.src.dims, call.dst.dims, strict=True))
+    changed = [i for i, (a, b) in enumerate(pairs) if a.order != b.order]
+    if any(a.axes != b.axes for a, b in pairs) or len(changed) != 1:
         raise call.fail(
             "a reorder changes the order of exactly one dimension and no split",
             "e.g. 'B/d L -> B/d L@zigzag'; gather or split in separate calls",

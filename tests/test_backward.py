@@ -109,7 +109,9 @@ def reference_loss_and_grads(cfg: ModelConfig):
 # (model.residual=L/t) is checked through the whole model below.
 LAYER_CFG = dataclasses.replace(CFG, residual="M/t")
 
-LayerOut = tuple[f32[b"B/d L@zigzag/c M/t"], f32[b"B/d L@zigzag/c M/t"], Layer]  # output, dL/dx, dL/dweights
+LayerOut = tuple[
+    f32[b"B/d L@zigzag/c M/t"], f32[b"B/d L@zigzag/c M/t"], Layer
+]  # output, dL/dx, dL/dweights
 Marked = tuple[  # what _layer marks with save_for_backward: q, k, v, attn, h, gate, up
     f32[b"B/d L@zigzag/c Q K/t D"],
     f32[b"B/d L@zigzag/c K/t D"],
@@ -132,7 +134,10 @@ def test_layer_backward_equals_vjp_of_the_layer():
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_autodiff(
-        w: Layer, x: f32[b"B/d L@zigzag/c M/t"], d_out: f32[b"B/d L@zigzag/c M/t"], is_seq_start: bool_[b"B/d L/c"]
+        w: Layer,
+        x: f32[b"B/d L@zigzag/c M/t"],
+        d_out: f32[b"B/d L@zigzag/c M/t"],
+        is_seq_start: bool_[b"B/d L/c"],
     ) -> LayerOut:
         rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
         rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
@@ -143,7 +148,10 @@ def test_layer_backward_equals_vjp_of_the_layer():
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_hand(
-        w: Layer, x: f32[b"B/d L@zigzag/c M/t"], d_out: f32[b"B/d L@zigzag/c M/t"], is_seq_start: bool_[b"B/d L/c"]
+        w: Layer,
+        x: f32[b"B/d L@zigzag/c M/t"],
+        d_out: f32[b"B/d L@zigzag/c M/t"],
+        is_seq_start: bool_[b"B/d L/c"],
     ) -> LayerOut:
         rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
         rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
@@ -151,7 +159,12 @@ def test_layer_backward_equals_vjp_of_the_layer():
         kept = {name: a[name] for name in bw.kept_activations(LAYER_CFG)}
         with shape_scope():  # as in the model: the backward is traced in a scope of its own
             d_x, d_w = bw.layer_backward(
-                LAYER_CFG, rows, rope, mask, bw.layer_activations(LAYER_CFG, rows, rope, mask, w, kept), d_out
+                LAYER_CFG,
+                rows,
+                rope,
+                mask,
+                bw.layer_activations(LAYER_CFG, rows, rope, mask, w, kept),
+                d_out,
             )
         return bw.layer_output(LAYER_CFG, a), d_x, d_w
 

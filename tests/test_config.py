@@ -131,7 +131,11 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "a ModelConfig field was added or renamed: add it here"
     )
     cfg = load(
-        *(f"model.{k}={v}" for k, v in values.items()), "mesh.d=2", "mesh.c=2", "mesh.t=2", "train.steps=5"
+        *(f"model.{k}={v}" for k, v in values.items()),
+        "mesh.d=2",
+        "mesh.c=2",
+        "mesh.t=2",
+        "train.steps=5",
     )
     assert dataclasses.asdict(cfg.model) == values
     assert (cfg.mesh.d, cfg.mesh.c, cfg.mesh.t, cfg.train.steps) == (2, 2, 2, 5)
@@ -142,7 +146,10 @@ def test_a_sequence_the_residual_cannot_split_is_rejected():
         load("mesh.d=2", "mesh.t=4", "model.n_kv=4", "train.seq_len=130")
     msg = str(info.value)
     assert "model.residual=L/t splits the sequence over t" in msg
-    assert "train.seq_len=130 is not divisible by mesh.c x mesh.t = 4" in msg and "model.residual=M/t" in msg
+    assert (
+        "train.seq_len=130 is not divisible by mesh.c x mesh.t = 4" in msg
+        and "model.residual=M/t" in msg
+    )
     cfg = load("mesh.d=2", "mesh.t=4", "model.n_kv=4", "train.seq_len=130", "model.residual=M/t")
     assert cfg.model.residual_spec == "B/d L@zigzag/c M/t"
 

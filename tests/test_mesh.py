@@ -36,7 +36,10 @@ def test_mesh_config_has_a_field_per_axis_in_table_order():
         ({}, {"d": 1, "c": 1, "t": 1}),
         ({"t": 2}, {"d": 1, "c": 1, "t": 2}),
         ({"d": 4, "t": 2}, {"d": 4, "c": 1, "t": 2}),
-        ({"t": 2, "c": 2, "d": 4}, {"d": 4, "c": 2, "t": 2}),  # table order, whatever the given order
+        (
+            {"t": 2, "c": 2, "d": 4},
+            {"d": 4, "c": 2, "t": 2},
+        ),  # table order, whatever the given order
     ],
 )
 def test_missing_axes_have_size_one(given, full):
@@ -84,7 +87,9 @@ def test_a_minus_one_size_takes_the_remaining_devices():
     with pytest.raises(ConfigError, match="resolve it with seqshard.config.resolve_mesh"):
         cfg.mesh.sizes()
     resolved = resolve_mesh(cfg, 8)
-    assert resolved.mesh.sizes() == {"d": 4, "c": 1, "t": 2} and resolve_mesh(resolved, 8) is resolved
+    assert (
+        resolved.mesh.sizes() == {"d": 4, "c": 1, "t": 2} and resolve_mesh(resolved, 8) is resolved
+    )
     with pytest.raises(ConfigError, match="7 devices do not divide by c=1 x t=2 = 2"):
         resolve_mesh(cfg, 7)
     # The checks that need the mesh run once it is resolved: batch 32 over d=64 does not split.

@@ -174,7 +174,9 @@ def test_collectives_follow_the_remat_policy():
     for remat in ("saved", "full"):
         assert count(remat, "recompute", w_gate) == n
     assert count("none", "recompute", "all_gather") == 0
-    attention_output = "o: psum_scatter('B/d L@zigzag/c M -> B/d L@zigzag/c/t M')"  # model.residual=L/t
+    attention_output = (
+        "o: psum_scatter('B/d L@zigzag/c M -> B/d L@zigzag/c/t M')"  # model.residual=L/t
+    )
     assert count("full", "recompute", attention_output) == n
     assert count("saved", "recompute", attention_output) == 0
     assert count("saved", "backward", "q: all_gather('M/d/c Q K/t D -> M Q K/t D')") == n

@@ -1318,7 +1318,9 @@ def test_op_outside_shard_map():
         so.all_gather("M/d -> M", jnp.ones(4))
     with (
         jax.set_mesh(mesh_of((2, 4))),
-        pytest.raises(ShapeError, match=r"outside one \(the mesh \{'d': 2, 't': 4, 'c': 1\} has no manual"),
+        pytest.raises(
+            ShapeError, match=r"outside one \(the mesh \{'d': 2, 't': 4, 'c': 1\} has no manual"
+        ),
     ):
         so.psum_scatter("M -> M/t", jnp.ones(4))
 

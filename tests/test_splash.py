@@ -140,7 +140,9 @@ def test_dense_mask_falls_back_to_einsum():
 
     @functools.partial(typed_shard_map, mesh=mesh_of((1, 1)))
     def both(
-        q: f32[b"B/d L@zigzag/c Q K/t D"], k: f32[b"B/d L@zigzag K/t D"], v: f32[b"B/d L@zigzag K/t D"]
+        q: f32[b"B/d L@zigzag/c Q K/t D"],
+        k: f32[b"B/d L@zigzag K/t D"],
+        v: f32[b"B/d L@zigzag K/t D"],
     ) -> f32[b"2 B/d L@zigzag/c Q K/t D"]:
         return jnp.stack([attention(q, k, v, dense, impl, False) for impl in ("splash", "einsum")])
 

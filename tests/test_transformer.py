@@ -337,9 +337,19 @@ GATHERED_AGAIN = frozenset({"saved", "full"})  # save_for_backward marks no gath
 
 OUTSIDE_SCAN = (  # in the order the forward pass runs them: embed, final norm, unembed, loss
     Comm("embed", "all_gather", "V/t M/d/c -> V/t M", ("d",)),
-    Comm("embeddings (partial: vocab blocks)", "psum_scatter", "B/d L@zigzag/c M -> B/d L@zigzag/c M/t", ("t",)),
+    Comm(
+        "embeddings (partial: vocab blocks)",
+        "psum_scatter",
+        "B/d L@zigzag/c M -> B/d L@zigzag/c M/t",
+        ("t",),
+    ),
     Comm("final_norm", "all_gather", "M/t/d/c -> M", ("t", "d")),
-    Comm("residual, before the final norm", "all_gather", "B/d L@zigzag/c M/t -> B/d L@zigzag/c M", ("t",)),
+    Comm(
+        "residual, before the final norm",
+        "all_gather",
+        "B/d L@zigzag/c M/t -> B/d L@zigzag/c M",
+        ("t",),
+    ),
     Comm("unembed", "all_gather", "V/t M/d/c -> V/t M", ("d",)),
     Comm("logsumexp shift", "pmax", "B/d L@zigzag/c{U_t} -> B/d L@zigzag/c", ("t",)),
     Comm("(sum_exp, target_logit)", "psum", "2 B/d L@zigzag/c{U_t} -> 2 B/d L@zigzag/c", ("t",)),
@@ -352,7 +362,13 @@ LAYER_BODY = (  # the scanned layer body, in order
     Comm("w_kv", "all_gather", "2 M/d/c K/t D -> 2 M K/t D", ("d",), GATHERED_AGAIN),
     Comm("w_o", "all_gather", "M/d/c Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
     # 'saved' keeps h = x + out, so only 'full' recomputes this sum to rebuild h.
-    Comm("attention output", "psum_scatter", "B/d L@zigzag/c M -> B/d L@zigzag/c M/t", ("t",), frozenset({"full"})),
+    Comm(
+        "attention output",
+        "psum_scatter",
+        "B/d L@zigzag/c M -> B/d L@zigzag/c M/t",
+        ("t",),
+        frozenset({"full"}),
+    ),
     Comm("ln2", "all_gather", "M/t/d/c -> M", ("t", "d"), GATHERED_AGAIN),
     Comm("h", "all_gather", "B/d L@zigzag/c M/t -> B/d L@zigzag/c M", ("t",), GATHERED_AGAIN),
     Comm("w_gate", "all_gather", "M/d/c F/t -> M F/t", ("d",), GATHERED_AGAIN),

@@ -149,7 +149,9 @@ def einsum_probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Arr
 def einsum_values(probs: jax.Array, v: jax.Array) -> jax.Array:
     """The attention output 'B/d Qlen@zigzag/c Q K/t D' from :func:`einsum_probabilities` (in v's dtype)."""
     return shardops.einsum_unreduced(
-        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Klen@zigzag K/t D -> B/d Qlen@zigzag/c Q K/t D", probs, v
+        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Klen@zigzag K/t D -> B/d Qlen@zigzag/c Q K/t D",
+        probs,
+        v,
     )
 
 

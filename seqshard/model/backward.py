@@ -28,6 +28,11 @@ forward collective, or the forward's own collective repeated to recompute what i
     psum_scatter over d   the six matrices' gradients    transposes of their gathers
     psum_scatter over t,d ln1, ln2 gradients             transposes of their gathers
     psum_scatter over t   dL/dx twice                    transposes of the residual's gathers
+    with c > 1:           allgather: k, v gathered over c again (recomputed) and dk, dv
+                          reduce-scattered over c (their transposes); ring: the backward's
+                          own ring (c-1 shifts of k and v, c of dk and dv; context.py)
+
+(d in the weights' gathers and reduce-scatters stands for (d, c): weights are split over both.)
 
 ``remat=full`` recomputes the attention output's psum_scatter too (h is not kept);
 ``remat=none`` keeps every activation, gathered weights included, and recomputes nothing.
@@ -242,11 +247,17 @@ def layer_activations(
     q = at(
         "q",
         lambda: apply_rope(
-            shardops.einsum_unreduced("B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", nx, w_q), cos, sin
+            shardops.einsum_unreduced(
+                "B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", nx, w_q
+            ),
+            cos,
+            sin,
         ),
     )
     if "k" not in a or "v" not in a:
-        k, v = shardops.einsum_unreduced("B/d L@zigzag/c M, 2 M K/t D -> 2 B/d L@zigzag/c K/t D", nx, w_kv)
+        k, v = shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, 2 M K/t D -> 2 B/d L@zigzag/c K/t D", nx, w_kv
+        )
         a.setdefault("k", apply_rope(k, cos, sin))
         a.setdefault("v", v)
     k, v = a["k"], a["v"]
@@ -276,7 +287,9 @@ def layer_activations(
     w_o = at("w_o", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
 
     def residual_after_attention() -> jax.Array:
-        out = shardops.einsum_unreduced("B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M", attn, w_o)
+        out = shardops.einsum_unreduced(
+            "B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M", attn, w_o
+        )
         # Each t shard contracted only its own heads (K/t): sum the shards, into the residual's layout.
         return x + shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
 
@@ -288,8 +301,18 @@ def layer_activations(
     w_gate = at("w_gate", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_gate.astype(dt)))
     w_up = at("w_up", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_up.astype(dt)))
     at("w_down", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_down.astype(dt)))
-    at("gate", lambda: shardops.einsum_unreduced("B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_gate))
-    at("up", lambda: shardops.einsum_unreduced("B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_up))
+    at(
+        "gate",
+        lambda: shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_gate
+        ),
+    )
+    at(
+        "up",
+        lambda: shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_up
+        ),
+    )
     return a
 
 
@@ -298,7 +321,9 @@ def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
     to the residual h (the rest of transformer.py's ``ffn``)."""
     y = jax.nn.silu(a["gate"]) * a["up"]
     with part("down"):
-        out = shardops.einsum_unreduced("B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M", y, a["w_down"])
+        out = shardops.einsum_unreduced(
+            "B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M", y, a["w_down"]
+        )
         # Each t shard contracted only its own slice of F (F/t): sum the shards, into the residual's layout.
         out = shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
     return (a["h"] + out).astype(jnp.dtype(cfg.compute_dtype))
@@ -387,7 +412,9 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
         preferred_element_type=jnp.float32,
     )
     dv = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Qlen@zigzag/c Q K/t D -> B/d Klen@zigzag K/t D", probs.astype(v.dtype), d_attn
+        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Qlen@zigzag/c Q K/t D -> B/d Klen@zigzag K/t D",
+        probs.astype(v.dtype),
+        d_attn,
     )
     # softmax over Klen, in f32. A masked key has probability exactly 0, so its score's
     # gradient is 0 too: the mask needs no second application.
@@ -395,10 +422,14 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
     d_scores = (d_scores * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
     # scores = q . k (each kv head's gradient sums over its Q query heads)
     dq = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Klen@zigzag K/t D -> B/d Qlen@zigzag/c Q K/t D", d_scores, k
+        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Klen@zigzag K/t D -> B/d Qlen@zigzag/c Q K/t D",
+        d_scores,
+        k,
     )
     dk = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Qlen@zigzag/c Q K/t D -> B/d Klen@zigzag K/t D", d_scores, q
+        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Qlen@zigzag/c Q K/t D -> B/d Klen@zigzag K/t D",
+        d_scores,
+        q,
     )
     return dq, dk, dv
 
@@ -423,8 +454,12 @@ def layer_backward(
         g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_out)
         gate, up = a["gate"], a["up"]
         y = jax.nn.silu(gate) * up
-        d_y = shardops.einsum_unreduced("B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", g, a["w_down"])
-        d_w_down = shardops.einsum_unreduced("B/d L@zigzag/c F/t, B/d L@zigzag/c M -> M F/t{U_d,c}", y, g)
+        d_y = shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", g, a["w_down"]
+        )
+        d_w_down = shardops.einsum_unreduced(
+            "B/d L@zigzag/c F/t, B/d L@zigzag/c M -> M F/t{U_d,c}", y, g
+        )
         # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
         d_w_down = shardops.psum_scatter("M F/t{U_d,c} -> M/d/c F/t", d_w_down)
     # y = silu(gate) * up, silu(z) = z * sigmoid(z)
@@ -434,9 +469,15 @@ def layer_backward(
     nh = a["nh"]
     d_nh = shardops.einsum_unreduced(
         "B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M{U_t}", d_gate, a["w_gate"]
-    ) + shardops.einsum_unreduced("B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M{U_t}", d_up, a["w_up"])
-    d_w_gate = shardops.einsum_unreduced("B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}", nh, d_gate)
-    d_w_up = shardops.einsum_unreduced("B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}", nh, d_up)
+    ) + shardops.einsum_unreduced(
+        "B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M{U_t}", d_up, a["w_up"]
+    )
+    d_w_gate = shardops.einsum_unreduced(
+        "B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}", nh, d_gate
+    )
+    d_w_up = shardops.einsum_unreduced(
+        "B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}", nh, d_up
+    )
     # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
     with part("gate_up"):
         d_w_gate = shardops.psum_scatter("M F/t{U_d,c} -> M/d/c F/t", d_w_gate)
@@ -450,8 +491,12 @@ def layer_backward(
     # As for the down projection: the transpose of the output's psum_scatter over t.
     with part("o"):
         g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_h)
-        d_attn = shardops.einsum_unreduced("B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", g, a["w_o"])
-        d_w_o = shardops.einsum_unreduced("B/d L@zigzag/c Q K/t D, B/d L@zigzag/c M -> M Q K/t D{U_d,c}", a["attn"], g)
+        d_attn = shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", g, a["w_o"]
+        )
+        d_w_o = shardops.einsum_unreduced(
+            "B/d L@zigzag/c Q K/t D, B/d L@zigzag/c M -> M Q K/t D{U_d,c}", a["attn"], g
+        )
         # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
         d_w_o = shardops.psum_scatter("M Q K/t D{U_d,c} -> M/d/c Q K/t D", d_w_o)
     d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
@@ -461,9 +506,15 @@ def layer_backward(
     nx = a["nx"]
     d_nx = shardops.einsum_unreduced(
         "B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M{U_t}", d_q, a["w_q"]
-    ) + shardops.einsum_unreduced("2 B/d L@zigzag/c K/t D, 2 M K/t D -> B/d L@zigzag/c M{U_t}", d_kv, a["w_kv"])
-    d_w_q = shardops.einsum_unreduced("B/d L@zigzag/c M, B/d L@zigzag/c Q K/t D -> M Q K/t D{U_d,c}", nx, d_q)
-    d_w_kv = shardops.einsum_unreduced("B/d L@zigzag/c M, 2 B/d L@zigzag/c K/t D -> 2 M K/t D{U_d,c}", nx, d_kv)
+    ) + shardops.einsum_unreduced(
+        "2 B/d L@zigzag/c K/t D, 2 M K/t D -> B/d L@zigzag/c M{U_t}", d_kv, a["w_kv"]
+    )
+    d_w_q = shardops.einsum_unreduced(
+        "B/d L@zigzag/c M, B/d L@zigzag/c Q K/t D -> M Q K/t D{U_d,c}", nx, d_q
+    )
+    d_w_kv = shardops.einsum_unreduced(
+        "B/d L@zigzag/c M, 2 B/d L@zigzag/c K/t D -> 2 M K/t D{U_d,c}", nx, d_kv
+    )
     # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
     with part("q_kv"):
         d_w_q = shardops.psum_scatter("M Q K/t D{U_d,c} -> M/d/c Q K/t D", d_w_q)
@@ -506,7 +557,10 @@ def head_forward(
     with part("logits"):
         table = shardops.all_gather("V/t M/d/c -> V/t M", w.unembed.astype(dt))
     logits = shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, V/t M -> B/d L@zigzag/c V/t", nx, table, preferred_element_type=jnp.float32
+        "B/d L@zigzag/c M, V/t M -> B/d L@zigzag/c V/t",
+        nx,
+        table,
+        preferred_element_type=jnp.float32,
     )
     terms, exp, sum_exp = loss_terms_and_softmax(logits, rows.targets, rows.counted)
     kept = {"ln": ln, "gx": gx, "nx": nx, "table": table, "exp": exp, "sum_exp": sum_exp}
@@ -533,8 +587,12 @@ def head_backward(
     d_logits = d_logits.astype(dt)
     # unembed: logits = nx . table^T, the table gathered over d.
     ln, gx, nx, table = kept["ln"], kept["gx"], kept["nx"], kept["table"]
-    d_nx = shardops.einsum_unreduced("B/d L@zigzag/c V/t, V/t M -> B/d L@zigzag/c M{U_t}", d_logits, table)
-    d_table = shardops.einsum_unreduced("B/d L@zigzag/c M, B/d L@zigzag/c V/t -> V/t M{U_d,c}", nx, d_logits)
+    d_nx = shardops.einsum_unreduced(
+        "B/d L@zigzag/c V/t, V/t M -> B/d L@zigzag/c M{U_t}", d_logits, table
+    )
+    d_table = shardops.einsum_unreduced(
+        "B/d L@zigzag/c M, B/d L@zigzag/c V/t -> V/t M{U_d,c}", nx, d_logits
+    )
     # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
     with part("logits"):
         d_unembed = shardops.psum_scatter("V/t M{U_d,c} -> V/t M/d/c", d_table).astype(f32)
@@ -553,7 +611,9 @@ def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.A
     g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_x)
     # index_unreduced's transpose: each t shard adds up the rows of its vocab block, over its
     # own B/d rows only.
-    d_table = shardops.index_add("B/d L@zigzag/c M, B/d L@zigzag/c -> V/t M{U_d,c}", g, tokens, vocab=cfg.vocab)
+    d_table = shardops.index_add(
+        "B/d L@zigzag/c M, B/d L@zigzag/c -> V/t M{U_d,c}", g, tokens, vocab=cfg.vocab
+    )
     # Each d shard summed its own rows: sum the shards, keep FSDP's M/d/c (the gather's transpose).
     return shardops.psum_scatter("V/t M{U_d,c} -> V/t M/d/c", d_table).astype(jnp.float32)
 

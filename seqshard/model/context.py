@@ -220,7 +220,7 @@ def ring_forward(q, k, v, segments, causal_only: bool):
                 pair = _pair(segments, mine[a], theirs[b], size, causal_only)
 
                 def add(state, a=a, b=b, pair=pair):
-                    m, l, acc = state
+                    m, total, acc = state
                     s = jnp.where(pair.mask[:, None, None], _scores(qs[a], ks[b]), -1e30)
                     m_new = jnp.maximum(m[a], jnp.max(s, axis=-1))
                     p = jnp.where(pair.mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
@@ -232,26 +232,28 @@ def ring_forward(q, k, v, segments, causal_only: bool):
                         preferred_element_type=jnp.float32,
                     )
                     rescale = jnp.swapaxes(scale, -1, -3)[..., None]  # 'B/d Qc Q K/t 1'
-                    l_new = l[a] * scale + jnp.sum(p, axis=-1)
-                    return (m.at[a].set(m_new), l.at[a].set(l_new), acc.at[a].set(acc[a] * rescale + pv))
+                    total_new = total[a] * scale + jnp.sum(p, axis=-1)
+                    acc = acc.at[a].set(acc[a] * rescale + pv)
+                    return m.at[a].set(m_new), total.at[a].set(total_new), acc
 
                 state = lax.cond(pair.visible, add, lambda s: s, state)
         return state
 
-    state = fold(state, _chunks(k), _chunks(v), me)
+    spec = "B/d L@zigzag/c K/t D"
 
     def step(carry, _):
         state, k, v, source = carry
-        # Each block moves one shard along the ring while this one is folded in.
-        k = shardops.ring_shift("B/d L@zigzag/c K/t D", k, "c")
-        v = shardops.ring_shift("B/d L@zigzag/c K/t D", v, "c")
-        source = (source - 1) % c
-        return (fold(state, _chunks(k), _chunks(v), source), k, v, source), None
+        # Send this block on while folding it in: the transfer can overlap the arithmetic.
+        k_next, v_next = shardops.ring_shift(spec, k, "c"), shardops.ring_shift(spec, v, "c")
+        state = fold(state, _chunks(k), _chunks(v), source)
+        return (state, k_next, v_next, (source - 1) % c), None
 
-    (state, _, _, _), _ = collective_log.scan("ring", step, (state, k, v, me), None, length=c - 1)
-    m, l, acc = state
-    out = acc / jnp.swapaxes(l, -1, -3)[..., None]
-    return _unchunk(out).astype(v.dtype), m + jnp.log(l)
+    carry = (state, k, v, me)
+    (state, k, v, source), _ = collective_log.scan("ring", step, carry, None, length=c - 1)
+    state = fold(state, _chunks(k), _chunks(v), source)  # the last block: nothing to send on
+    m, total, acc = state
+    out = acc / jnp.swapaxes(total, -1, -3)[..., None]
+    return _unchunk(out).astype(v.dtype), m + jnp.log(total)
 
 
 def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
@@ -313,23 +315,26 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
                 dq, dks, dvs = lax.cond(pair.visible, add, lambda x: x, (dq, dks, dvs))
         return dq, dks, dvs
 
-    zeros = _vary(jnp.zeros((2, *_chunks(k).shape[1:]), jnp.float32), (q, k, v, g))
-    dq, dk, dv = fold(dq, _chunks(k), _chunks(v), zeros, zeros, me)
-    dk, dv = _unchunk(dk), _unchunk(dv)
+    spec = "B/d L@zigzag/c K/t D"
+    zeros = _vary(jnp.zeros(k.shape, jnp.float32), (q, k, v, g))
+
+    def visit(dq, k, v, dk, dv, source):
+        """Fold in the block of shard ``source``: dq, and that block's dk, dv."""
+        dq, dks, dvs = fold(dq, _chunks(k), _chunks(v), _chunks(dk), _chunks(dv), source)
+        return dq, _unchunk(dks), _unchunk(dvs)
 
     def step(carry, _):
         dq, k, v, dk, dv, source = carry
-        spec = "B/d L@zigzag/c K/t D"
-        k, v = shardops.ring_shift(spec, k, "c"), shardops.ring_shift(spec, v, "c")
+        # k and v go on while this block is folded in; its gradients follow once complete.
+        k_next, v_next = shardops.ring_shift(spec, k, "c"), shardops.ring_shift(spec, v, "c")
+        dq, dk, dv = visit(dq, k, v, dk, dv, source)
         dk, dv = shardops.ring_shift(spec, dk, "c"), shardops.ring_shift(spec, dv, "c")
-        source = (source - 1) % c
-        dq, dks, dvs = fold(dq, _chunks(k), _chunks(v), _chunks(dk), _chunks(dv), source)
-        return (dq, k, v, _unchunk(dks), _unchunk(dvs), source), None
+        return (dq, k_next, v_next, dk, dv, (source - 1) % c), None
 
-    carry = (dq, k, v, dk, dv, me)
-    (dq, _, _, dk, dv, _), _ = collective_log.scan("ring", step, carry, None, length=c - 1)
-    # The gradients of the block held now belong to the next shard along the ring.
-    spec = "B/d L@zigzag/c K/t D"
+    carry = (dq, k, v, zeros, zeros, me)
+    (dq, k, v, dk, dv, source), _ = collective_log.scan("ring", step, carry, None, length=c - 1)
+    dq, dk, dv = visit(dq, k, v, dk, dv, source)
+    # The last block's gradients belong to the next shard along the ring: one more shift.
     dk, dv = shardops.ring_shift(spec, dk, "c"), shardops.ring_shift(spec, dv, "c")
     return _unchunk(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -359,9 +364,13 @@ def _ring_bwd(static, residuals, cotangents):
     q, k, v, out, lse, segments = residuals
     causal_only, (sizes, manual), where = static
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
-    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.at(where):
-        with collective_log.phase("backward"):
-            dq, dk, dv = ring_backward(q, k, v, out, lse, segments, causal_only, cotangents[0])
+    with (
+        block_axes_scope(dict(sizes), manual),
+        shape_scope(),
+        collective_log.at(where),
+        collective_log.phase("backward"),
+    ):
+        dq, dk, dv = ring_backward(q, k, v, out, lse, segments, causal_only, cotangents[0])
     return dq, dk, dv, None
 
 

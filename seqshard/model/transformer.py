@@ -4,21 +4,27 @@ Dimensions (one vocabulary, two registers): weight types use config names (``d_m
 ``d_ff``, ``vocab``, ``n_q_per_kv``, ``n_kv``, ``d_head``); op specs use B (batch),
 L (sequence), M (d_model), F (d_ff), V (vocab), Q (q heads per kv head), K (kv heads),
 D (head dim); Qlen/Klen are L on the query and key side. Mesh axes: d (FSDP: batch and weight
-rows) and t (tensor: heads, d_ff, vocab, and the residual's M or L).
+rows), c (context: the sequence, in zigzag order ``L@zigzag/c``, and weight rows as d; see
+context.py) and t (tensor: heads, d_ff, vocab, and the residual's M or L).
 
-Per device, a layer holds the residual ``x`` and, per weight, one all-gather over d just
+Per device, a layer holds the residual ``x`` and, per weight, one all-gather over (d, c) just
 before use. The residual's layout is ``model.residual`` (``cfg.residual_spec``): Megatron's
-sequence parallelism ``'B/d L/t M'`` (``L/t``, the default) or ``'B/d L@zigzag/c M/t'`` (``M/t``). Each
-block gathers it over t to ``'B/d L@zigzag/c M'`` around its norm (after the norm for ``L/t``, which
-holds all of M per row; before it for ``M/t``) and reduce-scatters its output back: one
-model, other spec strings. Communication per layer, forward (``remat=saved`` repeats the gathers in
-the backward pass, whose transposes add the reduce-scatters of FSDP; ``model.backward=explicit``
-writes that backward pass out, in backward.py):
+sequence parallelism ``'B/d L@zigzag/c/t M'`` (``L/t``, the default) or
+``'B/d L@zigzag/c M/t'`` (``M/t``). Each block gathers it over t to ``'B/d L@zigzag/c M'``
+around its norm (after the norm for ``L/t``, which holds all of M per row; before it for
+``M/t``) and reduce-scatters its output back: one model, other spec strings. Communication per
+layer, forward (``remat=saved`` repeats the gathers in the backward pass, whose transposes add
+the reduce-scatters of FSDP; ``model.backward=explicit`` writes that backward pass out, in
+backward.py):
 
-    all_gather over t,d   ln1, ln2                        (norm gains, tiny)
-    all_gather over t     the residual around each norm (2) (activations: B/d L@zigzag/c M)
-    all_gather over d     w_q, w_kv, w_o, w_gate, w_up, w_down
-    psum_scatter over t   attention and FFN outputs (2)   (they contract a t-split dim)
+    all_gather over t,d,c  ln1, ln2                       (norm gains, tiny)
+    all_gather over t      the residual around each norm (2) (activations: B/d L@zigzag/c M)
+    all_gather over d,c    w_q, w_kv, w_o, w_gate, w_up, w_down
+    all_gather over c      k, v (allgather), or c-1 ring_shifts of each (ring)   (c > 1)
+    psum_scatter over t    attention and FFN outputs (2)   (they contract a t-split dim)
+
+With c = 1 (and any axis of size 1) the ops emit nothing over it: the program is the one
+without the axis.
 
 Matmuls take ``compute_dtype`` inputs; norms, attention scores, softmax, logits and the loss
 are f32. The loss never gathers the vocabulary: each t shard holds ``V/t`` logits and only
@@ -125,10 +131,14 @@ def attention_inputs(cfg: ModelConfig, w: Layer, x: jax.Array, rope) -> tuple[ja
         nx = normed(cfg, norm_input(cfg, x), ln1)
     with part("q"):
         w_q = shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_q.astype(dt))
-        q = shardops.einsum_unreduced("B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", nx, w_q)
+        q = shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", nx, w_q
+        )
     with part("kv"):
         w_kv = shardops.all_gather("2 M/d/c K/t D -> 2 M K/t D", w.w_kv.astype(dt))
-        k, v = shardops.einsum_unreduced("B/d L@zigzag/c M, 2 M K/t D -> 2 B/d L@zigzag/c K/t D", nx, w_kv)
+        k, v = shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, 2 M K/t D -> 2 B/d L@zigzag/c K/t D", nx, w_kv
+        )
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -137,7 +147,9 @@ def attention_output(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) 
     dt = jnp.dtype(cfg.compute_dtype)
     with part("o"):
         w_o = shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_o.astype(dt))
-        out = shardops.einsum_unreduced("B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M", attn, w_o)
+        out = shardops.einsum_unreduced(
+            "B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M", attn, w_o
+        )
         # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
         # residual's layout.
         out = shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
@@ -157,7 +169,9 @@ def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
         )
     with part("up"):
         w_up = shardops.all_gather("M/d/c F/t -> M F/t", w.w_up.astype(dt))
-        up = save_for_backward(shardops.einsum_unreduced("B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_up))
+        up = save_for_backward(
+            shardops.einsum_unreduced("B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_up)
+        )
     y = jax.nn.silu(gate) * up
     with part("down"):
         w_down = shardops.all_gather("M/d/c F/t -> M F/t", w.w_down.astype(dt))
@@ -215,7 +229,10 @@ def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array) -> jax.Array:
             "V/t M/d/c -> V/t M", w.unembed.astype(jnp.dtype(cfg.compute_dtype))
         )
     return shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, V/t M -> B/d L@zigzag/c V/t", nx, table, preferred_element_type=jnp.float32
+        "B/d L@zigzag/c M, V/t M -> B/d L@zigzag/c V/t",
+        nx,
+        table,
+        preferred_element_type=jnp.float32,
     )
 
 
