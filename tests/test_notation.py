@@ -257,3 +257,15 @@ def test_malformed_spec_caret(parse, spec, pos, words):
 def test_error_carries_a_fix():
     with pytest.raises(SpecSyntaxError, match="fix: write 'M/t' to split M over mesh axis t"):
         parse_shape("M//t")
+
+
+def test_an_order_is_part_of_a_dimension():
+    """'L@zigzag/c': L in zigzag order, split over c; printed back as written, and not equal
+    to the natural 'L/c'."""
+    shape = parse_shape("B/d L@zigzag/c/t M")
+    assert shape.dims[1] == Dim("L", ("c", "t"), order="zigzag")
+    assert str(shape) == "B/d L@zigzag/c/t M" and shape.dims[1] != Dim("L", ("c", "t"))
+    assert str(parse_op("B/d L -> B/d L@zigzag")) == "B/d L -> B/d L@zigzag"
+    with pytest.raises(SpecSyntaxError, match="unknown order 'spiral' after '@'") as info:
+        parse_shape("L@spiral/c")
+    assert "the orders are zigzag" in str(info.value)

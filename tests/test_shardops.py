@@ -1505,3 +1505,96 @@ def test_ops_in_a_shard_map_over_some_axes():
     counts = count_collectives(f, x)
     assert counts["all-gather"] == 1 and counts["all-reduce"] == 1, counts
     assert counts["reduce-scatter"] == 0 and counts["all-to-all"] == 0, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# The sequence in zigzag order over c: reorder, split, ring_shift
+
+
+def test_zigzag_chunks_give_shard_i_chunks_i_and_2c_minus_1_minus_i():
+    assert so.zigzag_chunks(1) == (0, 1)
+    assert so.zigzag_chunks(2) == (0, 3, 1, 2)
+    assert so.zigzag_chunks(4) == (0, 7, 1, 6, 2, 5, 3, 4)
+
+
+def _on_c(c: int):
+    return fake_cpu_mesh((8 // c, c), ("d", "c"))
+
+
+def test_reorder_then_split_keeps_each_shards_zigzag_chunks():
+    c, length = 4, 16
+    x = np.arange(2 * length, dtype=np.int32).reshape(2, length)
+
+    @functools.partial(typed_shard_map, mesh=_on_c(c))
+    def local(x: i32[b"B/d L"]) -> i32[b"B/d L@zigzag/c"]:
+        zigzag = so.reorder("B/d L -> B/d L@zigzag", x)
+        back = so.reorder("B/d L@zigzag -> B/d L", zigzag)
+        assert back.shape == x.shape
+        return so.split("B/d L@zigzag -> B/d L@zigzag/c", zigzag)
+
+    got = np.asarray(local(x))  # global: the rows in zigzag order
+    order = np.concatenate([np.arange(2 * c).reshape(-1, 1)[i] for i in so.zigzag_chunks(c)])
+    chunks = x.reshape(2, 2 * c, length // (2 * c))[:, order].reshape(2, length)
+    np.testing.assert_array_equal(got, chunks)
+    np.testing.assert_array_equal(got[0, :4], [0, 1, 14, 15])  # shard 0: chunks 0 and 7
+
+
+def test_a_spec_that_ignores_the_order_is_an_error():
+    @functools.partial(typed_shard_map, mesh=_on_c(2))
+    def ignores(x: f32[b"B/d L@zigzag/c M"]) -> f32[b"B/d L M"]:
+        return so.all_gather("B/d L/c M -> B/d L M", x)
+
+    with pytest.raises(ShapeError, match=r"declared 'B/d L@zigzag/c M'.*order zigzag vs natural"):
+        ignores(np.zeros((4, 8, 2), np.float32))
+
+    @functools.partial(typed_shard_map, mesh=_on_c(2))
+    def drops(x: f32[b"B/d L@zigzag/c M"]) -> f32[b"B/d L M"]:
+        return so.all_gather("B/d L@zigzag/c M -> B/d L M", x)
+
+    with pytest.raises(ShapeError, match="keeps the order of every dimension.*shardops.reorder"):
+        drops(np.zeros((4, 8, 2), np.float32))
+
+
+def test_reorder_needs_the_whole_dimension_and_chunks_that_divide_it():
+    @functools.partial(typed_shard_map, mesh=_on_c(2))
+    def split_first(x: f32[b"B/d L/c"]) -> f32[b"B/d L@zigzag/c"]:
+        return so.reorder("B/d L/c -> B/d L@zigzag/c", x)
+
+    with pytest.raises(ShapeError, match=r"split over \['c'\].*gather it first"):
+        split_first(np.zeros((4, 8), np.float32))
+
+    @functools.partial(typed_shard_map, mesh=_on_c(4))
+    def odd(x: f32[b"B/d L@zigzag/c"]) -> f32[b"B/d L@zigzag/c"]:
+        return x
+
+    with pytest.raises(ShapeError, match="zigzag order, cut into 2c = 8 chunks"):
+        odd(np.zeros((2, 12), np.float32))
+
+
+def test_ring_shift_passes_each_block_to_the_next_shard():
+    c = 4
+
+    @functools.partial(typed_shard_map, mesh=_on_c(c))
+    def shifted(x: f32[b"B/d L@zigzag/c"]) -> f32[b"B/d L@zigzag/c"]:
+        return so.ring_shift("B/d L@zigzag/c", x, "c")
+
+    x = np.arange(2 * 8, dtype=np.float32).reshape(2, 8)  # 2 positions per shard
+    got = np.asarray(shifted(x))
+    np.testing.assert_array_equal(got, np.roll(x, 2, axis=1))  # shard i now holds i-1's
+    counts = count_collectives(jax.jit(shifted), x)
+    assert counts["collective-permute"] == 1
+    with pytest.raises(ShapeError, match="mesh axis 'd' splits no dimension"):
+        typed_shard_map(_shift_over_d, mesh=_on_c(c))(np.zeros(8, np.float32))
+
+
+def _shift_over_d(x: f32[b"L/c"]) -> f32[b"L/c"]:
+    return so.ring_shift("L/c", x, "d")
+
+
+def test_ring_shift_over_one_shard_moves_nothing():
+    @functools.partial(typed_shard_map, mesh=fake_cpu_mesh((8, 1), ("d", "c")))
+    def shifted(x: f32[b"B/d L/c"]) -> f32[b"B/d L/c"]:
+        return so.ring_shift("B/d L/c", x, "c")
+
+    x = np.ones((8, 4), np.float32)
+    assert count_collectives(jax.jit(shifted), x)["collective-permute"] == 0

@@ -9,7 +9,7 @@ import pytest
 from seqshard.config import load_config
 from seqshard.flops import PHASES, flops_per_token, hardware_flops_per_token, step_flops
 from seqshard.model.weights import param_count
-from seqshard.show import describe, flops_table, weight_table
+from seqshard.show import context_report, describe, flops_table, weight_table
 
 OVERRIDES = [
     "model.vocab=64",
@@ -119,3 +119,19 @@ def test_flops_table_is_the_step_table(cfg):
     # describe prints it, with the words the CLI's test looks for.
     plain = describe(cfg, compile_step=False)
     assert text in plain and "FLOPs per token" in plain
+
+
+def test_context_report_compares_the_strategies_for_the_split_sequence():
+    """With c > 1, show prints for allgather and ring the collectives and bytes each moves per
+    layer (from the notation) and the planner's activation and peak memory per device."""
+    split = load_config(
+        None, [*OVERRIDES, "mesh.d=2", "mesh.c=4", "mesh.t=1", "model.context_impl=ring"]
+    )
+    text = context_report(split)
+    assert text.startswith("context: the sequence split over c = 4 ('B/d L@zigzag/c'")
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[3:]}
+    assert set(rows) == {"allgather", "ring"} and rows["ring"][1] == "*"
+    # Per layer: allgather gathers k and v once each; the ring shifts each c - 1 = 3 times
+    # forward and k, v 3 times and dk, dv 4 times backward (recompute: the gathers again).
+    assert rows["allgather"][1] == "6" and rows["ring"][2] == str(2 * 3 + 2 * 3 + 2 * 4)
+    assert "c = 1, the sequence is not split" in context_report(load_config(None, OVERRIDES))
