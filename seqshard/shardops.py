@@ -345,6 +345,22 @@ def all_gather(
     return call.finish(y)
 
 
+def _appended_axes(call: _Call, what: str, example: str) -> list[tuple[int, tuple[str, ...]]]:
+    """(dimension, the axes it gains) for each dimension the output splits further; new axes
+    may only be appended, minor-most (``what`` and ``example`` word the error)."""
+    plan = []
+    for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims, strict=True)):
+        if b.axes[: len(a.axes)] != a.axes:
+            raise call.fail(
+                f"dimension {a.label} goes from '{a}' to '{b}', but {what} can only append "
+                f"minor axes",
+                f"write the new axes after the existing ones ({example})",
+            )
+        if b.axes[len(a.axes) :]:
+            plan.append((i, b.axes[len(a.axes) :]))
+    return plan
+
+
 def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
     """Sum partial sums over the axes the output adds, scattering the result over them.
 
@@ -356,16 +372,7 @@ def psum_scatter(spec: str, x: jax.Array) -> jax.Array:
     """
     call = _Call("psum_scatter", spec, [x], 1)
     call.require_same_labels()
-    plan = []
-    for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims, strict=True)):
-        if b.axes[: len(a.axes)] != a.axes:
-            raise call.fail(
-                f"dimension {a.label} goes from '{a}' to '{b}', but a reduce-scatter can only "
-                f"append minor axes",
-                "write the new axes after the existing ones (M/d -> M/d/t)",
-            )
-        if b.axes[len(a.axes) :]:
-            plan.append((i, b.axes[len(a.axes) :]))
+    plan = _appended_axes(call, "a reduce-scatter", "M/d -> M/d/t")
     reduced = [axis for _, new in plan for axis in new]
     if not plan:
         raise call.fail(
@@ -601,16 +608,7 @@ def split(spec: str, x: jax.Array) -> jax.Array:
     call.require_same_labels()
     if call.src.unreduced or call.dst.unreduced:
         raise call.fail("a split does not reduce", "reduce first (psum, psum_scatter)")
-    plan = []
-    for i, (a, b) in enumerate(zip(call.src.dims, call.dst.dims, strict=True)):
-        if b.axes[: len(a.axes)] != a.axes:
-            raise call.fail(
-                f"dimension {a.label} goes from '{a}' to '{b}', but a split can only append "
-                f"minor axes",
-                "write the new axes after the existing ones (L -> L/c)",
-            )
-        if b.axes[len(a.axes) :]:
-            plan.append((i, b.axes[len(a.axes) :]))
+    plan = _appended_axes(call, "a split", "L -> L/c")
     if not plan:
         raise call.fail("no axis is added: nothing is split", "drop the call")
     y = x

@@ -184,6 +184,14 @@ def _pair(segments, q_chunk, k_chunk, size: int, causal_only: bool) -> _Pair:
     return _Pair(mask, jnp.any(mask))
 
 
+def _pairs(segments, mine, theirs, size: int, causal_only: bool):
+    """(query chunk a, key chunk b, their :class:`_Pair`) for this device's two query chunks
+    ``mine`` and a visiting block's two key chunks ``theirs``."""
+    for a in range(2):
+        for b in range(2):
+            yield a, b, _pair(segments, mine[a], theirs[b], size, causal_only)
+
+
 def _vary(x: jax.Array, like: tuple[jax.Array, ...]) -> jax.Array:
     """``x`` typed as varying over every axis ``like`` varies over (a cast, no data moves):
     both branches of a ``lax.cond`` must return the same types."""
@@ -214,29 +222,26 @@ def ring_forward(q, k, v, segments, causal_only: bool):
 
     def fold(state, ks, vs, source):
         """Fold the key chunks of shard ``source`` into the running softmax of each query chunk."""
-        theirs = _chunk_ids(source, c)
-        for a in range(2):
-            for b in range(2):
-                pair = _pair(segments, mine[a], theirs[b], size, causal_only)
+        for a, b, pair in _pairs(segments, mine, _chunk_ids(source, c), size, causal_only):
 
-                def add(state, a=a, b=b, pair=pair):
-                    m, total, acc = state
-                    s = jnp.where(pair.mask[:, None, None], _scores(qs[a], ks[b]), -1e30)
-                    m_new = jnp.maximum(m[a], jnp.max(s, axis=-1))
-                    p = jnp.where(pair.mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
-                    scale = jnp.exp(m[a] - m_new)
-                    pv = shardops.einsum_unreduced(
-                        "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D",
-                        p.astype(vs.dtype),
-                        vs[b],
-                        preferred_element_type=jnp.float32,
-                    )
-                    rescale = jnp.swapaxes(scale, -1, -3)[..., None]  # 'B/d Qc Q K/t 1'
-                    total_new = total[a] * scale + jnp.sum(p, axis=-1)
-                    acc = acc.at[a].set(acc[a] * rescale + pv)
-                    return m.at[a].set(m_new), total.at[a].set(total_new), acc
+            def add(state, a=a, b=b, pair=pair):
+                m, total, acc = state
+                s = jnp.where(pair.mask[:, None, None], _scores(qs[a], ks[b]), -1e30)
+                m_new = jnp.maximum(m[a], jnp.max(s, axis=-1))
+                p = jnp.where(pair.mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+                scale = jnp.exp(m[a] - m_new)
+                pv = shardops.einsum_unreduced(
+                    "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D",
+                    p.astype(vs.dtype),
+                    vs[b],
+                    preferred_element_type=jnp.float32,
+                )
+                rescale = jnp.swapaxes(scale, -1, -3)[..., None]  # 'B/d Qc Q K/t 1'
+                total_new = total[a] * scale + jnp.sum(p, axis=-1)
+                acc = acc.at[a].set(acc[a] * rescale + pv)
+                return m.at[a].set(m_new), total.at[a].set(total_new), acc
 
-                state = lax.cond(pair.visible, add, lambda s: s, state)
+            state = lax.cond(pair.visible, add, lambda s: s, state)
         return state
 
     spec = "B/d L@zigzag/c K/t D"
@@ -270,49 +275,46 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
     dq = _vary(jnp.zeros(qs.shape, jnp.float32), (q, k, v, g))
 
     def fold(dq, ks, vs, dks, dvs, source):
-        theirs = _chunk_ids(source, c)
-        for a in range(2):
-            for b in range(2):
-                pair = _pair(segments, mine[a], theirs[b], size, causal_only)
+        for a, b, pair in _pairs(segments, mine, _chunk_ids(source, c), size, causal_only):
 
-                def add(grads, a=a, b=b, pair=pair):
-                    dq, dks, dvs = grads
-                    s = _scores(qs[a], ks[b])
-                    p = jnp.where(pair.mask[:, None, None], jnp.exp(s - lse[a][..., None]), 0.0)
-                    dvs = dvs.at[b].add(
-                        shardops.einsum_unreduced(
-                            "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D",
-                            p.astype(g.dtype),
-                            gs[a],
-                            preferred_element_type=jnp.float32,
-                        )
-                    )
-                    dp = shardops.einsum_unreduced(
-                        "B/d Qc Q K/t D, B/d Kc K/t D -> B/d K/t Q Qc Kc",
+            def add(grads, a=a, b=b, pair=pair):
+                dq, dks, dvs = grads
+                s = _scores(qs[a], ks[b])
+                p = jnp.where(pair.mask[:, None, None], jnp.exp(s - lse[a][..., None]), 0.0)
+                dvs = dvs.at[b].add(
+                    shardops.einsum_unreduced(
+                        "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D",
+                        p.astype(g.dtype),
                         gs[a],
-                        vs[b],
                         preferred_element_type=jnp.float32,
                     )
-                    ds = p * (dp - delta[a][..., None]) * (1 / math.sqrt(q.shape[-1]))
-                    dq = dq.at[a].add(
-                        shardops.einsum_unreduced(
-                            "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D",
-                            ds.astype(q.dtype),
-                            ks[b],
-                            preferred_element_type=jnp.float32,
-                        )
+                )
+                dp = shardops.einsum_unreduced(
+                    "B/d Qc Q K/t D, B/d Kc K/t D -> B/d K/t Q Qc Kc",
+                    gs[a],
+                    vs[b],
+                    preferred_element_type=jnp.float32,
+                )
+                ds = p * (dp - delta[a][..., None]) * (1 / math.sqrt(q.shape[-1]))
+                dq = dq.at[a].add(
+                    shardops.einsum_unreduced(
+                        "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D",
+                        ds.astype(q.dtype),
+                        ks[b],
+                        preferred_element_type=jnp.float32,
                     )
-                    dks = dks.at[b].add(
-                        shardops.einsum_unreduced(
-                            "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D",
-                            ds.astype(q.dtype),
-                            qs[a],
-                            preferred_element_type=jnp.float32,
-                        )
+                )
+                dks = dks.at[b].add(
+                    shardops.einsum_unreduced(
+                        "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D",
+                        ds.astype(q.dtype),
+                        qs[a],
+                        preferred_element_type=jnp.float32,
                     )
-                    return dq, dks, dvs
+                )
+                return dq, dks, dvs
 
-                dq, dks, dvs = lax.cond(pair.visible, add, lambda x: x, (dq, dks, dvs))
+            dq, dks, dvs = lax.cond(pair.visible, add, lambda x: x, (dq, dks, dvs))
         return dq, dks, dvs
 
     spec = "B/d L@zigzag/c K/t D"
