@@ -71,7 +71,7 @@ class ModelConfig:
         ``scripts/bench_step.py``'s model, 1.07x on tiny-cpu's. ``autodiff``: JAX
         differentiates the forward pass (transposing each collective).
     residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
-        (default; Megatron's sequence parallelism): ``'B/d L/t M'``, the sequence split over t
+        (default; Megatron's sequence parallelism): ``'B/d L@zigzag/c/t M'``, the sequence split over t
         (``train.seq_len`` divisible by c x t). ``M/t``: ``'B/d L@zigzag/c M/t'``, d_model split over t.
         Either way each block gathers over t to ``'B/d L@zigzag/c M'`` around its norm (M/t before it,
         L/t its normalized rows after it) and reduce-scatters its output back: the same model,

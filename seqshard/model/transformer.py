@@ -80,7 +80,7 @@ def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
 
 def norm_input(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """What the pre-norm normalizes: the residual with all of M. A residual split over M
-    (``'B/d L@zigzag/c M/t'``) is gathered over t; one split over L (``'B/d L/t M'``) already holds all of
+    (``'B/d L@zigzag/c M/t'``) is gathered over t; one split over L (``'B/d L@zigzag/c/t M'``) already holds all of
     M for its rows and is normalized as it is (:func:`normed`)."""
     if cfg.residual == "M/t":
         return shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", x)

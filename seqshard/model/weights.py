@@ -1,7 +1,8 @@
 """The model's weights: each layout declared once, in its field type, and made in place.
 
-Weights at rest are fully sharded: rows (``d_model``) over d (FSDP), heads / ``d_ff`` /
-``vocab`` over t (Megatron). Norm weights are split over both, t major: ``'d_model/t/d/c'``,
+Weights at rest are fully sharded: rows (``d_model``) over d and c (FSDP groups over both:
+``d_model/d/c``), heads / ``d_ff`` / ``vocab`` over t (Megatron). Norm weights are split over
+all three, t major: ``'d_model/t/d/c'``,
 the same order for all three (the seed mixes ``d/t`` and ``t/d``).
 
 Initial values (std of a normal, zero mean), chosen so every residual-stream contribution
