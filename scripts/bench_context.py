@@ -37,7 +37,7 @@ import numpy as np
 
 from seqshard.batch import TokenBatch
 from seqshard.config import Config, MeshConfig, TrainConfig
-from seqshard.flops import format_bytes
+from seqshard.flops import format_bytes, format_table
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.shardops import zigzag_chunks
@@ -164,9 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{v.temp / base.temp:.3f}",
             ]
         )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, ["-" * w for w in widths], *rows]:
-        print("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip())
+    print(format_table(rows, header))
     print()
     print("ring work per device per layer, chunk pairs (each (L/2c)^2 scores), causal mask:")
     for c in cs:

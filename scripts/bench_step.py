@@ -96,7 +96,7 @@ from jax.sharding import Mesh, Sharding
 from seqshard.batch import TokenBatch
 from seqshard.comms import collectives
 from seqshard.config import Config, MeshConfig, TrainConfig
-from seqshard.flops import flops_per_token, format_bytes
+from seqshard.flops import flops_per_token, format_bytes, format_table
 from seqshard.hardware import measure_matmul_flops
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
@@ -327,10 +327,7 @@ def measure_peaks(n: int) -> dict[str, float]:
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in (header, *rows)]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(rows, header, right=range(len(header)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,7 +22,7 @@ import re
 
 import numpy as np
 
-from seqshard.flops import format_bytes
+from seqshard.flops import format_bytes, format_table
 
 __all__ = ["Collective", "collectives", "format_comm_table", "ring_bytes_sent"]
 
@@ -318,12 +318,7 @@ def format_comm_table(calls: list[Collective]) -> str:
     by_axis = collections.Counter()
     for c in calls:
         by_axis["/".join(c.axes) or "-"] += c.calls_per_step * c.bytes_sent
-    widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
-    out = [
-        "  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
-        for r in (header, *body)
-    ]
-    out.insert(1, "  ".join("-" * w for w in widths))
+    out = format_table(body, header).split("\n")
     out.append(
         f"total sent per device per step: {format_bytes(total)} ("
         + ", ".join(f"over {a}: {format_bytes(b)}" for a, b in sorted(by_axis.items()))

@@ -73,7 +73,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import jax
@@ -97,6 +97,7 @@ __all__ = [
     "StepFlops",
     "flops_per_token",
     "format_bytes",
+    "format_table",
     "hardware_flops_per_token",
     "layer_bytes",
     "matmul_flops_per_token",
@@ -689,6 +690,25 @@ def _check_step(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c
             f"batch={batch} is not divisible by mesh axis d={d} (the batch "
             f"is split 'B/d'). Choose a batch divisible by {d}."
         )
+
+
+def format_table(
+    rows: Sequence[Sequence[str]], header: Sequence[str], right: Collection[int] = ()
+) -> str:
+    """A text table: columns padded to their widest cell, two spaces apart, a dashed line under
+    the header; the columns numbered in ``right`` (numbers) aligned right, the others left."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(r: Sequence[str]) -> str:
+        cells = (
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        return "  ".join(cells).rstrip()
+
+    lines = [line(r) for r in (header, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def format_bytes(n: float) -> str:

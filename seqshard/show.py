@@ -23,6 +23,7 @@ from seqshard.flops import (
     PHASES,
     flops_per_token,
     format_bytes,
+    format_table,
     hardware_flops_per_token,
     step_flops,
 )
@@ -56,24 +57,6 @@ def weight_table(cfg: Config) -> list[tuple[str, str, str, str, str]]:
             )
         )
     return rows
-
-
-def _table(
-    rows: list[tuple[str, ...]], header: tuple[str, ...], right: frozenset[int] = frozenset()
-) -> str:
-    """Columns padded to their widest cell; those in ``right`` (numbers) aligned right."""
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-
-    def line(r: tuple[str, ...]) -> str:
-        cells = (
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        return "  ".join(cells).rstrip()
-
-    lines = [line(r) for r in (header, *rows)]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _count(n: float) -> str:
@@ -122,7 +105,7 @@ def flops_table(cfg: Config) -> str:
             f"(remat={m.remat}; matmuls 2 per multiply-add, elementwise 1 per add, multiply, "
             f"exp, ...; attention over all {length} x {length} (query, key) pairs; per device "
             f"on mesh {cfg.mesh.describe()}):",
-            _table(rows, header, right=frozenset(range(2, len(header)))),
+            format_table(rows, header, right=frozenset(range(2, len(header)))),
             "  runs: per pass over the batch (a layer's operations once per layer); update: the "
             "optimizer step",
             f"  attention's causal half only (the useful work: {length * (length + 1) // 2:,} of "
@@ -192,7 +175,7 @@ def context_report(cfg: Config) -> str:
     )
     columns = ("context_impl", "collectives", "sent forward", "sent backward",
                "activations kept", "peak memory")  # fmt: skip
-    return head + "\n" + _table(rows, columns)
+    return head + "\n" + format_table(rows, columns)
 
 
 def predicted_vs_compiled(predicted: list[PlannedCollective], compiled: list[Collective]) -> str:
@@ -273,7 +256,7 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
     parts.append("")
     parts.append(f"weights on mesh {mesh} (f32 master copies):")
     parts.append(
-        _table(weight_table(cfg), ("weight", "type", "global", "per device", "PartitionSpec"))
+        format_table(weight_table(cfg), ("weight", "type", "global", "per device", "PartitionSpec"))
     )
     parts.append("")
     parts.append(flops_table(cfg))

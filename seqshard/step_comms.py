@@ -36,7 +36,7 @@ from seqshard.batch import batch_structs
 from seqshard.collective_log import LoggedCollective
 from seqshard.comms import ring_bytes_sent
 from seqshard.config import Config
-from seqshard.flops import format_bytes
+from seqshard.flops import format_bytes, format_table
 from seqshard.model.weights import weight_structs
 from seqshard.remat import remat_policy
 
@@ -188,10 +188,7 @@ def format_planned_table(calls: list[PlannedCollective], n_layers: int) -> str:
     header = ("phase", "where", "operation: op(spec)", "collective", "axes", "result", "calls",
               "sent per device")  # fmt: skip
     body = [(*key, str(n), format_bytes(sent)) for key, (n, sent) in rows.items()]
-    widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
-    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
-             for r in (header, *body)]  # fmt: skip
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = format_table(body, header).split("\n")
     by_phase = collections.Counter()
     for c in calls:
         by_phase[c.phase] += c.bytes_per_step
