@@ -609,7 +609,7 @@ def layer_bytes(
     cb = _dtype_bytes(cfg.compute_dtype)
     b, L, Lc = batch // d, seq_len, seq_len // c
     m, f, q, k_t, dh = cfg.d_model, cfg.d_ff, cfg.n_q_per_kv, cfg.n_kv // t, cfg.d_head
-    ring = c > 1 and cfg.context_impl == "ring"
+    ring = cfg.ring_over(c)
 
     # Elements of one per-device activation of each shape.
     x_el = b * Lc * (m // t)  # 'b L/c M/t' (or 'b L/c/t M': the same size)

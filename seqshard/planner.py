@@ -240,7 +240,7 @@ def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     everything = NoRemat().saved_bytes(lb)
     rebuilt = everything - remat_policy(m.remat).saved_bytes(lb)  # re-run in the backward
     # Flash kernels and the ring (c > 1) never hold the probabilities, to keep or to rebuild.
-    fused = attention_impl in FUSED_ATTENTION or (c > 1 and m.context_impl == "ring")
+    fused = attention_impl in FUSED_ATTENTION or m.ring_over(c)
     activations = base.activations
     if fused:  # flash attention never holds the probabilities, to keep or to rebuild
         rebuilt -= min(rebuilt, lb.probs)

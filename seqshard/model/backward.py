@@ -189,16 +189,11 @@ def kept_activations(cfg: ModelConfig, c: int = 1) -> tuple[str, ...]:
     """What the forward pass keeps per layer under ``cfg.remat`` (:data:`KEPT`) on a mesh whose
     context axis has size ``c``: fused attention has no probabilities to keep, only the ring
     (c > 1) has a logsumexp and no gathered keys, and with c = 1 the keys are k itself."""
-    ring = _ring(cfg, c)
+    ring = cfg.ring_over(c)
     drop = {"probs"} if ring or not _einsum_attention(cfg) else set()
     drop |= {"keys", "values"} if ring or c == 1 else {"lse"}
     drop |= set() if ring else {"lse"}
     return tuple(n for n in KEPT[cfg.remat] if n not in drop)
-
-
-def _ring(cfg: ModelConfig, c: int) -> bool:
-    """Ring attention over the context axis (``model.context_impl=ring`` and c > 1)."""
-    return c > 1 and cfg.context_impl == "ring"
 
 
 def _einsum_attention(cfg: ModelConfig) -> bool:
@@ -262,7 +257,7 @@ def layer_activations(
         a.setdefault("v", v)
     k, v = a["k"], a["v"]
     c, causal_only = shardops.axis_size("c"), cfg.attention_mask == "causal"
-    if _ring(cfg, c):  # context.py's ring attention over c, its logsumexp named
+    if cfg.ring_over(c):  # context.py's ring attention over c, its logsumexp named
         if "attn" not in a or "lse" not in a:
             with part("context"):
                 attn, lse = ring_forward(q, k, v, rows.segments, causal_only)
@@ -384,7 +379,7 @@ def attention_backward(
     re-run their forward for its residuals; splash's backward re-runs its kernel itself).
     """
     q, c, causal_only = a["q"], shardops.axis_size("c"), cfg.attention_mask == "causal"
-    if _ring(cfg, c):  # its own backward: k, v and their gradients around the ring again
+    if cfg.ring_over(c):  # its own backward: k, v and their gradients around the ring again
         with part("context"):
             args = (a["k"], a["v"], a["attn"], a["lse"], rows.segments, causal_only, d_attn)
             return ring_backward(q, *args)

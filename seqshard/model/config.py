@@ -146,6 +146,11 @@ class ModelConfig:
         (the sequence in zigzag order over the context axis c: :mod:`seqshard.model.context`)."""
         return RESIDUAL_SPECS[self.residual]
 
+    def ring_over(self, c: int) -> bool:
+        """Whether attention runs as the ring over a context axis of size ``c``: only with
+        ``context_impl=ring`` and the sequence really split (c > 1)."""
+        return c > 1 and self.context_impl == "ring"
+
     @property
     def n_heads(self) -> int:
         return self.n_q_per_kv * self.n_kv

@@ -99,19 +99,15 @@ def sequence_rows(tokens: jax.Array, is_seq_start: jax.Array) -> SequenceRows:
     )
 
 
-def _true_index(length: int) -> jax.Array:
-    """The natural position of each of this device's rows 'L@zigzag/c', int32."""
-    index = shardops.reorder("L -> L@zigzag", jnp.arange(length, dtype=jnp.int32))
-    return shardops.split("L@zigzag -> L@zigzag/c", index)
-
-
 def context_mask(rows: SequenceRows, causal_only: bool) -> jax.Array:
     """``[B, Lq, Lk]`` bool for all-gathered keys: this device's query rows (zigzag chunks)
     against every key in zigzag order, causal by true position and (unless ``causal_only``)
     within one document."""
-    length = rows.segments.shape[-1]
-    q_index = _true_index(length)
-    k_index = shardops.reorder("L -> L@zigzag", jnp.arange(length, dtype=jnp.int32))
+    # The natural position of every key (zigzag order) and of this device's queries.
+    k_index = shardops.reorder(
+        "L -> L@zigzag", jnp.arange(rows.segments.shape[-1], dtype=jnp.int32)
+    )
+    q_index = shardops.split("L@zigzag -> L@zigzag/c", k_index)
     mask = (k_index[None, :] <= q_index[:, None])[None]
     if causal_only:
         return jnp.broadcast_to(mask, (rows.segments.shape[0], *mask.shape[1:]))
@@ -124,18 +120,17 @@ def context_mask(rows: SequenceRows, causal_only: bool) -> jax.Array:
 # The model's entry points
 
 
-def attend(cfg, q, k, v, mask, rows: SequenceRows) -> tuple[jax.Array, jax.Array | None]:
-    """Attention of this device's queries 'B/d L@zigzag/c Q K/t D' over the whole row:
-    (output 'B/d L@zigzag/c Q K/t D', the ring's logsumexp or None). ``mask`` is the model's
+def attend(cfg, q, k, v, mask, rows: SequenceRows) -> jax.Array:
+    """Attention of this device's queries 'B/d L@zigzag/c Q K/t D' over the whole row: the
+    output 'B/d L@zigzag/c Q K/t D'. ``mask`` is the model's
     (:func:`~seqshard.model.transformer.rope_and_mask`)."""
-    causal_only = cfg.attention_mask == "causal"
-    if shardops.axis_size("c") > 1 and cfg.context_impl == "ring":
+    c, causal_only = shardops.axis_size("c"), cfg.attention_mask == "causal"
+    if cfg.ring_over(c):
         with collective_log.part("context"):
-            return ring_attention(q, k, v, rows.segments, causal_only)
+            return ring_attention(q, k, v, rows.segments, causal_only)[0]
     with collective_log.part("context"):
         keys, values = gathered_kv(k, v)
-    c1 = shardops.axis_size("c") == 1
-    return attention(q, keys, values, mask, cfg.attention_impl, causal_only and c1), None
+    return attention(q, keys, values, mask, cfg.attention_impl, causal_only and c == 1)
 
 
 def gathered_kv(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -185,7 +185,7 @@ def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
 def _layer(cfg: ModelConfig, rows, rope, mask, x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
     """One pre-norm layer on the residual, marking what the backward pass keeps."""
     q, k, v = (save_for_backward(a) for a in attention_inputs(cfg, w, x, rope))
-    attn = save_for_backward(attend(cfg, q, k, v, mask, rows)[0])
+    attn = save_for_backward(attend(cfg, q, k, v, mask, rows))
     # Kept, so that only the 'full' policy repeats the attention psum_scatter to rebuild h.
     h = save_for_backward(attention_output(cfg, w, x, attn))
     return ffn(cfg, w, h), None
@@ -205,9 +205,10 @@ def rope_and_mask(cfg: ModelConfig, rows: SequenceRows):
     queries against every key (:func:`~seqshard.model.context.context_mask`), and none for the
     ring, which masks its own blocks. Per batch, cheap."""
     rope = rope_tables(rows.positions, cfg.d_head, cfg.rope_theta)
-    if shardops.axis_size("c") == 1:
+    c = shardops.axis_size("c")
+    if c == 1:
         return rope, attention_mask(rows.is_seq_start, cfg.attention_mask, cfg.attention_impl)
-    if cfg.context_impl == "ring":
+    if cfg.ring_over(c):
         return rope, None
     return rope, context_mask(rows, cfg.attention_mask == "causal")
 
