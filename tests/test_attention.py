@@ -16,8 +16,10 @@ from seqshard.model.attention import (
     attention_mask,
     document_positions,
     resolve_impl,
+    rope_frequencies,
     rope_tables,
 )
+from seqshard.model.config import ModelConfig
 
 STARTS = np.array(
     [
@@ -42,9 +44,50 @@ def test_document_positions_restart_at_each_document():
     np.testing.assert_array_equal(document_positions(jnp.asarray(STARTS)), loop_positions(STARTS))
 
 
+def llama3_frequencies_loop(d_head, theta, factor, low, high, original):
+    """Llama 3.1's frequency rescaling, one frequency at a time as Meta's reference code reads."""
+    out = []
+    for i in range(0, d_head, 2):
+        freq = 1.0 / theta ** (i / d_head)
+        wavelength = 2 * np.pi / freq
+        if wavelength < original / high:
+            out.append(freq)
+        elif wavelength > original / low:
+            out.append(freq / factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("original", [16, 64, 8192])
+def test_llama3_rope_frequencies_match_the_loop_in_all_three_bands(original):
+    cfg = ModelConfig(
+        d_head=64,
+        rope_theta=500000.0,
+        rope_type="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position=original,
+    )
+    want = llama3_frequencies_loop(64, 500000.0, 8.0, 1.0, 4.0, original)
+    np.testing.assert_allclose(np.asarray(rope_frequencies(cfg)), want, rtol=2e-6)
+    default = np.asarray(rope_frequencies(ModelConfig(d_head=64, rope_theta=500000.0)))
+    wavelength = 2 * np.pi / default
+    if original == 64:  # all three bands are present: kept, slowed 8x, between
+        assert (wavelength < 16).any() and (wavelength > 64).any()
+        assert ((wavelength >= 16) & (wavelength <= 64)).any()
+
+
+def test_llama3_rope_needs_ordered_factors():
+    with pytest.raises(ValueError, match="rope_low_freq_factor < rope_high_freq_factor"):
+        ModelConfig(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=4.0)
+
+
 def test_rope_rotates_pairs_i_and_i_plus_half_by_position_times_frequency():
     positions = jnp.asarray([[0, 1, 5]])
-    cos, sin = rope_tables(positions, d_head=4, theta=100.0)
+    cos, sin = rope_tables(positions, rope_frequencies(ModelConfig(d_head=4, rope_theta=100.0)))
     assert cos.shape == sin.shape == (1, 3, 2)
     freqs = 100.0 ** (-np.arange(2) * 2 / 4)
     np.testing.assert_allclose(cos[0, 2], np.cos(5 * freqs), rtol=1e-6)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from seqshard import shardops
-from seqshard.model.config import AttentionImpl, AttentionMask
+from seqshard.model.config import AttentionImpl, AttentionMask, ModelConfig
 
 __all__ = [
     "apply_rope",
@@ -40,6 +40,7 @@ __all__ = [
     "einsum_values",
     "fused_attention",
     "resolve_impl",
+    "rope_frequencies",
     "rope_tables",
 ]
 
@@ -53,10 +54,30 @@ def document_positions(is_seq_start: jax.Array) -> jax.Array:
     return index - start
 
 
-def rope_tables(positions: jax.Array, d_head: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin, ``[B, L, D/2]`` f32, for rotating pairs (i, i + D/2) by position * theta^(-2i/D)."""
-    inv_freq = theta ** (-jnp.arange(0, d_head // 2, dtype=jnp.float32) * 2 / d_head)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """f32[D/2]: the angle per position step of pair (i, i + D/2): rope_theta^(-2i/D).
+
+    ``rope_type=llama3`` rescales them as Llama 3.1 (and Hugging Face's ``rope_type: llama3``)
+    does, by wavelength 2 pi / f against the original context n = ``rope_original_max_position``:
+    longer than n / low_freq_factor: f / rope_factor; shorter than n / high_freq_factor: f;
+    between: (1 - s) f / rope_factor + s f with s = (n / wavelength - low) / (high - low)."""
+    d = cfg.d_head
+    freq = cfg.rope_theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2 / d)
+    if cfg.rope_type == "default":
+        return freq
+    n, factor = cfg.rope_original_max_position, cfg.rope_factor
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = 2 * math.pi / freq
+    s = (n / wavelength - low) / (high - low)
+    between = (1 - s) * freq / factor + s * freq
+    slowed = jnp.where(wavelength > n / low, freq / factor, between)
+    return jnp.where(wavelength < n / high, freq, slowed)
+
+
+def rope_tables(positions: jax.Array, freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin, ``[B, L, D/2]`` f32, for rotating pairs (i, i + D/2) by position * freq[i]
+    (``freq = rope_frequencies(cfg)``)."""
+    angles = positions.astype(jnp.float32)[..., None] * freq[None, None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
 

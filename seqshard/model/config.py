@@ -22,6 +22,7 @@ __all__ = [
     "RESIDUAL_SPECS",
     "Residual",
     "RematName",
+    "RopeType",
 ]
 
 AttentionImpl = Literal["auto", "einsum", "cudnn", "xla", "splash"]
@@ -29,6 +30,7 @@ AttentionMask = Literal["document", "causal"]
 Backward = Literal["autodiff", "explicit"]
 Residual = Literal["M/t", "L/t"]
 ContextImpl = Literal["allgather", "ring"]
+RopeType = Literal["default", "llama3"]
 
 RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/d L@zigzag/c M/t", "L/t": "B/d L@zigzag/c/t M"}
 """``model.residual`` -> the residual stream's layout between blocks, per device."""
@@ -82,6 +84,15 @@ class ModelConfig:
         each layer, queries local. ``ring``: k and v blocks passed around the c ring with an
         online softmax, never more than two blocks' keys on a device, and pairs of chunks
         that the causal or document mask hides skipped (:mod:`seqshard.model.context`).
+    rope_type: ``default``: pair i of each head turns by position x rope_theta^(-2i/d_head).
+        ``llama3``: Llama 3.1's long-context rescaling of those frequencies (the
+        ``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
+        ``rope_original_max_position`` fields, named after Hugging Face's ``rope_parameters``
+        keys ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
+        ``original_max_position_embeddings``): wavelengths longer than original_max /
+        low_freq_factor slow down by ``rope_factor``, shorter than original_max /
+        high_freq_factor stay, the band between is interpolated
+        (:func:`seqshard.model.attention.rope_frequencies`).
     """
 
     vocab: int = 4096
@@ -100,6 +111,11 @@ class ModelConfig:
     backward: Backward = "explicit"
     residual: Residual = "L/t"
     context_impl: ContextImpl = "allgather"
+    rope_type: RopeType = "default"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():
@@ -120,6 +136,18 @@ class ModelConfig:
         _check_choice("backward", self.backward, Backward)
         _check_choice("residual", self.residual, Residual)
         _check_choice("context_impl", self.context_impl, ContextImpl)
+        _check_choice("rope_type", self.rope_type, RopeType)
+        if self.rope_type == "llama3" and not (
+            self.rope_factor > 0
+            and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_max_position > 0
+        ):
+            raise ValueError(
+                f"model.rope_type=llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
+                f"rope_high_freq_factor and rope_original_max_position > 0; got "
+                f"{self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
+                f"{self.rope_original_max_position} (Llama 3.1: 8, 1, 4, 8192)."
+            )
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(
                 f"model.rope_theta and model.norm_eps must be positive, got "

@@ -53,7 +53,7 @@ from jax.sharding import Mesh
 
 from seqshard import shardops
 from seqshard.mesh import AXES, mesh_of_sizes
-from seqshard.model.attention import attention, rope_tables
+from seqshard.model.attention import attention, rope_frequencies, rope_tables
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import gathered_kv
 from seqshard.model.transformer import (
@@ -198,7 +198,7 @@ def _prefill(
     index = jnp.arange(length, dtype=jnp.int32)
     # Row b's first real token is at index start[b]: RoPE position 0 there.
     positions = jnp.maximum(index[None, :] - start[:, None], 0)
-    rope = rope_tables(positions, cfg.d_head, cfg.rope_theta)
+    rope = rope_tables(positions, rope_frequencies(cfg))
     real_key = index[None, None, :] >= start[:, None, None]
     # A padding query attends to itself only, so no softmax row is empty (fused kernels
     # would give NaN there, and padding's k, v must stay finite: they sit in the cache).
@@ -244,7 +244,7 @@ def _decode_step(
     """Per device: feed token 'B/d' at cache index ``index`` -> the next token 'B/d', its
     logits 'B/d V/t' and the cache 'layers 2 B/d S K/t D' holding the fed token's k, v."""
     cfg = spec.cfg
-    rope = rope_tables((index - start)[:, None], cfg.d_head, cfg.rope_theta)
+    rope = rope_tables((index - start)[:, None], rope_frequencies(cfg))
     keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
     # Keys from the row's first real token up to and including this one.
     mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]

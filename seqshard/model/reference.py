@@ -28,6 +28,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from seqshard.model.attention import rope_frequencies
 from seqshard.model.config import AttentionMask, ModelConfig
 from seqshard.model.weights import Layer, Weights
 
@@ -60,10 +61,9 @@ def _norm(x, gain, eps):
     return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * gain[None, None, :]
 
 
-def _rope(x, positions, theta):
-    """x: [B, L, heads..., D]; pairs (i, i + D/2) rotate as complex numbers."""
+def _rope(x, positions, freq):
+    """x: [B, L, heads..., D]; pairs (i, i + D/2) rotate as complex numbers by position * freq."""
     half = x.shape[-1] // 2
-    freq = 1.0 / theta ** (jnp.arange(half) * 2 / x.shape[-1])
     angle = positions[:, :, None].astype(jnp.float32) * freq[None, None, :]  # [B, L, D/2]
     angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
     xf = x.astype(jnp.float32)
@@ -120,8 +120,8 @@ def reference_layer(
     q = jnp.einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
     k = jnp.einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
     v = mark(jnp.einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt)))
-    q = mark(_rope(q, positions, cfg.rope_theta))
-    k = mark(_rope(k, positions, cfg.rope_theta))
+    q = mark(_rope(q, positions, rope_frequencies(cfg)))
+    k = mark(_rope(k, positions, rope_frequencies(cfg)))
     attn = mark((attend or reference_attention)(q, k, v, mask))
     x = mark(constrain(x + jnp.einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
     nx = _norm(x, w.ln2, cfg.norm_eps).astype(dt)

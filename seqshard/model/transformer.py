@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from seqshard import collective_log, shardops
 from seqshard.batch import TokenBatch, token_batch
 from seqshard.collective_log import part
-from seqshard.model.attention import apply_rope, attention_mask, rope_tables
+from seqshard.model.attention import apply_rope, attention_mask, rope_frequencies, rope_tables
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, attend, context_mask, sequence_rows
 from seqshard.model.weights import Layer, Weights
@@ -204,7 +204,7 @@ def rope_and_mask(cfg: ModelConfig, rows: SequenceRows):
     (splash: segment ids); with the sequence split over c, ``allgather``'s mask of this device's
     queries against every key (:func:`~seqshard.model.context.context_mask`), and none for the
     ring, which masks its own blocks. Per batch, cheap."""
-    rope = rope_tables(rows.positions, cfg.d_head, cfg.rope_theta)
+    rope = rope_tables(rows.positions, rope_frequencies(cfg))
     c = shardops.axis_size("c")
     if c == 1:
         return rope, attention_mask(rows.is_seq_start, cfg.attention_mask, cfg.attention_impl)
