@@ -111,7 +111,8 @@ def _run_config_args(run_dir: str, overrides: Sequence[str]) -> tuple[str, list[
     if info.is_file() and not any(o.startswith("data.dir=") for o in overrides):
         data = [f"data.dir={json.loads(info.read_text())['data_dir']}"]
     location = [f"run.dir={run.parent}", f"run.name={run.name}"]
-    return str(run / "config.yaml"), [*location, *data, *overrides]
+    # The run's weights are in its checkpoints: where they first came from is not read again.
+    return str(run / "config.yaml"), [*location, "init.from_hf=null", *data, *overrides]
 
 
 def _run_config(run_dir: str, overrides: Sequence[str]):
@@ -282,6 +283,76 @@ def _train_run(args) -> int:
         _say(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):")
         _say(args.sample_prompt + samples[0])
     _say(f"run directory: {result.run_dir}")
+    return 0
+
+
+# -- export -----------------------------------------------------------------------------------
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    from seqshard.hf.export import DEFAULT_MAX_FILE_BYTES
+
+    p.add_argument("run_dir", help="a run directory, e.g. runs/tiny-cpu")
+    p.add_argument("out_dir", help="the Hugging Face model directory to write, e.g. hf/tiny-cpu")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. mesh.d=2 mesh.t=1 (where to restore)"
+    )
+    p.add_argument(
+        "--step", type=int, help="the checkpoint to export (default: the newest good one)"
+    )
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights' dtype"
+    )
+    p.add_argument(
+        "--max-file-size",
+        type=_byte_size,
+        default=DEFAULT_MAX_FILE_BYTES,
+        metavar="BYTES",
+        help="split the safetensors files above this size (e.g. 5GB, 500MiB, 1000000)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace OUT_DIR if it exists (once complete)"
+    )
+    _process_arguments(p)
+
+
+def _byte_size(text: str) -> int:
+    import re
+
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+    }
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in units or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: write a positive number of bytes, e.g. 5GB, 500MiB or 1000000"
+        )
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+def _export(args) -> int:
+    from seqshard.hf.export import export_run
+    from seqshard.mesh import training_mesh
+
+    cfg = _start(args, *_run_config_args(args.run_dir, args.overrides))
+    export_run(
+        args.run_dir,
+        args.out_dir,
+        cfg,
+        training_mesh(cfg.mesh.sizes()),
+        step=args.step,
+        dtype=args.dtype,
+        max_file_bytes=args.max_file_size,
+        overwrite=args.overwrite,
+        log=_say,
+    )
     return 0
 
 
@@ -471,6 +542,16 @@ COMMANDS: tuple[Command, ...] = (
         "sample text from a run's latest checkpoint",
         _generate_arguments,
         _generate,
+    ),
+    Command(
+        "export",
+        "write a run's checkpoint as a Hugging Face Llama directory",
+        _export_arguments,
+        _export,
+        "Write RUN_DIR's newest good checkpoint (or --step) to OUT_DIR as a Hugging Face Llama "
+        "(config.json, safetensors weights split above --max-file-size with their index, and "
+        "the run's tokenizer), which transformers' AutoModelForCausalLM and AutoTokenizer load. "
+        "Start a run from such a directory with the config key init.from_hf: PATH.",
     ),
     Command(
         "plot",

@@ -34,6 +34,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "InitConfig",
     "MeshConfig",
     "REMAINING",
     "RunConfig",
@@ -173,6 +174,19 @@ class RuntimeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InitConfig:
+    """Where a new run's weights come from (a resumed run restores its checkpoint instead).
+
+    from_hf: a Hugging Face Llama directory (config.json, model*.safetensors, tokenizer.json):
+    its weights, read into the sharded layout (:mod:`seqshard.hf.load`), its model sizes
+    (model fields the config leaves to its bases are filled from config.json; those written in
+    the file that names from_hf, or in overrides, must agree), and its tokenizer (unless
+    data.tokenizer names one). None: random weights (``train.seed``)."""
+
+    from_hf: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where the run writes: ``<dir>/<name>``; the name defaults to the config file's stem."""
 
@@ -188,6 +202,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    init: InitConfig = dataclasses.field(default_factory=InitConfig)
 
 
 def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
@@ -237,9 +252,11 @@ def _merge(schema, layer, where: str):
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load ``path`` (and its ``base`` chain) and apply ``key=value`` overrides, then check it."""
     merged = OmegaConf.structured(Config)
+    layers: list[dict] = []  # each YAML file's and override's keys, bases first
     if path is not None:
         for where, data in _read_yaml(Path(path).resolve(), ()):
             merged = _merge(merged, data, where)
+            layers.append(data)
     for override in overrides:
         if "=" not in override:
             raise ConfigError(f"override {override!r} is not key=value (e.g. train.steps=100).")
@@ -248,14 +265,55 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except OmegaConfBaseException as e:
             raise ConfigError(f"override {override!r}: {e}") from None
         merged = _merge(merged, layer, f"override {override!r}")
+        layers.append(OmegaConf.to_container(layer))
     try:
         cfg = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as e:
         raise ConfigError(f"{path or 'config'}: {str(e).splitlines()[0]}") from None
     if not cfg.run.name and path is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=Path(path).stem))
+    if cfg.init.from_hf:
+        cfg = _with_hf_model(cfg, layers)
     check_config(cfg)
     return cfg
+
+
+def _with_hf_model(cfg: Config, layers: Sequence[dict]) -> Config:
+    """``cfg`` with the model sizes and tokenizer of its ``init.from_hf`` directory: model
+    fields set by the layer naming from_hf or a later one must agree; inherited ones are filled."""
+    from seqshard.hf.hf_config import HFFormatError, read_hf_config
+
+    names_it = max(i for i, d in enumerate(layers) if (d.get("init") or {}).get("from_hf"))
+    written = {k for d in layers[names_it:] for k in (d.get("model") or {})}
+    try:
+        hf = read_hf_config(cfg.init.from_hf)
+    except HFFormatError as e:
+        raise ConfigError(f"init.from_hf: {e}") from None
+    diff = [
+        f"model.{k}={getattr(cfg.model, k)!r} but config.json says {v!r}"
+        for k, v in hf.fields.items()
+        if k in written and getattr(cfg.model, k) != v
+    ]
+    if diff:
+        raise ConfigError(
+            f"init.from_hf={cfg.init.from_hf}: {'; '.join(diff)}. Leave these out of the config "
+            f"(they are filled from {hf.path}) or make them equal."
+        )
+    try:
+        model = hf.model_config(cfg.model)
+    except ValueError as e:
+        raise ConfigError(f"init.from_hf={cfg.init.from_hf}: {e}") from None
+    data = cfg.data
+    if data.tokenizer is None:
+        tokenizer = Path(cfg.init.from_hf) / "tokenizer.json"
+        if not tokenizer.is_file():
+            raise ConfigError(
+                f"init.from_hf={cfg.init.from_hf} has no tokenizer.json, and data.tokenizer is "
+                f"not set: the data must be tokenized as the model was trained. Set "
+                f"data.tokenizer=PATH/tokenizer.json."
+            )
+        data = dataclasses.replace(data, tokenizer=str(tokenizer))
+    return dataclasses.replace(cfg, model=model, data=data)
 
 
 def check_config(cfg: Config) -> None:
@@ -354,7 +412,7 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(f"runtime.{name} must be >= 1 second, got {getattr(runtime, name)}.")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}.")
-    if cfg.data.vocab_size > cfg.model.vocab:
+    if cfg.data.tokenizer is None and cfg.data.vocab_size > cfg.model.vocab:
         raise ConfigError(
             f"data.vocab_size={cfg.data.vocab_size} (the tokenizer's) exceeds model.vocab="
             f"{cfg.model.vocab}: token ids would fall outside the embedding. Set model.vocab >= "

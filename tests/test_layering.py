@@ -60,7 +60,7 @@ def layer(module: str) -> str:
         return "core"
     if module in APP:
         return "app"
-    if module in TRAIN or module.startswith("seqshard.train"):
+    if module in TRAIN or module.startswith(("seqshard.train", "seqshard.hf")):
         return "train"
     for name in ("model", "data"):
         if module == f"seqshard.{name}" or module.startswith(f"seqshard.{name}."):

@@ -37,9 +37,10 @@ from seqshard.config import (
     config_to_yaml,
     read_run_config,
 )
-from seqshard.data import Loader, prepare, read_meta
+from seqshard.data import Loader, prepare, read_meta, tokenizer_hash
 from seqshard.flops import flops_per_token
 from seqshard.hardware import peak_flops
+from seqshard.hf.load import load_hf_weights
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
 from seqshard.model.weights import Weights
@@ -152,7 +153,16 @@ def ensure_data(
             log=log,
             overwrite=True,  # at most an empty directory: nothing to lose
         )
-    vocab = read_meta(data_dir)["vocab_size"]
+    meta = read_meta(data_dir)
+    if cfg.data.tokenizer is not None and Path(cfg.data.tokenizer).is_file():
+        want = tokenizer_hash(cfg.data.tokenizer)
+        if meta.get("tokenizer_sha256") not in (None, want):
+            raise ConfigError(
+                f"data.dir={data_dir} was tokenized with {meta.get('tokenizer_source')}, not "
+                f"data.tokenizer={cfg.data.tokenizer} (the files differ): the ids would mean "
+                f"other tokens. Point data.dir at a new directory to prepare it with this tokenizer."
+            )
+    vocab = meta["vocab_size"]
     if vocab > cfg.model.vocab:
         raise ConfigError(
             f"{data_dir}/meta.json: the tokenizer has {vocab} tokens but model.vocab={cfg.model.vocab}; "
@@ -393,7 +403,11 @@ def _initial_state(run: _Run, resuming: bool) -> tuple[TrainState, int, dict[str
     """(state, its step, the checkpoint's metadata or None): restored, or freshly initialized."""
     cfg = run.cfg
     if not resuming:
-        state = init_train_state(cfg.model, run.mesh, run.opt, jax.random.key(cfg.train.seed))
+        weights = None
+        if cfg.init.from_hf:
+            weights = load_hf_weights(cfg.init.from_hf, cfg.model, run.mesh, log=run.log)
+        key = jax.random.key(cfg.train.seed)
+        state = init_train_state(cfg.model, run.mesh, run.opt, key, weights)
         run.log(f"starting {run.run_dir} on mesh {run.cfg.mesh.describe()}")
         return state, 0, None
     restored = run.ckpt.restore(cfg, run.mesh, run.opt)

@@ -98,10 +98,16 @@ def shardings_of(structs):
 
 
 def init_train_state(
-    cfg: ModelConfig, mesh: Mesh, opt: optax.GradientTransformation, key: jax.Array
+    cfg: ModelConfig,
+    mesh: Mesh,
+    opt: optax.GradientTransformation,
+    key: jax.Array,
+    weights: Weights | None = None,
 ) -> TrainState:
-    """Fresh weights and optimizer state, created in place in their sharded layouts."""
-    weights = init_weights(cfg, mesh, key)
+    """Step 0: ``weights`` (default: fresh random ones from ``key``, created in place in their
+    sharded layouts) and a fresh optimizer state."""
+    if weights is None:
+        weights = init_weights(cfg, mesh, key)
     out = shardings_of(train_state_structs(cfg, mesh, opt))
     return jax.jit(
         lambda w: TrainState(

@@ -1,0 +1,216 @@
+"""Export a run's checkpoint as a Hugging Face Llama directory that transformers loads.
+
+    seqshard export runs/tiny-cpu hf/tiny-cpu            # the newest good checkpoint
+    seqshard export runs/tiny-cpu hf/tiny-cpu --step 200 --dtype bfloat16
+
+writes::
+
+    config.json                        LlamaForCausalLM, untied, rope_theta, torch_dtype, ...
+    generation_config.json             eos (and bos) token ids
+    model.safetensors                  or model-0000k-of-0000n.safetensors + the index,
+    model.safetensors.index.json         files of at most --max-file-size bytes
+    tokenizer.json                     the tokenizer the run trained on
+    tokenizer_config.json, special_tokens_map.json   what transformers.AutoTokenizer reads
+
+One tensor at a time: each Hugging Face tensor is cut from its sharded seqshard weight (one
+layer, one part), gathered to the host (every process takes part; process 0 writes), turned to
+Hugging Face's layout (:mod:`seqshard.hf.table`), written and dropped. The directory is built
+beside ``OUT_DIR`` and renamed into place when complete, so a failed export (a full disk, a
+kill) leaves no half-written model where a finished one is expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from seqshard.config import Config
+from seqshard.data.tokenizer import EOT, load_tokenizer
+from seqshard.hf.hf_config import CONFIG_FILE, hf_config_dict
+from seqshard.hf.safetensors_io import (
+    DTYPES,
+    SINGLE_FILE,
+    plan_files,
+    write_index,
+    write_safetensors,
+)
+from seqshard.hf.table import TensorRow, hf_tensor_names
+from seqshard.launch import barrier, is_main_process
+from seqshard.model.weights import Weights
+from seqshard.train.checkpoint import Checkpointer
+from seqshard.train.optimizer import make_optimizer
+
+__all__ = ["DEFAULT_MAX_FILE_BYTES", "ExportResult", "export_run", "export_weights"]
+
+DEFAULT_MAX_FILE_BYTES = 2 * 2**30
+"""Safetensors files are split above this size (2 GiB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    step: int
+    files: list[str]  # the safetensors files written
+    tensor_bytes: int
+
+
+def export_run(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    cfg: Config,
+    mesh: Mesh,
+    *,
+    step: int | None = None,
+    dtype: str = "float32",
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    overwrite: bool = False,
+    tokenizer_path: str | Path | None = None,
+    log: Callable[[str], None] = print,
+) -> ExportResult:
+    """Write checkpoint ``step`` (default: the newest good one) of ``run_dir`` to ``out_dir``
+    as a Hugging Face Llama, with the run's tokenizer (``tokenizer_path``, default
+    ``cfg.data.dir``'s)."""
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, overwrite)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+    tokenizer_path = Path(tokenizer_path or Path(cfg.data.dir) / "tokenizer.json")
+    tokenizer = load_tokenizer(tokenizer_path)
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", read_only=True, log=log)
+    try:
+        restored = ckpt.restore(cfg, mesh, make_optimizer(cfg.train), step)
+    finally:
+        ckpt.close()
+    partial = out_dir.parent / f".{out_dir.name}.partial"
+    main = is_main_process()
+    if main:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    try:
+        files, total = export_weights(restored.state.weights, cfg, partial, dtype, max_file_bytes)
+        if main:
+            _write_configs(partial, cfg, dtype, tokenizer_path, tokenizer)
+            _move_into_place(partial, out_dir)
+    except BaseException:
+        if main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    barrier("seqshard: export written")
+    log(
+        f"exported {run_dir} step {restored.step} to {out_dir}: {len(files)} safetensors "
+        f"file(s), {total / 2**20:.1f} MiB of {dtype} weights"
+    )
+    return ExportResult(out_dir, restored.step, files, total)
+
+
+def export_weights(
+    weights: Weights, cfg: Config, directory: Path, dtype: str, max_file_bytes: int
+) -> tuple[list[str], int]:
+    """Write ``weights`` as Hugging Face safetensors files in ``directory`` (process 0; every
+    process gathers). Returns the file names and the bytes of tensor data."""
+    model = cfg.model
+    names = hf_tensor_names(model)
+    by_name = {name: (row, layer) for row, layer, name in names}
+    planned = plan_files(
+        [(n, r.hf_shape(model)) for r, _, n in names], DTYPES[dtype][1].itemsize, max_file_bytes
+    )
+    n = len(planned)
+    files = (
+        [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    )
+
+    def produce(name: str) -> np.ndarray:
+        row, layer = by_name[name]
+        return row.to_hf(_gather(weights, row, layer), model)
+
+    total, weight_map = 0, {}
+    for file, tensors in zip(files, planned, strict=True):
+        if is_main_process():
+            total += write_safetensors(directory / file, tensors, dtype, produce)
+        else:
+            for name, _ in tensors:
+                produce(name)  # every process takes part in each gather
+        weight_map.update({name: file for name, _ in tensors})
+    if n > 1 and is_main_process():
+        write_index(directory, weight_map, total)
+    return files, total
+
+
+def _gather(weights: Weights, row: TensorRow, layer: int | None) -> np.ndarray:
+    """One layer's (one part's) block of a seqshard weight, whole, on the host."""
+    x = weights
+    for part in row.field.split("."):
+        x = getattr(x, part)
+    index = () if layer is None else (layer,) if row.part is None else (layer, row.part)
+    if index:
+        x = _slicer(len(index))(x, *index)
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@functools.cache
+def _slicer(n_index: int):
+    return jax.jit(lambda x, *index: x[index])
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"OUT_DIR {out_dir} is a file; pass a directory to export into.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ValueError(
+            f"OUT_DIR {out_dir} exists and is not empty; seqshard will not write over it. "
+            f"Pass another directory, or --overwrite to replace it once the export is complete."
+        )
+
+
+def _move_into_place(partial: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by the finished ``partial`` (the old one is removed only after)."""
+    old = out_dir.parent / f".{out_dir.name}.old"
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out_dir.rename(old)
+    partial.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_configs(
+    directory: Path, cfg: Config, dtype: str, tokenizer_path: Path, tokenizer
+) -> None:
+    eos = tokenizer.token_to_id(EOT)
+    max_position = cfg.train.seq_len
+    if cfg.model.rope_type == "llama3":
+        max_position = max(
+            max_position, int(cfg.model.rope_original_max_position * cfg.model.rope_factor)
+        )
+    config = hf_config_dict(cfg.model, dtype=dtype, max_position=max_position, eos_token_id=eos)
+    _write_json(directory / CONFIG_FILE, config)
+    generation = {"eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
+    _write_json(directory / "generation_config.json", generation)
+    shutil.copyfile(tokenizer_path, directory / "tokenizer.json")
+    special = {"eos_token": EOT} if eos is not None else {}
+    _write_json(directory / "special_tokens_map.json", special)
+    _write_json(
+        directory / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": max_position,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            **special,
+        },
+    )
+
+
+def _write_json(path: Path, value: object) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")

@@ -1,0 +1,188 @@
+"""Import a Hugging Face Llama directory's weights straight into seqshard's sharded layout.
+
+One tensor at a time: each Hugging Face tensor is read from its safetensors file, rearranged to
+seqshard's layout (:mod:`seqshard.hf.table`, a view), and each local device's block of it is
+copied to that device (``jax.make_array_from_callback``). A layer's tensor is written into its
+slot of the stacked ``layers`` weight in place (a jitted update that donates the stack), so the
+host holds the weights placed so far plus about one tensor, never the whole model at once.
+
+    weights = load_hf_weights("Llama-3.2-1B", cfg.model, mesh)   # Weights, sharded on mesh
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+
+from seqshard.hf.hf_config import HFFormatError, HFModel, read_hf_config
+from seqshard.hf.safetensors_io import HFTensors
+from seqshard.hf.table import TABLE, TensorRow, hf_tensor_names
+from seqshard.model.config import ModelConfig
+from seqshard.model.weights import Weights, weight_structs
+from seqshard.notation import Shape
+from seqshard.shardtypes import ArrayType, shape_dtype_structs
+
+__all__ = ["check_model_agrees", "load_hf_weights"]
+
+# Buffers some checkpoints carry that are not weights (recomputed from config.json).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def check_model_agrees(hf: HFModel, cfg: ModelConfig) -> None:
+    """Raise HFFormatError if ``cfg``'s model fields differ from what ``config.json`` says."""
+    diff = [
+        f"model.{k}={getattr(cfg, k)!r} but it says {v!r}"
+        for k, v in hf.fields.items()
+        if getattr(cfg, k) != v
+    ]
+    if diff:
+        raise HFFormatError(
+            f"{hf.path} disagrees with the config: {'; '.join(diff)}. Leave these model fields "
+            f"out of the config (init.from_hf fills them) or make them equal."
+        )
+
+
+def load_hf_weights(
+    directory: str | Path, cfg: ModelConfig, mesh: Mesh, log: Callable[[str], None] = print
+) -> Weights:
+    """The weights of the Hugging Face Llama in ``directory``, each placed in its sharded
+    layout on ``mesh`` (f32, as seqshard's master weights; bf16 files are widened exactly).
+
+    Everything is checked before any tensor is read: config.json against ``cfg``, every tensor
+    present (``lm_head.weight`` may be absent when embeddings are tied: a copy of the
+    embedding), no tensor seqshard would ignore (biases), every shape as config.json implies."""
+    hf = read_hf_config(directory)
+    check_model_agrees(hf, cfg)
+    tensors = HFTensors(directory)
+    _check_tensors(tensors, hf, cfg)
+    structs = weight_structs(cfg, mesh)
+    placed = {}
+    for row in TABLE:
+        target = _field(structs, row.field)
+        source = row
+        if row.field == "unembed" and row.hf_name not in tensors.shapes:
+            source = next(r for r in TABLE if r.field == "embed")  # tied: a copy
+        if not row.stacked:
+            placed[row.field] = _place(tensors, source, None, cfg, target.sharding, target.shape)
+            continue
+        block = _block_struct(row, cfg, mesh)
+        stack = placed.get(row.field)
+        if stack is None:
+            stack = _zeros(target.shape, target.sharding)
+        for i in range(cfg.n_layers):
+            x = _place(tensors, source, i, cfg, block.sharding, block.shape)
+            index = (i,) if row.part is None else (i, row.part)
+            stack = _updater(target.sharding, len(index))(stack, x, *index)
+            del x
+        placed[row.field] = stack
+    n = sum(int(np.prod(s)) for s in tensors.shapes.values())
+    log(f"imported {len(tensors.shapes)} tensors ({n / 1e6:.1f}M values) from {hf.path.parent}")
+    layer_fields = {k.split(".", 1)[1]: v for k, v in placed.items() if k.startswith("layers.")}
+    return Weights(
+        embed=placed["embed"],
+        layers=type(structs.layers)(**layer_fields),
+        final_norm=placed["final_norm"],
+        unembed=placed["unembed"],
+    )
+
+
+def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig) -> None:
+    expected = {name: (row, layer) for row, layer, name in hf_tensor_names(cfg)}
+    have = {n for n in tensors.shapes if not n.endswith(_IGNORED_SUFFIXES)}
+    tied_ok = {"lm_head.weight"} if hf.tied else set()
+    missing = sorted(set(expected) - have - tied_ok)
+    if "lm_head.weight" in missing:
+        raise HFFormatError(
+            f"{tensors.directory} has no lm_head.weight and {hf.path.name} says "
+            f"tie_word_embeddings=false: the unembedding is missing. Set tie_word_embeddings: "
+            f"true in {hf.path} if the model shares its embedding, or fetch the missing file."
+        )
+    if missing:
+        raise HFFormatError(
+            f"{tensors.directory}: {len(missing)} tensors a {cfg.n_layers}-layer Llama needs are "
+            f"missing, e.g. {', '.join(missing[:3])}. Download or copy the whole model directory."
+        )
+    extra = sorted(have - set(expected))
+    if extra:
+        raise HFFormatError(
+            f"{tensors.directory} has tensors seqshard's Llama does not compute: "
+            f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''} ({len(extra)} in all; "
+            f"biases and extra layers are not supported). seqshard will not drop weights silently."
+        )
+    for name, (row, _) in expected.items():
+        if name not in tensors.shapes:
+            continue
+        want, got = row.hf_shape(cfg), tensors.shapes[name]
+        if want != got:
+            raise HFFormatError(
+                f"{tensors.file_of[name]}: tensor {name} has shape {list(got)}, but "
+                f"{hf.path.name} implies {list(want)} ({row.hf_layout} with "
+                f"{_sizes_said(row, cfg)}). The file and config.json are of different models."
+            )
+        if tensors.dtypes[name] not in ("F32", "BF16", "F16"):
+            raise HFFormatError(
+                f"{tensors.file_of[name]}: tensor {name} is {tensors.dtypes[name]}; seqshard "
+                f"imports F32, BF16 and F16 weights (dequantize first)."
+            )
+
+
+_HF_KEYS = {
+    "vocab": "vocab_size",
+    "d_model": "hidden_size",
+    "n_kv": "num_key_value_heads",
+    "n_q_per_kv": "num_attention_heads / num_key_value_heads",
+    "d_head": "head_dim",
+    "d_ff": "intermediate_size",
+}
+
+
+def _sizes_said(row: TensorRow, cfg: ModelConfig) -> str:
+    names = [n for n in row.hf_layout.replace("(", " ").replace(")", " ").split()]
+    sizes = cfg.dim_sizes()
+    return ", ".join(f"{n}={sizes[n]} ({_HF_KEYS[n]})" for n in dict.fromkeys(names))
+
+
+def _field(weights: Weights, field: str):
+    obj = weights
+    for part in field.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _block_struct(row: TensorRow, cfg: ModelConfig, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """One layer's (one part's) block of a stacked weight, in the stack's layout."""
+    t = row.weight_type
+    dims = t.shape.dims[0 if row.part is None else 1 :]
+    return shape_dtype_structs(ArrayType(t.dtype, Shape(dims), t.dtype_name), cfg.dim_sizes(), mesh)
+
+
+def _place(
+    tensors: HFTensors, row: TensorRow, layer: int | None, cfg, sharding, shape
+) -> jax.Array:
+    """Read one Hugging Face tensor and put each local device's block of it on that device."""
+    values = row.from_hf(tensors.read(row.hf_name_of(layer)), cfg)
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: np.ascontiguousarray(values[index], dtype=np.float32)
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _updater(sharding, n_index: int):
+    """``(stack, x, *index) -> stack`` with x written at ``stack[index]``, in place (donated)."""
+
+    def update(stack, x, *index):
+        start = (*index, *(0,) * (stack.ndim - n_index))
+        return lax.dynamic_update_slice(stack, x.reshape((1,) * n_index + x.shape), start)
+
+    return jax.jit(update, donate_argnums=0, out_shardings=sharding)
+
+
+def _zeros(shape, sharding) -> jax.Array:
+    return jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()

@@ -1,0 +1,461 @@
+"""Tests of seqshard/hf: the table, export, import (``init.from_hf``), against transformers.
+
+    table        every seqshard weight has one row; HF layouts round-trip through einops
+    round trip   a trained run -> seqshard export -> import: bit-identical weights (1x1, 4x2)
+    HF -> us     a random LlamaForCausalLM (GQA, f32) saved with save_pretrained, imported:
+                 logits_fn on 4x2 equals torch's logits within 1e-5 (max abs, f32); with llama3
+                 rope scaling (transformers 5's config.json) and with tied embeddings (the
+                 older format: rope_theta, rope_scaling, torch_dtype)
+    us -> HF     an exported run (llama3 rope) loaded by AutoModelForCausalLM: the same
+    pairing      Meta's interleaved RoPE pairing instead moves the logits by far more than 1e-5
+    tokenizer    the exported tokenizer, via AutoTokenizer, encodes as seqshard does
+    train        init.from_hf starts a run from the HF weights and tokenizer, sizes filled
+    bad input    a missing shard file, a shape config.json contradicts, another architecture,
+                 a bias, a disagreeing model field: errors naming the file or field
+
+Tests that need transformers and torch (the ``hf`` extra) skip without them. Nothing downloads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from seqshard.cli import _run_config, main
+from seqshard.config import ConfigError, load_config
+from seqshard.hf.export import export_run
+from seqshard.hf.hf_config import HFFormatError, read_hf_config
+from seqshard.hf.load import load_hf_weights
+from seqshard.hf.table import TABLE, hf_tensor_names, row_of
+from seqshard.mesh import training_mesh
+from seqshard.model import ModelConfig
+from seqshard.model.transformer import logits_fn
+from seqshard.model.weights import weight_structs
+from seqshard.train.checkpoint import latest_state
+from seqshard.train.loop import train
+
+HAS_TRANSFORMERS = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+needs_transformers = pytest.mark.skipif(
+    not HAS_TRANSFORMERS,
+    reason="needs transformers and a CPU torch: pip install -e '.[test,hf]'",
+)
+LOGITS_TOL = 1e-5  # max abs, f32 (measured: see each test)
+LLAMA3 = {  # all three bands of llama3's rescaling occur with d_head 8, theta 1e4
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+SEQSHARD_LLAMA3 = [
+    "model.rope_type=llama3",
+    "model.rope_factor=8.0",
+    "model.rope_low_freq_factor=1.0",
+    "model.rope_high_freq_factor=4.0",
+    "model.rope_original_max_position=64",
+]
+
+
+def tree_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True)
+    )
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+def test_the_table_has_every_weight_once_and_its_layouts_round_trip():
+    cfg = ModelConfig(vocab=48, d_model=16, n_layers=3, n_q_per_kv=3, n_kv=2, d_head=4, d_ff=24)
+    structs = weight_structs(cfg)
+    fields = {(r.field, r.part) for r in TABLE}
+    assert len(fields) == len(TABLE)
+    assert {f for f, _ in fields} == {
+        "embed", "final_norm", "unembed", *(f"layers.{k}" for k in vars(structs.layers))
+    }  # fmt: skip
+    rng = np.random.default_rng(0)
+    for row in TABLE:
+        full = structs
+        for part in row.field.split("."):
+            full = getattr(full, part)
+        block = full.shape[(1 if row.stacked else 0) + (row.part is not None) :]
+        x = rng.standard_normal(block).astype(np.float32)
+        hf = row.to_hf(x, cfg)
+        assert hf.shape == row.hf_shape(cfg) and hf.size == x.size, row
+        np.testing.assert_array_equal(row.from_hf(hf, cfg), x)
+    names = [n for _, _, n in hf_tensor_names(cfg)]
+    assert len(names) == len(set(names)) == 3 + 9 * cfg.n_layers
+    assert row_of("model.layers.2.mlp.down_proj.weight") == (TABLE[9], 2)
+    assert row_of("model.layers.x.mlp.down_proj.weight") is None
+
+
+def test_query_head_h_reads_kv_head_h_over_n_q_per_kv():
+    """HF's q_proj rows are (n_kv n_q_per_kv d_head), kv head major (repeat_kv)."""
+    cfg = ModelConfig(n_q_per_kv=3, n_kv=2, d_head=4, d_model=8)
+    q_row = next(r for r in TABLE if r.field == "layers.w_q")
+    x = np.zeros((8, 3, 2, 4), np.float32)  # seqshard: d_model n_q_per_kv n_kv d_head
+    x[:, 1, 0, :] = 1.0  # query 1 of kv head 0: HF head 0 * 3 + 1
+    hf = q_row.to_hf(x, cfg)
+    heads_used = sorted({i // 4 for i in np.nonzero(hf.any(axis=1))[0]})
+    assert heads_used == [1]
+
+
+# -- a trained run, exported -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory, tiny_overrides):
+    """A 4x2 run of the tiny model with llama3 rope, trained 3 steps: its directory."""
+    runs = tmp_path_factory.mktemp("runs")
+    cfg = load_config(None, [*tiny_overrides(runs, "source", steps=3), *SEQSHARD_LLAMA3])
+    train(cfg, log=lambda m: None)
+    return runs / "source"
+
+
+@pytest.fixture(scope="module")
+def exported(source_run, tmp_path_factory):
+    """``exported(mesh)``: the source run exported (restored on mesh (d, t)), cached."""
+    cache = {}
+
+    def make(d: int, t: int, **kwargs) -> Path:
+        key = (d, t, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("hf") / f"source-{d}x{t}"
+            cfg = _run_config(str(source_run), [f"mesh.d={d}", f"mesh.t={t}"])
+            export_run(
+                source_run, out, cfg, training_mesh(cfg.mesh.sizes()), log=lambda m: None, **kwargs
+            )
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.mark.parametrize("d,t", [(1, 1), (4, 2)])
+def test_export_then_import_gives_bit_identical_weights(source_run, exported, d, t):
+    out = exported(d, t, max_file_bytes=40_000)  # several files and the index
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and (out / "model.safetensors.index.json").is_file()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    cfg = _run_config(str(source_run), [f"mesh.d={d}", f"mesh.t={t}"])
+    mesh = training_mesh(cfg.mesh.sizes())
+    saved = latest_state(source_run, cfg, mesh, log=lambda m: None).weights
+    imported = load_hf_weights(out, cfg.model, mesh, log=lambda m: None)
+    assert tree_equal(saved, imported)
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(imported), strict=True):
+        assert a.sharding == b.sharding
+
+
+def test_the_exported_config_reads_back_as_the_run_model(source_run, exported):
+    out = exported(4, 2)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLM"] and raw["tie_word_embeddings"] is False
+    assert raw["torch_dtype"] == "float32" and raw["rope_scaling"]["rope_type"] == "llama3"
+    run_model = _run_config(str(source_run), []).model
+    assert read_hf_config(out).model_config(run_model) == run_model
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+
+
+def test_export_refuses_a_nonempty_directory_and_leaves_it(source_run, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep")
+    assert main(["export", str(source_run), str(out)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert (out / "precious.txt").read_text() == "keep"
+    assert main(["export", str(source_run), str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
+    assert not (out / "precious.txt").exists()
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert not list(tmp_path.glob(".taken*"))  # no partial or old directory left
+
+
+# -- against transformers ----------------------------------------------------------------------
+
+
+def hf_llama(path: Path, *, tied: bool, rope: dict | None, old_format: bool, tokenizer: Path):
+    """A random LlamaForCausalLM (GQA 8 query / 4 kv heads, f32, every weight random, norm
+    gains too) saved with save_pretrained into ``path``, with ``tokenizer`` beside it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_theta": 10000.0, **(rope or {"rope_type": "default"})},
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / (2.0 if "embed" in name else p.shape[-1] ** 0.5))
+    model.save_pretrained(path)
+    shutil.copyfile(tokenizer, path / "tokenizer.json")
+    if old_format:  # what transformers 4 wrote
+        raw = json.loads((path / "config.json").read_text())
+        params = raw.pop("rope_parameters")
+        raw["rope_theta"] = params.pop("rope_theta")
+        raw["rope_scaling"] = None if params["rope_type"] == "default" else params
+        raw["torch_dtype"] = raw.pop("dtype")
+        (path / "config.json").write_text(json.dumps(raw))
+    return model
+
+
+def tokens_and_starts(vocab: int, batch: int = 4, length: int = 32):
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, vocab, (batch, length)).astype(np.int32)
+    starts = np.zeros((batch, length), bool)
+    starts[:, 0] = True  # one document per row, as transformers sees it
+    return tokens, starts
+
+
+def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+def seqshard_logits(weights, tokens, starts, cfg, mesh) -> np.ndarray:
+    return np.asarray(logits_fn(weights, tokens, starts, cfg, mesh))
+
+
+@needs_transformers
+@pytest.mark.parametrize(
+    "tied,rope,old_format",
+    [(False, LLAMA3, False), (True, None, True)],
+    ids=["llama3-rope_parameters", "tied-rope_theta"],
+)
+def test_a_transformers_llama_imports_with_equal_logits(tmp_path, data_dir, tied, rope, old_format):
+    model = hf_llama(
+        tmp_path, tied=tied, rope=rope, old_format=old_format, tokenizer=data_dir / "tokenizer.json"
+    )
+    hf = read_hf_config(tmp_path)
+    assert hf.tied == tied and hf.fields["rope_type"] == ("llama3" if rope else "default")
+    cfg = hf.model_config(ModelConfig(compute_dtype="float32", attention_impl="einsum"))
+    assert (cfg.n_q_per_kv, cfg.n_kv) == (2, 4)
+    mesh = training_mesh({"d": 4, "t": 2})
+    weights = load_hf_weights(tmp_path, cfg, mesh, log=lambda m: None)
+    if tied:
+        assert np.array_equal(np.asarray(weights.embed), np.asarray(weights.unembed))
+    tokens, starts = tokens_and_starts(cfg.vocab)
+    want = torch_logits(model, tokens)
+    got = seqshard_logits(weights, tokens, starts, cfg, mesh)
+    assert np.abs(want).max() > 1.0  # logits of a size where 1e-5 means something
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_TOL)
+
+
+@needs_transformers
+def test_an_exported_run_loads_in_transformers_with_equal_logits(source_run, exported):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = exported(4, 2)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    cfg = _run_config(str(source_run), [])
+    mesh = training_mesh(cfg.mesh.sizes())
+    weights = latest_state(source_run, cfg, mesh, log=lambda m: None).weights
+    tokens, starts = tokens_and_starts(300)
+    got = seqshard_logits(weights, tokens, starts, cfg.model, mesh)
+    np.testing.assert_allclose(got, torch_logits(model, tokens), rtol=0, atol=LOGITS_TOL)
+
+
+@needs_transformers
+def test_the_other_rope_pairing_would_be_caught(tmp_path, data_dir):
+    """Meta's (2i, 2i+1) pairing read as rotate-half: the q and k rows permuted within each
+    head. The logits move by far more than the tolerance, so the logit tests check pairing."""
+    model = hf_llama(
+        tmp_path, tied=False, rope=None, old_format=False, tokenizer=data_dir / "tokenizer.json"
+    )
+    cfg = read_hf_config(tmp_path).model_config(
+        ModelConfig(compute_dtype="float32", attention_impl="einsum")
+    )
+    mesh = training_mesh({"d": 4, "t": 2})
+    weights = load_hf_weights(tmp_path, cfg, mesh, log=lambda m: None)
+    half = cfg.d_head // 2
+    interleaved = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+    w_q = np.asarray(weights.layers.w_q)[..., interleaved]
+    w_kv = np.asarray(weights.layers.w_kv).copy()
+    w_kv[:, 0] = w_kv[:, 0][..., interleaved]
+    layers = type(weights.layers)(**{**vars(weights.layers), "w_q": w_q, "w_kv": w_kv})
+    wrong = type(weights)(**{**vars(weights), "layers": layers})
+    tokens, starts = tokens_and_starts(cfg.vocab)
+    error = np.abs(seqshard_logits(wrong, tokens, starts, cfg, mesh) - torch_logits(model, tokens))
+    assert error.max() > 1000 * LOGITS_TOL
+
+
+@needs_transformers
+def test_the_exported_tokenizer_encodes_as_seqshard_does(exported, data_dir):
+    from transformers import AutoTokenizer
+
+    from seqshard.data import encode, load_tokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(exported(4, 2))
+    ours = load_tokenizer(data_dir / "tokenizer.json")
+    for text in [
+        "def train(step):\n    return loss  # ünïcode ✓",
+        "the model of data",
+        " x  y\t\n",
+    ]:
+        assert hf_tok(text)["input_ids"] == encode(ours, text)
+        assert hf_tok.decode(encode(ours, text)) == text
+    assert hf_tok.eos_token == "<|endoftext|>"
+
+
+# -- init.from_hf ------------------------------------------------------------------------------
+
+
+@needs_transformers
+def test_a_run_starts_from_hf_weights_sizes_and_tokenizer(tmp_path, data_dir, tiny_yaml):
+    """A config layered over one with other model sizes: init.from_hf fills them. With a
+    learning rate far below f32's resolution the first checkpoint holds the imported weights
+    unchanged, which are the torch model's, laid out by the table."""
+    hf_dir = tmp_path / "llama"
+    model = hf_llama(
+        hf_dir, tied=True, rope=LLAMA3, old_format=False, tokenizer=data_dir / "tokenizer.json"
+    )
+    base = tiny_yaml(tmp_path / "base.yaml", tmp_path / "runs")
+    config = tmp_path / "from_hf.yaml"
+    config.write_text(f"base: base.yaml\ninit: {{from_hf: {hf_dir}}}\n")
+    assert (
+        main(["train", str(config), "train.steps=1", "train.lr=1e-30", "train.warmup_steps=0"]) == 0
+    )
+    run_dir = tmp_path / "runs" / "from_hf"
+    cfg = _run_config(str(run_dir), [])
+    assert (cfg.model.n_kv, cfg.model.d_ff, cfg.model.rope_type) == (4, 64, "llama3")
+    assert cfg.data.tokenizer == str(hf_dir / "tokenizer.json")
+    weights = latest_state(
+        run_dir, cfg, training_mesh(cfg.mesh.sizes()), log=lambda m: None
+    ).weights
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    q = state["model.layers.1.self_attn.q_proj.weight"].reshape(4, 2, 8, 32)  # n_kv n_q_per_kv D M
+    np.testing.assert_array_equal(np.asarray(weights.layers.w_q[1]), q.transpose(3, 1, 0, 2))
+    down = state["model.layers.0.mlp.down_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(weights.layers.w_down[0]), down)
+    embed = state["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(np.asarray(weights.unembed), embed)  # tied: a copy
+    np.testing.assert_array_equal(np.asarray(weights.final_norm), state["model.norm.weight"])
+
+
+def test_a_model_field_written_beside_from_hf_must_agree(tmp_path, source_run, exported):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"init: {{from_hf: {exported(4, 2)}}}\nmodel: {{d_ff: 128}}\n")
+    with pytest.raises(ConfigError, match=r"model.d_ff=128 but config.json says 64"):
+        load_config(config)
+    config.write_text(f"init: {{from_hf: {tmp_path / 'nowhere'}}}\n")
+    with pytest.raises(ConfigError, match="nowhere is not a directory"):
+        load_config(config)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def copy_of(exported, tmp_path):
+    """A writable copy of the 4x2 export, split over several files."""
+    out = tmp_path / "copy"
+    shutil.copytree(exported(4, 2, max_file_bytes=40_000), out)
+    return out
+
+
+def load(path: Path, **fields):
+    cfg = read_hf_config(path).model_config(ModelConfig(compute_dtype="float32", **fields))
+    return load_hf_weights(path, cfg, training_mesh({"d": 4, "t": 2}), log=lambda m: None)
+
+
+def test_a_missing_shard_file_is_named(copy_of):
+    (copy_of / "model-00002-of-00005.safetensors").unlink()
+    with pytest.raises(HFFormatError, match=r"model-00002-of-00005.safetensors is missing"):
+        load(copy_of)
+
+
+def test_a_shape_config_json_contradicts_names_the_tensor_and_field(copy_of):
+    raw = json.loads((copy_of / "config.json").read_text())
+    raw["intermediate_size"] = 96
+    (copy_of / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HFFormatError) as info:
+        load(copy_of)
+    msg = str(info.value)
+    assert "tensor model.layers.0.mlp.gate_proj.weight has shape [64, 32]" in msg
+    assert "d_ff=96 (intermediate_size)" in msg and ".safetensors" in msg
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+        ({"sliding_window": 4096}, "sliding_window=4096"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+    ],
+)
+def test_what_seqshard_does_not_compute_is_an_error_naming_the_field(copy_of, change, needle):
+    raw = json.loads((copy_of / "config.json").read_text())
+    (copy_of / "config.json").write_text(json.dumps(raw | change))
+    with pytest.raises(HFFormatError) as info:
+        read_hf_config(copy_of)
+    assert needle in str(info.value) and "config.json" in str(info.value)
+
+
+def test_a_tensor_seqshard_would_drop_is_an_error(copy_of):
+    from safetensors.numpy import save_file
+
+    index = json.loads((copy_of / "model.safetensors.index.json").read_text())
+    save_file(
+        {"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)},
+        copy_of / "bias.safetensors",
+    )
+    index["weight_map"]["model.layers.0.self_attn.q_proj.bias"] = "bias.safetensors"
+    (copy_of / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(HFFormatError, match=r"q_proj.bias .*biases .* not supported"):
+        load(copy_of)
+
+
+def test_a_truncated_file_is_named(copy_of):
+    path = copy_of / "model-00001-of-00005.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(HFFormatError, match=r"model-00001-of-00005.safetensors is not a readable"):
+        load(copy_of)
+
+
+def test_the_config_must_agree_with_config_json(copy_of):
+    cfg = ModelConfig(
+        compute_dtype="float32",
+        vocab=320,
+        d_model=32,
+        n_layers=2,
+        n_q_per_kv=2,
+        n_kv=4,
+        d_head=8,
+        d_ff=64,
+    )
+    with pytest.raises(HFFormatError, match=r"model.rope_type='default' but it says 'llama3'"):
+        load_hf_weights(copy_of, cfg, training_mesh({"d": 4, "t": 2}), log=lambda m: None)
