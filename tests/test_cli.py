@@ -101,12 +101,13 @@ def test_end_to_end(tmp_path, corpus_dir, tiny_yaml, capsys):
 @pytest.mark.parametrize(
     ("command", "needles"),
     [
-        ([], ["prepare", "train", "eval", "generate", "plot", "show"]),
+        ([], ["prepare", "train", "eval", "generate", "export", "plot", "show"]),
         (["prepare"], ["--out", "--vocab-size", "--tokenizer", "INPUTS"]),
         (["train"], ["config", "overrides", "resumes", "SIGTERM", "--sample-tokens"]),
         (["eval"], ["run_dir", "mesh.d=2", "--batches"]),
         (["generate"], ["run_dir", "--prompt", "--max-new-tokens", "--temperature", "--top-k"]),
         (["plot"], ["RUN_DIR", "--out", "loss.png"]),
+        (["export"], ["run_dir", "out_dir", "--step", "--dtype", "--max-file-size", "init.from_hf"]),
         (["show"], ["config", "overrides", "--no-compile", "--devices", "--chip", "v5p"]),
     ],
 )

@@ -340,7 +340,7 @@ def test_a_run_starts_from_hf_weights_sizes_and_tokenizer(tmp_path, data_dir, ti
     model = hf_llama(
         hf_dir, tied=True, rope=LLAMA3, old_format=False, tokenizer=data_dir / "tokenizer.json"
     )
-    base = tiny_yaml(tmp_path / "base.yaml", tmp_path / "runs")
+    tiny_yaml(tmp_path / "base.yaml", tmp_path / "runs")
     config = tmp_path / "from_hf.yaml"
     config.write_text(f"base: base.yaml\ninit: {{from_hf: {hf_dir}}}\n")
     assert (

@@ -13,6 +13,7 @@ order. A document is one ``str``; empty documents are skipped.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 import json
 import os
@@ -209,6 +210,10 @@ def path_corpus(paths: Sequence[str | os.PathLike], *, text_field: str = "text")
     )
 
 
+_FILE_BUILDERS = ("json", "text", "csv", "parquet", "arrow")
+"""``datasets`` builders that read local files given as ``data_files``."""
+
+
 def hf_corpus(
     name: str,
     *,
@@ -218,7 +223,9 @@ def hf_corpus(
 ) -> Corpus:
     """Documents from a Hugging Face dataset, streamed (nothing is downloaded up front).
 
-    ``name`` may carry a config after a colon: ``"wikitext:wikitext-103-raw-v1"``.
+    ``name`` may carry a config after a colon: ``"wikitext:wikitext-103-raw-v1"``. For the
+    builders that read local files (json, text, csv, parquet, arrow) the part after the colon
+    is the files, a path or glob: ``"json:corpus/*.jsonl"``, ``"text:notes.txt"`` (offline).
     Needs the optional ``datasets`` package: ``pip install 'seqshard[hf]'``.
     """
     try:
@@ -230,9 +237,17 @@ def hf_corpus(
         ) from None
     if config is None and ":" in name:
         name, config = name.split(":", 1)
+    files = None
+    if name in _FILE_BUILDERS and config is not None:
+        files, config = config, None
+        if not glob.glob(files):
+            raise FileNotFoundError(
+                f"--hf-dataset {name}:{files}: no file matches {files!r}; give a path or glob "
+                f"of local {name} files."
+            )
 
     def documents() -> Iterator[str]:
-        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+        ds = datasets.load_dataset(name, config, data_files=files, split=split, streaming=True)
         for i, record in enumerate(ds):
             text = record.get(text_field)
             if not isinstance(text, str):
@@ -243,5 +258,5 @@ def hf_corpus(
                 )
             yield text
 
-    label = name + (f":{config}" if config else "")
+    label = name + (f":{config or files}" if config or files else "")
     return Corpus(f"huggingface {label} split={split} field={text_field}", documents)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import sys
+
 import pytest
 
 from seqshard.data import corpus as corpus_lib
+from seqshard.data import prepare, read_meta
 
 
 def test_stdlib_corpus_is_the_base_stdlib_without_tests():
@@ -37,11 +42,32 @@ def test_path_corpus_files_dirs_jsonl_and_bad_input(tmp_path):
         corpus_lib.path_corpus([tmp_path / "nope.txt"])
 
 
-def test_hf_corpus_without_datasets_says_how_to_install():
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match=r"pip install 'seqshard\[hf\]'"):
-            corpus_lib.hf_corpus("some/dataset")
-    else:
-        pytest.skip("datasets is installed")
+def test_hf_corpus_without_datasets_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: import fails
+    with pytest.raises(ImportError, match=r"pip install 'seqshard\[hf\]'"):
+        corpus_lib.hf_corpus("some/dataset")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is None, reason="needs datasets: pip install -e '.[hf]'"
+)
+def test_hf_datasets_read_local_json_and_text_files_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no cache outside the test
+    rows = [{"text": "def f(x):\n    return x\n", "id": 1}, {"text": "héllo wörld", "id": 2}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    docs = list(corpus_lib.hf_corpus(f"json:{tmp_path}/*.jsonl"))
+    assert docs == [r["text"] for r in rows]
+    (tmp_path / "notes.txt").write_text("line one\nline two\n")
+    assert list(corpus_lib.hf_corpus(f"text:{tmp_path / 'notes.txt'}")) == ["line one", "line two"]
+    with pytest.raises(ValueError, match=r"record 0 has no string field 'body'"):
+        list(corpus_lib.hf_corpus(f"json:{tmp_path / 'a.jsonl'}", text_field="body"))
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        corpus_lib.hf_corpus(f"json:{tmp_path / 'none-*.jsonl'}")
+    out = tmp_path / "prepared"
+    prepare(
+        out, hf_dataset=f"json:{tmp_path / 'a.jsonl'}", vocab_size=300, val_fraction=0.4, log=None
+    )
+    meta = read_meta(out)
+    assert sum(split["n_docs"] for split in meta["splits"].values()) == 2
+    assert meta["source"] == f"huggingface json:{tmp_path / 'a.jsonl'} split=train field=text"
