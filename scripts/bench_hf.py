@@ -158,9 +158,10 @@ def main() -> None:
         on {r["devices"]} fake CPU devices, mesh d=4 x t=2; f32 weights {f32 / gib:.2f} GiB in all,
         largest tensor {r["largest"] / gib:.2f} GiB f32; model x devices = {f32 * r["devices"] / gib:.1f} GiB
 
-        phase    seconds  peak RSS   peak above the weights held after it
-        import   {r["import_s"]:7.1f}  {r["import_peak"] / gib:6.2f} GiB  {(r["import_peak"] - r["resident"]) / gib:6.2f} GiB  (RSS before: {r["before"] / gib:.2f} GiB)
-        export   {r["export_s"]:7.1f}  {r["export_peak"] / gib:6.2f} GiB  {(r["export_peak"] - r["resident"]) / gib:6.2f} GiB  ({r["files"]} files, {r["total"] / gib:.2f} GiB bf16)
+        RSS before importing: {r["before"] / gib:.2f} GiB; after: {r["resident"] / gib:.2f} GiB
+        phase    seconds  peak RSS    above start-up + weights   above the phase's start
+        import   {r["import_s"]:7.1f}  {r["import_peak"] / gib:6.2f} GiB  {(r["import_peak"] - r["before"] - f32) / gib:6.2f} GiB                 {(r["import_peak"] - r["before"]) / gib:6.2f} GiB
+        export   {r["export_s"]:7.1f}  {r["export_peak"] / gib:6.2f} GiB  {(r["export_peak"] - r["before"] - f32) / gib:6.2f} GiB                 {(r["export_peak"] - r["resident"]) / gib:6.2f} GiB  ({r["files"]} files, {r["total"] / gib:.2f} GiB bf16)
         re-exported tensors bit-identical to the originals: {r["checked"]} checked""")
     )
 
