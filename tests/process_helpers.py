@@ -9,9 +9,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
 
 
 def free_port() -> int:
@@ -100,3 +103,12 @@ class ProcessGroup:
                 )
             time.sleep(0.2)
         return [self.procs[i].returncode for i in which]
+
+
+def two_seqshard_processes(tmp_path: Path, args: Sequence[str]) -> ProcessGroup:
+    """``seqshard ARGS`` as process 0 and 1 of a run on 127.0.0.1, 4 CPU devices each (set by
+    seqshard itself from the config's 8: no XLA_FLAGS in their environment)."""
+    port = free_port()
+    join = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
+    cmds = [[*SEQSHARD, *args, *join, str(i)] for i in (0, 1)]
+    return ProcessGroup(cmds, tmp_path / f"logs-{port}", cpu_env(devices=None))

@@ -107,7 +107,10 @@ def test_end_to_end(tmp_path, corpus_dir, tiny_yaml, capsys):
         (["eval"], ["run_dir", "mesh.d=2", "--batches"]),
         (["generate"], ["run_dir", "--prompt", "--max-new-tokens", "--temperature", "--top-k"]),
         (["plot"], ["RUN_DIR", "--out", "loss.png"]),
-        (["export"], ["run_dir", "out_dir", "--step", "--dtype", "--max-file-size", "init.from_hf"]),
+        (
+            ["export"],
+            ["run_dir", "out_dir", "--step", "--dtype", "--max-file-size", "init.from_hf"],
+        ),
         (["show"], ["config", "overrides", "--no-compile", "--devices", "--chip", "v5p"]),
     ],
 )

@@ -363,6 +363,37 @@ def test_a_run_starts_from_hf_weights_sizes_and_tokenizer(tmp_path, data_dir, ti
     np.testing.assert_array_equal(np.asarray(weights.final_norm), state["model.norm.weight"])
 
 
+@pytest.mark.slow
+def test_two_processes_export_and_import_as_one_does(tmp_path, source_run, exported, data_dir):
+    """`seqshard export` in two processes (4 devices each, the weights not fully addressable
+    in either) writes the same bytes as one process; `seqshard train` with init.from_hf in two
+    processes places the same weights (lr 1e-30: the checkpoint holds them unchanged)."""
+    from process_helpers import two_seqshard_processes
+
+    out = tmp_path / "two"
+    with two_seqshard_processes(tmp_path, ["export", str(source_run), str(out)]) as group:
+        assert group.wait(timeout=240) == [0, 0], group.outputs()
+        assert "exported" in group.output(0) and "exported" not in group.output(1)
+    one = exported(4, 2)
+    for path in sorted(one.iterdir()):
+        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    config = tmp_path / "from_hf.yaml"
+    config.write_text(f"base: {source_run / 'config.yaml'}\ninit: {{from_hf: {out}}}\n")
+    args = [
+        "train", str(config), f"run.dir={tmp_path / 'runs'}", "run.name=from_hf", "train.steps=1",
+        "train.lr=1e-30",
+        "train.warmup_steps=0", "--sample-tokens", "0",
+    ]  # fmt: skip
+    with two_seqshard_processes(tmp_path, args) as group:
+        assert group.wait(timeout=240) == [0, 0], group.outputs()
+    run_dir = tmp_path / "runs" / "from_hf"
+    cfg = _run_config(str(run_dir), [])
+    mesh = training_mesh(cfg.mesh.sizes())
+    started = latest_state(run_dir, cfg, mesh, log=lambda m: None).weights
+    source = latest_state(source_run, _run_config(str(source_run), []), mesh, log=lambda m: None)
+    assert tree_equal(started, source.weights)
+
+
 def test_a_model_field_written_beside_from_hf_must_agree(tmp_path, source_run, exported):
     config = tmp_path / "c.yaml"
     config.write_text(f"init: {{from_hf: {exported(4, 2)}}}\nmodel: {{d_ff: 128}}\n")

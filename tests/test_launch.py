@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from process_helpers import ProcessGroup, cpu_env, free_port
+from process_helpers import SEQSHARD, ProcessGroup, cpu_env, free_port, two_seqshard_processes
 
 from seqshard import launch
 from seqshard.config import load_config
@@ -29,7 +28,6 @@ from seqshard.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CPU = REPO / "configs" / "tiny-cpu.yaml"
-SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
 
 
 # -- where a process's place comes from ----------------------------------------------------------
@@ -145,25 +143,10 @@ def _overrides(data_dir: Path, run_dir: Path, **train_values) -> list[str]:
 
 
 def _two_processes(tmp_path: Path, command: list[str], **runtime) -> ProcessGroup:
-    """``seqshard COMMAND`` as process 0 and 1 of a run on 127.0.0.1, 4 CPU devices each (set
-    by seqshard itself from the config's 8: no XLA_FLAGS in their environment)."""
-    port = free_port()
-    flags = [f"runtime.{k}={v}" for k, v in runtime.items()]
-    cmds = [
-        [
-            *SEQSHARD,
-            *command,
-            *flags,
-            "--coordinator",
-            f"127.0.0.1:{port}",
-            "--num-processes",
-            "2",
-            "--process-id",
-            str(i),
-        ]
-        for i in (0, 1)
-    ]
-    return ProcessGroup(cmds, tmp_path / f"logs-{port}", cpu_env(devices=None))
+    """``seqshard COMMAND`` as process 0 and 1 of a run (4 CPU devices each)."""
+    return two_seqshard_processes(
+        tmp_path, [*command, *(f"runtime.{k}={v}" for k, v in runtime.items())]
+    )
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

@@ -67,8 +67,8 @@ def load_hf_weights(
     for row in TABLE:
         target = _field(structs, row.field)
         source = row
-        if row.field == "unembed" and row.hf_name not in tensors.shapes:
-            source = next(r for r in TABLE if r.field == "embed")  # tied: a copy
+        if row.field == "unembed" and hf.tied:  # as transformers does, even if lm_head is there
+            source = next(r for r in TABLE if r.field == "embed")  # a copy
         if not row.stacked:
             placed[row.field] = _place(tensors, source, None, cfg, target.sharding, target.shape)
             continue
