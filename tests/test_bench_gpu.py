@@ -87,6 +87,7 @@ def _fields(line: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split())
 
 
+@pytest.mark.slow
 def test_bench_gpu_runs_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     # One fake device (the script measures one); CPU codegen at -O0 compiles the four steps in

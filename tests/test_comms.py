@@ -52,6 +52,7 @@ def test_bytes_sent_follow_ring_algorithms():
     assert reduce.result_shapes == [(), (3,)] and reduce.bytes_sent == 16
 
 
+@pytest.mark.slow
 def test_model_step_phases_places_and_layer_counts(mesh):
     """The layer body's collectives run once per layer; phases follow the autodiff structure."""
     tokens, starts = np.zeros((8, 16), np.int32), np.zeros((8, 16), bool)

@@ -290,6 +290,7 @@ def c2_runs(tmp_path_factory, tiny_overrides):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["mesh.d=8", "mesh.c=1"], ["mesh.d=2", "mesh.c=4"]],
                          ids=["c=1", "c=4"])  # fmt: skip
 def test_a_c2_checkpoint_continues_on_other_c(c2_runs, tmp_path, tiny_overrides, mesh):

@@ -286,6 +286,7 @@ def test_an_exported_run_loads_in_transformers_with_equal_logits(source_run, exp
     np.testing.assert_allclose(got, torch_logits(model, tokens), rtol=0, atol=LOGITS_TOL)
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_the_other_rope_pairing_would_be_caught(tmp_path, data_dir):
     """Meta's (2i, 2i+1) pairing read as rotate-half: the q and k rows permuted within each

@@ -124,14 +124,16 @@ def test_resume_on_the_same_mesh_is_bit_for_bit(runs, half_copy, tiny_overrides)
 
 
 RESUME_CHANGES = [
-    ["mesh.d=2", "mesh.t=4"],
-    ["mesh.d=8", "mesh.t=1"],
+    pytest.param(["mesh.d=2", "mesh.t=4"], id="2x4", marks=pytest.mark.slow),
+    pytest.param(["mesh.d=8", "mesh.t=1"], id="8x1"),
     # Same model, other layouts and autodiff's backward: the residual over M, not L.
-    ["model.residual=M/t", "model.backward=autodiff"],
+    pytest.param(
+        ["model.residual=M/t", "model.backward=autodiff"], id="M/t-explicit", marks=pytest.mark.slow
+    ),
 ]
 
 
-@pytest.mark.parametrize("changes", RESUME_CHANGES, ids=["2x4", "8x1", "M/t-explicit"])
+@pytest.mark.parametrize("changes", RESUME_CHANGES)
 def test_resume_on_another_mesh_matches_within_tolerance(runs, half_copy, tiny_overrides, changes):
     root, _ = runs
     overrides = tiny_overrides(half_copy, "half", steps=12, **FLAT)

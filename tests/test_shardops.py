@@ -482,7 +482,7 @@ def random_cases(draw, op):
 
 
 @pytest.mark.parametrize("op", [AG, RS, A2A])
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=30)
 @given(data=st.data())
 def test_random_layout_change_matches_reference(op, data):
     case, mesh_shape = data.draw(random_cases(op), label="case")
