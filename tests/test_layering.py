@@ -36,6 +36,7 @@ CORE = {
     "seqshard.launch",
     "seqshard.mesh",
     "seqshard.notation",
+    "seqshard.pipeline",
     "seqshard.pipeline_schedule",
     "seqshard.remat",
     "seqshard.shapecheck",

@@ -1,0 +1,151 @@
+"""Pipelined execution over mesh axis p, per device inside a shard_map (one SPMD program).
+
+Each stage holds its layer blocks (``'layers/p ...'``: stage s the s-th contiguous block, or
+for the circular schedule blocks s, s + p, ...) and runs the ticks of
+:mod:`seqshard.pipeline_schedule` in a ``lax.scan``. What is in flight between stages is one
+microbatch's activation per stage, ``'S/p ...'`` with S = p: each tick every stage applies its
+block to its own, then one ``shardops.ring_shift`` over p hands it to the next stage (and,
+for 1F1B, another hands cotangents back to the previous one).
+
+    ys = circular_forward(stage_fn, blocks, xs)              # gpipe (v = 1) and circular
+    loss, d_block, d_xs = one_f_one_b(stage_fn, head_fn, block, xs)
+
+``circular_forward`` is differentiated by JAX: the transpose of the scan runs the ticks in
+reverse and each forward ring_shift's transpose is the shift back, which is GPipe's (and the
+circular schedule's) backward. ``one_f_one_b`` writes its backward itself: each tick one
+forward and one backward per stage, the backward a ``jax.vjp`` of the stage's block on the
+input it stashed at that microbatch's forward (so the stage's forward runs twice, as under
+full rematerialization), keeping at most 2(p - s) - 1 stashed inputs on stage s.
+
+Ticks where a stage has no task compute on whatever they hold and their results are masked:
+the SPMD program is the same on every stage; a masked result never reaches a kept one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqshard import shardops
+from seqshard.vma import replication_checked, varying_axes
+
+__all__ = ["circular_forward", "one_f_one_b"]
+
+StageFn = Callable[[Any, jax.Array], jax.Array]
+
+
+def _shift(x: jax.Array, offset: int) -> jax.Array:
+    """One microbatch's block ``'S/p ...'`` to the stage ``offset`` along the ring over p."""
+    spec = "S/p" + "".join(f" X{k}" for k in range(x.ndim))
+    return shardops.ring_shift(spec, x[None], "p", offset)[0]
+
+
+def _put(buffer: jax.Array, i: jax.Array, x: jax.Array, when: jax.Array) -> jax.Array:
+    """``buffer`` with row ``i`` set to ``x`` where ``when``, else unchanged."""
+    return jnp.where(when, lax.dynamic_update_index_in_dim(buffer, x, i, 0), buffer)
+
+
+def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array:
+    """The pipelined forward of every microbatch ``xs[i]`` through all stages' blocks.
+
+    ``blocks``: this stage's v layer blocks (a pytree of arrays with leading dim v; v = 1 is
+    GPipe); ``stage_fn(block, x) -> y`` of x's shape. ``xs: [m, ...]``, read on stage 0.
+    Returns ``[m, ...]``: the outputs of the last block, on stage p - 1 (zeros elsewhere).
+    Microbatch i's round r is on stage s at tick r·m + i + s (v > 1 needs m >= p)."""
+    p, s = shardops.axis_size("p"), shardops.axis_index("p")
+    v = jax.tree.leaves(blocks)[0].shape[0]
+    m = xs.shape[0]
+    if v > 1 and m < p:
+        raise ValueError(f"the circular schedule needs m >= p microbatches, got m={m}, p={p}.")
+    zeros = jnp.zeros_like(xs[0])
+
+    def tick(carry, t):
+        held, returned, ys = carry
+        j = t - s  # this stage's task: round j // m of microbatch j % m
+        valid = (j >= 0) & (j < v * m)
+        jc = jnp.clip(j, 0, v * m - 1)
+        r, i = jc // m, jc % m
+        first = jnp.where(r == 0, lax.dynamic_index_in_dim(xs, i, keepdims=False), 0)
+        again = lax.dynamic_index_in_dim(returned, i, keepdims=False)
+        x = jnp.where(s == 0, jnp.where(r == 0, first, again), held)
+        block = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, r, keepdims=False), blocks)
+        y = jnp.where(valid, stage_fn(block, x), 0)
+        ys = _put(ys, i, y, valid & (s == p - 1) & (r == v - 1))
+        arrived = _shift(y, 1)
+        # Stage 0 keeps what the last stage finished for its next round: that task was t-(p-1).
+        back = t - (p - 1)
+        returned = _put(returned, back % m, arrived, (s == 0) & (back >= 0) & (back < (v - 1) * m))
+        return (arrived, returned, ys), None
+
+    init = (_varying(zeros), _varying(jnp.zeros_like(xs)), _varying(jnp.zeros_like(xs)))
+    (_, _, ys), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
+    return ys
+
+
+def one_f_one_b(
+    stage_fn: StageFn,
+    head_fn: Callable[[jax.Array, jax.Array], jax.Array],
+    block: Any,
+    xs: jax.Array,
+) -> tuple[jax.Array, Any, jax.Array]:
+    """1F1B: (the loss summed over microbatches, this stage's block's gradient, the
+    gradient of each microbatch input ``[m, ...]`` on stage 0, zeros elsewhere).
+
+    ``head_fn(y, i) -> f32[]``: microbatch i's loss from the last block's output (run on the
+    last stage). Microbatch i's forward is on stage s at tick i + s, its backward at tick
+    i + 2(p-1) - s; the loss is not summed over p: the caller does (only the last stage's is
+    non-zero)."""
+    p, s = shardops.axis_size("p"), shardops.axis_index("p")
+    m = xs.shape[0]
+    slots = min(m, 2 * p - 1)  # the most inputs a stage holds (stage 0)
+    last = s == p - 1
+
+    def tick(carry, t):
+        held, cotangent, stash, loss, d_block, d_xs = carry
+        i = t - s
+        forward = (i >= 0) & (i < m)
+        ic = jnp.clip(i, 0, m - 1)
+        x = jnp.where(s == 0, lax.dynamic_index_in_dim(xs, ic, keepdims=False), held)
+        stash = _put(stash, ic % slots, x, forward)
+        y = stage_fn(block, x)
+        b = t - 2 * (p - 1) + s
+        backward = (b >= 0) & (b < m)
+        bc = jnp.clip(b, 0, m - 1)
+        # On the last stage the backward is of the microbatch it just ran forward (b == i).
+        head, d_head = jax.value_and_grad(head_fn)(y, bc)
+        loss = loss + jnp.where(last & backward, head, 0.0)
+        g = jnp.where(last, d_head, cotangent)
+        x_b = lax.dynamic_index_in_dim(stash, bc % slots, keepdims=False)
+        _, vjp = jax.vjp(stage_fn, block, x_b)
+        d_w, d_x = vjp(jnp.where(backward, g, 0))
+        d_block = jax.tree.map(jnp.add, d_block, d_w)
+        d_xs = _put(d_xs, bc, d_x, backward & (s == 0))
+        return (_shift(y, 1), _shift(d_x, -1), stash, loss, d_block, d_xs), None
+
+    zeros = _varying(jnp.zeros_like(xs[0]))
+    init = (
+        zeros,
+        zeros,
+        _varying(jnp.zeros((slots, *xs.shape[1:]), xs.dtype)),
+        _varying(jnp.zeros((), jnp.float32)),
+        _varying(jax.tree.map(jnp.zeros_like, block)),
+        _varying(jnp.zeros_like(xs)),
+    )
+    (_, _, _, loss, d_block, d_xs), _ = lax.scan(tick, init, jnp.arange(m + 2 * (p - 1)))
+    return loss, d_block, d_xs
+
+
+def _varying(tree: Any) -> Any:
+    """``tree``'s arrays typed as varying over p: a scan carry that becomes per-stage must
+    start so (a fresh ``zeros`` is replicated)."""
+
+    def cast(x):
+        if shardops.axis_size("p") == 1 or "p" in varying_axes(x) or not replication_checked(["p"]):
+            return x
+        return lax.pcast(x, ("p",), to="varying")
+
+    return jax.tree.map(cast, tree)
