@@ -184,6 +184,17 @@ def test_export_refuses_a_nonempty_directory_and_leaves_it(source_run, tmp_path,
     assert not list(tmp_path.glob(".taken*"))  # no partial or old directory left
 
 
+def test_export_refuses_a_disk_too_small_before_writing(source_run, tmp_path, monkeypatch, capsys):
+    """The free space is read from the filesystem (here: reported as 1 KiB)."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1024))
+    out = tmp_path / "hf"
+    assert main(["export", str(source_run), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "has 1.00 KiB free, but the float32 weights need" in err and "--dtype bfloat16" in err
+    assert not out.exists() and not list(tmp_path.glob(".hf*"))
+
+
 # -- against transformers ----------------------------------------------------------------------
 
 

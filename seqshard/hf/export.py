@@ -35,6 +35,7 @@ from jax.sharding import Mesh
 
 from seqshard.config import Config
 from seqshard.data.tokenizer import EOT, load_tokenizer
+from seqshard.flops import format_bytes
 from seqshard.hf.hf_config import CONFIG_FILE, hf_config_dict
 from seqshard.hf.safetensors_io import (
     DTYPES,
@@ -85,6 +86,8 @@ def export_run(
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
     tokenizer_path = Path(tokenizer_path or Path(cfg.data.dir) / "tokenizer.json")
     tokenizer = load_tokenizer(tokenizer_path)
+    if is_main_process():
+        _check_free_space(out_dir, cfg, dtype)
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", read_only=True, log=log)
     try:
         restored = ckpt.restore(cfg, mesh, make_optimizer(cfg.train), step)
@@ -100,6 +103,14 @@ def export_run(
         if main:
             _write_configs(partial, cfg, dtype, tokenizer_path, tokenizer)
             _move_into_place(partial, out_dir)
+    except OSError as e:
+        if main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise OSError(
+            f"writing the export in {partial} failed: {e}. Nothing was left there and "
+            f"{out_dir} is as it was; free space (the weights need {format_bytes(_weight_bytes(cfg, dtype))}) "
+            f"or export elsewhere."
+        ) from None
     except BaseException:
         if main:
             shutil.rmtree(partial, ignore_errors=True)
@@ -107,7 +118,7 @@ def export_run(
     barrier("seqshard: export written")
     log(
         f"exported {run_dir} step {restored.step} to {out_dir}: {len(files)} safetensors "
-        f"file(s), {total / 2**20:.1f} MiB of {dtype} weights"
+        f"file(s), {format_bytes(total)} of {dtype} weights"
     )
     return ExportResult(out_dir, restored.step, files, total)
 
@@ -161,6 +172,22 @@ def _gather(weights: Weights, row: TensorRow, layer: int | None) -> np.ndarray:
 @functools.cache
 def _slicer(n_index: int):
     return jax.jit(lambda x, *index: x[index])
+
+
+def _weight_bytes(cfg: Config, dtype: str) -> int:
+    size = DTYPES[dtype][1].itemsize
+    return sum(int(np.prod(r.hf_shape(cfg.model))) * size for r, _, _ in hf_tensor_names(cfg.model))
+
+
+def _check_free_space(out_dir: Path, cfg: Config, dtype: str) -> None:
+    """Refuse, before gathering anything, an export the filesystem cannot hold."""
+    parent = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    need, free = _weight_bytes(cfg, dtype), shutil.disk_usage(parent).free
+    if free < need:
+        raise OSError(
+            f"{parent} has {format_bytes(free)} free, but the {dtype} weights need "
+            f"{format_bytes(need)}: free space, export elsewhere, or use --dtype bfloat16."
+        )
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
