@@ -489,6 +489,19 @@ def test_a_truncated_file_is_named(copy_of):
         load(copy_of)
 
 
+def test_a_non_finite_weight_is_named_before_a_run_starts(copy_of):
+    from safetensors.numpy import load_file, save_file
+
+    index = json.loads((copy_of / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.up_proj.weight"
+    path = copy_of / index[name]
+    tensors = load_file(path)
+    tensors[name][3, 5] = np.nan
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(HFFormatError, match=rf"tensor {name} holds 1 non-finite values"):
+        load(copy_of)
+
+
 def test_the_config_must_agree_with_config_json(copy_of):
     cfg = ModelConfig(
         compute_dtype="float32",

@@ -167,7 +167,16 @@ def _place(
     tensors: HFTensors, row: TensorRow, layer: int | None, cfg, sharding, shape
 ) -> jax.Array:
     """Read one Hugging Face tensor and put each local device's block of it on that device."""
-    values = row.from_hf(tensors.read(row.hf_name_of(layer)), cfg)
+    name = row.hf_name_of(layer)
+    stored = tensors.read(name)
+    if not np.isfinite(stored).all():
+        bad = int(np.size(stored) - np.count_nonzero(np.isfinite(stored)))
+        raise HFFormatError(
+            f"{tensors.file_of[name]}: tensor {name} holds {bad} non-finite values (NaN or "
+            f"inf): a run started from it would stop at its first step. The file is damaged "
+            f"or the model diverged; use another checkpoint."
+        )
+    values = row.from_hf(stored, cfg)
     return jax.make_array_from_callback(
         shape, sharding, lambda index: np.ascontiguousarray(values[index], dtype=np.float32)
     )
