@@ -48,21 +48,21 @@ def stage_layout(ws, p, v):
     return blocks[np.array(order)].reshape(ws.shape)
 
 
-def inputs(m, seed=0):
+def inputs(m, seed=0, rows=ROWS):
     rng = np.random.default_rng(seed)
     ws = rng.normal(size=(LAYERS, D, D)).astype(np.float32) / np.sqrt(D)
-    xs = rng.normal(size=(m, ROWS, D)).astype(np.float32)
-    targets = rng.normal(size=(m, ROWS, D)).astype(np.float32)
+    xs = rng.normal(size=(m, rows, D)).astype(np.float32)
+    targets = rng.normal(size=(m, rows, D)).astype(np.float32)
     return ws, xs, targets
 
 
-def pipelined_loss(p, v):
+def pipelined_loss(p, v, stage=stack):
     mesh = fake_cpu_mesh((p,), ("p",))
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def loss(ws: f32["layers/p D E"], xs: f32["M R D"], targets: f32["M R D"]) -> f32["1"]:
         blocks = ws.reshape(v, -1, D, D)
-        ys = circular_forward(lambda b, x: stack(b, x), blocks, xs)
+        ys = circular_forward(stage, blocks, xs)
         last = lax.axis_index("p") == p - 1
         total = jnp.where(last, head(ys, targets), 0.0)
         return lax.psum(total, "p")[None]
@@ -95,6 +95,37 @@ def test_pipelined_forward_and_its_autodiff_equal_the_stack(name, p, m, v):
     np.testing.assert_allclose(d_xs, r_xs, **GRAD_TOL)
 
 
+def one_f_one_b_step(p):
+    """The 1F1B loss (summed over p) and weight gradients as one shard_mapped function."""
+
+    @functools.partial(typed_shard_map, mesh=fake_cpu_mesh((p,), ("p",)))
+    def run(
+        ws: f32["layers/p D E"], xs: f32["M R D"], targets: f32["M R D"]
+    ) -> tuple[f32["1"], f32["layers/p D E"], f32["M R D"]]:
+        def head_fn(y, i):
+            return head(y, lax.dynamic_index_in_dim(targets, i, keepdims=False))
+
+        loss, d_ws, d_xs = one_f_one_b(stack, head_fn, ws, xs)
+        return lax.psum(loss, "p")[None], d_ws, lax.psum(d_xs, "p")
+
+    return run
+
+
+def test_1f1b_needs_less_temporary_memory_than_gpipe():
+    """At m = 4p, with GPipe's stage rematerialized too (both keep only stage inputs): XLA's
+    temp bytes per device of the 1F1B step over GPipe's. Measured 0.19 at p = 4, m = 16
+    (0.10 at m = 8p): GPipe keeps an input per tick (m + p - 1), 1F1B 2p - 1 slots."""
+    p, m = 4, 16
+    ws, xs, targets = inputs(m, rows=64)
+    loss = pipelined_loss(p, 1, jax.checkpoint(stack))
+    gpipe = jax.jit(jax.value_and_grad(lambda w, x, t: loss(w, x, t)[0]))
+    temp = {
+        name: f.lower(ws, xs, targets).compile().memory_analysis().temp_size_in_bytes
+        for name, f in (("gpipe", gpipe), ("1f1b", jax.jit(one_f_one_b_step(p))))
+    }
+    assert temp["1f1b"] < 0.3 * temp["gpipe"], temp
+
+
 @pytest.mark.parametrize(
     "p,m",
     [
@@ -107,18 +138,7 @@ def test_pipelined_forward_and_its_autodiff_equal_the_stack(name, p, m, v):
 )
 def test_1f1b_loss_and_gradients_equal_the_stack(p, m):
     ws, xs, targets = inputs(m)
-    mesh = fake_cpu_mesh((p,), ("p",))
-
-    @functools.partial(typed_shard_map, mesh=mesh)
-    def run(
-        ws: f32["layers/p D E"], xs: f32["M R D"], targets: f32["M R D"]
-    ) -> tuple[f32["1"], f32["layers/p D E"], f32["M R D"]]:
-        def head_fn(y, i):
-            return head(y, lax.dynamic_index_in_dim(targets, i, keepdims=False))
-
-        loss, d_ws, d_xs = one_f_one_b(stack, head_fn, ws, xs)
-        return lax.psum(loss, "p")[None], d_ws, lax.psum(d_xs, "p")
-
+    run = one_f_one_b_step(p)
     loss, d_ws, d_xs = jax.jit(run)(ws, xs, targets)
     want, (r_ws, r_xs) = jax.value_and_grad(reference_loss, (0, 1))(ws, xs, targets)
     np.testing.assert_allclose(loss[0], want, **TOL)
