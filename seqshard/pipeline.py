@@ -35,7 +35,9 @@ from seqshard.vma import replication_checked, varying_axes
 
 __all__ = ["circular_forward", "one_f_one_b"]
 
-StageFn = Callable[[Any, jax.Array], jax.Array]
+StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+"""``stage_fn(block, x, i) -> y``: one stage's layer block on microbatch ``i``'s activation
+(``i`` a traced int32: positions and masks differ between microbatches); y has x's shape."""
 
 
 def _shift(x: jax.Array, offset: int) -> jax.Array:
@@ -53,7 +55,7 @@ def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array
     """The pipelined forward of every microbatch ``xs[i]`` through all stages' blocks.
 
     ``blocks``: this stage's v layer blocks (a pytree of arrays with leading dim v; v = 1 is
-    GPipe); ``stage_fn(block, x) -> y`` of x's shape. ``xs: [m, ...]``, read on stage 0.
+    GPipe); ``stage_fn(block, x, i) -> y`` of x's shape. ``xs: [m, ...]``, read on stage 0.
     Returns ``[m, ...]``: the outputs of the last block, on stage p - 1 (zeros elsewhere).
     Microbatch i's round r is on stage s at tick r·m + i + s (v > 1 needs m >= p)."""
     p, s = shardops.axis_size("p"), shardops.axis_index("p")
@@ -73,7 +75,7 @@ def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array
         again = lax.dynamic_index_in_dim(returned, i, keepdims=False)
         x = jnp.where(s == 0, jnp.where(r == 0, first, again), held)
         block = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, r, keepdims=False), blocks)
-        y = jnp.where(valid, stage_fn(block, x), 0)
+        y = jnp.where(valid, stage_fn(block, x, i), 0)
         ys = _put(ys, i, y, valid & (s == p - 1) & (r == v - 1))
         arrived = _shift(y, 1)
         # Stage 0 keeps what the last stage finished for its next round: that task was t-(p-1).
@@ -111,7 +113,7 @@ def one_f_one_b(
         ic = jnp.clip(i, 0, m - 1)
         x = jnp.where(s == 0, lax.dynamic_index_in_dim(xs, ic, keepdims=False), held)
         stash = _put(stash, ic % slots, x, forward)
-        y = stage_fn(block, x)
+        y = stage_fn(block, x, ic)
         b = t - 2 * (p - 1) + s
         backward = (b >= 0) & (b < m)
         bc = jnp.clip(b, 0, m - 1)
@@ -120,7 +122,7 @@ def one_f_one_b(
         loss = loss + jnp.where(last & backward, head, 0.0)
         g = jnp.where(last, d_head, cotangent)
         x_b = lax.dynamic_index_in_dim(stash, bc % slots, keepdims=False)
-        _, vjp = jax.vjp(stage_fn, block, x_b)
+        _, vjp = jax.vjp(lambda w, h: stage_fn(w, h, bc), block, x_b)
         d_w, d_x = vjp(jnp.where(backward, g, 0))
         d_block = jax.tree.map(jnp.add, d_block, d_w)
         d_xs = _put(d_xs, bc, d_x, backward & (s == 0))
