@@ -402,10 +402,16 @@ CASES_3D = [
 ]
 
 # Every case on every mesh with replication checks on; with them off (which changes the
-# ops' typing, not their arithmetic) on one 2-D mesh and the 3-D one.
+# ops' typing, not their arithmetic) on one 2-D mesh and the 3-D one. The meshes with an axis
+# of size 1 (1x8, 8x1), where an op over that axis emits nothing (tested on its own below),
+# run with -m slow.
 VALUE_PARAMS = [
     pytest.param(
-        case, mesh, vma, id=f"{case}-{'x'.join(map(str, mesh))}-{'vma' if vma else 'novma'}"
+        case,
+        mesh,
+        vma,
+        id=f"{case}-{'x'.join(map(str, mesh))}-{'vma' if vma else 'novma'}",
+        marks=[pytest.mark.slow] if 1 in mesh else [],
     )
     for case in CASES_2D
     for mesh in MESHES_2D
