@@ -606,6 +606,15 @@ def _apply(cfg: Config, change: Mapping[str, object]) -> Config | None:
     return new
 
 
+def _fits_in_memory(cfg: Config, n_devices: int, chip: str) -> bool:
+    """:attr:`Plan.fits` from the memory plan alone: what a step of ``cfg`` needs per device
+    against ``chip``'s usable memory, without tracing the step for its collectives."""
+    ch = hardware.chip(chip)
+    cfg = target_config(cfg, n_devices)
+    impl = attention_impl_on(cfg.model.attention_impl, ch.platform)
+    return memory_plan(cfg, impl).total <= ch.usable_bytes
+
+
 def _cheapest_fitting_change(cfg: Config, n_devices: int, chip: str) -> Suggestion | None:
     """Of the candidate changes, alone and then combined, the fastest one that fits."""
     kinds = _candidate_changes(cfg, n_devices)
@@ -616,8 +625,8 @@ def _cheapest_fitting_change(cfg: Config, n_devices: int, chip: str) -> Suggesti
             for parts in itertools.product(*(kinds[k] for k in combo)):
                 change = {key: v for part in parts for key, v in part.items()}
                 new = _apply(cfg, change)
-                if new is None:
-                    continue
+                if new is None or not _fits_in_memory(new, n_devices, chip):
+                    continue  # no trace of the step for a change that cannot fit
                 p = plan(new, n_devices, chip, suggest=False)
                 if p.fits:
                     overrides = tuple(f"{key}={v}" for key, v in change.items())

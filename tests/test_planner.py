@@ -294,7 +294,6 @@ def test_more_d_through_a_smaller_t_is_a_candidate():
     assert micro.fits and micro.step_time_s > p.suggestion.plan.step_time_s
 
 
-@pytest.mark.slow
 def test_when_nothing_fits_the_plan_names_the_devices_that_would():
     """70B on one node of 8 H100s: no change fits; the planner tries more devices (more d)."""
     p = plan(shipped("v5p-70b.yaml", "train.batch_size=256"), 8, "h100")
