@@ -290,9 +290,8 @@ def _with_hf_model(cfg: Config, layers: Sequence[dict]) -> Config:
     except HFFormatError as e:
         raise ConfigError(f"init.from_hf: {e}") from None
     diff = [
-        f"model.{k}={getattr(cfg.model, k)!r} but config.json says {v!r}"
-        for k, v in hf.fields.items()
-        if k in written and getattr(cfg.model, k) != v
+        f"model.{k}={ours!r} but config.json says {theirs!r}"
+        for k, (ours, theirs) in hf.disagreements(cfg.model, written).items()
     ]
     if diff:
         raise ConfigError(

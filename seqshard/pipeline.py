@@ -71,7 +71,7 @@ def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array
         valid = (j >= 0) & (j < v * m)
         jc = jnp.clip(j, 0, v * m - 1)
         r, i = jc // m, jc % m
-        first = jnp.where(r == 0, lax.dynamic_index_in_dim(xs, i, keepdims=False), 0)
+        first = lax.dynamic_index_in_dim(xs, i, keepdims=False)
         again = lax.dynamic_index_in_dim(returned, i, keepdims=False)
         x = jnp.where(s == 0, jnp.where(r == 0, first, again), held)
         block = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, r, keepdims=False), blocks)

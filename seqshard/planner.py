@@ -505,10 +505,8 @@ def plan(cfg: Config, n_devices: int, chip: str, *, suggest: bool = True) -> Pla
 
     ``suggest``: when it does not fit, also plan the candidate changes (see the module
     docstring) and attach the fastest one that fits."""
-    ch = hardware.chip(chip)
-    cfg = target_config(cfg, n_devices)
+    ch, cfg, impl, memory = _memory_on(cfg, n_devices, chip)
     m, train = cfg.model, cfg.train
-    impl = attention_impl_on(m.attention_impl, ch.platform)
     calls = tuple(collectives_per_step(cfg))
     tokens = train.batch_size * train.seq_len
     links, bandwidths = _links(cfg, ch, n_devices, {c.axis_key for c in calls})
@@ -517,7 +515,7 @@ def plan(cfg: Config, n_devices: int, chip: str, *, suggest: bool = True) -> Pla
         chip=ch,
         n_devices=n_devices,
         attention_impl=impl,
-        memory=memory_plan(cfg, impl),
+        memory=memory,
         collectives=calls,
         model_flops=float(flops_per_token(m, train.seq_len).total * tokens),
         hardware_flops=float(hardware_flops_per_token(m, train.seq_len).total * tokens),
@@ -606,13 +604,20 @@ def _apply(cfg: Config, change: Mapping[str, object]) -> Config | None:
     return new
 
 
-def _fits_in_memory(cfg: Config, n_devices: int, chip: str) -> bool:
-    """:attr:`Plan.fits` from the memory plan alone: what a step of ``cfg`` needs per device
-    against ``chip``'s usable memory, without tracing the step for its collectives."""
+def _memory_on(cfg: Config, n_devices: int, chip: str):
+    """(the chip, ``cfg`` resolved on ``n_devices``, its attention implementation there, the
+    memory plan): what :func:`plan` needs before it traces the step."""
     ch = hardware.chip(chip)
     cfg = target_config(cfg, n_devices)
     impl = attention_impl_on(cfg.model.attention_impl, ch.platform)
-    return memory_plan(cfg, impl).total <= ch.usable_bytes
+    return ch, cfg, impl, memory_plan(cfg, impl)
+
+
+def _fits_in_memory(cfg: Config, n_devices: int, chip: str) -> bool:
+    """:attr:`Plan.fits` from the memory plan alone: what a step of ``cfg`` needs per device
+    against ``chip``'s usable memory, without tracing the step for its collectives."""
+    ch, _, _, memory = _memory_on(cfg, n_devices, chip)
+    return memory.total <= ch.usable_bytes
 
 
 def _cheapest_fitting_change(cfg: Config, n_devices: int, chip: str) -> Suggestion | None:

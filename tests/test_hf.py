@@ -82,9 +82,7 @@ def test_the_table_has_every_weight_once_and_its_layouts_round_trip():
     }  # fmt: skip
     rng = np.random.default_rng(0)
     for row in TABLE:
-        full = structs
-        for part in row.field.split("."):
-            full = getattr(full, part)
+        full = row.of(structs)
         block = full.shape[(1 if row.stacked else 0) + (row.part is not None) :]
         x = rng.standard_normal(block).astype(np.float32)
         hf = row.to_hf(x, cfg)

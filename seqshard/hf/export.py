@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from seqshard.config import Config
-from seqshard.data.tokenizer import EOT, load_tokenizer
+from seqshard.data.tokenizer import EOT, eot_id, load_tokenizer
 from seqshard.flops import format_bytes
 from seqshard.hf.hf_config import CONFIG_FILE, hf_config_dict
 from seqshard.hf.safetensors_io import (
@@ -158,9 +158,7 @@ def export_weights(
 
 def _gather(weights: Weights, row: TensorRow, layer: int | None) -> np.ndarray:
     """One layer's (one part's) block of a seqshard weight, whole, on the host."""
-    x = weights
-    for part in row.field.split("."):
-        x = getattr(x, part)
+    x = row.of(weights)
     index = () if layer is None else (layer,) if row.part is None else (layer, row.part)
     if index:
         x = _slicer(len(index))(x, *index)
@@ -213,7 +211,7 @@ def _move_into_place(partial: Path, out_dir: Path) -> None:
 def _write_configs(
     directory: Path, cfg: Config, dtype: str, tokenizer_path: Path, tokenizer
 ) -> None:
-    eos = tokenizer.token_to_id(EOT)
+    eos = eot_id(tokenizer)
     max_position = cfg.train.seq_len
     if cfg.model.rope_type == "llama3":
         max_position = max(

@@ -35,6 +35,7 @@ from seqshard.model.config import ModelConfig
 
 __all__ = [
     "CONFIG_FILE",
+    "HF_KEYS",
     "HFFormatError",
     "HFModel",
     "hf_config_dict",
@@ -51,6 +52,17 @@ _LLAMA3 = {
 }
 
 
+HF_KEYS = {
+    "vocab": "vocab_size",
+    "d_model": "hidden_size",
+    "n_kv": "num_key_value_heads",
+    "n_q_per_kv": "num_attention_heads / num_key_value_heads",
+    "d_head": "head_dim",
+    "d_ff": "intermediate_size",
+}
+"""Each weight dimension's name -> the ``config.json`` key that sizes it (for messages)."""
+
+
 class HFFormatError(ValueError):
     """A Hugging Face model directory seqshard cannot read: the message names the file and field."""
 
@@ -63,6 +75,15 @@ class HFModel:
     tied: bool  # tie_word_embeddings: no lm_head.weight in the files
     dtype: str | None  # the weights' dtype as the file names it ('bfloat16'), if it does
     path: Path
+
+    def disagreements(self, cfg: ModelConfig, fields=None) -> dict[str, tuple[Any, Any]]:
+        """``{'d_ff': (128, 64)}``: each model field (of ``fields``, default every one this
+        file fixes) where ``cfg``'s value differs from the file's, with both values."""
+        return {
+            k: (getattr(cfg, k), v)
+            for k, v in self.fields.items()
+            if (fields is None or k in fields) and getattr(cfg, k) != v
+        }
 
     def model_config(self, base: ModelConfig | None = None) -> ModelConfig:
         """``base`` (default: seqshard's defaults) with this file's fields."""

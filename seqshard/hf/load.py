@@ -21,13 +21,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from seqshard.hf.hf_config import HFFormatError, HFModel, read_hf_config
+from seqshard.hf.hf_config import HF_KEYS, HFFormatError, HFModel, read_hf_config
 from seqshard.hf.safetensors_io import HFTensors
 from seqshard.hf.table import TABLE, TensorRow, hf_tensor_names
 from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Weights, weight_structs
-from seqshard.notation import Shape
-from seqshard.shardtypes import ArrayType, shape_dtype_structs
+from seqshard.shardtypes import shape_dtype_structs
 
 __all__ = ["check_model_agrees", "load_hf_weights"]
 
@@ -38,9 +37,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def check_model_agrees(hf: HFModel, cfg: ModelConfig) -> None:
     """Raise HFFormatError if ``cfg``'s model fields differ from what ``config.json`` says."""
     diff = [
-        f"model.{k}={getattr(cfg, k)!r} but it says {v!r}"
-        for k, v in hf.fields.items()
-        if getattr(cfg, k) != v
+        f"model.{k}={ours!r} but it says {theirs!r}"
+        for k, (ours, theirs) in hf.disagreements(cfg).items()
     ]
     if diff:
         raise HFFormatError(
@@ -65,14 +63,14 @@ def load_hf_weights(
     structs = weight_structs(cfg, mesh)
     placed = {}
     for row in TABLE:
-        target = _field(structs, row.field)
+        target = row.of(structs)
         source = row
         if row.field == "unembed" and hf.tied:  # as transformers does, even if lm_head is there
             source = next(r for r in TABLE if r.field == "embed")  # a copy
         if not row.stacked:
             placed[row.field] = _place(tensors, source, None, cfg, target.sharding, target.shape)
             continue
-        block = _block_struct(row, cfg, mesh)
+        block = shape_dtype_structs(row.block_type, cfg.dim_sizes(), mesh)
         stack = placed.get(row.field)
         if stack is None:
             stack = _zeros(target.shape, target.sharding)
@@ -133,34 +131,10 @@ def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig) -> None:
             )
 
 
-_HF_KEYS = {
-    "vocab": "vocab_size",
-    "d_model": "hidden_size",
-    "n_kv": "num_key_value_heads",
-    "n_q_per_kv": "num_attention_heads / num_key_value_heads",
-    "d_head": "head_dim",
-    "d_ff": "intermediate_size",
-}
-
-
 def _sizes_said(row: TensorRow, cfg: ModelConfig) -> str:
     names = [n for n in row.hf_layout.replace("(", " ").replace(")", " ").split()]
     sizes = cfg.dim_sizes()
-    return ", ".join(f"{n}={sizes[n]} ({_HF_KEYS[n]})" for n in dict.fromkeys(names))
-
-
-def _field(weights: Weights, field: str):
-    obj = weights
-    for part in field.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _block_struct(row: TensorRow, cfg: ModelConfig, mesh: Mesh) -> jax.ShapeDtypeStruct:
-    """One layer's (one part's) block of a stacked weight, in the stack's layout."""
-    t = row.weight_type
-    dims = t.shape.dims[0 if row.part is None else 1 :]
-    return shape_dtype_structs(ArrayType(t.dtype, Shape(dims), t.dtype_name), cfg.dim_sizes(), mesh)
+    return ", ".join(f"{n}={sizes[n]} ({HF_KEYS[n]})" for n in dict.fromkeys(names))
 
 
 def _place(

@@ -49,6 +49,7 @@ import numpy as np
 
 from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Layer, Weights
+from seqshard.notation import Shape
 from seqshard.shardtypes import ArrayType, type_tree
 
 __all__ = ["TABLE", "TensorRow", "hf_tensor_names", "row_of"]
@@ -75,10 +76,25 @@ class TensorRow:
         return _types()[self.field]
 
     @property
+    def block_type(self) -> ArrayType:
+        """One Hugging Face tensor's block of the weight: the type with the part dim dropped
+        (``w_kv[0]``: ``f32['d_model/d/c n_kv/t d_head']``)."""
+        t = self.weight_type
+        return ArrayType(
+            t.dtype, Shape(t.shape.dims[0 if self.part is None else 1 :]), t.dtype_name
+        )
+
+    @property
     def layout(self) -> str:
-        """The seqshard side in einops form, the part dim dropped: ``'d_model n_kv d_head'``."""
-        dims = self.weight_type.shape.dims[0 if self.part is None else 1 :]
-        return " ".join(d.label for d in dims)
+        """The seqshard side in einops form: ``'d_model n_kv d_head'``."""
+        return " ".join(d.label for d in self.block_type.shape.dims)
+
+    def of(self, weights: Weights):
+        """The weight this row names in ``weights`` (whole: every layer, every part)."""
+        obj = weights
+        for name in self.field.split("."):
+            obj = getattr(obj, name)
+        return obj
 
     def hf_name_of(self, layer: int | None) -> str:
         return self.hf_name.format(i=layer) if self.stacked else self.hf_name
