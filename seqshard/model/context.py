@@ -202,6 +202,22 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     return scores * (1 / math.sqrt(q.shape[-1]))
 
 
+def _per_query(w: jax.Array, x: jax.Array) -> jax.Array:
+    """A chunk pair's weights times key-side rows, f32 'B/d Qc Q K/t D': P V (forward), dS K
+    (dq)."""
+    return shardops.einsum_unreduced(
+        "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D", w, x, preferred_element_type=jnp.float32
+    )
+
+
+def _per_key(w: jax.Array, x: jax.Array) -> jax.Array:
+    """A chunk pair's weights, transposed, times query-side rows, f32 'B/d Kc K/t D': P^T dO
+    (dv), dS^T Q (dk)."""
+    return shardops.einsum_unreduced(
+        "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D", w, x, preferred_element_type=jnp.float32
+    )
+
+
 def ring_forward(q, k, v, segments, causal_only: bool):
     """Ring attention's forward: (output 'B/d L@zigzag/c Q K/t D' in v's dtype, logsumexp
     f32 '2 B/d K/t Q C' per query chunk). See the module docstring."""
@@ -225,12 +241,7 @@ def ring_forward(q, k, v, segments, causal_only: bool):
                 m_new = jnp.maximum(m[a], jnp.max(s, axis=-1))
                 p = jnp.where(pair.mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
                 scale = jnp.exp(m[a] - m_new)
-                pv = shardops.einsum_unreduced(
-                    "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D",
-                    p.astype(vs.dtype),
-                    vs[b],
-                    preferred_element_type=jnp.float32,
-                )
+                pv = _per_query(p.astype(vs.dtype), vs[b])
                 rescale = jnp.swapaxes(scale, -1, -3)[..., None]  # 'B/d Qc Q K/t 1'
                 total_new = total[a] * scale + jnp.sum(p, axis=-1)
                 acc = acc.at[a].set(acc[a] * rescale + pv)
@@ -276,14 +287,7 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
                 dq, dks, dvs = grads
                 s = _scores(qs[a], ks[b])
                 p = jnp.where(pair.mask[:, None, None], jnp.exp(s - lse[a][..., None]), 0.0)
-                dvs = dvs.at[b].add(
-                    shardops.einsum_unreduced(
-                        "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D",
-                        p.astype(g.dtype),
-                        gs[a],
-                        preferred_element_type=jnp.float32,
-                    )
-                )
+                dvs = dvs.at[b].add(_per_key(p.astype(g.dtype), gs[a]))
                 dp = shardops.einsum_unreduced(
                     "B/d Qc Q K/t D, B/d Kc K/t D -> B/d K/t Q Qc Kc",
                     gs[a],
@@ -291,22 +295,8 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
                     preferred_element_type=jnp.float32,
                 )
                 ds = p * (dp - delta[a][..., None]) * (1 / math.sqrt(q.shape[-1]))
-                dq = dq.at[a].add(
-                    shardops.einsum_unreduced(
-                        "B/d K/t Q Qc Kc, B/d Kc K/t D -> B/d Qc Q K/t D",
-                        ds.astype(q.dtype),
-                        ks[b],
-                        preferred_element_type=jnp.float32,
-                    )
-                )
-                dks = dks.at[b].add(
-                    shardops.einsum_unreduced(
-                        "B/d K/t Q Qc Kc, B/d Qc Q K/t D -> B/d Kc K/t D",
-                        ds.astype(q.dtype),
-                        qs[a],
-                        preferred_element_type=jnp.float32,
-                    )
-                )
+                dq = dq.at[a].add(_per_query(ds.astype(q.dtype), ks[b]))
+                dks = dks.at[b].add(_per_key(ds.astype(q.dtype), qs[a]))
                 return dq, dks, dvs
 
             dq, dks, dvs = lax.cond(pair.visible, add, lambda x: x, (dq, dks, dvs))
