@@ -58,12 +58,13 @@ class ConfigError(ValueError):
 class MeshConfig:
     """The size of each mesh axis (``seqshard.mesh.MESH_AXES``); an axis left out has size 1.
 
-    d: data / FSDP (batch rows, weight rows); c: context (the sequence, split in zigzag
+    p: pipeline (stages of the layer stack); d: data / FSDP (batch rows, weight rows); c: context (the sequence, split in zigzag
     order; weight rows as d); t: tensor (heads, d_ff, vocab). The product of
     the sizes is the number of devices used. One axis may be ``-1``: "the remaining devices"
     (``{d: -1, t: 8}`` on 64 devices is d=8 x t=8), fixed by :meth:`resolved` once the device
     count is known (:func:`resolve_mesh`)."""
 
+    p: int = 1
     d: int = 1
     c: int = 1
     t: int = 1

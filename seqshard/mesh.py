@@ -3,7 +3,7 @@
 One ordered table, :data:`MESH_AXES`, names every mesh axis a spec may use and what it means.
 A run gives sizes for any subset (``{'d': 4, 't': 2}``); the others have size 1. Every mesh
 seqshard builds has all the table's axes, in table order, so one model text (its specs name
-``d``, ``c`` and ``t``, later ``p``) runs on any of them: an axis of size 1 moves nothing
+``p``, ``d``, ``c`` and ``t``) runs on any of them: an axis of size 1 moves nothing
 (seqshard's ops emit no collective over it).
 
 Meshes have axes of type ``AxisType.Auto``: ``jax.make_mesh`` now defaults to Explicit axes,
@@ -40,6 +40,7 @@ class MeshAxis:
 
 
 MESH_AXES: tuple[MeshAxis, ...] = (
+    MeshAxis("p", "pipeline: stages of the layer stack (layers/p); microbatches flow between them"),
     MeshAxis("d", "data / FSDP: batch rows, and weight rows (d_model) at rest"),
     MeshAxis("c", "context: the sequence, in zigzag order (L@zigzag/c); weight rows as d"),
     MeshAxis("t", "tensor (Megatron): heads, d_ff, vocab, and the residual's d_model or rows"),
@@ -52,7 +53,7 @@ AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXES)
 def axis_sizes(sizes: Mapping[str, int] | None = None, **named: int) -> dict[str, int]:
     """Every known axis's size, in table order; axes not given have size 1.
 
-    ``axis_sizes({'t': 2})`` -> ``{'d': 1, 'c': 1, 't': 2}``. An unknown name or a size < 1 is an error.
+    ``axis_sizes({'t': 2})`` -> ``{'p': 1, 'd': 1, 'c': 1, 't': 2}``. An unknown name or a size < 1 is an error.
     """
     given = {**(sizes or {}), **named}
     unknown = sorted(set(given) - set(AXES))

@@ -8,7 +8,7 @@ block to its own, then one ``shardops.ring_shift`` over p hands it to the next s
 for 1F1B, another hands cotangents back to the previous one).
 
     ys = circular_forward(stage_fn, blocks, xs)              # gpipe (v = 1) and circular
-    loss, d_block, d_xs = one_f_one_b(stage_fn, head_fn, block, xs)
+    loss, d_block, d_head, d_xs = one_f_one_b(stage_fn, head_fn, block, head, xs)
 
 ``circular_forward`` is differentiated by JAX: the transpose of the scan runs the ticks in
 reverse and each forward ring_shift's transpose is the shift back, which is GPipe's (and the
@@ -33,7 +33,7 @@ from jax import lax
 from seqshard import shardops
 from seqshard.vma import replication_checked, varying_axes
 
-__all__ = ["circular_forward", "one_f_one_b"]
+__all__ = ["circular_forward", "one_f_one_b", "varying_over_stages"]
 
 StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 """``stage_fn(block, x, i) -> y``: one stage's layer block on microbatch ``i``'s activation
@@ -83,31 +83,36 @@ def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array
         returned = _put(returned, back % m, arrived, (s == 0) & (back >= 0) & (back < (v - 1) * m))
         return (arrived, returned, ys), None
 
-    init = (_varying(zeros), _varying(jnp.zeros_like(xs)), _varying(jnp.zeros_like(xs)))
+    init = varying_over_stages((zeros, jnp.zeros_like(xs), jnp.zeros_like(xs)))
     (_, _, ys), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
     return ys
 
 
 def one_f_one_b(
     stage_fn: StageFn,
-    head_fn: Callable[[jax.Array, jax.Array], jax.Array],
+    head_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
     block: Any,
+    head: Any,
     xs: jax.Array,
-) -> tuple[jax.Array, Any, jax.Array]:
-    """1F1B: (the loss summed over microbatches, this stage's block's gradient, the
-    gradient of each microbatch input ``[m, ...]`` on stage 0, zeros elsewhere).
+) -> tuple[jax.Array, Any, Any, jax.Array]:
+    """1F1B: (the loss summed over microbatches, this stage's block's gradient, the head's
+    gradient, the gradient of each microbatch input ``[m, ...]``).
 
-    ``head_fn(y, i) -> f32[]``: microbatch i's loss from the last block's output (run on the
-    last stage). Microbatch i's forward is on stage s at tick i + s, its backward at tick
-    i + 2(p-1) - s; the loss is not summed over p: the caller does (only the last stage's is
-    non-zero)."""
+    ``head_fn(head, y, i) -> f32[]``: microbatch i's loss from the last block's output, with
+    the head's own weights ``head`` (run on the last stage). Microbatch i's forward is on stage
+    s at tick i + s, its backward at tick i + 2(p-1) - s. Only the last stage's loss and head
+    gradient and stage 0's input gradients are non-zero (zeros elsewhere): the caller sums
+    over p what it needs replicated."""
     p, s = shardops.axis_size("p"), shardops.axis_index("p")
     m = xs.shape[0]
     slots = min(m, 2 * p - 1)  # the most inputs a stage holds (stage 0)
+    # Per stage: a weight replicated over p would have its per-stage gradients summed over p
+    # by autodiff inside every tick (the idle stages' too).
+    block, head = varying_over_stages((block, head))
     last = s == p - 1
 
     def tick(carry, t):
-        held, cotangent, stash, loss, d_block, d_xs = carry
+        held, cotangent, stash, loss, d_block, d_head, d_xs = carry
         i = t - s
         forward = (i >= 0) & (i < m)
         ic = jnp.clip(i, 0, m - 1)
@@ -118,32 +123,39 @@ def one_f_one_b(
         backward = (b >= 0) & (b < m)
         bc = jnp.clip(b, 0, m - 1)
         # On the last stage the backward is of the microbatch it just ran forward (b == i).
-        head, d_head = jax.value_and_grad(head_fn)(y, bc)
-        loss = loss + jnp.where(last & backward, head, 0.0)
-        g = jnp.where(last, d_head, cotangent)
+        value, (d_h, d_y) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, bc)
+        counts = last & backward
+        loss = loss + jnp.where(counts, value, 0.0)
+        d_head = jax.tree.map(lambda acc, g: acc + jnp.where(counts, g, 0), d_head, d_h)
+        g = jnp.where(last, d_y, cotangent)
         x_b = lax.dynamic_index_in_dim(stash, bc % slots, keepdims=False)
         _, vjp = jax.vjp(lambda w, h: stage_fn(w, h, bc), block, x_b)
         d_w, d_x = vjp(jnp.where(backward, g, 0))
         d_block = jax.tree.map(jnp.add, d_block, d_w)
         d_xs = _put(d_xs, bc, d_x, backward & (s == 0))
-        return (_shift(y, 1), _shift(d_x, -1), stash, loss, d_block, d_xs), None
+        return (_shift(y, 1), _shift(d_x, -1), stash, loss, d_block, d_head, d_xs), None
 
-    zeros = _varying(jnp.zeros_like(xs[0]))
-    init = (
-        zeros,
-        zeros,
-        _varying(jnp.zeros((slots, *xs.shape[1:]), xs.dtype)),
-        _varying(jnp.zeros((), jnp.float32)),
-        _varying(jax.tree.map(jnp.zeros_like, block)),
-        _varying(jnp.zeros_like(xs)),
+    zeros = jnp.zeros_like(xs[0])
+    init = varying_over_stages(
+        (
+            zeros,
+            zeros,
+            jnp.broadcast_to(zeros, (slots, *xs.shape[1:])),
+            jnp.zeros((), jnp.float32),
+            jax.tree.map(jnp.zeros_like, block),
+            jax.tree.map(jnp.zeros_like, head),
+            jnp.zeros_like(xs),
+        )
     )
-    (_, _, _, loss, d_block, d_xs), _ = lax.scan(tick, init, jnp.arange(m + 2 * (p - 1)))
-    return loss, d_block, d_xs
+    ticks = jnp.arange(m + 2 * (p - 1))
+    (_, _, _, loss, d_block, d_head, d_xs), _ = lax.scan(tick, init, ticks)
+    return loss, d_block, d_head, d_xs
 
 
-def _varying(tree: Any) -> Any:
+def varying_over_stages(tree: Any) -> Any:
     """``tree``'s arrays typed as varying over p: a scan carry that becomes per-stage must
-    start so (a fresh ``zeros`` is replicated)."""
+    start so (a fresh ``zeros`` is replicated), and a replicated weight differentiated on
+    one stage (its gradient then varies over p until the caller sums it)."""
 
     def cast(x):
         if shardops.axis_size("p") == 1 or "p" in varying_axes(x) or not replication_checked(["p"]):

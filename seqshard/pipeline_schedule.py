@@ -34,10 +34,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["SCHEDULES", "Schedule", "ScheduleName", "Task", "make_schedule"]
+__all__ = ["SCHEDULES", "Pipeline", "Schedule", "ScheduleName", "Task", "make_schedule"]
 
 ScheduleName = Literal["gpipe", "circular", "1f1b"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "circular", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """How a step runs its microbatches through the p stages (hashable: a jit cache key).
+
+    ``Pipeline('1f1b', microbatches=8)``; from a config, ``train.pipeline_schedule``,
+    ``train.microbatches`` and ``train.pipeline_repeats``."""
+
+    schedule: ScheduleName = "gpipe"
+    microbatches: int = 1
+    repeats: int = 1
+
+    def on(self, p: int) -> Schedule:
+        """This pipeline's timetable over ``p`` stages."""
+        return make_schedule(self.schedule, p, self.microbatches, self.repeats)
 
 
 @dataclasses.dataclass(frozen=True, order=True)

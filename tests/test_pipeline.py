@@ -109,10 +109,10 @@ def one_f_one_b_step(p):
     def run(
         ws: f32["layers/p D E"], xs: f32["M R D"], targets: f32["M R D"]
     ) -> tuple[f32["1"], f32["layers/p D E"], f32["M R D"]]:
-        def head_fn(y, i):
+        def head_fn(_, y, i):
             return head(y, lax.dynamic_index_in_dim(targets, i, keepdims=False))
 
-        loss, d_ws, d_xs = one_f_one_b(stack, head_fn, ws, xs)
+        loss, d_ws, _, d_xs = one_f_one_b(stack, head_fn, ws, (), xs)
         return lax.psum(loss, "p")[None], d_ws, lax.psum(d_xs, "p")
 
     return run

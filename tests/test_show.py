@@ -42,7 +42,7 @@ def test_weight_table_rows_come_from_the_types(cfg):
         "[32, 8]",
         "P('t', ('d', 'c'))",
     )
-    assert rows["layers.ln1"][2:] == ("[2, 32]", "[2, 4]", "P(None, ('t', 'd', 'c'))")
+    assert rows["layers.ln1"][2:] == ("[2, 32]", "[2, 4]", "P('p', ('t', 'd', 'c'))")
     assert len(rows) == 11  # embed, 8 layer weights, final_norm, unembed
 
 

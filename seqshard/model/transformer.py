@@ -47,6 +47,7 @@ from seqshard.model.attention import apply_rope, attention_mask, rope_frequencie
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, attend, context_mask, sequence_rows
 from seqshard.model.weights import Layer, Weights
+from seqshard.pipeline_schedule import Pipeline
 from seqshard.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.shardtypes import f32, typed_shard_map
 
@@ -67,6 +68,7 @@ __all__ = [
     "normed",
     "rms_norm",
     "rope_and_mask",
+    "run_layers",
     "unembed",
 ]
 
@@ -213,13 +215,19 @@ def rope_and_mask(cfg: ModelConfig, rows: SequenceRows):
     return rope, context_mask(rows, cfg.attention_mask == "causal")
 
 
-def _final_hidden(cfg: ModelConfig, w: Weights, rows: SequenceRows) -> jax.Array:
-    """Embedding, the scanned layers and the final norm: 'B/d L@zigzag/c M' in compute dtype."""
-    x = embed(cfg, w, rows.tokens)
+def run_layers(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer) -> jax.Array:
+    """The residual ``x`` through the stacked ``layers`` (all of them, or a pipeline stage's
+    block), scanned, each layer under ``cfg.remat``: a residual."""
     rope, mask = rope_and_mask(cfg, rows)
     body = functools.partial(_layer, cfg, rows, rope, mask)
     body = explicit_activation_checkpointing(body, cfg.remat)
-    x, _ = collective_log.scan("layers", body, x, w.layers)
+    x, _ = collective_log.scan("layers", body, x, layers)
+    return x
+
+
+def _final_hidden(cfg: ModelConfig, w: Weights, rows: SequenceRows) -> jax.Array:
+    """Embedding, the scanned layers and the final norm: 'B/d L@zigzag/c M' in compute dtype."""
+    x = run_layers(cfg, rows, embed(cfg, w, rows.tokens), w.layers)
     return final_norm(cfg, w, x)
 
 
@@ -281,11 +289,15 @@ def forward_loss_terms(
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(cfg: ModelConfig, mesh: Mesh, output: str):
+def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
     cfg.check_mesh(dict(mesh.shape))
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def loss_terms(w: Weights, batch: TokenBatch) -> f32["2"]:
+        if mesh.shape["p"] > 1:
+            from seqshard.model.pipelined import pipelined_loss_terms  # it imports this module
+
+            return pipelined_loss_terms(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
         if cfg.backward == "explicit":
             # The same forward value; jax.grad runs backward.py's hand-written backward.
             from seqshard.model.backward import explicit_loss_terms  # it imports this module
@@ -307,14 +319,23 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str):
 
 
 def batch_loss_terms(
-    weights: Weights, batch: TokenBatch, cfg: ModelConfig, mesh: Mesh
+    weights: Weights,
+    batch: TokenBatch,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    pipeline: Pipeline = Pipeline(),
 ) -> jax.Array:
     """f32[2]: the summed next-token loss over ``batch`` and the number of positions counted.
 
     Gradient accumulation adds these over microbatches and divides once, which gives exactly
     the full-batch mean even when packed documents make counts differ between microbatches.
+    On a mesh with p > 1 the layers are pipelined (:mod:`seqshard.model.pipelined`): the
+    batch runs as ``pipeline.microbatches`` microbatches through the stages by
+    ``pipeline.schedule``; ``pipeline`` is ignored at p = 1.
     """
-    return _sharded(cfg, mesh, "loss_terms")(weights, batch)
+    if mesh.shape["p"] == 1:
+        pipeline = Pipeline()  # one compiled program whatever the (unused) pipeline says
+    return _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)
 
 
 def loss_sum_and_count(
@@ -340,4 +361,4 @@ def logits_fn(
     weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
 ) -> jax.Array:
     """f32['B L V']: next-token logits, sharded 'B/d L/c V/t' as they come out of the shard_map."""
-    return _sharded(cfg, mesh, "logits")(weights, token_batch(tokens, is_seq_start))
+    return _sharded(cfg, mesh, "logits", Pipeline())(weights, token_batch(tokens, is_seq_start))

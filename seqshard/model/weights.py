@@ -66,7 +66,7 @@ class Weights:
     """All weights; ``layers`` holds every Layer field with a leading ``layers`` dimension."""
 
     embed: f32["vocab/t d_model/d/c"]
-    layers: Array["layers", Layer]
+    layers: Array["layers/p", Layer]  # stage s of p holds the s-th block of layers
     final_norm: f32["d_model/t/d/c"]
     unembed: f32["vocab/t d_model/d/c"]
 

@@ -1,0 +1,177 @@
+"""The model pipelined over mesh axis p: stages of the layer stack, microbatches between them.
+
+With ``mesh.p > 1`` the stacked layers rest split over p (``layers: Array['layers/p', Layer]``:
+stage s holds layers s·L/p to (s+1)·L/p - 1) and one call runs the local batch as
+``train.microbatches`` microbatches through the stages, in the ticks of
+:mod:`seqshard.pipeline_schedule`, inside the model's one shard_map (per device)::
+
+    rows = sequence_rows(tokens)                      'B/d L@zigzag/c', every stage
+    xs = embed(rows.tokens) as 'm b ...'              the residual, read on stage 0
+    ys = circular_forward(stage, layers, xs)          stage s: run_layers on its block, then
+                                                      ring_shift('S/p B/d L@zigzag/c/t M', ., 'p')
+    terms = head(ys) on stage p-1; psum('2{U_p} -> 2')   f32[2]: loss sum, positions counted
+
+Microbatch i is local rows i, i + m, i + 2m, ...: the rows ``split_microbatches`` gives
+gradient accumulation (which runs at p = 1), so both sum the same terms.
+
+**Where the embedding and the head sit.** ``embed``, ``final_norm`` and ``unembed`` name no p
+in their types: they rest replicated over p (each stage a copy, still split over d, c and t).
+Stage 0 embeds, stage p-1 runs the norm, the unembedding and the loss; their gradients, made on
+one stage, are summed over p once per step (an all-reduce, autodiff's transpose of the
+replication). They are small next to L/p layers per stage, and splitting them over p would
+gather them across the pipeline's (slow) links every step.
+
+**Backward.** ``gpipe``: JAX differentiates the tick scan (each shift's transpose is the shift
+back). ``1f1b`` (:func:`seqshard.pipeline.one_f_one_b`): a ``custom_vjp`` whose forward
+runs the interleaved forward and backward ticks and keeps the gradients; its backward scales
+them by the loss's cotangent. Within a stage, each layer is differentiated by autodiff under
+``cfg.remat`` (``model.backward=explicit`` is refused for p > 1 by the config).
+
+The SPMD program is the same on every stage: a stage's idle ticks compute on zeros and are
+masked, and every stage runs the embedding and the head (their results are masked on the
+stages that do not own them).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqshard import shardops
+from seqshard.model.config import ModelConfig
+from seqshard.model.context import SequenceRows, sequence_rows
+from seqshard.model.transformer import (
+    embed,
+    final_norm,
+    loss_terms_and_softmax,
+    run_layers,
+    unembed,
+)
+from seqshard.model.weights import Weights
+from seqshard.pipeline import circular_forward, one_f_one_b, varying_over_stages
+from seqshard.pipeline_schedule import Pipeline
+from seqshard.shapecheck import shape_scope
+
+__all__ = ["pipelined_loss_terms", "to_microbatches"]
+
+
+class _Head(NamedTuple):
+    """The weights the last stage's head reads (``final_norm`` and ``unembed`` read these
+    fields of a :class:`~seqshard.model.weights.Weights`)."""
+
+    final_norm: jax.Array
+    unembed: jax.Array
+
+
+def to_microbatches(x: jax.Array, m: int) -> jax.Array:
+    """Per-device rows 'B ...' -> 'm B/m ...': microbatch i holds rows i, i + m, ...
+    (:func:`seqshard.batch.split_microbatches`'s rows, per device)."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _microbatch(tree, i: jax.Array):
+    """Microbatch ``i`` (traced) of a tree of 'm ...' arrays."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _head_terms(cfg: ModelConfig, head: _Head, y: jax.Array, rows: SequenceRows) -> jax.Array:
+    """One microbatch's f32[2] (summed loss, positions counted) from the last layer's output."""
+    with shape_scope():  # B is a microbatch's rows here
+        return _head_terms_in_scope(cfg, head, y, rows)
+
+
+def _head_terms_in_scope(cfg: ModelConfig, head: _Head, y: jax.Array, rows: SequenceRows):
+    logits = unembed(cfg, head, final_norm(cfg, head, y))
+    return loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
+
+
+def _on_last_stage_summed(terms: jax.Array) -> jax.Array:
+    """f32[2] made on stage p-1 (others: masked to 0), summed over p: replicated."""
+    p, s = shardops.axis_size("p"), shardops.axis_index("p")
+    return shardops.psum("2{U_p} -> 2", jnp.where(s == p - 1, terms, 0.0))
+
+
+def pipelined_loss_terms(
+    cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+) -> jax.Array:
+    """The loss terms f32[2] of per-device blocks 'B/d L/c', pipelined over p (inside the
+    model's shard_map; :func:`~seqshard.model.transformer.forward_loss_terms`'s value)."""
+    if pipe.schedule == "1f1b":
+        return _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start)
+    return _gpipe_terms(cfg, pipe, w, tokens, is_seq_start)
+
+
+def _stages(cfg: ModelConfig, pipe: Pipeline, tokens, is_seq_start):
+    """(the rows, the rows as microbatches 'm b ...', the stage function ``(block, x, i)``)."""
+    rows = sequence_rows(tokens, is_seq_start)
+    micro = jax.tree.map(functools.partial(to_microbatches, m=pipe.microbatches), rows)
+
+    def stage(block, x, i):
+        with shape_scope():  # B is a microbatch's rows here
+            return run_layers(cfg, _microbatch(micro, i), x, block)
+
+    return rows, micro, stage
+
+
+def _embedded(cfg: ModelConfig, pipe: Pipeline, table: jax.Array, rows: SequenceRows):
+    """Every microbatch's embedded input 'm b ...' (a residual each)."""
+    x = embed(cfg, Weights(embed=table, layers=None, final_norm=None, unembed=None), rows.tokens)
+    return to_microbatches(x, pipe.microbatches)
+
+
+def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_start):
+    """GPipe (and the 1F1B step's value when not differentiated): all forwards, then the
+    head over the m outputs, one microbatch at a time (rematerialized: only ys are kept)."""
+    rows, micro, stage = _stages(cfg, pipe, tokens, is_seq_start)
+    xs = _embedded(cfg, pipe, w.embed, rows)
+    ys = circular_forward(stage, jax.tree.map(lambda b: b[None], w.layers), xs)
+    head = _Head(w.final_norm, w.unembed)
+    per_microbatch = jax.checkpoint(functools.partial(_head_terms, cfg, head))
+
+    terms = lax.map(lambda y_rows: per_microbatch(*y_rows), (ys, micro))
+    return _on_last_stage_summed(jnp.sum(terms, axis=0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start):
+    # Not differentiated (eval): the forward ticks alone.
+    return _gpipe_terms(cfg, pipe, w, tokens, is_seq_start)
+
+
+def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_start):
+    """The 1F1B ticks: the loss terms and every weight's gradient of the summed loss."""
+    rows, micro, stage = _stages(cfg, pipe, tokens, is_seq_start)
+    # Differentiated per stage (stage 0's input gradients are the only non-zero ones): the
+    # table's gradient varies over p until summed below.
+    table = varying_over_stages(w.embed)
+    xs, embed_vjp = jax.vjp(lambda t: _embedded(cfg, pipe, t, rows), table)
+
+    def head_loss(head: _Head, y, i):
+        return _head_terms(cfg, head, y, _microbatch(micro, i))[0]
+
+    head = _Head(w.final_norm, w.unembed)
+    loss, d_layers, d_head, d_xs = one_f_one_b(stage, head_loss, w.layers, head, xs)
+    (d_embed,) = embed_vjp(d_xs)
+    count = jnp.sum(micro.counted.astype(jnp.float32))
+    count = shardops.psum("1{U_d,c} -> 1", count[None])[0]
+    loss = _on_last_stage_summed(jnp.stack([loss, 0.0]))[0]
+    grads = Weights(
+        # Made on one stage (zeros on the others): summed over p, as the replicated weights' are.
+        embed=shardops.psum("V/t M/d/c{U_p} -> V/t M/d/c", d_embed),
+        layers=d_layers,
+        final_norm=shardops.psum("M/t/d/c{U_p} -> M/t/d/c", d_head.final_norm),
+        unembed=shardops.psum("V/t M/d/c{U_p} -> V/t M/d/c", d_head.unembed),
+    )
+    return jnp.stack([loss, count]), grads
+
+
+def _one_f_one_b_backward(cfg, pipe, grads: Weights, d_terms: jax.Array):
+    """The gradients the forward made, times the cotangent of the summed loss."""
+    return jax.tree.map(lambda g: g * d_terms[0], grads), None, None
+
+
+_with_one_f_one_b.defvjp(_one_f_one_b_forward, _one_f_one_b_backward)
