@@ -323,7 +323,7 @@ def batch_loss_terms(
     batch: TokenBatch,
     cfg: ModelConfig,
     mesh: Mesh,
-    pipeline: Pipeline = Pipeline(),
+    pipeline: Pipeline | None = None,
 ) -> jax.Array:
     """f32[2]: the summed next-token loss over ``batch`` and the number of positions counted.
 
@@ -333,7 +333,7 @@ def batch_loss_terms(
     batch runs as ``pipeline.microbatches`` microbatches through the stages by
     ``pipeline.schedule``; ``pipeline`` is ignored at p = 1.
     """
-    if mesh.shape["p"] == 1:
+    if pipeline is None or mesh.shape["p"] == 1:
         pipeline = Pipeline()  # one compiled program whatever the (unused) pipeline says
     return _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)
 
