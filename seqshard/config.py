@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from seqshard.mesh import axis_sizes
 from seqshard.model.config import ModelConfig
+from seqshard.pipeline_schedule import Pipeline, make_schedule
 
 __all__ = [
     "Config",
@@ -134,7 +135,10 @@ class TrainConfig:
     steps: int = 1000
     batch_size: int = 32  # global sequences per step
     seq_len: int = 256
-    microbatches: int = 1  # gradient accumulation: batch_size / microbatches per pass
+    microbatches: int = 1  # gradient accumulation: batch_size / microbatches per pass; with
+    #   mesh.p > 1, the pipeline's microbatches (all in flight in one pass)
+    pipeline_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # with mesh.p > 1
+    pipeline_repeats: int = 1  # circular: layer blocks per stage (virtual stages)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     warmup_steps: int = 100
@@ -158,6 +162,10 @@ class TrainConfig:
     max_nonfinite_skips: int = 10  # skip: stop after this many non-finite steps in a row
     eval_on_stop: bool = False  # evaluate before stopping on SIGTERM / Ctrl-C (slower exit)
     peak_flops: float = 0.0  # per device, for MFU; 0: known accelerator peak or measured on CPU
+
+    def pipeline(self) -> Pipeline:
+        """How a step with mesh.p > 1 runs its microbatches through the stages."""
+        return Pipeline(self.pipeline_schedule, self.microbatches, self.pipeline_repeats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,6 +374,7 @@ def check_config(cfg: Config) -> None:
             f"{mesh.c * mesh.t}. Choose train.seq_len divisible by {mesh.c * mesh.t}, or "
             f"model.residual=M/t."
         )
+    _check_pipeline(cfg)
     if train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}.")
     if not 0 <= train.min_lr_ratio <= 1 or not 0 < train.decay_fraction <= 1:
@@ -447,6 +456,31 @@ def resolve_mesh(cfg: Config, n_devices: int) -> Config:
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """The pipeline's keys against each other, the mesh and the model."""
+    mesh, train = cfg.mesh, cfg.train
+    p = mesh.p if mesh.is_resolved else max(mesh.p, 1)
+    try:
+        make_schedule(train.pipeline_schedule, p, train.microbatches, train.pipeline_repeats)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if p == 1:
+        return
+    if train.pipeline_schedule == "circular" and train.pipeline_repeats > 1:
+        raise ConfigError(
+            f"train.pipeline_schedule=circular with train.pipeline_repeats="
+            f"{train.pipeline_repeats} is not built yet (its stages hold every p-th layer block, "
+            f"a layer order the checkpoints do not record). Use train.pipeline_schedule=gpipe "
+            f"or 1f1b (or circular with pipeline_repeats=1, which is gpipe)."
+        )
+    if cfg.model.backward == "explicit":
+        raise ConfigError(
+            f"mesh.p={p} pipelines the layers, and each stage's layers are differentiated by "
+            f"autodiff (model.backward=explicit is written for the whole model at p=1). Set "
+            f"model.backward=autodiff."
+        )
 
 
 def check_run_name(name: str) -> None:

@@ -50,10 +50,15 @@ def grads_and_loss(
 ) -> tuple[Weights, jax.Array, jax.Array]:
     """(mean gradient, mean loss, positions counted) over ``train.microbatches`` slices.
 
-    ``loss_terms`` defaults to the sharded model's :func:`batch_loss_terms`."""
-    k = cfg.train.microbatches
+    ``loss_terms`` defaults to the sharded model's :func:`batch_loss_terms`. On a mesh with
+    p > 1 the microbatches are the pipeline's: one call runs them all through the stages
+    (``train.pipeline_schedule``), so nothing is accumulated here."""
+    pipelined = mesh.shape.get("p", 1) > 1
+    k = 1 if pipelined else cfg.train.microbatches
     if loss_terms is None:
-        loss_terms = functools.partial(batch_loss_terms, cfg=cfg.model, mesh=mesh)
+        loss_terms = functools.partial(
+            batch_loss_terms, cfg=cfg.model, mesh=mesh, pipeline=cfg.train.pipeline()
+        )
 
     def summed(w, b):
         total, count = loss_terms(w, b)
@@ -146,4 +151,6 @@ def _guard_after(
 
 def make_eval_step(cfg: Config, mesh: Mesh):
     """``eval(weights, batch) -> f32[2]`` (summed loss, positions counted)."""
-    return jax.jit(functools.partial(batch_loss_terms, cfg=cfg.model, mesh=mesh))
+    return jax.jit(
+        functools.partial(batch_loss_terms, cfg=cfg.model, mesh=mesh, pipeline=cfg.train.pipeline())
+    )
