@@ -88,7 +88,8 @@ def test_a_minus_one_size_takes_the_remaining_devices():
         cfg.mesh.sizes()
     resolved = resolve_mesh(cfg, 8)
     assert (
-        resolved.mesh.sizes() == {"p": 1, "d": 4, "c": 1, "t": 2} and resolve_mesh(resolved, 8) is resolved
+        resolved.mesh.sizes() == {"p": 1, "d": 4, "c": 1, "t": 2}
+        and resolve_mesh(resolved, 8) is resolved
     )
     with pytest.raises(ConfigError, match="7 devices do not divide by p=1 x c=1 x t=2 = 2"):
         resolve_mesh(cfg, 7)

@@ -127,9 +127,11 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     """GPipe (and the 1F1B step's value when not differentiated): all forwards, then the
     head over the m outputs, one microbatch at a time (rematerialized: only ys are kept)."""
     rows, micro, stage = _stages(cfg, pipe, tokens, is_seq_start)
-    xs = _embedded(cfg, pipe, w.embed, rows)
+    # The replicated weights, made per stage before use: autodiff then sums their gradients
+    # over p once, here (the transpose of the cast), not once per tick and microbatch.
+    table, head = varying_over_stages((w.embed, _Head(w.final_norm, w.unembed)))
+    xs = _embedded(cfg, pipe, table, rows)
     ys = circular_forward(stage, jax.tree.map(lambda b: b[None], w.layers), xs)
-    head = _Head(w.final_norm, w.unembed)
     per_microbatch = jax.checkpoint(functools.partial(_head_terms, cfg, head))
 
     terms = lax.map(lambda y_rows: per_microbatch(*y_rows), (ys, micro))
