@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard import shardops
+from seqshard import collective_log, shardops
 from seqshard.vma import replication_checked, varying_axes
 
 __all__ = ["circular_forward", "one_f_one_b", "varying_over_stages"]
@@ -84,7 +84,7 @@ def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array
         return (arrived, returned, ys), None
 
     init = varying_over_stages((zeros, jnp.zeros_like(xs), jnp.zeros_like(xs)))
-    (_, _, ys), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
+    (_, _, ys), _ = collective_log.scan("ticks", tick, init, jnp.arange(v * m + p - 1))
     return ys
 
 
@@ -148,7 +148,7 @@ def one_f_one_b(
         )
     )
     ticks = jnp.arange(m + 2 * (p - 1))
-    (_, _, _, loss, d_block, d_head, d_xs), _ = lax.scan(tick, init, ticks)
+    (_, _, _, loss, d_block, d_head, d_xs), _ = collective_log.scan("ticks", tick, init, ticks)
     return loss, d_block, d_head, d_xs
 
 

@@ -32,7 +32,14 @@ from seqshard.planner import FUSED_ATTENTION, describe_memory, memory_plan, plan
 from seqshard.shardtypes import block_shape, type_tree
 from seqshard.step_comms import PlannedCollective, collectives_per_step, format_planned_table
 
-__all__ = ["context_report", "describe", "flops_table", "weight_table"]
+__all__ = [
+    "context_report",
+    "describe",
+    "flops_table",
+    "pipeline_report",
+    "pipeline_shifts",
+    "weight_table",
+]
 
 
 def _shape(s) -> str:
@@ -242,6 +249,54 @@ def compiled_step_report(cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def pipeline_shifts(cfg: Config) -> tuple[int, int]:
+    """(ring_shifts over p per train step, bytes each sends per device) of a config with
+    mesh.p > 1: each moves one microbatch's residual block (B/d/k rows, L/c/t or M/t split);
+    each tick shifts once per kind it runs (1f1b: activations and cotangents every tick)."""
+    import numpy as np
+
+    m, train_cfg, sizes = cfg.model, cfg.train, cfg.mesh.sizes()
+    schedule = train_cfg.pipeline().on(sizes["p"])
+    rows = train_cfg.batch_size // (sizes["d"] * train_cfg.microbatches)
+    block = rows * train_cfg.seq_len * m.d_model // (sizes["c"] * sizes["t"])
+    shifts = 2 * schedule.n_ticks if schedule.name == "1f1b" else schedule.n_ticks
+    return shifts, block * np.dtype(m.compute_dtype).itemsize
+
+
+def pipeline_report(cfg: Config) -> str:
+    """The layers pipelined over p: the schedule as a tick x stage table, its bubble fraction,
+    the microbatch inputs each stage holds at its peak, and what ``ring_shift`` over p moves
+    per step (:mod:`seqshard.pipeline_schedule`; from the config alone)."""
+    m, train_cfg, sizes = cfg.model, cfg.train, cfg.mesh.sizes()
+    p = sizes["p"]
+    if p == 1:
+        return (
+            "pipeline: mesh.p = 1, the layers are not pipelined (mesh.p=k splits them into k "
+            "stages, 'layers/p', and runs train.microbatches microbatches through them)"
+        )
+    schedule = train_cfg.pipeline().on(p)
+    k = train_cfg.microbatches
+    rows = train_cfg.batch_size // (sizes["d"] * k)
+    shifts, block_bytes = pipeline_shifts(cfg)
+    held = [schedule.max_in_flight(s) for s in range(p)]
+    lines = [
+        f"pipeline: {m.n_layers // p} layers on each of p = {p} stages ('layers/p'), "
+        f"train.pipeline_schedule={schedule.name}, {k} microbatch(es) of {rows} rows per "
+        f"device, {schedule.n_ticks} ticks; F3 = forward of microbatch 3, B3 its backward, "
+        f". idle:",
+        schedule.format_table(),
+        f"bubble fraction: {schedule.bubble_fraction:.3f} (idle stage-slots / all)",
+        "microbatch inputs held per stage at the peak: "
+        + ", ".join(
+            f"stage {s}: {n} ({format_bytes(n * block_bytes)})" for s, n in enumerate(held)
+        ),
+        f"ring_shift over p per step: {shifts} shifts of {format_bytes(block_bytes)} "
+        f"(one microbatch's residual block per device) = {format_bytes(shifts * block_bytes)} "
+        f"sent per device",
+    ]
+    return "\n".join(lines)
+
+
 def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) -> str:
     """The report of ``seqshard show`` for ``cfg`` (its mesh resolved). ``chip``: add the
     planner's plan for ``cfg.mesh.n_devices`` devices of that chip (seqshard.hardware.CHIPS).
@@ -264,6 +319,8 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
     parts.append(predicted_comm_report(cfg))
     parts.append("")
     parts.append(context_report(cfg))
+    parts.append("")
+    parts.append(pipeline_report(cfg))
     parts.append("")
     if chip is not None:
         parts.append(plan(cfg, cfg.mesh.n_devices, chip).format())

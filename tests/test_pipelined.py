@@ -106,13 +106,10 @@ def test_pipelined_loss_and_gradients_equal_the_reference(shape, schedule, m_of_
         assert err < GRAD_TOL, (jax.tree_util.keystr(path[0]), err)
 
 
-def _train_step_and_args(shape, schedule, m, cfg=None, batch=BATCH):
-    from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig
-    from seqshard.train.optimizer import make_optimizer
-    from seqshard.train.state import train_state_structs
-    from seqshard.train.step import make_train_step
+def step_config(shape, schedule, m, batch=BATCH):
+    from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_config
 
-    model = cfg or _cfg()
+    model = _cfg()
     p, d, c, t = shape
     config = Config(
         model=model,
@@ -122,6 +119,17 @@ def _train_step_and_args(shape, schedule, m, cfg=None, batch=BATCH):
             batch_size=batch, seq_len=LENGTH, microbatches=m, pipeline_schedule=schedule
         ),
     )
+    check_config(config)
+    return config
+
+
+def _train_step_and_args(shape, schedule, m, batch=BATCH):
+    from seqshard.train.optimizer import make_optimizer
+    from seqshard.train.state import train_state_structs
+    from seqshard.train.step import make_train_step
+
+    config = step_config(shape, schedule, m, batch)
+    model = config.model
     mesh = _mesh(shape)
     opt = make_optimizer(config.train)
     step = make_train_step(config, mesh, opt)
@@ -148,6 +156,24 @@ def test_only_the_schedules_shifts_and_the_replicated_weights_sums_cross_p(sched
     replicated = [structs.embed, structs.final_norm, structs.unembed]
     block = sum(4 * np.prod(s.sharding.shard_shape(s.shape)) for s in replicated)
     assert sum(c.result_bytes for c in reduced) <= block + 4 * 64
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_show_predicts_the_bytes_the_compiled_shifts_move(schedule):
+    """``seqshard show``'s pipeline report, from the config alone: its shifts per step and
+    bytes per shift equal the compiled step's collective-permutes (calls x result bytes)."""
+    from seqshard.show import pipeline_report, pipeline_shifts
+
+    step, state, batch, mesh = _train_step_and_args((2, 2, 1, 2), schedule, 4)
+    config = step_config((2, 2, 1, 2), schedule, 4)
+    permutes = [
+        c for c in list_collectives(step, state, batch, mesh=mesh) if c.kind == "collective-permute"
+    ]
+    shifts, block = pipeline_shifts(config)
+    assert {c.result_bytes for c in permutes} == {block}
+    assert sum(c.calls_per_step for c in permutes) == shifts
+    report = pipeline_report(config)
+    assert f"train.pipeline_schedule={schedule}" in report and "bubble fraction: 0.200" in report
 
 
 def test_1f1b_needs_less_temporary_memory_than_gpipe():
