@@ -27,7 +27,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from seqshard.mesh import axis_sizes
+from seqshard.mesh import axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.pipeline_schedule import Pipeline, make_schedule
 
@@ -88,7 +88,7 @@ class MeshConfig:
         if n_devices % fixed:
             raise ConfigError(
                 f"mesh.{free}=-1 takes the devices the other axes leave, but {n_devices} devices "
-                f"do not divide by {' x '.join(f'{a}={n}' for a, n in given.items() if a != free)} "
+                f"do not divide by {describe_sizes({a: n for a, n in given.items() if a != free})} "
                 f"= {fixed}. Choose sizes whose product divides {n_devices}."
             )
         return dataclasses.replace(self, **{free: n_devices // fixed})
@@ -109,7 +109,7 @@ class MeshConfig:
     def describe(self) -> str:
         """``'d=4 x t=2'`` (``'d=-1 x t=2'`` before resolving)."""
         sizes = self.sizes() if self.is_resolved else self.given()
-        return " x ".join(f"{a}={n}" for a, n in sizes.items())
+        return describe_sizes(sizes)
 
 
 REMAINING = -1

@@ -25,6 +25,7 @@ __all__ = [
     "MESH_AXES",
     "MeshAxis",
     "axis_sizes",
+    "describe_sizes",
     "mesh_from_devices",
     "mesh_of_sizes",
     "training_mesh",
@@ -72,6 +73,12 @@ def axis_sizes(sizes: Mapping[str, int] | None = None, **named: int) -> dict[str
     return out
 
 
+def describe_sizes(sizes: Mapping[str, int]) -> str:
+    """``'d=4 x c=1 x t=2'``: the axes in table order; ``p`` only when it pipelines (p != 1),
+    so that the meshes of runs without a pipeline read as they always have."""
+    return " x ".join(f"{a}={n}" for a, n in sizes.items() if a != "p" or n != 1)
+
+
 def mesh_from_devices(shape: Sequence[int], axis_names: Sequence[str], devices: Sequence) -> Mesh:
     """A mesh of ``shape`` over the first ``prod(shape)`` of ``devices``, with Auto axes."""
     need = math.prod(shape)
@@ -117,7 +124,7 @@ def training_mesh(sizes: Mapping[str, int], devices: Sequence | None = None) -> 
     full = axis_sizes(sizes)
     devices = list(jax.devices() if devices is None else devices)
     need = math.prod(full.values())
-    described = " x ".join(f"{a}={n}" for a, n in full.items())
+    described = describe_sizes(full)
     platform = devices[0].platform if devices else "no"
     processes = len({dev.process_index for dev in devices})
     if need > len(devices) or (need != len(devices) and (processes > 1 or platform != "cpu")):

@@ -76,14 +76,14 @@ def test_a_mesh_larger_than_the_devices_says_how_to_get_more():
 def test_config_mesh_sizes_and_description():
     cfg = load_config(None, ["mesh.t=2", "data.vocab_size=64", "model.vocab=64"])
     assert cfg.mesh.sizes() == {"p": 1, "d": 1, "c": 1, "t": 2}
-    assert cfg.mesh.n_devices == 2 and cfg.mesh.describe() == "p=1 x d=1 x c=1 x t=2"
+    assert cfg.mesh.n_devices == 2 and cfg.mesh.describe() == "d=1 x c=1 x t=2"
     with pytest.raises(ConfigError, match="mesh sizes must be >= 1, or -1 .*; got mesh.d=0"):
         load_config(None, ["mesh.d=0"])
 
 
 def test_a_minus_one_size_takes_the_remaining_devices():
     cfg = load_config(None, ["mesh.d=-1", "mesh.t=2", "data.vocab_size=64", "model.vocab=64"])
-    assert not cfg.mesh.is_resolved and cfg.mesh.describe() == "p=1 x d=-1 x c=1 x t=2"
+    assert not cfg.mesh.is_resolved and cfg.mesh.describe() == "d=-1 x c=1 x t=2"
     with pytest.raises(ConfigError, match="resolve it with seqshard.config.resolve_mesh"):
         cfg.mesh.sizes()
     resolved = resolve_mesh(cfg, 8)
@@ -91,7 +91,7 @@ def test_a_minus_one_size_takes_the_remaining_devices():
         resolved.mesh.sizes() == {"p": 1, "d": 4, "c": 1, "t": 2}
         and resolve_mesh(resolved, 8) is resolved
     )
-    with pytest.raises(ConfigError, match="7 devices do not divide by p=1 x c=1 x t=2 = 2"):
+    with pytest.raises(ConfigError, match="7 devices do not divide by c=1 x t=2 = 2"):
         resolve_mesh(cfg, 7)
     # The checks that need the mesh run once it is resolved: batch 32 over d=64 does not split.
     with pytest.raises(ConfigError, match="mesh axis d=64 does not divide"):
@@ -112,7 +112,7 @@ def test_the_training_mesh_must_use_every_device_of_an_accelerator_or_multi_proc
     two_hosts = [Device(i, i // 4) for i in range(8)]
     with pytest.raises(
         RuntimeError,
-        match=r"mesh p=1 x d=2 x c=1 x t=2 needs 4 devices, but the run has 8 CPU devices \(2 processes, 4 each\)",
+        match=r"mesh d=2 x c=1 x t=2 needs 4 devices, but the run has 8 CPU devices \(2 processes, 4 each\)",
     ):
         training_mesh({"d": 2, "t": 2}, devices=two_hosts)
     # Only d crosses the slower links between hosts: 2 hosts of 3 devices cannot hold d=3.

@@ -103,7 +103,7 @@ def test_slices_and_nodes_are_counted_in_chips():
 
 def test_minus_one_takes_the_devices_planned_for():
     p = plan(one_b("mesh.d=-1", "mesh.t=2", "train.batch_size=16"), 16, "h100")
-    assert p.config.mesh.sizes() == {"d": 8, "c": 1, "t": 2} and p.n_devices == 16
+    assert p.config.mesh.sizes() == {"p": 1, "d": 8, "c": 1, "t": 2} and p.n_devices == 16
 
 
 def test_the_mesh_must_use_the_devices_planned_for():

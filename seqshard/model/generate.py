@@ -419,6 +419,12 @@ def _checked(
             f"generate: mesh must be a jax.sharding.Mesh with axes {AXES}, got "
             f"{getattr(mesh, 'shape', mesh)!r}. Make one with decode_mesh(batch, cfg)."
         )
+    if mesh.shape["p"] != 1:
+        raise ValueError(
+            f"generate: mesh axis p (pipeline) has size {mesh.shape['p']}, but generation runs "
+            f"every layer on each device's rows and needs p = 1. Make the mesh with "
+            f"decode_mesh(batch, cfg) (weights trained with p > 1 load on it)."
+        )
     if mesh.shape["c"] != 1:
         raise ValueError(
             f"generate: mesh axis c (context) has size {mesh.shape['c']}, but generation keeps "

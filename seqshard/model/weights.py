@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from seqshard.mesh import axis_sizes
+from seqshard.mesh import axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.shardtypes import (
     Array,
@@ -84,7 +84,7 @@ def check_weights_split(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None
 
     Dimensions are named after config fields, so the message names the field to change."""
     sizes, mesh = cfg.dim_sizes(), axis_sizes(mesh_sizes)
-    where = " x ".join(f"{a}={n}" for a, n in mesh.items())
+    where = describe_sizes(mesh)
     leaves = jax.tree_util.tree_flatten_with_path(
         type_tree(Weights), is_leaf=lambda x: isinstance(x, ArrayType)
     )[0]
