@@ -7,8 +7,8 @@
 The model: tiny-cpu's shapes with 8 layers (d_model 128, 2 kv heads x 2 query heads of 32,
 d_ff 512, vocab 4096), f32, einsum attention, remat ``saved``, autodiff backward, 32 rows of
 128 tokens. Meshes are written p x d x t. For each mesh and microbatch count m (a multiple of
-p), the p = 1 baseline runs on the same 8 devices as d x t = (p·d) x t with m-way gradient
-accumulation, the same microbatches. Per variant: the schedule's bubble fraction, XLA's
+p), the p = 1 baseline runs on the same 8 devices as d x t = (p·d) x t, the same batch in
+m / p accumulated passes (each device then holds p times the rows of a pipeline stage). Per variant: the schedule's bubble fraction, XLA's
 compiled temp memory per device (``memory_analysis``), the bytes ``ring_shift`` over p moves
 per step per device (``seqshard.show.pipeline_shifts``, held to the compiled HLO by
 tests/test_pipelined.py), and the median step time of the timed steps (round-robin over the
@@ -115,9 +115,9 @@ def main() -> None:
         p, d, t = (int(x) for x in mesh_text.split("x"))
         for k in (int(x) for x in args.m_per_p.split(",")):
             m = k * p
-            variants = [
-                Variant(f"p=1 ({p * d}x{t}, m={m} accumulated)", _config(1, p * d, t, m, "gpipe"))
-            ]
+            # p = 1 on the same devices: d·p rows each, so m / p passes of the same batch.
+            base = Variant(f"p=1 ({p * d}x{t}, {k} accumulated)", _config(1, p * d, t, k, "gpipe"))
+            variants = [base]
             variants += [
                 Variant(f"{s} {mesh_text} m={m}", _config(p, d, t, m, s))
                 for s in args.schedules.split(",")
