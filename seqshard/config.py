@@ -468,12 +468,12 @@ def _check_pipeline(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     if p == 1:
         return
-    if train.pipeline_schedule == "circular" and train.pipeline_repeats > 1:
+    blocks = p * train.pipeline_repeats
+    if cfg.model.n_layers % blocks:
         raise ConfigError(
-            f"train.pipeline_schedule=circular with train.pipeline_repeats="
-            f"{train.pipeline_repeats} is not built yet (its stages hold every p-th layer block, "
-            f"a layer order the checkpoints do not record). Use train.pipeline_schedule=gpipe "
-            f"or 1f1b (or circular with pipeline_repeats=1, which is gpipe)."
+            f"model.n_layers={cfg.model.n_layers} does not split into mesh.p x "
+            f"train.pipeline_repeats = {p} x {train.pipeline_repeats} = {blocks} equal layer "
+            f"blocks. Choose n_layers divisible by {blocks}, or other mesh.p / pipeline_repeats."
         )
     if cfg.model.backward == "explicit":
         raise ConfigError(

@@ -55,6 +55,19 @@ class Pipeline:
         """This pipeline's timetable over ``p`` stages."""
         return make_schedule(self.schedule, p, self.microbatches, self.repeats)
 
+    def layer_order(self, p: int, n_layers: int) -> tuple[int, ...]:
+        """The model's layer at each position of the stored stack over ``p`` stages.
+
+        Stage s holds positions s·L/p to (s+1)·L/p - 1 (``'layers/p'``). The circular
+        schedule's stage s runs, in round r, the model's block r·p + s of b = L/(p·v) layers,
+        so it stores blocks s, s + p, ..., s + (v-1)·p: position s·v·b + r·b + j holds layer
+        (r·p + s)·b + j. Every other pipeline (and p = 1) stores the model's order."""
+        v = self.repeats if self.schedule == "circular" else 1
+        if p == 1 or v == 1:
+            return tuple(range(n_layers))
+        b = n_layers // (p * v)
+        return tuple((r * p + s) * b + j for s in range(p) for r in range(v) for j in range(b))
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Task:

@@ -49,6 +49,7 @@ from seqshard.launch import barrier, is_main_process
 from seqshard.model.weights import Weights
 from seqshard.train.checkpoint import Checkpointer
 from seqshard.train.optimizer import make_optimizer
+from seqshard.train.state import layer_order, relayered
 
 __all__ = ["DEFAULT_MAX_FILE_BYTES", "ExportResult", "export_run", "export_weights"]
 
@@ -99,7 +100,13 @@ def export_run(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     try:
-        files, total = export_weights(restored.state.weights, cfg, partial, dtype, max_file_bytes)
+        # Layer i of the export is the model's layer i, whatever order the stages store.
+        weights = relayered(
+            restored.state.weights,
+            layer_order(cfg, mesh.shape["p"]),
+            range(cfg.model.n_layers),
+        )
+        files, total = export_weights(weights, cfg, partial, dtype, max_file_bytes)
         if main:
             _write_configs(partial, cfg, dtype, tokenizer_path, tokenizer)
             _move_into_place(partial, out_dir)

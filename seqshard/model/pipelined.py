@@ -1,7 +1,10 @@
 """The model pipelined over mesh axis p: stages of the layer stack, microbatches between them.
 
 With ``mesh.p > 1`` the stacked layers rest split over p (``layers: Array['layers/p', Layer]``:
-stage s holds layers s·L/p to (s+1)·L/p - 1) and one call runs the local batch as
+stage s holds layers s·L/p to (s+1)·L/p - 1; under the circular schedule, its v blocks of
+L/(p·v) layers are the model's blocks s, s + p, ..., in the order
+:meth:`~seqshard.pipeline_schedule.Pipeline.layer_order` gives, which checkpoints record and
+restores convert) and one call runs the local batch as
 ``train.microbatches`` microbatches through the stages, in the ticks of
 :mod:`seqshard.pipeline_schedule`, inside the model's one shard_map (per device)::
 
@@ -21,7 +24,7 @@ one stage, are summed over p once per step (an all-reduce, autodiff's transpose 
 replication). They are small next to L/p layers per stage, and splitting them over p would
 gather them across the pipeline's (slow) links every step.
 
-**Backward.** ``gpipe``: JAX differentiates the tick scan (each shift's transpose is the shift
+**Backward.** ``gpipe`` and ``circular``: JAX differentiates the tick scan (each shift's transpose is the shift
 back). ``1f1b`` (:func:`seqshard.pipeline.one_f_one_b`): a ``custom_vjp`` whose forward
 runs the interleaved forward and backward ticks and keeps the gradients; its backward scales
 them by the loss's cotangent. Within a stage, each layer is differentiated by autodiff under
@@ -131,7 +134,10 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     # over p once, here (the transpose of the cast), not once per tick and microbatch.
     table, head = varying_over_stages((w.embed, _Head(w.final_norm, w.unembed)))
     xs = _embedded(cfg, pipe, table, rows)
-    ys = circular_forward(stage, jax.tree.map(lambda b: b[None], w.layers), xs)
+    # This stage's v layer blocks, one per round (circular; v = 1: gpipe).
+    v = pipe.repeats if pipe.schedule == "circular" else 1
+    blocks = jax.tree.map(lambda b: b.reshape(v, b.shape[0] // v, *b.shape[1:]), w.layers)
+    ys = circular_forward(stage, blocks, xs)
     per_microbatch = jax.checkpoint(functools.partial(_head_terms, cfg, head))
 
     terms = lax.map(lambda y_rows: per_microbatch(*y_rows), (ys, micro))

@@ -70,7 +70,7 @@ from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yam
 from seqshard.model.config import DIM_FIELDS
 from seqshard.shardtypes import shardings, u32, with_unsplit_dims
 from seqshard.train.optimizer import make_optimizer
-from seqshard.train.state import TrainState, train_state_structs
+from seqshard.train.state import TrainState, layer_order, relayered, train_state_structs
 
 __all__ = [
     "CheckpointError",
@@ -741,6 +741,7 @@ class Checkpointer:
                 self._held.release(ok=why is None)
             if why is None:
                 self._set_aside(skipped, s, log)
+                state = _in_layer_order(state, meta, cfg, mesh)
                 return Restored(state=state, meta=meta, step=s, skipped=skipped)
             if policy == "strict" or step is not None:
                 raise CheckpointError(self._unusable(s, why))
@@ -838,6 +839,17 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self.directory}; it has {steps}."
             )
         return step
+
+
+def _in_layer_order(state: TrainState, meta: dict[str, Any], cfg: Config, mesh: Mesh):
+    """The restored ``state``, its layer stacks moved from the order the checkpoint's run
+    stored them in to the order ``cfg`` runs them in on ``mesh`` (they differ only for the
+    circular pipeline schedule: :func:`~seqshard.train.state.layer_order`)."""
+    saved = config_from_yaml(meta["config"], "checkpoint metadata")
+    saved_p = saved.mesh.p if saved.mesh.is_resolved else 1
+    return relayered(
+        state, layer_order(saved, saved_p), layer_order(cfg, dict(mesh.shape).get("p", 1))
+    )
 
 
 def _check_same_model(meta: dict[str, Any], cfg: Config, where: Path) -> None:

@@ -43,11 +43,18 @@ from seqshard.hardware import peak_flops
 from seqshard.hf.load import load_hf_weights
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
-from seqshard.model.weights import Weights
+from seqshard.model.weights import Weights, init_weights
 from seqshard.train.checkpoint import Checkpointer, checkpoint_steps
 from seqshard.train.metrics import MetricsLogger, SilentMetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
-from seqshard.train.state import NONFINITE_KINDS, NonfiniteGuard, TrainState, init_train_state
+from seqshard.train.state import (
+    NONFINITE_KINDS,
+    NonfiniteGuard,
+    TrainState,
+    init_train_state,
+    layer_order,
+    relayered,
+)
 from seqshard.train.step import make_eval_step, make_train_step
 
 __all__ = [
@@ -403,10 +410,14 @@ def _initial_state(run: _Run, resuming: bool) -> tuple[TrainState, int, dict[str
     """(state, its step, the checkpoint's metadata or None): restored, or freshly initialized."""
     cfg = run.cfg
     if not resuming:
-        weights = None
+        key = jax.random.key(cfg.train.seed)
         if cfg.init.from_hf:
             weights = load_hf_weights(cfg.init.from_hf, cfg.model, run.mesh, log=run.log)
-        key = jax.random.key(cfg.train.seed)
+        else:
+            weights = init_weights(cfg.model, run.mesh, key)
+        # In the model's layer order; the circular pipeline stores every p-th block per stage.
+        order = layer_order(cfg, run.mesh.shape["p"])
+        weights = relayered(weights, range(cfg.model.n_layers), order)
         state = init_train_state(cfg.model, run.mesh, run.opt, key, weights)
         run.log(f"starting {run.run_dir} on mesh {run.cfg.mesh.describe()}")
         return state, 0, None

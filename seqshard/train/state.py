@@ -12,8 +12,12 @@ shardings serve init, the jitted step's in/out shardings, and checkpoint restore
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -21,13 +25,18 @@ from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Weights, init_weights, weight_structs
 from seqshard.shardtypes import i32, pytree_dataclass, shape_dtype_structs
 
+if TYPE_CHECKING:
+    from seqshard.config import Config
+
 __all__ = [
     "NONFINITE_KINDS",
     "NonfiniteGuard",
     "TrainState",
     "init_train_state",
+    "layer_order",
     "no_nonfinite",
     "nonfinite_kind",
+    "relayered",
     "train_state_structs",
 ]
 
@@ -115,3 +124,30 @@ def init_train_state(
         ),
         out_shardings=out,
     )(weights)
+
+
+def layer_order(cfg: Config, p: int) -> tuple[int, ...]:
+    """The model's layer at each position of the stored layer stack of ``cfg`` on a mesh with
+    ``p`` stages (:meth:`seqshard.pipeline_schedule.Pipeline.layer_order`): the identity but
+    for the circular schedule, whose stages hold every p-th block."""
+    return cfg.train.pipeline().layer_order(p, cfg.model.n_layers)
+
+
+def relayered(tree, saved: Sequence[int], wanted: Sequence[int]):
+    """``tree`` (weights, a train state: any tree whose layer stacks sit under a ``layers``
+    field), its layer stacks stored in order ``saved`` rearranged into order ``wanted`` (each
+    a :func:`layer_order`), every array keeping its sharding; the tree itself when the orders
+    agree. One jitted gather per stacked array (over p when the stack is split over it)."""
+    saved, wanted = tuple(saved), tuple(wanted)
+    if saved == wanted:
+        return tree
+    position = {layer: i for i, layer in enumerate(saved)}
+    take = np.array([position[layer] for layer in wanted], np.int32)
+
+    def move(path, x):
+        stacked = any(getattr(k, "name", None) == "layers" for k in path)
+        if not stacked:
+            return x
+        return jax.jit(lambda a: jnp.take(a, take, axis=0), out_shardings=x.sharding)(x)
+
+    return jax.tree_util.tree_map_with_path(move, tree)
