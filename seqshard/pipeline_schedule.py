@@ -65,6 +65,11 @@ class Pipeline:
         v = self.repeats if self.schedule == "circular" else 1
         if p == 1 or v == 1:
             return tuple(range(n_layers))
+        if n_layers % (p * v):
+            raise ValueError(
+                f"model.n_layers={n_layers} does not split into mesh.p x "
+                f"train.pipeline_repeats = {p} x {v} equal layer blocks."
+            )
         b = n_layers // (p * v)
         return tuple((r * p + s) * b + j for s in range(p) for r in range(v) for j in range(b))
 

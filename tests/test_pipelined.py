@@ -21,12 +21,15 @@ import functools
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from model_weights import packed_batch, random_weights, tiny_model
 
 from seqshard.batch import batch_structs, token_batch
 from seqshard.config import ConfigError, load_config
+from seqshard.hf.export import export_run
+from seqshard.hf.load import load_hf_weights
 from seqshard.mesh import training_mesh
 from seqshard.model.reference import reference_loss_fn
 from seqshard.model.transformer import batch_loss_terms
@@ -36,6 +39,7 @@ from seqshard.testing import fake_cpu_mesh, list_collectives
 from seqshard.train.checkpoint import latest_state
 from seqshard.train.loop import train
 from seqshard.train.metrics import read_metrics
+from seqshard.train.state import layer_order, relayered
 
 MESHES = [(2, 2, 1, 2), (4, 2, 1, 1), (2, 4, 1, 1), (8, 1, 1, 1)]
 BATCH, LENGTH, LAYERS = 16, 16, 8
@@ -46,13 +50,13 @@ def _mesh(shape):
     return fake_cpu_mesh(shape, ("p", "d", "c", "t"))
 
 
-def _cfg(remat="saved"):
-    return tiny_model(n_layers=LAYERS, n_kv=2, backward="autodiff", remat=remat)
+def _cfg(remat="saved", layers=LAYERS):
+    return tiny_model(n_layers=layers, n_kv=2, backward="autodiff", remat=remat)
 
 
 @functools.cache
-def _reference(remat):
-    cfg = _cfg(remat)
+def _reference(remat, layers=LAYERS):
+    cfg = _cfg(remat, layers)
     w = random_weights(cfg, seed=1)
     tokens, starts = packed_batch(cfg.vocab, BATCH, LENGTH, seed=3)
     loss, grads = jax.jit(jax.value_and_grad(reference_loss_fn), static_argnums=3)(
@@ -62,28 +66,43 @@ def _reference(remat):
 
 
 def _pipelined_value_and_grad(shape, schedule, m, remat):
-    cfg = _cfg(remat)
+    """The pipelined loss and gradients, the weights laid out in the schedule's layer order
+    (circular: v = 2 blocks per stage) and the gradients brought back to the model's."""
+    v = 2 if schedule == "circular" else 1
+    layers = _layers(shape, schedule)
+    cfg = _cfg(remat, layers)
     mesh = _mesh(shape)
-    w_np, tokens, starts, _, _ = _reference(remat)
+    w_np, tokens, starts, _, _ = _reference(remat, layers)
     w = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), w_np, weight_structs(cfg, mesh))
-    pipe = Pipeline(schedule, m)
+    pipe = Pipeline(schedule, m, repeats=v)
+    order = pipe.layer_order(shape[0], layers)
 
     def loss(w):
         total, count = batch_loss_terms(w, token_batch(tokens, starts), cfg, mesh, pipe)
         return total / count
 
-    return jax.jit(jax.value_and_grad(loss))(w)
+    loss, grads = jax.jit(jax.value_and_grad(loss))(relayered(w, range(layers), order))
+    return loss, relayered(grads, order, range(layers))
+
+
+def _layers(shape, schedule) -> int:
+    """8 layers; 16 for the circular schedule's 2 blocks on each of 8 stages."""
+    return max(LAYERS, 2 * shape[0]) if schedule == "circular" else LAYERS
 
 
 CASES = [
     (shape, schedule, m_of_p, remat)
     for shape in MESHES
-    for schedule in ("gpipe", "1f1b")
+    for schedule in ("gpipe", "circular", "1f1b")
     for m_of_p in (1, 2)
     for remat in ("saved", "full", "none")
 ]
 # One case per mesh and schedule in the default run, m and remat varied across them.
-DEFAULT = {CASES[i] for i in (0, 10, 14, 20, 24, 34, 39, 47)}
+DEFAULT = {
+    (shape, schedule, 1 + (i + j) % 2, ("saved", "full", "none")[(i + 2 * j) % 3])
+    for i, shape in enumerate(MESHES)
+    for j, schedule in enumerate(("gpipe", "circular", "1f1b"))
+}
 
 
 @pytest.mark.parametrize(
@@ -93,7 +112,7 @@ DEFAULT = {CASES[i] for i in (0, 10, 14, 20, 24, 34, 39, 47)}
 def test_pipelined_loss_and_gradients_equal_the_reference(shape, schedule, m_of_p, remat):
     m = m_of_p * shape[0]
     loss, grads = _pipelined_value_and_grad(shape, schedule, m, remat)
-    *_, want_loss, want_grads = _reference(remat)
+    *_, want_loss, want_grads = _reference(remat, _layers(shape, schedule))
     np.testing.assert_allclose(float(loss), want_loss, rtol=LOSS_RTOL)
     for path, got, want in zip(
         jax.tree_util.tree_leaves_with_path(grads),
@@ -237,18 +256,27 @@ def test_twenty_steps_of_each_schedule_track_the_unpipelined_run(tmp_path, tiny_
         )
 
 
-def test_a_pipelined_checkpoint_restores_with_other_p_and_trains_on(tmp_path, tiny_overrides):
-    """A 1f1b run on p=2 x d=2 x t=2 (3 steps) writes a checkpoint that restores on p = 1
-    (d=4 x t=2) and on p = 4 (p=4 x t=2) to the same weights, bit for bit; resumed for a
-    fourth step on each (eval pipelined on p = 4), their losses agree within 1e-5."""
+@pytest.mark.parametrize("schedule", ["circular", pytest.param("1f1b", marks=pytest.mark.slow)])
+def test_a_pipelined_checkpoint_restores_with_other_p_and_trains_on(
+    tmp_path, tiny_overrides, schedule
+):
+    """A run on p=2 x d=2 x t=2 (3 steps; circular: 2 blocks of 2 layers per stage, stored
+    every p-th block) writes a checkpoint that restores on p = 1 (d=4 x t=2) and p = 4
+    (p=4 x t=2) to the same model, layer for layer; resumed for a fourth step on each (eval
+    pipelined on p = 4), their losses agree within 1e-5. Its export holds the model's layers
+    in the model's order."""
     runs = tmp_path / "runs"
     two = [
         *tiny_overrides(runs, "two", steps=3, eval_every=0, batch_size=16),
-        *_pipelined(2, 2, "1f1b"),
+        *_pipelined(2, 2, schedule),
+        "model.n_layers=8",
+        f"train.pipeline_repeats={2 if schedule == 'circular' else 1}",
     ]
     _train(two)
     cfg = load_config(None, two)
-    want = latest_state(runs / "two", cfg, training_mesh(cfg.mesh.sizes()), log=_quiet)
+    mesh = training_mesh(cfg.mesh.sizes())
+    stored = latest_state(runs / "two", cfg, mesh, log=_quiet).weights
+    want = relayered(stored, layer_order(cfg, 2), range(8))  # the model's order
     resumed = {}
     for p, d in ((1, 4), (4, 1)):
         shutil.copytree(runs / "two", runs / f"p{p}")
@@ -256,13 +284,36 @@ def test_a_pipelined_checkpoint_restores_with_other_p_and_trains_on(tmp_path, ti
         other_cfg = load_config(None, other)
         got = latest_state(
             runs / f"p{p}", other_cfg, training_mesh(other_cfg.mesh.sizes()), log=_quiet
-        )
-        for a, b in zip(jax.tree.leaves(got.weights), jax.tree.leaves(want.weights), strict=True):
+        ).weights
+        got = relayered(got, layer_order(other_cfg, p), range(8))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         resumed[p] = _train([*other, "train.steps=4", "train.eval_every=4"])
     assert resumed[1].step == resumed[4].step == 4
     np.testing.assert_allclose(resumed[4].val_loss, resumed[1].val_loss, rtol=1e-5)
     np.testing.assert_allclose(_losses(runs / "p4")[4], _losses(runs / "p1")[4], rtol=1e-5)
+    # Exported from the stages' order, imported at p = 1: the model's layers in order.
+    out = tmp_path / "hf"
+    export_run(runs / "two", out, cfg, mesh, log=_quiet)
+    flat = load_config(None, [*two, "mesh.p=1", "mesh.d=4"])
+    imported = load_hf_weights(out, flat.model, training_mesh(flat.mesh.sizes()), log=_quiet)
+    for a, b in zip(jax.tree.leaves(imported), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_circular_layer_order_and_its_inverse():
+    """Stage s of p holds the model's blocks s, s + p, ...; relayered moves a stack between
+    any two orders and back."""
+    pipe = Pipeline("circular", 4, 2)
+    assert pipe.layer_order(2, 8) == (0, 1, 4, 5, 2, 3, 6, 7)
+    assert pipe.layer_order(4, 8) == (0, 4, 1, 5, 2, 6, 3, 7)
+    assert pipe.layer_order(1, 8) == Pipeline("gpipe").layer_order(4, 8) == tuple(range(8))
+    stack = {"layers": jnp.arange(8.0) * 10, "embed": jnp.arange(3.0)}
+    moved = relayered(stack, range(8), pipe.layer_order(2, 8))
+    np.testing.assert_array_equal(moved["layers"], [0, 10, 40, 50, 20, 30, 60, 70])
+    np.testing.assert_array_equal(moved["embed"], stack["embed"])
+    back = relayered(moved, pipe.layer_order(2, 8), pipe.layer_order(4, 8))
+    np.testing.assert_array_equal(back["layers"], [0, 40, 10, 50, 20, 60, 30, 70])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,9 +332,17 @@ def test_a_pipelined_checkpoint_restores_with_other_p_and_trains_on(tmp_path, ti
                 "model.backward=autodiff",
                 "train.pipeline_schedule=circular",
                 "train.microbatches=2",
+                "train.pipeline_repeats=4",
+            ],
+            "model.n_layers=4 does not split into mesh.p x train.pipeline_repeats = 2 x 4",
+        ),
+        (
+            [
+                "model.backward=autodiff",
+                "train.pipeline_schedule=circular",
                 "train.pipeline_repeats=2",
             ],
-            "train.pipeline_repeats=2 is not built yet",
+            "the circular schedule needs train.microbatches >= mesh.p",
         ),
         (
             ["model.backward=autodiff", "train.pipeline_repeats=2"],

@@ -145,7 +145,7 @@ def relayered(tree, saved: Sequence[int], wanted: Sequence[int]):
     take = np.array([position[layer] for layer in wanted], np.int32)
 
     def move(path, x):
-        stacked = any(getattr(k, "name", None) == "layers" for k in path)
+        stacked = any(getattr(k, "name", getattr(k, "key", None)) == "layers" for k in path)
         if not stacked:
             return x
         return jax.jit(lambda a: jnp.take(a, take, axis=0), out_shardings=x.sharding)(x)
