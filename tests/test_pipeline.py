@@ -173,6 +173,7 @@ def test_activations_move_only_by_collective_permutes_over_p():
 # -- the model's own layer as the stage ---------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole model pipelined: tests/test_pipelined.py
 def test_the_models_layers_pipeline_over_p_with_fsdp_and_tensor_parallel_inside():
     """Stage = the model's scanned layer (FSDP gathers over d and Megatron's reduce-scatters
     over t inside every tick, replication checked) on a (p, d, c, t) = (2, 2, 1, 2) mesh, over
