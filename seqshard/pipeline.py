@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from seqshard import collective_log, shardops
 from seqshard.vma import replication_checked, varying_axes
@@ -49,6 +50,24 @@ def _shift(x: jax.Array, offset: int) -> jax.Array:
 def _put(buffer: jax.Array, i: jax.Array, x: jax.Array, when: jax.Array) -> jax.Array:
     """``buffer`` with row ``i`` set to ``x`` where ``when``, else unchanged."""
     return jnp.where(when, lax.dynamic_update_index_in_dim(buffer, x, i, 0), buffer)
+
+
+def _stage_of_round(stage_fn: StageFn, blocks: Any, r: jax.Array, x: jax.Array, i: jax.Array):
+    """``stage_fn`` on round ``r``'s block. With one block it is the loop-invariant ``blocks``
+    itself; with several, the indexing is rematerialized: either way the backward of the tick
+    loop keeps no per-tick copy of the stage's weights."""
+    if jax.tree.leaves(blocks)[0].shape[0] == 1:
+        return stage_fn(jax.tree.map(lambda b: b[0], blocks), x, i)
+
+    def indexed(blocks, r, x, i):
+        block = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, r, keepdims=False), blocks)
+        return stage_fn(checkpoint_name(block, _BLOCK), x, i)
+
+    policy = jax.checkpoint_policies.save_anything_except_these_names(_BLOCK)
+    return jax.checkpoint(indexed, policy=policy, prevent_cse=False)(blocks, r, x, i)
+
+
+_BLOCK = "pipeline_stage_block"
 
 
 def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array:
@@ -74,8 +93,7 @@ def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array
         first = lax.dynamic_index_in_dim(xs, i, keepdims=False)
         again = lax.dynamic_index_in_dim(returned, i, keepdims=False)
         x = jnp.where(s == 0, jnp.where(r == 0, first, again), held)
-        block = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, r, keepdims=False), blocks)
-        y = jnp.where(valid, stage_fn(block, x, i), 0)
+        y = jnp.where(valid, _stage_of_round(stage_fn, blocks, r, x, i), 0)
         ys = _put(ys, i, y, valid & (s == p - 1) & (r == v - 1))
         arrived = _shift(y, 1)
         # Stage 0 keeps what the last stage finished for its next round: that task was t-(p-1).
