@@ -475,12 +475,6 @@ def _check_pipeline(cfg: Config) -> None:
             f"train.pipeline_repeats = {p} x {train.pipeline_repeats} = {blocks} equal layer "
             f"blocks. Choose n_layers divisible by {blocks}, or other mesh.p / pipeline_repeats."
         )
-    if cfg.model.backward == "explicit":
-        raise ConfigError(
-            f"mesh.p={p} pipelines the layers, and each stage's layers are differentiated by "
-            f"autodiff (model.backward=explicit is written for the whole model at p=1). Set "
-            f"model.backward=autodiff."
-        )
 
 
 def check_run_name(name: str) -> None:

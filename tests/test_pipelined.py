@@ -51,8 +51,8 @@ def _mesh(shape):
     return fake_cpu_mesh(shape, ("p", "d", "c", "t"))
 
 
-def _cfg(remat="saved", layers=LAYERS):
-    return tiny_model(n_layers=layers, n_kv=2, backward="autodiff", remat=remat)
+def _cfg(remat="saved", layers=LAYERS, backward="autodiff"):
+    return tiny_model(n_layers=layers, n_kv=2, backward=backward, remat=remat)
 
 
 @functools.cache
@@ -66,12 +66,12 @@ def _reference(remat, layers=LAYERS):
     return w, tokens, starts, float(loss), grads
 
 
-def _pipelined_value_and_grad(shape, schedule, m, remat):
+def _pipelined_value_and_grad(shape, schedule, m, remat, backward):
     """The pipelined loss and gradients, the weights laid out in the schedule's layer order
     (circular: v = 2 blocks per stage) and the gradients brought back to the model's."""
     v = 2 if schedule == "circular" else 1
     layers = _layers(shape, schedule)
-    cfg = _cfg(remat, layers)
+    cfg = _cfg(remat, layers, backward)
     mesh = _mesh(shape)
     w_np, tokens, starts, _, _ = _reference(remat, layers)
     w = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), w_np, weight_structs(cfg, mesh))
@@ -92,33 +92,35 @@ def _layers(shape, schedule) -> int:
 
 
 CASES = [
-    (shape, schedule, m_of_p, remat)
+    (shape, schedule, m_of_p, remat, backward)
     for shape in MESHES
     for schedule in ("gpipe", "circular", "1f1b")
     for m_of_p in (1, 2)
     for remat in ("saved", "full", "none")
+    for backward in ("explicit", "autodiff")
 ]
-# In the default run: each schedule on two or three meshes, each mesh twice, m and remat varied.
+# In the default run: each schedule on two or three meshes, each mesh twice, m, remat and the
+# stage's backward varied.
 DEFAULT = {
-    ((2, 2, 1, 2), "gpipe", 1, "saved"),
-    ((2, 2, 1, 2), "1f1b", 2, "full"),
-    ((4, 2, 1, 1), "circular", 1, "none"),
-    ((4, 2, 1, 1), "1f1b", 1, "saved"),
-    ((2, 4, 1, 1), "circular", 2, "full"),
-    ((2, 4, 1, 1), "gpipe", 2, "none"),
-    ((8, 1, 1, 1), "gpipe", 1, "full"),
-    ((8, 1, 1, 1), "1f1b", 2, "none"),
+    ((2, 2, 1, 2), "gpipe", 1, "saved", "explicit"),
+    ((2, 2, 1, 2), "1f1b", 2, "full", "autodiff"),
+    ((4, 2, 1, 1), "circular", 1, "none", "explicit"),
+    ((4, 2, 1, 1), "1f1b", 1, "saved", "explicit"),
+    ((2, 4, 1, 1), "circular", 2, "full", "autodiff"),
+    ((2, 4, 1, 1), "gpipe", 2, "none", "autodiff"),
+    ((8, 1, 1, 1), "gpipe", 1, "full", "explicit"),
+    ((8, 1, 1, 1), "1f1b", 2, "none", "autodiff"),
 }
 assert set(CASES) >= DEFAULT
 
 
 @pytest.mark.parametrize(
-    "shape, schedule, m_of_p, remat",
+    "shape, schedule, m_of_p, remat, backward",
     [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
 )
-def test_pipelined_loss_and_gradients_equal_the_reference(shape, schedule, m_of_p, remat):
+def test_pipelined_loss_and_gradients_equal_the_reference(shape, schedule, m_of_p, remat, backward):
     m = m_of_p * shape[0]
-    loss, grads = _pipelined_value_and_grad(shape, schedule, m, remat)
+    loss, grads = _pipelined_value_and_grad(shape, schedule, m, remat, backward)
     *_, want_loss, want_grads = _reference(remat, _layers(shape, schedule))
     np.testing.assert_allclose(float(loss), want_loss, rtol=LOSS_RTOL)
     for path, got, want in zip(
@@ -132,10 +134,10 @@ def test_pipelined_loss_and_gradients_equal_the_reference(shape, schedule, m_of_
         assert err < GRAD_TOL, (jax.tree_util.keystr(path[0]), err)
 
 
-def step_config(shape, schedule, m, batch=BATCH):
+def step_config(shape, schedule, m, batch=BATCH, backward="autodiff"):
     from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_config
 
-    model = _cfg()
+    model = _cfg(backward=backward)
     p, d, c, t = shape
     config = Config(
         model=model,
@@ -149,12 +151,12 @@ def step_config(shape, schedule, m, batch=BATCH):
     return config
 
 
-def _train_step_and_args(shape, schedule, m, batch=BATCH):
+def _train_step_and_args(shape, schedule, m, batch=BATCH, backward="autodiff"):
     from seqshard.train.optimizer import make_optimizer
     from seqshard.train.state import train_state_structs
     from seqshard.train.step import make_train_step
 
-    config = step_config(shape, schedule, m, batch)
+    config = step_config(shape, schedule, m, batch, backward)
     model = config.model
     mesh = _mesh(shape)
     opt = make_optimizer(config.train)
@@ -162,14 +164,14 @@ def _train_step_and_args(shape, schedule, m, batch=BATCH):
     return step, train_state_structs(model, mesh, opt), batch_structs(batch, LENGTH, mesh), mesh
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_only_the_schedules_shifts_and_the_replicated_weights_sums_cross_p(schedule):
+@pytest.mark.parametrize("schedule, backward", [("gpipe", "explicit"), ("1f1b", "autodiff")])
+def test_only_the_schedules_shifts_and_the_replicated_weights_sums_cross_p(schedule, backward):
     """On (p, d, c, t) = (2, 2, 1, 2): two collective-permutes over p (the activation and
     its cotangent, each inside the tick loop), all-reduces over p of the loss and of the
     gradients of the weights every stage holds (embedding, final norm, unembedding), and no
     other collective over p: no stage gathers another stage's weights. `seqshard show`
     predicts the shifts' bytes."""
-    step, state, batch, mesh = _train_step_and_args((2, 2, 1, 2), schedule, 4)
+    step, state, batch, mesh = _train_step_and_args((2, 2, 1, 2), schedule, 4, backward=backward)
     calls = list_collectives(step, state, batch, mesh=mesh)
     over_p = [c for c in calls if "p" in c.axes]
     permutes = [c for c in over_p if c.kind == "collective-permute"]
@@ -219,7 +221,6 @@ def _pipelined(p: int, d: int, schedule: str = "gpipe") -> list[str]:
         f"mesh.p={p}",
         f"mesh.d={d}",
         "model.n_layers=4",
-        "model.backward=autodiff",
         "train.microbatches=4",
         f"train.pipeline_schedule={schedule}",
     ]
@@ -321,10 +322,6 @@ def test_the_circular_layer_order_and_its_inverse():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (
-            ["model.backward=explicit"],
-            "mesh.p=2 pipelines the layers.*Set model.backward=autodiff",
-        ),
         (
             [
                 "model.backward=autodiff",

@@ -116,6 +116,7 @@ from seqshard.model.transformer import (
     norm_input,
     normed,
     rope_and_mask,
+    run_layers,
 )
 from seqshard.model.weights import Layer, Weights
 from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
@@ -126,6 +127,7 @@ __all__ = [
     "attention_backward",
     "embed_backward",
     "explicit_loss_terms",
+    "explicit_run_layers",
     "head_backward",
     "head_forward",
     "kept_activations",
@@ -642,19 +644,40 @@ def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start):
     return forward_loss_terms(cfg, w, tokens, is_seq_start)
 
 
+def _layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer):
+    """The residual through the stacked ``layers`` (inside ``hand_differentiated``): the
+    output and, per layer, what ``cfg.remat`` keeps for :func:`_layers_backward`."""
+    keep = kept_activations(cfg, shardops.axis_size("c"))
+    rope, mask = rope_and_mask(cfg, rows)
+
+    def layer(x, w_layer):
+        a = layer_activations(cfg, rows, rope, mask, w_layer, {"x": x})
+        return layer_output(cfg, a), {name: a[name] for name in keep}
+
+    return collective_log.scan("layers", layer, x, layers)
+
+
+def _layers_backward(cfg: ModelConfig, rows: SequenceRows, layers: Layer, kept, d_out: jax.Array):
+    """(dL/d(the layers' input), the layers' gradients): the layers in reverse, each one's
+    activations rebuilt from what it kept (inside the backward's scopes)."""
+    rope, mask = rope_and_mask(cfg, rows)
+
+    def layer(d_out, w_and_kept):
+        w_layer, kept_layer = w_and_kept
+        # Named as JAX names remat's recomputation, so HLO audits (seqshard.comms) put its
+        # re-gathers in the 'recompute' phase, as for autodiff.
+        with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
+            a = layer_activations(cfg, rows, rope, mask, w_layer, kept_layer)
+        return layer_backward(cfg, rows, rope, mask, a, d_out)
+
+    return collective_log.scan("layers", layer, d_out, (layers, kept), reverse=True)
+
+
 def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start: jax.Array):
     """The forward pass for differentiation: the loss terms and what the backward reads."""
-    keep = kept_activations(cfg, shardops.axis_size("c"))
-
     with collective_log.hand_differentiated():  # _backward logs its own collectives
         rows = sequence_rows(tokens, is_seq_start)
-        rope, mask = rope_and_mask(cfg, rows)
-
-        def layer(x, w_layer):
-            a = layer_activations(cfg, rows, rope, mask, w_layer, {"x": x})
-            return layer_output(cfg, a), {name: a[name] for name in keep}
-
-        x, kept = collective_log.scan("layers", layer, embed(cfg, w, rows.tokens), w.layers)
+        x, kept = _layers_keeping(cfg, rows, embed(cfg, w, rows.tokens), w.layers)
         terms, head = head_forward(cfg, w, x, rows)
     # The weights are kept as they are (FSDP shards): the backward gathers them again.
     return terms, (w, rows, kept, head)
@@ -667,20 +690,53 @@ def _backward(cfg: ModelConfig, axes, residuals, d_terms: jax.Array):
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
     with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
         d_x, d_final_norm, d_unembed = head_backward(cfg, head, rows, d_terms[0])
-        rope, mask = rope_and_mask(cfg, rows)
-
-        def layer(d_out, w_and_kept):
-            w_layer, kept_layer = w_and_kept
-            # Named as JAX names remat's recomputation, so HLO audits (seqshard.comms) put its
-            # re-gathers in the 'recompute' phase, as for autodiff.
-            with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
-                a = layer_activations(cfg, rows, rope, mask, w_layer, kept_layer)
-            return layer_backward(cfg, rows, rope, mask, a, d_out)
-
-        d_x, d_layers = collective_log.scan("layers", layer, d_x, (w.layers, kept), reverse=True)
+        d_x, d_layers = _layers_backward(cfg, rows, w.layers, kept, d_x)
         d_embed = embed_backward(cfg, rows.tokens, d_x)
     grads = Weights(embed=d_embed, layers=d_layers, final_norm=d_final_norm, unembed=d_unembed)
     return grads, None, None
 
 
 _with_explicit_backward.defvjp(_forward, _backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# A pipeline stage's layers
+
+
+def explicit_run_layers(
+    cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer
+) -> jax.Array:
+    """:func:`~seqshard.model.transformer.run_layers` (the residual through a stack of
+    layers: a pipeline stage's block), whose gradient is this module's layer backward, the
+    layers in reverse. ``rows`` are the rows' ids and positions (no gradient)."""
+    axes = block_axes()
+    if axes is None:
+        raise ValueError("explicit_run_layers runs inside the model's shard_map.")
+    return _stage_with_explicit_backward(
+        cfg, (tuple(axes.sizes.items()), axes.manual), layers, x, rows
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _stage_with_explicit_backward(cfg, axes, layers, x, rows):
+    return run_layers(cfg, rows, x, layers)
+
+
+def _stage_forward(cfg: ModelConfig, axes, layers: Layer, x: jax.Array, rows: SequenceRows):
+    sizes, manual = axes
+    # Traced when JAX differentiates the tick loop (the stage's scopes closed): reopen them.
+    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.hand_differentiated():
+        y, kept = _layers_keeping(cfg, rows, x, layers)
+    return y, (layers, rows, kept)
+
+
+def _stage_backward(cfg: ModelConfig, axes, residuals, d_y: jax.Array):
+    layers, rows, kept = residuals
+    sizes, manual = axes
+    # Traced when JAX transposes the tick loop, after the body's scopes closed: reopen them.
+    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
+        d_x, d_layers = _layers_backward(cfg, rows, layers, kept, d_y)
+    return d_layers, d_x, None
+
+
+_stage_with_explicit_backward.defvjp(_stage_forward, _stage_backward)

@@ -27,8 +27,10 @@ gather them across the pipeline's (slow) links every step.
 **Backward.** ``gpipe`` and ``circular``: JAX differentiates the tick scan (each shift's transpose is the shift
 back). ``1f1b`` (:func:`seqshard.pipeline.one_f_one_b`): a ``custom_vjp`` whose forward
 runs the interleaved forward and backward ticks and keeps the gradients; its backward scales
-them by the loss's cotangent. Within a stage, each layer is differentiated by autodiff under
-``cfg.remat`` (``model.backward=explicit`` is refused for p > 1 by the config).
+them by the loss's cotangent. Within a stage, the layers' backward is the hand-written one of
+:mod:`seqshard.model.backward` under ``model.backward=explicit`` (a ``custom_vjp`` over the
+stage's layer scan: :func:`~seqshard.model.backward.explicit_run_layers`), else autodiff's,
+each layer under ``cfg.remat``. The embedding and the head are differentiated by autodiff.
 
 The SPMD program is the same on every stage: a stage's idle ticks compute on zeros and are
 masked, and every stage runs the embedding and the head (their results are masked on the
@@ -115,6 +117,10 @@ def _stages(cfg: ModelConfig, pipe: Pipeline, tokens, is_seq_start):
 
     def stage(block, x, i):
         with shape_scope():  # B is a microbatch's rows here
+            if cfg.backward == "explicit":
+                from seqshard.model.backward import explicit_run_layers  # imports transformer
+
+                return explicit_run_layers(cfg, _microbatch(micro, i), x, block)
             return run_layers(cfg, _microbatch(micro, i), x, block)
 
     return rows, micro, stage
