@@ -140,18 +140,27 @@ def one_f_one_b(
         b = t - 2 * (p - 1) + s
         backward = (b >= 0) & (b < m)
         bc = jnp.clip(b, 0, m - 1)
+        # Each collective of the tick waits for the one before it (optimization barriers):
+        # forward, head, backward, the two shifts. Independent, they could start side by side
+        # in a different order on different devices, and wait on each other for ever (XLA's
+        # CPU runtime does run independent work concurrently).
+        head_now, y = lax.optimization_barrier((head, y))
         # On the last stage the backward is of the microbatch it just ran forward (b == i).
-        value, (d_h, d_y) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, bc)
+        value, (d_h, d_y) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_now, y, bc)
         counts = last & backward
         loss = loss + jnp.where(counts, value, 0.0)
         d_head = jax.tree.map(lambda acc, g: acc + jnp.where(counts, g, 0), d_head, d_h)
         g = jnp.where(last, d_y, cotangent)
         x_b = lax.dynamic_index_in_dim(stash, bc % slots, keepdims=False)
-        _, vjp = jax.vjp(lambda w, h: stage_fn(w, h, bc), block, x_b)
+        g, x_b, block_now = lax.optimization_barrier((g, x_b, block))
+        _, vjp = jax.vjp(lambda w, h: stage_fn(w, h, bc), block_now, x_b)
         d_w, d_x = vjp(jnp.where(backward, g, 0))
         d_block = jax.tree.map(jnp.add, d_block, d_w)
         d_xs = _put(d_xs, bc, d_x, backward & (s == 0))
-        return (_shift(y, 1), _shift(d_x, -1), stash, loss, d_block, d_head, d_xs), None
+        y, d_x = lax.optimization_barrier((y, d_x))
+        sent = _shift(y, 1)
+        sent, d_x = lax.optimization_barrier((sent, d_x))
+        return (sent, _shift(d_x, -1), stash, loss, d_block, d_head, d_xs), None
 
     zeros = jnp.zeros_like(xs[0])
     init = varying_over_stages(

@@ -67,6 +67,7 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 
+import jax
 import jax.numpy as jnp
 
 from seqshard import hardware
@@ -76,6 +77,7 @@ from seqshard.flops import (
     format_bytes,
     hardware_flops_per_token,
     layer_bytes,
+    matmul_flops_per_token,
     memory_per_device,
 )
 from seqshard.model.weights import Layer, Weights
@@ -121,11 +123,11 @@ def target_config(cfg: Config, n_devices: int) -> Config:
     if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
         raise ConfigError(f"the device count must be a positive integer, got {n_devices!r}.")
     cfg = resolve_mesh(cfg, n_devices)
-    modelled = {"d", "c", "t"}  # the axes whose collectives this module lists
+    modelled = {"p", "d", "c", "t"}  # the axes whose collectives and memory this module models
     other = {a: n for a, n in cfg.mesh.sizes().items() if a not in modelled and n > 1}
     if other:
         raise ConfigError(
-            f"the planner models mesh axes d, c and t only; mesh {cfg.mesh.describe()} also "
+            f"the planner models mesh axes p, d, c and t only; mesh {cfg.mesh.describe()} also "
             f"splits over {sorted(other)}."
         )
     if cfg.mesh.n_devices != n_devices:
@@ -219,6 +221,8 @@ def _microbatch_rows(cfg: Config) -> int:
 def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     """Peak bytes per device of a training step of ``cfg`` (mesh resolved), with attention run
     as ``attention_impl`` (``einsum``, ``cudnn``, ``splash``, ``xla``)."""
+    if cfg.mesh.sizes()["p"] > 1:
+        return _pipelined_memory_plan(cfg, attention_impl)
     m, train = cfg.model, cfg.train
     d, c, t = (cfg.mesh.sizes()[a] for a in ("d", "c", "t"))
     micro = _microbatch_rows(cfg)
@@ -226,14 +230,33 @@ def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c)
     accumulate = train.microbatches > 1
 
-    outer = _outer_gathers(cfg)
-    table = outer["unembed"].gathered_bytes  # 'V/t M' in compute dtype
-    copy = table if outer["unembed"].minor else 0
+    table, copy = _head_table(cfg)
     # Hoisted out of the accumulation loop, the gathered embed and unembed tables (and a
     # transposed copy) live through every microbatch.
     hoisted = 2 * table + copy if accumulate else 0
     head = (0 if accumulate else table + copy) + table  # gathered, transposed, gradient
+    activations, layer = _layer_memory(cfg, attention_impl, lb, base.activations)
+    return MemoryPlan(
+        weights=base.weights,
+        grads=base.grads * (2 if accumulate else 1),
+        optimizer=base.optimizer,
+        activations=activations,
+        logits=2 * base.logits,
+        transient=hoisted + max(head, layer),
+    )
 
+
+def _head_table(cfg: Config) -> tuple[int, int]:
+    """(bytes of the gathered unembedding 'V/t M' in compute dtype, of its transposed copy)."""
+    outer = _outer_gathers(cfg)
+    table = outer["unembed"].gathered_bytes
+    return table, table if outer["unembed"].minor else 0
+
+
+def _layer_memory(cfg: Config, attention_impl: str, lb, activations: int) -> tuple[int, int]:
+    """(``activations`` less the probabilities fused attention never keeps, one layer's
+    backward working set), for layers of :class:`~seqshard.flops.LayerBytes` ``lb``."""
+    m, c = cfg.model, cfg.mesh.sizes()["c"]
     gathered = _layer_gathers(cfg)
     weight_grads = sum(g.gathered_bytes for g in gathered)  # before their reduce-scatters
     copies = sum(g.gathered_bytes for g in gathered if g.minor)
@@ -241,7 +264,6 @@ def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     rebuilt = everything - remat_policy(m.remat).saved_bytes(lb)  # re-run in the backward
     # Flash kernels and the ring (c > 1) never hold the probabilities, to keep or to rebuild.
     fused = attention_impl in FUSED_ATTENTION or m.ring_over(c)
-    activations = base.activations
     if fused:  # flash attention never holds the probabilities, to keep or to rebuild
         rebuilt -= min(rebuilt, lb.probs)
         if m.remat == "none":
@@ -251,14 +273,58 @@ def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     # One f32 gradient of the scores at a time: softmax's backward turns d probs into
     # d scores elementwise.
     score_grads = 0 if fused else 4 * probs_elements
-    layer = rebuilt + weight_grads + copies + score_grads
+    return activations, rebuilt + weight_grads + copies + score_grads
+
+
+def _weight_bytes_per_device(cfg: Config) -> int:
+    """f32 bytes of every weight's per-device block, read off the types (``layers/p`` over
+    the stages; the embedding and the head replicated over p)."""
+    sizes, mesh = cfg.model.dim_sizes(), cfg.mesh.sizes()
+    leaves = jax.tree.leaves(type_tree(Weights), is_leaf=lambda x: isinstance(x, ArrayType))
+    return sum(4 * math.prod(block_shape(t, sizes, mesh)) for t in leaves)
+
+
+def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
+    """The peak of a pipelined step (mesh.p > 1, :mod:`seqshard.model.pipelined`): each stage
+    holds L/p layers; a microbatch has b = batch / (d·m) rows.
+
+    * gpipe, circular (v blocks): autodiff of the tick loop keeps, for every forward tick
+      (v·m + p - 1), what ``remat`` keeps of the block's L/(p·v) layers; plus the embedded
+      inputs and the last stage's outputs, m residual blocks each.
+    * 1f1b: the stashed stage inputs (at most 2p - 1 residual blocks), one stage's kept
+      activations (the vjp in flight), and the inputs and their gradients (m blocks each).
+
+    Logits and the transient working set are one microbatch's (the head runs per microbatch,
+    rematerialized); the gradients accumulate in place (no extra buffer)."""
+    m, train, sizes = cfg.model, cfg.train, cfg.mesh.sizes()
+    p, d, c, t = (sizes[a] for a in ("p", "d", "c", "t"))
+    k = train.microbatches
+    schedule = train.pipeline().on(p)
+    micro = train.batch_size // k
+    lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c)
+    one_layer = dataclasses.replace(cfg, model=dataclasses.replace(m, n_layers=1))
+    per_layer, layer = _layer_memory(
+        one_layer, attention_impl, lb, remat_policy(m.remat).saved_bytes(lb)
+    )
+    rows = micro // d
+    block = rows * (train.seq_len // c) * m.d_model // t * _dtype_bytes(m.compute_dtype)
+    stage_layers = m.n_layers // p
+    if schedule.name == "1f1b":
+        activations = min(k, 2 * p - 1) * block + stage_layers * per_layer + 2 * k * block
+    else:
+        v = schedule.v
+        forward_ticks = v * k + p - 1
+        activations = forward_ticks * (stage_layers // v) * per_layer + 2 * k * block
+    weights = _weight_bytes_per_device(cfg)
+    table, copy = _head_table(cfg)
+    logits = 4 * rows * (train.seq_len // c) * (m.vocab // t)
     return MemoryPlan(
-        weights=base.weights,
-        grads=base.grads * (2 if accumulate else 1),
-        optimizer=base.optimizer,
+        weights=weights,
+        grads=weights,
+        optimizer=2 * weights,
         activations=activations,
-        logits=2 * base.logits,
-        transient=hoisted + max(head, layer),
+        logits=2 * logits,
+        transient=max(2 * table + copy, layer),
     )
 
 
@@ -290,6 +356,7 @@ class Plan:
     bandwidth_by_axis: Mapping[str, float]  # axis key -> bytes/s per device
     suggestion: Suggestion | None = None  # when it does not fit: the fastest change that does
     suggestion_note: str = ""  # why there is none, when there is none
+    pipelined_compute_s: float | None = None  # mesh.p > 1: the stages' ticks, bubble included
 
     # -- memory --
     @property
@@ -341,6 +408,8 @@ class Plan:
     # -- time --
     @property
     def compute_s(self) -> float:
+        if self.pipelined_compute_s is not None:
+            return self.pipelined_compute_s
         return self.hardware_flops / (self.n_devices * self.chip.peak_flops)
 
     @property
@@ -471,6 +540,39 @@ def _flops(n: float) -> str:
     return f"{n / 1e6:,.2f} MFLOP"
 
 
+def _pipelined_compute_s(cfg: Config, n_devices: int, peak: float) -> float | None:
+    """The compute time of a pipelined step (mesh.p > 1; None otherwise): the critical path
+    through the ticks, every stage working (or masked) in every tick.
+
+    Per device and microbatch: F and B, a stage's layers forward and backward (remat's
+    recompute in B), 1/(p·m) of the step's layer FLOPs per device; H, the head forward and
+    backward on the last stage only (1/m of its per-device FLOPs, split over d, c, t).
+    gpipe and circular: (v·m + p - 1) forward ticks of F/v and as many backward ticks of B/v,
+    then the m heads between them; 1f1b: m + 2(p - 1) ticks of F, the backward's own forward
+    (the stage's vjp runs it again), B and H."""
+    sizes, train, m = cfg.mesh.sizes(), cfg.train, cfg.model
+    p = sizes["p"]
+    if p == 1:
+        return None
+    tokens = train.batch_size * train.seq_len
+    hw = hardware_flops_per_token(m, train.seq_len)
+    head_forward = matmul_flops_per_token(m, train.seq_len).lm_head
+    k = train.microbatches
+    per_micro = tokens / (k * n_devices)  # tokens one device holds of a microbatch, times p
+    layers_forward = (hw.forward - head_forward) * per_micro
+    layers_backward = (hw.backward + hw.recompute - 2 * head_forward) * per_micro
+    head = 3 * head_forward * per_micro * p  # forward and backward, split over d, c, t only
+    schedule = train.pipeline().on(p)
+    if schedule.name == "1f1b":
+        ticks = k + 2 * (p - 1)
+        flops = ticks * (2 * layers_forward + layers_backward + head)
+    else:
+        v = schedule.v
+        ticks = v * k + p - 1
+        flops = ticks * (layers_forward + layers_backward) / v + k * head
+    return flops / peak
+
+
 def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
     """The link each axis key crosses and its bandwidth per device."""
     mesh = cfg.mesh.sizes()
@@ -480,7 +582,9 @@ def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
         # c and t stay inside a fast domain when they fit one (training_mesh lays them out
         # so); d spans all devices' domains.
         inner = mesh["c"] * mesh["t"] if "c" in axes else mesh["t"]
-        crosses = ("d" in axes and n_devices > ch.fast_domain_chips) or (
+        # p, outermost, crosses the slow links as d does (training_mesh keeps t and c inside).
+        spans = "d" in axes or "p" in axes
+        crosses = (spans and n_devices > ch.fast_domain_chips) or (
             ("t" in axes or "c" in axes) and inner > ch.fast_domain_chips
         )
         if crosses:
@@ -521,6 +625,7 @@ def plan(cfg: Config, n_devices: int, chip: str, *, suggest: bool = True) -> Pla
         hardware_flops=float(hardware_flops_per_token(m, train.seq_len).total * tokens),
         link_by_axis=links,
         bandwidth_by_axis=bandwidths,
+        pipelined_compute_s=_pipelined_compute_s(cfg, n_devices, ch.peak_flops),
     )
     if result.fits or not suggest:
         return result
@@ -570,7 +675,7 @@ def _candidate_changes(cfg: Config, n_devices: int) -> dict[str, list[dict[str, 
     t, k = mesh["t"], cfg.train.microbatches
     c = mesh["c"]
     meshes = [
-        {"mesh.d": n_devices // (c * t2), "mesh.t": t2}
+        {"mesh.d": n_devices // (mesh["p"] * c * t2), "mesh.t": t2}
         for t2 in range(t - 1, 0, -1)
         if t % t2 == 0  # more d through a smaller t, on the same devices
     ]

@@ -120,8 +120,10 @@ def one_f_one_b_step(p):
 
 def test_1f1b_needs_less_temporary_memory_than_gpipe():
     """At m = 4p, with GPipe's stage rematerialized too (both keep only stage inputs): XLA's
-    temp bytes per device of the 1F1B step over GPipe's. Measured 0.19 at p = 4, m = 16
-    (0.10 at m = 8p): GPipe keeps an input per tick (m + p - 1), 1F1B 2p - 1 slots."""
+    temp bytes per device of the 1F1B step over GPipe's. Measured 0.32 at p = 4, m = 16
+    (0.19 before 1F1B's ticks were ordered by optimization barriers, which keep a tick's
+    output alive through its backward): GPipe keeps an input per tick (m + p - 1), 1F1B
+    2p - 1 slots."""
     p, m = 4, 16
     ws, xs, targets = inputs(m, rows=64)
     loss = pipelined_loss(p, 1, jax.checkpoint(stack))
@@ -130,7 +132,7 @@ def test_1f1b_needs_less_temporary_memory_than_gpipe():
         name: f.lower(ws, xs, targets).compile().memory_analysis().temp_size_in_bytes
         for name, f in (("gpipe", gpipe), ("1f1b", jax.jit(one_f_one_b_step(p))))
     }
-    assert temp["1f1b"] < 0.3 * temp["gpipe"], temp
+    assert temp["1f1b"] < 0.5 * temp["gpipe"], temp
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard import shardops
+from seqshard import collective_log, shardops
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
 from seqshard.model.transformer import (
@@ -59,7 +59,7 @@ from seqshard.model.transformer import (
 from seqshard.model.weights import Weights
 from seqshard.pipeline import circular_forward, one_f_one_b, varying_over_stages
 from seqshard.pipeline_schedule import Pipeline
-from seqshard.shapecheck import shape_scope
+from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = ["pipelined_loss_terms", "to_microbatches"]
 
@@ -136,9 +136,12 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     """GPipe (and the 1F1B step's value when not differentiated): all forwards, then the
     head over the m outputs, one microbatch at a time (rematerialized: only ys are kept)."""
     rows, micro, stage = _stages(cfg, pipe, tokens, is_seq_start)
-    # The replicated weights, made per stage before use: autodiff then sums their gradients
-    # over p once, here (the transpose of the cast), not once per tick and microbatch.
-    table, head = varying_over_stages((w.embed, _Head(w.final_norm, w.unembed)))
+    # The replicated weights, made per stage before use: their gradients are summed over p
+    # once, here, not by autodiff once per tick and microbatch.
+    axes = block_axes()
+    static = (tuple(axes.sizes.items()), axes.manual)
+    table = _per_stage(_TABLE, static, w.embed)
+    head = _Head(_per_stage(_GAIN, static, w.final_norm), _per_stage(_TABLE, static, w.unembed))
     xs = _embedded(cfg, pipe, table, rows)
     # This stage's v layer blocks, one per round (circular; v = 1: gpipe).
     v = pipe.repeats if pipe.schedule == "circular" else 1
@@ -148,6 +151,30 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
 
     terms = lax.map(lambda y_rows: per_microbatch(*y_rows), (ys, micro))
     return _on_last_stage_summed(jnp.sum(terms, axis=0))
+
+
+_TABLE, _GAIN = "V/t M/d/c", "M/t/d/c"  # the replicated weights' per-device layouts
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _per_stage(spec: str, axes, w: jax.Array) -> jax.Array:
+    """A weight replicated over p, typed per stage (varying over p); its gradient, made on
+    one stage, summed over p: ``psum(spec{U_p} -> spec)``."""
+    return varying_over_stages(w)
+
+
+def _per_stage_forward(spec: str, axes, w: jax.Array):
+    return varying_over_stages(w), None
+
+
+def _per_stage_backward(spec: str, axes, _, g: jax.Array):
+    sizes, manual = axes
+    # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
+    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
+        return (shardops.psum(f"{spec}{{U_p}} -> {spec}", g),)
+
+
+_per_stage.defvjp(_per_stage_forward, _per_stage_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -175,10 +202,10 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, i
     loss = _on_last_stage_summed(jnp.stack([loss, 0.0]))[0]
     grads = Weights(
         # Made on one stage (zeros on the others): summed over p, as the replicated weights' are.
-        embed=shardops.psum("V/t M/d/c{U_p} -> V/t M/d/c", d_embed),
+        embed=shardops.psum(f"{_TABLE}{{U_p}} -> {_TABLE}", d_embed),
         layers=d_layers,
-        final_norm=shardops.psum("M/t/d/c{U_p} -> M/t/d/c", d_head.final_norm),
-        unembed=shardops.psum("V/t M/d/c{U_p} -> V/t M/d/c", d_head.unembed),
+        final_norm=shardops.psum(f"{_GAIN}{{U_p}} -> {_GAIN}", d_head.final_norm),
+        unembed=shardops.psum(f"{_TABLE}{{U_p}} -> {_TABLE}", d_head.unembed),
     )
     return jnp.stack([loss, count]), grads
 
