@@ -136,7 +136,8 @@ def one_f_one_b(
         ic = jnp.clip(i, 0, m - 1)
         x = jnp.where(s == 0, lax.dynamic_index_in_dim(xs, ic, keepdims=False), held)
         stash = _put(stash, ic % slots, x, forward)
-        y = stage_fn(block, x, ic)
+        with collective_log.hand_differentiated():  # its backward is the vjp below
+            y = stage_fn(block, x, ic)
         b = t - 2 * (p - 1) + s
         backward = (b >= 0) & (b < m)
         bc = jnp.clip(b, 0, m - 1)

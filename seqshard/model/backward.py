@@ -712,29 +712,39 @@ def explicit_run_layers(
     axes = block_axes()
     if axes is None:
         raise ValueError("explicit_run_layers runs inside the model's shard_map.")
-    return _stage_with_explicit_backward(
-        cfg, (tuple(axes.sizes.items()), axes.manual), layers, x, rows
-    )
+    static = ((tuple(axes.sizes.items()), axes.manual), collective_log.place())
+    return _stage_with_explicit_backward(cfg, static, layers, x, rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _stage_with_explicit_backward(cfg, axes, layers, x, rows):
-    return run_layers(cfg, rows, x, layers)
+def _stage_with_explicit_backward(cfg, static, layers, x, rows):
+    with collective_log.hand_differentiated(), collective_log.custom_vjp_primal():
+        return run_layers(cfg, rows, x, layers)
 
 
-def _stage_forward(cfg: ModelConfig, axes, layers: Layer, x: jax.Array, rows: SequenceRows):
-    sizes, manual = axes
+def _stage_forward(cfg: ModelConfig, static, layers: Layer, x: jax.Array, rows: SequenceRows):
+    (sizes, manual), where = static
     # Traced when JAX differentiates the tick loop (the stage's scopes closed): reopen them.
-    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.hand_differentiated():
+    with (
+        block_axes_scope(dict(sizes), manual),
+        shape_scope(),
+        collective_log.at(where),
+        collective_log.hand_differentiated(),
+    ):
         y, kept = _layers_keeping(cfg, rows, x, layers)
     return y, (layers, rows, kept)
 
 
-def _stage_backward(cfg: ModelConfig, axes, residuals, d_y: jax.Array):
+def _stage_backward(cfg: ModelConfig, static, residuals, d_y: jax.Array):
     layers, rows, kept = residuals
-    sizes, manual = axes
+    (sizes, manual), where = static
     # Traced when JAX transposes the tick loop, after the body's scopes closed: reopen them.
-    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
+    with (
+        block_axes_scope(dict(sizes), manual),
+        shape_scope(),
+        collective_log.at(where),
+        collective_log.phase("backward"),
+    ):
         d_x, d_layers = _layers_backward(cfg, rows, layers, kept, d_y)
     return d_layers, d_x, None
 

@@ -149,7 +149,11 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     ys = circular_forward(stage, blocks, xs)
     per_microbatch = jax.checkpoint(functools.partial(_head_terms, cfg, head))
 
-    terms = lax.map(lambda y_rows: per_microbatch(*y_rows), (ys, micro))
+
+    def head(_, y_rows):
+        return None, per_microbatch(*y_rows)
+
+    _, terms = collective_log.scan("head", head, None, (ys, micro))
     return _on_last_stage_summed(jnp.sum(terms, axis=0))
 
 
@@ -170,7 +174,12 @@ def _per_stage_forward(spec: str, axes, w: jax.Array):
 def _per_stage_backward(spec: str, axes, _, g: jax.Array):
     sizes, manual = axes
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
-    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
+    with (
+        block_axes_scope(dict(sizes), manual),
+        shape_scope(),
+        collective_log.at(((), "embed" if spec == _TABLE else "final_norm")),
+        collective_log.phase("backward"),
+    ):
         return (shardops.psum(f"{spec}{{U_p}} -> {spec}", g),)
 
 
@@ -180,7 +189,8 @@ _per_stage.defvjp(_per_stage_forward, _per_stage_backward)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start):
     # Not differentiated (eval): the forward ticks alone.
-    return _gpipe_terms(cfg, pipe, w, tokens, is_seq_start)
+    with collective_log.custom_vjp_primal():
+        return _gpipe_terms(cfg, pipe, w, tokens, is_seq_start)
 
 
 def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_start):
