@@ -32,6 +32,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from seqshard import collective_log, shardops
+from seqshard.shapecheck import shape_scope
 from seqshard.vma import replication_checked, varying_axes
 
 __all__ = ["circular_forward", "one_f_one_b", "varying_over_stages"]
@@ -43,8 +44,11 @@ StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 def _shift(x: jax.Array, offset: int) -> jax.Array:
     """One microbatch's block ``'S/p ...'`` to the stage ``offset`` along the ring over p."""
-    spec = "S/p" + "".join(f" X{k}" for k in range(x.ndim))
-    return shardops.ring_shift(spec, x[None], "p", offset)[0]
+    # The leading dim is the microbatch's rows: B (an activation, not a weight's gather, to
+    # the collective log), its size that of one microbatch (a scope of its own).
+    spec = "S/p B" + "".join(f" X{k}" for k in range(1, x.ndim))
+    with shape_scope():
+        return shardops.ring_shift(spec, x[None], "p", offset)[0]
 
 
 def _put(buffer: jax.Array, i: jax.Array, x: jax.Array, when: jax.Array) -> jax.Array:

@@ -309,12 +309,16 @@ def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     rows = micro // d
     block = rows * (train.seq_len // c) * m.d_model // t * _dtype_bytes(m.compute_dtype)
     stage_layers = m.n_layers // p
+    # The stage's weights do not change from tick to tick: XLA hoists their gathers out of
+    # the tick loop, so the stage's gathered layers stay alive through it.
+    hoisted = stage_layers * sum(g.gathered_bytes for g in _layer_gathers(cfg))
     if schedule.name == "1f1b":
         activations = min(k, 2 * p - 1) * block + stage_layers * per_layer + 2 * k * block
     else:
         v = schedule.v
         forward_ticks = v * k + p - 1
         activations = forward_ticks * (stage_layers // v) * per_layer + 2 * k * block
+    activations += hoisted
     weights = _weight_bytes_per_device(cfg)
     table, copy = _head_table(cfg)
     logits = 4 * rows * (train.seq_len // c) * (m.vocab // t)
@@ -474,11 +478,21 @@ class Plan:
             "",
             "memory per device (peak of a step):",
         ]
+        p = cfg.mesh.sizes()["p"]
+        if p > 1:
+            schedule = train.pipeline().on(p)
+            lines.insert(
+                3,
+                f"  pipeline: train.pipeline_schedule={schedule.name} over p={p} stages of "
+                f"{cfg.model.n_layers // p} layers, bubble {schedule.bubble_fraction:.3f}",
+            )
+        accumulated = train.microbatches > 1 and p == 1
         notes = {
-            "weights": "f32 master weights",
-            "grads": "f32" + (", and their accumulation buffer" if train.microbatches > 1 else ""),
+            "weights": "f32 master weights" + (", this stage's layers" if p > 1 else ""),
+            "grads": "f32" + (", and their accumulation buffer" if accumulated else ""),
             "optimizer": "AdamW moments, f32",
-            "activations": f"kept for the backward pass by remat={cfg.model.remat}, all layers",
+            "activations": f"kept for the backward pass by remat={cfg.model.remat}, "
+            + ("the stage's layers in flight, gathered stage weights" if p > 1 else "all layers"),
             "logits": "f32 logits and their gradient",
             "transient": "the LM head's or one layer's backward working set",
         }

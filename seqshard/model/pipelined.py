@@ -149,7 +149,6 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     ys = circular_forward(stage, blocks, xs)
     per_microbatch = jax.checkpoint(functools.partial(_head_terms, cfg, head))
 
-
     def head(_, y_rows):
         return None, per_microbatch(*y_rows)
 
