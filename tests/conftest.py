@@ -1,13 +1,9 @@
-"""Test set-up: 8 fake CPU devices and the CPU runtime flags before JAX starts, strict numpy
-rank promotion."""
+"""Test set-up: 8 fake CPU devices before JAX starts, strict numpy rank promotion."""
 
 import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    # seqshard.launch.CPU_RUNTIME_FLAGS, as the CLI sets them (a pipeline's collectives hang
-    # without it)
-    " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

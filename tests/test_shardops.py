@@ -1325,7 +1325,8 @@ def test_op_outside_shard_map():
     with (
         jax.set_mesh(mesh_of((2, 4))),
         pytest.raises(
-            ShapeError, match=r"outside one \(the mesh \{'d': 2, 't': 4, 'c': 1\} has no manual"
+            ShapeError,
+            match=r"outside one \(the mesh \{'d': 2, 't': 4, 'p': 1, 'c': 1\} has no manual",
         ),
     ):
         so.psum_scatter("M -> M/t", jnp.ones(4))
