@@ -112,6 +112,12 @@ DEFAULT = {
     ((8, 1, 1, 1), "1f1b", 2, "none", "autodiff"),
 }
 assert set(CASES) >= DEFAULT
+# The sequence split over c inside each stage (context_impl allgather, the default).
+CASES += [
+    ((2, 1, 2, 2), "gpipe", 1, "saved", "explicit"),
+    ((2, 1, 2, 2), "1f1b", 2, "full", "autodiff"),
+]
+DEFAULT.add(((2, 1, 2, 2), "1f1b", 2, "full", "autodiff"))
 
 
 @pytest.mark.parametrize(
