@@ -22,11 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=8"
-    " --xla_cpu_enable_concurrency_optimized_scheduler=false",  # launch.CPU_RUNTIME_FLAGS
-)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import argparse

@@ -76,22 +76,14 @@ def _process_arguments(p: argparse.ArgumentParser) -> None:
 def _start(args, config_path: str, overrides: Sequence[str]):
     """Join the run's processes and resolve the config on their devices.
 
-    Before JAX's backend starts: the collective-overlap XLA flags, for a pipeline the CPU
-    runtime's (:data:`seqshard.launch.CPU_RUNTIME_FLAGS`), and on CPU each process's share of
-    the mesh's devices (unless XLA_FLAGS sets a count, which wins)."""
+    Before JAX's backend starts: the collective-overlap XLA flags, and on CPU each process's
+    share of the mesh's devices (unless XLA_FLAGS sets a count, which wins)."""
     from seqshard.config import resolve_mesh
-    from seqshard.launch import (
-        find_processes,
-        set_cpu_runtime_flags,
-        set_overlap_flags,
-        start_processes,
-    )
+    from seqshard.launch import find_processes, set_overlap_flags, start_processes
 
     processes = find_processes(args.coordinator, args.num_processes, args.process_id)
     cfg = _load(config_path, overrides, processes=processes.num_processes or 1)
     set_overlap_flags(cfg.runtime.overlap_collectives)
-    if cfg.mesh.p != 1:  # a pipeline (XLA_FLAGS: only XLA's CPU backend reads these)
-        set_cpu_runtime_flags()
     start_processes(processes, cfg.runtime)
     import jax
 

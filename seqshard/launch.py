@@ -40,10 +40,8 @@ __all__ = [
     "find_processes",
     "is_main_process",
     "joined",
-    "CPU_RUNTIME_FLAGS",
     "overlap_flags",
     "process_label",
-    "set_cpu_runtime_flags",
     "set_overlap_flags",
     "start_processes",
     "use_cpu_devices",
@@ -99,28 +97,6 @@ _TPU_OVERLAP_FLAGS = (
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true",
 )
-
-
-CPU_RUNTIME_FLAGS = (
-    # For pipelined runs (mesh.p > 1) on CPU only. XLA's CPU runtime otherwise orders
-    # independent parts of a program for concurrency, and a pipeline's tick (the stage's layer
-    # loop beside a collective-permute over p) can then leave collectives of one group
-    # waiting on each other for ever: measured on JAX 0.10.2, 1F1B on p=4 x d=2 with remat
-    # none hung (and was aborted) in 4 of 14 runs with the default, 0 of 14 with this flag.
-    # Not for every run: with it, splash attention in Pallas interpret mode hangs instead.
-    "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-)
-
-
-def set_cpu_runtime_flags() -> list[str]:
-    """Add :data:`CPU_RUNTIME_FLAGS` to ``XLA_FLAGS`` (a flag already there, with any value,
-    is left as the user set it), for a pipelined run. Must run before JAX's backend starts.
-    Returns the flags added."""
-    current = os.environ.get("XLA_FLAGS", "")
-    added = [f for f in CPU_RUNTIME_FLAGS if f.split("=")[0] not in current]
-    if added:
-        os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
-    return added
 
 
 def _installed(module: str) -> bool:

@@ -147,8 +147,10 @@ def one_f_one_b(
         bc = jnp.clip(b, 0, m - 1)
         # Each collective of the tick waits for the one before it (optimization barriers):
         # forward, head, backward, the two shifts. Independent, they could start side by side
-        # in a different order on different devices, and wait on each other for ever (XLA's
-        # CPU runtime does run independent work concurrently).
+        # in a different order on different devices, and wait on each other for ever. (XLA's
+        # CPU runtime runs independent work concurrently; on JAX 0.10.2 it still, rarely,
+        # aborts a 1F1B step with remat none on p=4 x d=2: two collectives of one group in
+        # flight on one device.)
         head_now, y = lax.optimization_barrier((head, y))
         # On the last stage the backward is of the microbatch it just ran forward (b == i).
         value, (d_h, d_y) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_now, y, bc)

@@ -114,17 +114,6 @@ def test_no_overlap_flags_on_cpu(monkeypatch):
     assert launch.os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
 
 
-def test_the_cpu_runtime_flags_are_added_once_and_keep_the_users(monkeypatch):
-    (flag,) = launch.CPU_RUNTIME_FLAGS
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert launch.set_cpu_runtime_flags() == [flag]
-    assert launch.os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {flag}"
-    assert launch.set_cpu_runtime_flags() == []
-    mine = flag.replace("false", "true")
-    monkeypatch.setenv("XLA_FLAGS", mine)
-    assert launch.set_cpu_runtime_flags() == [] and launch.os.environ["XLA_FLAGS"] == mine
-
-
 # -- two real processes ----------------------------------------------------------------------------
 
 STEPS = 4
