@@ -356,3 +356,15 @@ def test_what_a_pipelined_config_refuses_names_the_key_and_the_fix(overrides, me
     base = ["mesh.p=2", "mesh.d=2", "mesh.t=2", "model.n_layers=4", "model.vocab=4096"]
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*base, *overrides])
+
+
+def test_logits_need_a_mesh_without_stages():
+    """logits_fn runs every layer on each device: on a p > 1 mesh (a stage's block alone) it
+    refuses, naming the fix, instead of returning another model's logits."""
+    from seqshard.model.transformer import logits_fn
+
+    cfg, mesh = _cfg(), _mesh((2, 2, 1, 2))
+    w = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), weight_structs(cfg))
+    tokens, starts = packed_batch(cfg.vocab, 4, LENGTH)
+    with pytest.raises(ValueError, match=r"needs mesh axis p = 1, got p=2.*checkpoints restore"):
+        logits_fn(w, tokens, starts, cfg, mesh)

@@ -20,8 +20,8 @@ gradient accumulation (which runs at p = 1), so both sum the same terms.
 **Where the embedding and the head sit.** ``embed``, ``final_norm`` and ``unembed`` name no p
 in their types: they rest replicated over p (each stage a copy, still split over d, c and t).
 Stage 0 embeds, stage p-1 runs the norm, the unembedding and the loss; their gradients, made on
-one stage, are summed over p once per step (an all-reduce, autodiff's transpose of the
-replication). They are small next to L/p layers per stage, and splitting them over p would
+one stage, are summed over p once per step (``psum('V/t M/d/c{U_p} -> V/t M/d/c')`` and the
+norm's, written out in both schedules). They are small next to L/p layers per stage, and splitting them over p would
 gather them across the pipeline's (slow) links every step.
 
 **Backward.** ``gpipe`` and ``circular``: JAX differentiates the tick scan (each shift's transpose is the shift
@@ -140,8 +140,11 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     # once, here, not by autodiff once per tick and microbatch.
     axes = block_axes()
     static = (tuple(axes.sizes.items()), axes.manual)
-    table = _per_stage(_TABLE, static, w.embed)
-    head = _Head(_per_stage(_GAIN, static, w.final_norm), _per_stage(_TABLE, static, w.unembed))
+    table = _per_stage((_TABLE, "embed"), static, w.embed)
+    head = _Head(
+        _per_stage((_GAIN, "final_norm"), static, w.final_norm),
+        _per_stage((_TABLE, "logits"), static, w.unembed),
+    )
     xs = _embedded(cfg, pipe, table, rows)
     # This stage's v layer blocks, one per round (circular; v = 1: gpipe).
     v = pipe.repeats if pipe.schedule == "circular" else 1
@@ -160,23 +163,25 @@ _TABLE, _GAIN = "V/t M/d/c", "M/t/d/c"  # the replicated weights' per-device lay
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _per_stage(spec: str, axes, w: jax.Array) -> jax.Array:
+def _per_stage(layout, axes, w: jax.Array) -> jax.Array:
     """A weight replicated over p, typed per stage (varying over p); its gradient, made on
-    one stage, summed over p: ``psum(spec{U_p} -> spec)``."""
+    one stage, summed over p: ``psum(spec{U_p} -> spec)``. ``layout``: (its per-device spec,
+    the model operation that uses it, for the collective log)."""
     return varying_over_stages(w)
 
 
-def _per_stage_forward(spec: str, axes, w: jax.Array):
+def _per_stage_forward(layout, axes, w: jax.Array):
     return varying_over_stages(w), None
 
 
-def _per_stage_backward(spec: str, axes, _, g: jax.Array):
+def _per_stage_backward(layout, axes, _, g: jax.Array):
+    spec, used_by = layout
     sizes, manual = axes
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
     with (
         block_axes_scope(dict(sizes), manual),
         shape_scope(),
-        collective_log.at(((), "embed" if spec == _TABLE else "final_norm")),
+        collective_log.at(((), used_by)),
         collective_log.phase("backward"),
     ):
         return (shardops.psum(f"{spec}{{U_p}} -> {spec}", g),)

@@ -360,5 +360,14 @@ def loss_fn(
 def logits_fn(
     weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
 ) -> jax.Array:
-    """f32['B L V']: next-token logits, sharded 'B/d L/c V/t' as they come out of the shard_map."""
+    """f32['B L V']: next-token logits, sharded 'B/d L/c V/t' as they come out of the shard_map.
+
+    On a mesh with p = 1: each device runs every layer (a stage's block alone would give
+    another model's logits)."""
+    if mesh.shape["p"] != 1:
+        raise ValueError(
+            f"logits_fn runs every layer on each device and needs mesh axis p = 1, got "
+            f"p={mesh.shape['p']}. Restore or place the weights on a mesh with p = 1 "
+            f"(checkpoints restore on any mesh), or use batch_loss_terms, which pipelines."
+        )
     return _sharded(cfg, mesh, "logits", Pipeline())(weights, token_batch(tokens, is_seq_start))
