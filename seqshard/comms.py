@@ -24,7 +24,7 @@ import numpy as np
 
 from seqshard.flops import format_bytes, format_table
 
-__all__ = ["Collective", "collectives", "format_comm_table", "ring_bytes_sent"]
+__all__ = ["Collective", "collectives", "format_comm_table", "hlo_computations", "ring_bytes_sent"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -218,16 +218,11 @@ def _phase(op_name: str) -> str:
     return "update"  # outside the differentiated function: the optimizer step, metrics
 
 
-def collectives(hlo_text: str, mesh=None) -> list[Collective]:
-    """Every collective of an optimized HLO module, with calls per execution and mesh axes.
-
-    ``mesh`` (a ``jax.sharding.Mesh``) maps replica groups to axis names; device ids in the
-    groups are positions in ``mesh.devices.flat`` (SPMD partition ids).
-    """
-    lines = hlo_text.splitlines()
+def hlo_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """An HLO module's computations: ({name: its instruction lines}, the entry's name)."""
     body_of: dict[str, list[str]] = {}
     entry, current = None, None
-    for line in lines:
+    for line in hlo_text.splitlines():
         m = _COMPUTATION.match(line)
         if m:
             current = m["name"]
@@ -239,6 +234,16 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
                 current = None
             else:
                 body_of[current].append(line)
+    return body_of, entry
+
+
+def collectives(hlo_text: str, mesh=None) -> list[Collective]:
+    """Every collective of an optimized HLO module, with calls per execution and mesh axes.
+
+    ``mesh`` (a ``jax.sharding.Mesh``) maps replica groups to axis names; device ids in the
+    groups are positions in ``mesh.devices.flat`` (SPMD partition ids).
+    """
+    body_of, entry = hlo_computations(hlo_text)
 
     # How many times each computation runs per execution: ENTRY once; a while body its trip
     # count times its caller's; anything else called (fusions, reductions) as its caller.

@@ -35,7 +35,7 @@ from seqshard import collective_log, shardops
 from seqshard.shapecheck import shape_scope
 from seqshard.vma import replication_checked, varying_axes
 
-__all__ = ["circular_forward", "one_f_one_b", "varying_over_stages"]
+__all__ = ["after", "circular_forward", "one_f_one_b", "varying_over_stages"]
 
 StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 """``stage_fn(block, x, i) -> y``: one stage's layer block on microbatch ``i``'s activation
@@ -145,28 +145,20 @@ def one_f_one_b(
         b = t - 2 * (p - 1) + s
         backward = (b >= 0) & (b < m)
         bc = jnp.clip(b, 0, m - 1)
-        # Each collective of the tick waits for the one before it (optimization barriers):
-        # forward, head, backward, the two shifts. Independent, they could start side by side
-        # in a different order on different devices, and wait on each other for ever. (XLA's
-        # CPU runtime runs independent work concurrently; on JAX 0.10.2 it still, rarely,
-        # aborts a 1F1B step with remat none on p=4 x d=2: two collectives of one group in
-        # flight on one device.)
-        head_now, y = lax.optimization_barrier((head, y))
+        # The tick runs in one order on every device: forward, head, shift forward, backward,
+        # shift back, each reading what the one before made (:func:`after`).
         # On the last stage the backward is of the microbatch it just ran forward (b == i).
-        value, (d_h, d_y) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_now, y, bc)
+        value, (d_h, d_y) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, bc)
         counts = last & backward
         loss = loss + jnp.where(counts, value, 0.0)
         d_head = jax.tree.map(lambda acc, g: acc + jnp.where(counts, g, 0), d_head, d_h)
+        sent = _shift(after(y, value, d_h, d_y), 1)
         g = jnp.where(last, d_y, cotangent)
-        x_b = lax.dynamic_index_in_dim(stash, bc % slots, keepdims=False)
-        g, x_b, block_now = lax.optimization_barrier((g, x_b, block))
-        _, vjp = jax.vjp(lambda w, h: stage_fn(w, h, bc), block_now, x_b)
+        x_b = after(lax.dynamic_index_in_dim(stash, bc % slots, keepdims=False), sent)
+        _, vjp = jax.vjp(lambda w, h: stage_fn(w, h, bc), block, x_b)
         d_w, d_x = vjp(jnp.where(backward, g, 0))
         d_block = jax.tree.map(jnp.add, d_block, d_w)
         d_xs = _put(d_xs, bc, d_x, backward & (s == 0))
-        y, d_x = lax.optimization_barrier((y, d_x))
-        sent = _shift(y, 1)
-        sent, d_x = lax.optimization_barrier((sent, d_x))
         return (sent, _shift(d_x, -1), stash, loss, d_block, d_head, d_xs), None
 
     zeros = jnp.zeros_like(xs[0])
@@ -184,6 +176,30 @@ def one_f_one_b(
     ticks = jnp.arange(m + 2 * (p - 1))
     (_, _, _, loss, d_block, d_head, d_xs), _ = collective_log.scan("ticks", tick, init, ticks)
     return loss, d_block, d_head, d_xs
+
+
+def after(x: Any, *deps: Any) -> Any:
+    """``x`` unchanged, but read off ``deps`` too: whatever uses it runs after they are made.
+
+    XLA's CPU runtime orders a program by its data alone (optimization barriers are gone by
+    then), and starts a collective that follows a loop of collectives without waiting for
+    the loop unless it reads the loop's result; devices that then enter two collectives in
+    different orders wait on each other for ever (:mod:`seqshard.collective_order` finds
+    such pairs in a compiled program). The dependency is a select on a flag that is always
+    true (a count of NaNs, clamped to 0): no value changes, NaN or not. Each dep must vary
+    over no mesh axis that ``x`` does not (``x``'s type stays as it is)."""
+    flags = [jnp.isnan(jnp.ravel(d)[0]).astype(jnp.int32) for d in jax.tree.leaves(deps)]
+    always = jnp.minimum(sum(flags), 0) == 0
+
+    def select(a):
+        extra = varying_axes(always) - varying_axes(a)
+        if extra:
+            raise ValueError(
+                f"after(): a dependency varies over {sorted(extra)}, the value does not"
+            )
+        return jnp.where(always, a, jnp.zeros_like(a))
+
+    return jax.tree.map(select, x)
 
 
 def varying_over_stages(tree: Any) -> Any:

@@ -123,6 +123,7 @@ DEFAULT.add(((2, 1, 2, 2), "1f1b", 2, "full", "autodiff"))
 @pytest.mark.parametrize(
     "shape, schedule, m_of_p, remat, backward",
     [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+    ids=lambda v: "p{}d{}c{}t{}".format(*v) if isinstance(v, tuple) else str(v),
 )
 def test_pipelined_loss_and_gradients_equal_the_reference(shape, schedule, m_of_p, remat, backward):
     m = m_of_p * shape[0]
