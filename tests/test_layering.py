@@ -30,6 +30,7 @@ CORE = {
     "seqshard",
     "seqshard.batch",
     "seqshard.collective_log",
+    "seqshard.collective_order",
     "seqshard.comms",
     "seqshard.flops",
     "seqshard.hardware",

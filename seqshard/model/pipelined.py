@@ -57,7 +57,7 @@ from seqshard.model.transformer import (
     unembed,
 )
 from seqshard.model.weights import Weights
-from seqshard.pipeline import circular_forward, one_f_one_b, varying_over_stages
+from seqshard.pipeline import after, circular_forward, one_f_one_b, varying_over_stages
 from seqshard.pipeline_schedule import Pipeline
 from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
 
@@ -156,7 +156,26 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
         return None, per_microbatch(*y_rows)
 
     _, terms = collective_log.scan("head", head, None, (ys, micro))
-    return _on_last_stage_summed(jnp.sum(terms, axis=0))
+    # The head's backward (a loop that recomputes it) reads these terms, so it runs after the
+    # head's forward loop on every device (pipeline.after: XLA's CPU runtime orders by data).
+    return _on_last_stage_summed(jnp.sum(_cotangent_after(terms), axis=0))
+
+
+@jax.custom_vjp
+def _cotangent_after(x: jax.Array) -> jax.Array:
+    """``x``; its cotangent made to read ``x`` (:func:`seqshard.pipeline.after`)."""
+    return x
+
+
+def _cotangent_after_forward(x):
+    return x, x
+
+
+def _cotangent_after_backward(x, g):
+    return (after(g, x),)
+
+
+_cotangent_after.defvjp(_cotangent_after_forward, _cotangent_after_backward)
 
 
 _TABLE, _GAIN = "V/t M/d/c", "M/t/d/c"  # the replicated weights' per-device layouts
