@@ -23,6 +23,7 @@ import pytest
 from model_weights import TINY
 
 from seqshard.batch import batch_structs
+from seqshard.collective_order import unordered_after_loops
 from seqshard.comms import collectives
 from seqshard.config import load_config
 from seqshard.mesh import training_mesh
@@ -65,7 +66,9 @@ def _compiled(cfg):
         train_state_structs(cfg.model, mesh, opt),
         batch_structs(cfg.train.batch_size, cfg.train.seq_len, mesh),
     )
-    return collectives(step.compile().as_text(), mesh)
+    text = step.compile().as_text()
+    assert unordered_after_loops(text) == []  # one order of collectives on every device
+    return collectives(text, mesh)
 
 
 def _check(cfg) -> None:
