@@ -120,10 +120,10 @@ def one_f_one_b_step(p):
 
 def test_1f1b_needs_less_temporary_memory_than_gpipe():
     """At m = 4p, with GPipe's stage rematerialized too (both keep only stage inputs): XLA's
-    temp bytes per device of the 1F1B step over GPipe's. Measured 0.32 at p = 4, m = 16
-    (0.19 before 1F1B's ticks were ordered by optimization barriers, which keep a tick's
-    output alive through its backward): GPipe keeps an input per tick (m + p - 1), 1F1B
-    2p - 1 slots."""
+    temp bytes per device of the 1F1B step over GPipe's. Measured 0.30 at p = 4, m = 16
+    (the tick a chain of data dependencies, pipeline.after; 0.19 with nothing ordering it,
+    which could deadlock on XLA's CPU runtime): GPipe keeps an input per tick (m + p - 1),
+    1F1B 2p - 1 slots."""
     p, m = 4, 16
     ws, xs, targets = inputs(m, rows=64)
     loss = pipelined_loss(p, 1, jax.checkpoint(stack))
