@@ -195,7 +195,9 @@ def after(x: Any, *deps: Any) -> Any:
         extra = varying_axes(always) - varying_axes(a)
         if extra:
             raise ValueError(
-                f"after(): a dependency varies over {sorted(extra)}, the value does not"
+                f"after(): a dependency varies over mesh axes {sorted(extra)} and the value "
+                f"(varying over {sorted(varying_axes(a))}) does not, so its type would change;"
+                " depend on a value typed like it (an activation, a cotangent) instead."
             )
         return jnp.where(always, a, jnp.zeros_like(a))
 
