@@ -128,3 +128,13 @@ def test_after_puts_the_collective_behind_the_loop_and_changes_no_value(ordered)
     want = y.reshape(2, 4).sum(0) / 2  # each psum's sum of the two halves, halved
     np.testing.assert_array_equal(np.asarray(got), np.tile(want, 2))
     assert np.isnan(got[1]) and np.isnan(got[5])
+
+
+def test_after_refuses_a_dependency_that_would_change_the_values_type():
+    def body(x):
+        return after(lax.psum(x, "d"), x)  # replicated over d, its dependency is not
+
+    spec = jax.sharding.PartitionSpec("d")
+    program = jax.shard_map(body, mesh=_mesh(), in_specs=spec, out_specs=spec)
+    with pytest.raises(ValueError, match=r"varies over mesh axes \['d'\]"):
+        jax.eval_shape(program, jnp.zeros(8))
