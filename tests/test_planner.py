@@ -477,10 +477,10 @@ PIPELINED = [*F32, "mesh.p=2", "mesh.d=4", "mesh.t=2", "model.n_layers=4", "trai
 def _check_pipelined_against_xla(schedules: list[tuple[str, str]]) -> None:
     """The planner's first cut for mesh.p > 1, held to XLA on 16 fake devices, looser than
     without a pipeline. Measured (planner / XLA): arguments 1.000; peak 0.91 (gpipe, saved),
-    0.78 (circular, full), 1.05 and 1.07 (1f1b, saved and none); bytes sent over p 1.00
+    0.85 (circular, full), 0.97 and 1.00 (1f1b, saved and none); bytes sent over p 1.00
     (gpipe, circular) and 1.16 (1f1b: XLA merges its all-reduces over p); over d and t 0.71
-    to 1.28 (XLA hoists the stage's weight gathers out of the tick loop, which the collective
-    prediction does not model yet)."""
+    to 1.28 (differentiating GPipe's tick scan, JAX gathers the stage's weights for the
+    forward once, before the loop, which the collective prediction does not model yet)."""
     configs = [
         [*PIPELINED, f"train.pipeline_schedule={s}", f"model.remat={r}",
          f"train.pipeline_repeats={2 if s == 'circular' else 1}"]
