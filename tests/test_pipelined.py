@@ -2,12 +2,13 @@
 
 reference     loss and every weight's gradient equal reference_loss_fn and its jax.grad
               on meshes (p, d, c, t) = (2,2,1,2), (4,2,1,1), (2,4,1,1), (8,1,1,1), for
-              gpipe and 1f1b, m = p and 2p microbatches, packed documents, each remat
+              gpipe, circular and 1f1b, m = p and 2p microbatches, packed documents, each remat
               policy (f32: loss 2e-6 relative, gradients 2e-5 of each weight's largest)
 HLO           the compiled train step's collectives over p: the schedule's two
               collective-permutes (activations forward, cotangents back) and all-reduces
               of the loss and the replicated weights' gradients; nothing else crosses p
-              (no all-gather of another stage's weights)
+              (no all-gather of another stage's weights); no collective that may overtake
+              a loop's on XLA's CPU runtime (seqshard.collective_order)
 memory        1f1b's compiled temp bytes per device below gpipe's at m = 4p
 training      20 steps of each schedule track the p = 1 run (gradient accumulation over
               the same microbatches) within 1e-5; checkpoints written with p = 2 restore
@@ -182,8 +183,9 @@ def _train_step_and_args(shape, schedule, m, batch=BATCH, backward="autodiff"):
 )
 def test_only_the_schedules_shifts_and_the_replicated_weights_sums_cross_p(schedule, backward):
     """On (p, d, c, t) = (2, 2, 1, 2), each schedule (circular: 2 blocks per stage): two
-    collective-permutes over p (the activation and its cotangent, each inside the tick loop), all-reduces over p of the loss and of the
-    gradients of the weights every stage holds (embedding, final norm, unembedding), and no
+    collective-permutes over p (the activation and its cotangent, each inside the tick loop),
+    all-reduces over p of the loss and of the gradients of the weights every stage holds
+    (embedding, final norm, unembedding), and no
     other collective over p: no stage gathers another stage's weights. `seqshard show`
     predicts the shifts' bytes. No collective can overtake a loop's (collective_order)."""
     step, state, batch, mesh = _train_step_and_args((2, 2, 1, 2), schedule, 4, backward=backward)
