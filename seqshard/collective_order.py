@@ -22,14 +22,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from seqshard.comms import KINDS, hlo_computations
+from seqshard.comms import KINDS, called_computations, hlo_computations
 
 __all__ = ["Unordered", "unordered_after_loops"]
 
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _OPCODE = re.compile(r"\s(?P<op>[a-z][\w\-]*)\(")
-# Names after these keys are computations called, not operands.
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%[\w.\-]+|branch_computations=\{[^}]*\}")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _METADATA = re.compile(r",\s*(?:metadata|backend_config|frontend_attributes)=.*$")
 _COLLECTIVE_OPS = {*KINDS, *(f"{k}-start" for k in KINDS)}
@@ -59,8 +57,8 @@ def _parse(line: str) -> _Instruction | None:
         return None
     rest = _METADATA.sub("", m["rest"])
     op = _OPCODE.search(rest)
-    called = tuple(re.findall(r"%([\w.\-]+)", " ".join(_CALLED.findall(rest))))
-    operands = tuple(n for n in _OPERAND.findall(_CALLED.sub("", rest)) if n != m["name"])
+    called = tuple(called_computations(rest))
+    operands = tuple(n for n in _OPERAND.findall(rest) if n != m["name"] and n not in called)
     return _Instruction(m["name"], op["op"] if op else "", operands, called)
 
 

@@ -24,7 +24,14 @@ import numpy as np
 
 from seqshard.flops import format_bytes, format_table
 
-__all__ = ["Collective", "collectives", "format_comm_table", "hlo_computations", "ring_bytes_sent"]
+__all__ = [
+    "Collective",
+    "called_computations",
+    "collectives",
+    "format_comm_table",
+    "hlo_computations",
+    "ring_bytes_sent",
+]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -237,6 +244,16 @@ def hlo_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     return body_of, entry
 
 
+def called_computations(line: str) -> list[str]:
+    """The computations an HLO instruction line calls (fusions, reductions, a while's body and
+    condition, a conditional's branches)."""
+    return [
+        name
+        for callee, branches in _CALLEES.findall(line)
+        for name in ([callee] if callee else re.findall(r"%([\w.\-]+)", branches))
+    ]
+
+
 def collectives(hlo_text: str, mesh=None) -> list[Collective]:
     """Every collective of an optimized HLO module, with calls per execution and mesh axes.
 
@@ -257,12 +274,11 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
         for line in body_of.get(name, []):
             body = _WHILE_BODY.search(line)
             trip = _TRIP_COUNT.search(line)
-            for callee, branches in _CALLEES.findall(line):
-                for c in [callee] if callee else re.findall(r"%([\w.\-]+)", branches):
-                    if body and c == body.group(1):
-                        visit(c, times * (int(trip.group(1)) if trip else 1), True)
-                    elif c in body_of and c != name:
-                        visit(c, times, in_loop)
+            for c in called_computations(line):
+                if body and c == body.group(1):
+                    visit(c, times * (int(trip.group(1)) if trip else 1), True)
+                elif c in body_of and c != name:
+                    visit(c, times, in_loop)
 
     if entry is not None:
         visit(entry, 1, False)

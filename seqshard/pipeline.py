@@ -35,7 +35,7 @@ from seqshard import collective_log, shardops
 from seqshard.shapecheck import shape_scope
 from seqshard.vma import replication_checked, varying_axes
 
-__all__ = ["after", "circular_forward", "one_f_one_b", "varying_over_stages"]
+__all__ = ["after", "circular_forward", "cotangent_after", "one_f_one_b", "varying_over_stages"]
 
 StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 """``stage_fn(block, x, i) -> y``: one stage's layer block on microbatch ``i``'s activation
@@ -202,6 +202,24 @@ def after(x: Any, *deps: Any) -> Any:
         return jnp.where(always, a, jnp.zeros_like(a))
 
     return jax.tree.map(select, x)
+
+
+@jax.custom_vjp
+def cotangent_after(x: jax.Array) -> jax.Array:
+    """``x``; its cotangent made to read ``x`` (:func:`after`), so the backward pass that
+    consumes it runs after the forward that made ``x``."""
+    return x
+
+
+def _cotangent_after_forward(x):
+    return x, x
+
+
+def _cotangent_after_backward(x, g):
+    return (after(g, x),)
+
+
+cotangent_after.defvjp(_cotangent_after_forward, _cotangent_after_backward)
 
 
 def varying_over_stages(tree: Any) -> Any:

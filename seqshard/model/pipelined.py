@@ -21,8 +21,8 @@ gradient accumulation (which runs at p = 1), so both sum the same terms.
 in their types: they rest replicated over p (each stage a copy, still split over d, c and t).
 Stage 0 embeds, stage p-1 runs the norm, the unembedding and the loss; their gradients, made on
 one stage, are summed over p once per step (``psum('V/t M/d/c{U_p} -> V/t M/d/c')`` and the
-norm's, written out in both schedules). They are small next to L/p layers per stage, and splitting them over p would
-gather them across the pipeline's (slow) links every step.
+norm's, written out in both schedules). They are small next to L/p layers per stage, and
+splitting them over p would gather them across the pipeline's (slow) links every step.
 
 **Backward.** ``gpipe`` and ``circular``: JAX differentiates the tick scan (each shift's transpose is the shift
 back). ``1f1b`` (:func:`seqshard.pipeline.one_f_one_b`): a ``custom_vjp`` whose forward
@@ -57,7 +57,12 @@ from seqshard.model.transformer import (
     unembed,
 )
 from seqshard.model.weights import Weights
-from seqshard.pipeline import after, circular_forward, one_f_one_b, varying_over_stages
+from seqshard.pipeline import (
+    circular_forward,
+    cotangent_after,
+    one_f_one_b,
+    varying_over_stages,
+)
 from seqshard.pipeline_schedule import Pipeline
 from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
 
@@ -157,25 +162,8 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
 
     _, terms = collective_log.scan("head", head, None, (ys, micro))
     # The head's backward (a loop that recomputes it) reads these terms, so it runs after the
-    # head's forward loop on every device (pipeline.after: XLA's CPU runtime orders by data).
-    return _on_last_stage_summed(jnp.sum(_cotangent_after(terms), axis=0))
-
-
-@jax.custom_vjp
-def _cotangent_after(x: jax.Array) -> jax.Array:
-    """``x``; its cotangent made to read ``x`` (:func:`seqshard.pipeline.after`)."""
-    return x
-
-
-def _cotangent_after_forward(x):
-    return x, x
-
-
-def _cotangent_after_backward(x, g):
-    return (after(g, x),)
-
-
-_cotangent_after.defvjp(_cotangent_after_forward, _cotangent_after_backward)
+    # head's forward loop on every device (XLA's CPU runtime orders by data).
+    return _on_last_stage_summed(jnp.sum(cotangent_after(terms), axis=0))
 
 
 _TABLE, _GAIN = "V/t M/d/c", "M/t/d/c"  # the replicated weights' per-device layouts
