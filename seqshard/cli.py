@@ -26,6 +26,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 __all__ = ["COMMANDS", "Command", "main"]
 
@@ -228,14 +229,14 @@ def _train(args) -> int:
         return _train_run(args)
     except _StopBeforeStart as e:
         print(f"{e}: stopped before training started; nothing to save.", flush=True)
-        return 0
+        _end_abandoned_work()
     except Exception:
         if not _received:
             raise
         # The stop request landed inside a library that turned it into its own error (JAX's
         # backend start-up reports "initialization failed"): it is still only a stop.
         print(f"{_received[-1]}: stopped before training started; nothing to save.", flush=True)
-        return 0
+        _end_abandoned_work()
     finally:
         sys.unraisablehook = unraisable
         for sig, handler in previous.items():
@@ -253,6 +254,22 @@ def _quiet_stop(hook):
     return quiet
 
 
+def _end_abandoned_work() -> NoReturn:
+    """End the process (status 0) after a stop before the first step, without the
+    interpreter's teardown.
+
+    A signal that lands while JAX compiles (``backend.compile_and_load``, which waits for XLA
+    with Python's signal checks on) raises out of the wait but not out of the compile: XLA
+    goes on compiling on its own threads. Python's teardown would then free the XLA client
+    under that compile (``free(): invalid pointer``, LLVM errors, segfaults: 3 exits in 8 for
+    a signal in tiny-cpu's first compile). Nothing is left to save or flush before the first
+    step (the loop's ``finally`` blocks have closed the loader and the checkpointer, and the
+    run files are written atomically), so the process ends here."""
+    from seqshard import launch
+
+    launch.exit_now(0)
+
+
 def _train_run(args) -> int:
     from seqshard.launch import joined
     from seqshard.train.loop import run_dir_of, train
@@ -267,7 +284,7 @@ def _train_run(args) -> int:
         _say(f"step {result.step}: val loss {val} (train.steps={cfg.train.steps} already reached)")
     elif result.train_loss is None:
         _say("stopped before the first step; nothing was saved.")
-        return 0
+        _end_abandoned_work()
     else:
         _say(
             f"step {result.step}: train loss {result.train_loss:.4f}, val loss {val}, "

@@ -163,6 +163,38 @@ def test_sigterm_before_the_first_step_exits_promptly_with_nothing_saved(
     assert not (run_dir / "checkpoints").exists() or not checkpoint_steps(run_dir)
 
 
+@pytest.mark.parametrize(
+    "delay", [0.6, *(pytest.param(d, marks=pytest.mark.slow) for d in (0.0, 0.3, 0.9, 1.2, 1.5))]
+)
+def test_sigterm_inside_the_first_compile_ends_without_teardown(tmp_path, tiny_overrides, delay):
+    """Fault 1 of the campaign: SIGTERM while the train step's first compile runs raised out of
+    JAX's wait for the compile, not out of the compile; Python's teardown then freed XLA's
+    client under it (exit 134/139: 3 of 8 signals at 1.5-2.5 s into the compile of tiny-cpu's
+    model). Now the process ends without the teardown, at once, with exit 0 and nothing saved.
+
+    tiny-cpu's model (not the tests' tiny one: its step compiles in about 2 s here, long enough
+    to land in) on the tiny data. The signal's moment is pinned by a watcher of the main
+    thread's stack (tests/signal_in_compile.py). Without the fix the atexit line
+    (``interpreter teardown``) is printed every time, the crash comes only sometimes."""
+    run_dir = tmp_path / "runs" / "early"
+    overrides = [o for o in tiny_overrides(tmp_path / "runs", "early") if "model." not in o]
+    args = [sys.executable, str(REPO / "tests" / "signal_in_compile.py"), str(delay)]
+    proc = subprocess.run(
+        [*args, "train", str(REPO / "configs" / "tiny-cpu.yaml"), *overrides, "--sample-tokens=0"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert "sending SIGTERM in the compile" in proc.stdout, out
+    assert proc.returncode == 0, out
+    assert "nothing to save" in proc.stdout and "Traceback" not in proc.stderr, out
+    assert "interpreter teardown" not in proc.stdout, out
+    assert not (run_dir / "checkpoints").exists() or not checkpoint_steps(run_dir)
+
+
 # -- kill -9 ----------------------------------------------------------------------------------
 
 

@@ -331,7 +331,12 @@ def train(
     """Train (or resume) the run ``cfg`` describes; returns its final figures.
 
     Raises :class:`NonfiniteError` when ``train.nonfinite`` says to stop on a non-finite step
-    (nothing is saved after it), and ConfigError / CheckpointError on bad input."""
+    (nothing is saved after it), and ConfigError / CheckpointError on bad input.
+
+    A signal before the first step returns a result with ``interrupted`` set and no step run;
+    it may have landed in a compile, which XLA then finishes on its own threads: a program
+    that ends after such a stop should end without the interpreter's teardown, as `seqshard
+    train` does (``os._exit``; see ``seqshard.cli``)."""
     started = time.perf_counter()
     if not is_main_process():  # every process runs the run; process 0 reports it
         log = _quiet
