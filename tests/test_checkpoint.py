@@ -230,39 +230,80 @@ def test_a_damaged_checkpoint_is_skipped_or_with_strict_refused(ckpt_copy, damag
     assert sorted(p.name for p in directory.iterdir()) == ["4", "6.damaged"]
 
 
-@pytest.mark.parametrize("damage", ["delete metadata", "delete state", "empty", "half-deleted"])
-def test_an_incomplete_step_directory_is_no_checkpoint_and_is_cleaned(ckpt_copy, damage):
-    """What a kill mid-save or mid-deletion (orbax's, before seqshard renamed first) leaves: a
-    step directory without every file of a complete checkpoint. It is never listed nor loaded,
-    and a writer opening the directory removes it (and `.deleting-*` leftovers)."""
-    cfg, directory = ckpt_copy
-    if damage == "delete metadata":
-        shutil.copytree(directory / "6", directory / "8")
-        (directory / "8" / "meta" / "metadata").unlink()
-    elif damage == "delete state":
-        shutil.copytree(directory / "6", directory / "8")
-        shutil.rmtree(directory / "8" / "state")
-    elif damage == "empty":
+def _incomplete_step_8(directory: Path, damage: str) -> None:
+    """A step directory 8, newer than the good 4 and 6, that is not a complete checkpoint."""
+    if damage == "empty":
         (directory / "8").mkdir()
-    else:  # rmtree stopped part-way: some top-level entries gone, one of them half-gone
-        shutil.copytree(directory / "6", directory / "8")
+        return
+    shutil.copytree(directory / "6", directory / "8")
+    if damage == "delete metadata":
+        (directory / "8" / "meta" / "metadata").unlink()
+    elif damage == "delete state metadata":
+        (directory / "8" / "state" / "_METADATA").unlink()
+    elif damage == "delete state":
+        shutil.rmtree(directory / "8" / "state")
+    else:  # "half-deleted": rmtree stopped part-way, some top-level entries gone, one half-gone
         (directory / "8" / "commit_success.txt").unlink()
         files = sorted(p for p in (directory / "8" / "state").rglob("*") if p.is_file())
         for p in files[: len(files) // 2]:
             p.unlink()
+
+
+INCOMPLETE = ["delete metadata", "delete state metadata", "delete state", "half-deleted"]
+
+
+@pytest.mark.parametrize("damage", [*INCOMPLETE, "empty"])
+def test_an_incomplete_step_directory_is_never_deleted(ckpt_copy, damage):
+    """Fault 2 of the campaign: a step directory with files in it that is not a complete
+    checkpoint (meta/metadata or state/_METADATA deleted, a deletion cut short) was removed,
+    arrays and all, when a writer opened the directory, even under train.resume=strict. It is
+    never listed nor loaded; latest_good skips it with one line and keeps it as 8.damaged;
+    strict refuses it by name and changes nothing. Only what this code's interrupted saves
+    and deletions provably left is removed: `.deleting-*`, orbax's temporary directories, and
+    an empty step directory (nothing in it to lose)."""
+    cfg, directory = ckpt_copy
+    _incomplete_step_8(directory, damage)
     shutil.copytree(directory / "4", directory / ".deleting-2")  # a kill mid-removal
+    shutil.copytree(directory / "4", directory / "9.orbax-checkpoint-tmp-1700000000")
 
     reader = Checkpointer(directory, read_only=True)
     try:
         assert reader.all_steps() == [4, 6] and reader.latest_step() == 6
     finally:
         reader.close()
-    assert (directory / "8").exists()
+    assert (directory / "8").exists() and (directory / ".deleting-2").exists()
+
+    if damage == "empty":
+        restored, _ = restore(cfg, directory, log=print, policy="strict")
+        assert restored.step == 6
+        assert sorted(p.name for p in directory.iterdir()) == ["4", "6"]
+        return
+    with pytest.raises(CheckpointError) as e:
+        restore(cfg, directory, policy="strict")
+    assert f"checkpoint {directory / '8'}: not a complete checkpoint (no " in str(e.value)
+    assert "train.resume=latest_good" in str(e.value)
+    assert sorted(p.name for p in directory.iterdir()) == ["4", "6", "8"]
 
     lines = []
-    restored, _ = restore(cfg, directory, log=lines.append, policy="strict")
-    assert restored.step == 6 and restored.skipped == {}
-    assert len(lines) == 1 and lines[0].startswith(f"removing {directory / '8'}: not a complete")
+    restored, _ = restore(cfg, directory, log=lines.append)  # latest_good
+    assert restored.step == 6 and list(restored.skipped) == [8]
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint {directory / '8'}: not a complete")
+    assert lines[0].endswith("skipping it, resuming from checkpoint 6 (kept as 8.damaged)")
+    assert sorted(p.name for p in directory.iterdir()) == ["4", "6", "8.damaged"]
+
+
+def test_a_kill_between_save_and_retention_leaves_keep_checkpoints_after_resume(ckpt_copy):
+    """A kill after a save finished but before retention ran leaves keep + 1 checkpoints; the
+    resumed run's restore applies retention, so exactly keep remain."""
+    cfg, directory = ckpt_copy  # keep_checkpoints=2: 4 and 6
+    shutil.copytree(directory / "4", directory / "2")
+    ckpt = Checkpointer(directory, keep=2)
+    try:
+        assert ckpt.all_steps() == [2, 4, 6]
+        restored = ckpt.restore(cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train))
+    finally:
+        ckpt.close()
+    assert restored.step == 6
     assert sorted(p.name for p in directory.iterdir()) == ["4", "6"]
 
 

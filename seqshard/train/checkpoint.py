@@ -20,9 +20,13 @@ can go wrong, and what happens then:
 - **Kills.** A step directory counts as a checkpoint only when complete (every file orbax
   writes, ``commit_success.txt`` last, is there), so an empty or half-written one is never
   loaded. Old checkpoints are deleted by renaming them to ``.deleting-<step>`` first (atomic)
-  and removing that, so a kill mid-deletion leaves no step directory behind; such leftovers
-  and the temporary directories of interrupted saves are removed when a Checkpointer opens
-  the directory for writing. Exactly ``keep`` checkpoints are kept, the newest ones.
+  and removing that, so a kill mid-deletion leaves no step directory behind; such leftovers,
+  the temporary directories of interrupted saves and empty step directories are removed
+  when a Checkpointer opens the directory for writing. Nothing else is ever removed: a step
+  directory with files in it that is not a complete checkpoint (a file deleted by hand, a
+  copy cut short) is treated as damaged by ``restore``. Exactly ``keep`` checkpoints are
+  kept, the newest ones (a kill between a save and its retention leaves one more, removed
+  when the run resumes).
 - **Failed saves** (disk full, permissions): ``raise_if_save_failed()``, called by the loop
   after every step, raises :class:`CheckpointSaveError` as soon as the background save has
   failed, with the OS error, the space needed and free; the partial write is removed and every
@@ -80,6 +84,7 @@ __all__ = [
     "checkpoint_steps",
     "latest_state",
     "state_digest",
+    "step_directories",
 ]
 
 ResumePolicy = Literal["latest_good", "strict"]
@@ -286,19 +291,23 @@ def _missing_marker(path: Path) -> str | None:
     return None
 
 
-def checkpoint_steps(directory: str | Path) -> list[int]:
-    """The steps of the complete checkpoints in ``directory``, ascending (none: [])."""
+def step_directories(directory: str | Path) -> dict[int, str | None]:
+    """Every step directory in ``directory`` that holds anything: step -> the first file of a
+    complete checkpoint it lacks (None: complete), ascending. Empty ones are left out."""
     directory = Path(directory)
     if not directory.is_dir():
-        return []
-    return sorted(
-        int(p.name)
+        return {}
+    steps = {
+        int(p.name): _missing_marker(p)
         for p in directory.iterdir()
-        if _STEP_NAME.match(p.name)
-        and p.is_dir()
-        and not p.is_symlink()
-        and _missing_marker(p) is None
-    )
+        if _STEP_NAME.match(p.name) and p.is_dir() and not p.is_symlink() and any(p.iterdir())
+    }
+    return dict(sorted(steps.items()))
+
+
+def checkpoint_steps(directory: str | Path) -> list[int]:
+    """The steps of the complete checkpoints in ``directory``, ascending (none: [])."""
+    return [step for step, missing in step_directories(directory).items() if missing is None]
 
 
 def _sync(name: str) -> None:
@@ -638,7 +647,7 @@ class Checkpointer:
         self._held.failed = True
         if self._writer:
             try:
-                self._clean_leftovers(quiet=True)
+                self._clean_leftovers()
                 removed = "the partial write was removed"
             except OSError as e:
                 removed = f"removing the partial write failed too ({e})"
@@ -668,22 +677,21 @@ class Checkpointer:
         if len(steps) > self.keep:
             self.manager.reload()
 
-    def _clean_leftovers(self, quiet: bool = False) -> None:
-        """Remove what interrupted saves and deletions left: temporary and half-deleted
-        directories, and step directories that are not complete checkpoints."""
+    def _clean_leftovers(self) -> None:
+        """Remove what this code's interrupted saves and deletions provably left: orbax's
+        temporary directories (``<step>.orbax-checkpoint-tmp*``), ``.deleting-*`` ones, and
+        empty step directories. A step directory with anything in it is never removed here,
+        even if incomplete: :meth:`restore` sets it aside (``<step>.damaged``) or refuses it."""
         for path in sorted(self.directory.iterdir()):
             if _TMP_NAME.match(path.name) or path.name.startswith(_DELETING):
                 _remove_tree(path)
-            elif _STEP_NAME.match(path.name) and path.is_dir() and not path.is_symlink():
-                missing = _missing_marker(path)
-                if missing is not None:
-                    if not quiet:
-                        what = "empty" if not any(path.iterdir()) else f"no {missing}"
-                        self.log(
-                            f"removing {path}: not a complete checkpoint ({what}; an "
-                            f"interrupted save or deletion left it)"
-                        )
-                    _remove_tree(path)
+            elif (
+                _STEP_NAME.match(path.name)
+                and path.is_dir()
+                and not path.is_symlink()
+                and not any(path.iterdir())
+            ):
+                path.rmdir()
 
     # -- restoring --
 
@@ -720,19 +728,23 @@ class Checkpointer:
             raise ValueError(f"policy must be one of {RESUME_POLICIES}, got {policy!r}.")
         log = self.log if log is None else log
         self._finish_pending(block=True)
-        candidates = [self._existing(step)] if step is not None else self.all_steps()[::-1]
+        if step is not None:
+            candidates = {self._existing(step): None}
+        else:  # newest first, incomplete ones included: they are skipped or refused by name
+            candidates = dict(reversed(step_directories(self.directory).items()))
         if not candidates:
             raise CheckpointError(
                 f"no complete checkpoint in {self.directory}. Train first (seqshard train CONFIG)."
             )
         target = train_state_structs(cfg.model, mesh, opt)
         skipped: dict[int, str] = {}
-        for s in candidates:
-            why = None
+        for s, missing in candidates.items():
+            why = f"not a complete checkpoint (no {missing})" if missing is not None else None
             self._held.hold()
             try:
                 try:
-                    state, meta = self._restore_verified(s, cfg, target, log)
+                    if why is None:
+                        state, meta = self._restore_verified(s, cfg, target, log)
                 except _Unusable as e:
                     why = e.why
                 if why is not None:
@@ -741,6 +753,8 @@ class Checkpointer:
                 self._held.release(ok=why is None)
             if why is None:
                 self._set_aside(skipped, s, log)
+                if self._writer:
+                    self._apply_retention()  # a kill right after a save left one too many
                 state = _in_layer_order(state, meta, cfg, mesh)
                 return Restored(state=state, meta=meta, step=s, skipped=skipped)
             if policy == "strict" or step is not None:

@@ -44,7 +44,7 @@ from seqshard.hf.load import load_hf_weights
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
 from seqshard.model.weights import Weights, init_weights
-from seqshard.train.checkpoint import Checkpointer, checkpoint_steps
+from seqshard.train.checkpoint import Checkpointer, step_directories
 from seqshard.train.metrics import MetricsLogger, SilentMetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
 from seqshard.train.state import (
@@ -180,9 +180,9 @@ def ensure_data(
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a complete checkpoint (an empty or partial step directory,
-    left by a kill, is not one)."""
-    return bool(checkpoint_steps(run_dir / "checkpoints"))
+    """Whether ``run_dir`` holds a step directory with anything in it (a complete checkpoint,
+    or one damaged that restore must skip or refuse by name rather than a new run overwrite)."""
+    return bool(step_directories(run_dir / "checkpoints"))
 
 
 def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
