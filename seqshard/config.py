@@ -214,6 +214,34 @@ class Config:
     init: InitConfig = dataclasses.field(default_factory=InitConfig)
 
 
+def _safe_load(text: str, where: str):
+    """``yaml.safe_load(text)``, refusing a key written twice in one mapping (YAML would keep
+    the last silently: two ``train:`` sections train on the second alone)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: malformed YAML: {e}. Fix the file's syntax.") from None
+    todo = [(root, "")]
+    while todo:
+        node, prefix = todo.pop()
+        if isinstance(node, yaml.SequenceNode):
+            todo += [(item, f"{prefix}[{i}]") for i, item in enumerate(node.value)]
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first_line: dict[str, int] = {}
+        for key, value in node.value:
+            name = f"{prefix}.{key.value}" if prefix else str(key.value)
+            line = key.start_mark.line + 1
+            if isinstance(key, yaml.ScalarNode) and name in first_line:
+                raise ConfigError(
+                    f"{where}: key {name!r} appears twice, on lines {first_line[name]} and "
+                    f"{line}; YAML would keep only the second. Merge the two into one."
+                )
+            first_line[name] = line
+            todo.append((value, name))
+    return yaml.safe_load(text)
+
+
 def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     """The layers of ``path`` (its bases first) as (description, mapping) pairs."""
     if path in chain:
@@ -226,10 +254,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
         raise ConfigError(
             f"config file {path} does not exist. Pass a YAML file such as configs/tiny-cpu.yaml."
         )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: malformed YAML: {e}. Fix the file's syntax.") from None
+    data = _safe_load(path.read_text(), str(path))
     if data is None:
         raise ConfigError(
             f"config file {path} is empty: it would run seqshard's built-in defaults, which is "
@@ -496,10 +521,7 @@ def config_from_yaml(text: str, where: str) -> Config:
     """A config saved by :func:`config_to_yaml` (a run's ``config.yaml``, a checkpoint's
     metadata), parsed into a Config as it was saved: field checks, no cross-field checks.
     ``where`` names the source in errors."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: malformed YAML: {e}.") from None
+    data = _safe_load(text, where)
     if not isinstance(data, dict):
         raise ConfigError(
             f"{where}: expected a saved seqshard config (a mapping), got {data!r:.80}."

@@ -234,6 +234,39 @@ def test_malformed_yaml_names_the_file(tmp_path):
     assert str(path) in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        # Fault 3 of the campaign: two sections; this trained 300 steps at lr 0.003.
+        ("train: {steps: 5, lr: 0.001}\ntrain: {batch_size: 16}\n", "train", (1, 2)),
+        # ... and a nested duplicate, which ran 7 steps.
+        ("train:\n  steps: 5\n  lr: 0.001\n  steps: 7\n", "train.steps", (2, 4)),
+        ("model: {d_model: 64}\nmesh: {d: 1, t: 1, d: 2}\n", "mesh.d", (2, 2)),
+    ],
+)
+def test_a_duplicate_key_names_the_file_the_key_and_both_lines(tmp_path, text, key, lines):
+    """YAML keeps the last of two equal keys silently; seqshard refuses it, at any depth, in
+    a base file too."""
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    child = tmp_path / "child.yaml"
+    child.write_text("base: dup.yaml\n")
+    for loaded in (path, child):
+        with pytest.raises(ConfigError) as e:
+            load_config(loaded)
+        message = str(e.value)
+        assert message.startswith(f"{path}: key {key!r} appears twice"), message
+        assert f"on lines {lines[0]} and {lines[1]}" in message
+
+
+def test_equal_keys_in_different_sections_are_not_duplicates(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("base: base.yaml\nmodel: {d_model: 64}\ntrain: {steps: 5}\ndata: {seed: 1}\n")
+    (tmp_path / "base.yaml").write_text("train: {seed: 3, steps: 4}\n")
+    cfg = load_config(path)
+    assert cfg.train.steps == 5 and cfg.train.seed == 3 and cfg.data.seed == 1
+
+
 def test_a_file_that_is_not_a_mapping(tmp_path):
     path = write(tmp_path / "list.yaml", "- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping") as e:
