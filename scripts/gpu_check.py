@@ -41,8 +41,8 @@ import numpy as np
 from seqshard.mesh import training_mesh
 from seqshard.model import (
     ModelConfig,
-    loss_fn,
     logits_fn,
+    loss_fn,
     reference_logits_fn,
     reference_loss_fn,
     weight_structs,
@@ -140,7 +140,9 @@ def model_checks(mesh, fused: str) -> list[dict]:
         want = outputs(f32, mesh, w, tokens, starts, reference=True)
         got = outputs(f32, mesh, w, tokens, starts, reference=False)
         rows.append(check("f32-einsum-highest", compare(got, want), 1e-5, 1e-4, 1e-4))
-        auto = outputs(dataclasses.replace(f32, backward="autodiff"), mesh, w, tokens, starts, False)
+        auto = outputs(
+            dataclasses.replace(f32, backward="autodiff"), mesh, w, tokens, starts, False
+        )
         rows.append(check("explicit-vs-autodiff", compare(got, auto), 1e-5, 1e-4, 1e-4))
     got = outputs(f32, mesh, w, tokens, starts, reference=False)
     want = outputs(f32, mesh, w, tokens, starts, reference=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from seqshard.cli import EXIT_NONFINITE, main
+from seqshard.cli import EXIT_ERROR, EXIT_NONFINITE, main
 from seqshard.config import ConfigError, load_config
 from seqshard.mesh import training_mesh
 from seqshard.train.checkpoint import Checkpointer, latest_state
@@ -239,6 +241,82 @@ def test_kill_9_campaign_at_random_moments(tmp_path, tiny_overrides):
     assert killed == straight
     leftovers = [p.name for p in (tmp_path / "runs" / "killed" / "checkpoints").iterdir()]
     assert all(name.isdigit() for name in leftovers), leftovers
+
+
+# -- a full disk outside a save -----------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs at ``tmp_path / "disk"`` (skipped where this process cannot mount one)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill_leaving(disk: Path, pages: int) -> None:
+    """Fill ``disk`` to the last byte, then free ``pages`` 4 KiB pages (tmpfs counts pages)."""
+    reserve = disk / "reserve"
+    reserve.write_bytes(b"\0" * 4096 * pages)
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        chunk = 65536
+        while chunk:
+            try:
+                os.write(fd, b"\0" * chunk)
+            except OSError:
+                chunk //= 2
+    finally:
+        os.close(fd)
+    reserve.unlink()
+
+
+def test_a_disk_full_outside_a_save_stops_with_one_line(tmp_path, tiny_overrides, small_disk):
+    """Fault 4 of the campaign: the disk filled after checkpoint 10 printed a bare "[Errno 28]
+    No space left on device" with no path, ~25 lines of tensorboardX tracebacks at exit, and
+    left metrics.jsonl ending in a torn line. Here a run checkpoints at 2, the disk is filled
+    leaving 3 pages (the run files' rewrites fit, the metrics and events of the next steps do
+    not), and the resumed run must stop with one line: the file, the OS error, the bytes needed
+    and free, and the newest intact checkpoint; no traceback; metrics.jsonl whole lines."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base: {REPO / 'configs' / 'tiny-cpu.yaml'}\n")
+    overrides = tiny_overrides(small_disk / "runs", "full", steps=2, eval_every=0)
+    run_dir = small_disk / "runs" / "full"
+    assert train(load_config(config, overrides), log=quiet, tty=False).step == 2
+    fill_leaving(small_disk, pages=3)
+    more = ["train.steps=400", "train.checkpoint_every=0"]
+    args = [*overrides, *more, "--sample-tokens=0"]
+    proc = subprocess.run(
+        [*SEQSHARD, "train", str(config), *args],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == EXIT_ERROR, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and "Exception ignored" not in err
+    assert re.match(rf"seqshard train: error: could not write {re.escape(str(run_dir))}/", err)
+    assert "[Errno 28] No space left on device" in err
+    assert re.search(r"The write needed [0-9.]+ [KM]?B; \S+ has [0-9.]+ [KM]?B free", err), err
+    assert f"newest intact checkpoint is {run_dir / 'checkpoints' / '2'} (step 2)" in err, err
+    text = (run_dir / "metrics.jsonl").read_text()
+    assert text.endswith("\n")
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    assert steps[:2] == [1, 2] and len(steps) > 2, steps
+    assert checkpoint_steps(run_dir) == [2]
 
 
 # -- paths and inputs -------------------------------------------------------------------------

@@ -74,6 +74,7 @@ from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yam
 from seqshard.model.config import DIM_FIELDS
 from seqshard.shardtypes import shardings, u32, with_unsplit_dims
 from seqshard.train.optimizer import make_optimizer
+from seqshard.train.run_files import format_bytes
 from seqshard.train.state import TrainState, layer_order, relayered, train_state_structs
 
 __all__ = [
@@ -326,14 +327,6 @@ def _remove_tree(path: Path) -> None:
         path.rename(hidden)
         path = hidden
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError  # unreachable
 
 
 def _os_error(e: BaseException) -> str:
@@ -653,7 +646,7 @@ class Checkpointer:
                 removed = f"removing the partial write failed too ({e})"
             self.manager.reload()
         try:
-            free = f"{_size(shutil.disk_usage(self.directory).free)} free"
+            free = f"{format_bytes(shutil.disk_usage(self.directory).free)} free"
         except OSError:
             free = "an unknown amount free"
         steps = self.all_steps()
@@ -665,7 +658,7 @@ class Checkpointer:
         )
         raise CheckpointSaveError(
             f"checkpoint {path} could not be written: {error}. It needs about "
-            f"{_size(pending.nbytes)} (the train state, before compression); "
+            f"{format_bytes(pending.nbytes)} (the train state, before compression); "
             f"{self.directory} has {free}. {earlier}; {removed}. Free space (or fix the "
             f"directory's permissions) and resume."
         ) from None

@@ -12,6 +12,7 @@ writes a checkpoint, and returns cleanly; before the first step it returns at on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import signal
@@ -44,9 +45,15 @@ from seqshard.hf.load import load_hf_weights
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
 from seqshard.model.weights import Weights, init_weights
-from seqshard.train.checkpoint import Checkpointer, step_directories
+from seqshard.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    checkpoint_steps,
+    step_directories,
+)
 from seqshard.train.metrics import MetricsLogger, SilentMetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
+from seqshard.train.run_files import RunWriteError, atomic_write_text
 from seqshard.train.state import (
     NONFINITE_KINDS,
     NonfiniteGuard,
@@ -208,11 +215,30 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
 
 
 def _write_run_files(run_dir: Path, cfg: Config, data_dir: Path) -> None:
-    """The resolved config, and the resolved data directory the run trains on."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    """The resolved config, and the resolved data directory the run trains on (each replaced
+    whole: a kill or a full disk leaves the old file or the new one)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunWriteError(run_dir, e, 0) from None
+    atomic_write_text(run_dir / "config.yaml", config_to_yaml(cfg))
     info = {"data_dir": str(data_dir.resolve())}
-    (run_dir / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
+    atomic_write_text(run_dir / RUN_INFO, json.dumps(info, indent=1) + "\n")
+
+
+def _newest_checkpoint(directory: Path, ckpt: Checkpointer | None = None) -> str:
+    """A sentence naming the newest complete checkpoint in ``directory`` (after the save in
+    flight, if any, has finished or failed)."""
+    if ckpt is not None:
+        with contextlib.suppress(CheckpointError):  # a save that failed too: it says so itself
+            ckpt.wait()
+    steps = checkpoint_steps(directory)
+    if not steps:
+        return "There is no checkpoint yet: the run starts again from step 0."
+    return (
+        f"The newest intact checkpoint is {directory / str(steps[-1])} (step {steps[-1]}), "
+        f"where resuming starts."
+    )
 
 
 class StopRequested(BaseException):
@@ -381,7 +407,10 @@ def _train(cfg: Config, stop: _StopOnSignal, log, tty, started: float) -> TrainR
     data_dir = ensure_data(cfg, log, prepare_missing=False)
     mesh = training_mesh(cfg.mesh.sizes())
     if is_main_process():
-        _write_run_files(run_dir, cfg, data_dir)
+        try:
+            _write_run_files(run_dir, cfg, data_dir)
+        except RunWriteError as e:
+            raise e.with_checkpoint(_newest_checkpoint(run_dir / "checkpoints")) from None
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
     try:
         opt = make_optimizer(cfg.train)
@@ -407,6 +436,8 @@ def _train(cfg: Config, stop: _StopOnSignal, log, tty, started: float) -> TrainR
                 loader.close()
                 return _finished_already(run, state, start, validate)
             return _train_steps(run, state, start, loader, validate, stop)
+    except RunWriteError as e:  # metrics, TensorBoard: say where the run can resume
+        raise e.with_checkpoint(_newest_checkpoint(ckpt.directory, ckpt)) from None
     finally:
         ckpt.close()
 

@@ -10,9 +10,13 @@ One :class:`MetricsLogger` per run, driven by the training loop::
                            "tokens_per_s": 4512.0, "mfu": 0.012, "step_time_s": 0.91})
 
 ``metrics.jsonl`` holds one JSON object per ``log`` call, ``{"step": 120, "loss": 3.41, ...,
-"time": 1718000000.0}``, each line written and flushed whole, so a kill loses at most the line
-being written; :func:`read_metrics` skips such a torn last line. TensorBoard tags are
-``train/<key>`` and, for keys ``val_<name>``, ``val/<name>`` (``val_loss`` -> ``val/loss``).
+"time": 1718000000.0}``, each line appended whole in one write, so a kill loses at most the
+line being written (:func:`read_metrics` skips such a torn last line) and a full disk none:
+a line cut short is truncated away and :class:`~seqshard.train.run_files.RunWriteError` names
+the file and the space. TensorBoard tags are ``train/<key>`` and, for keys ``val_<name>``,
+``val/<name>`` (``val_loss`` -> ``val/loss``), written synchronously to one event file per
+logger (:class:`EventFile`): tensorboardX's own writer writes from a thread and flushes from
+an atexit hook, so a full disk surfaced there as tracebacks at exit instead of one error.
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from seqshard.train.run_files import RunWriteError, append_whole, atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -37,6 +43,7 @@ _RESERVED = ("step", "time")
 
 __all__ = [
     "METRICS_FILE",
+    "EventFile",
     "MetricsLogger",
     "SilentMetricsLogger",
     "format_line",
@@ -92,6 +99,61 @@ def _fmt(fmt: str, value: float) -> str:
     return fmt.format(value) if math.isfinite(value) else str(value)
 
 
+class EventFile:
+    """A TensorBoard event file written synchronously: ``RUN_DIR/tb/events.out.tfevents.
+    <time>.<host>.<pid>``, TFRecords of tensorboardX's ``Event`` protos, each record appended
+    whole (:func:`~seqshard.train.run_files.append_whole`) or not at all.
+
+    ``purge_step``: a resumed run's first step; TensorBoard hides the earlier events of steps
+    >= it (a ``SessionLog.START`` at that step, as tensorboardX's ``purge_step`` writes)."""
+
+    def __init__(self, directory: Path, purge_step: int | None = None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunWriteError(directory, e, 0) from None
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self.path = directory / name
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise RunWriteError(self.path, e, 0) from None
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            start = SessionLog(status=SessionLog.START)
+            self._write(Event(wall_time=time.time(), step=purge_step, session_log=start))
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """One event of the values at ``step``, tagged by :func:`tb_tag`."""
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        summary = Summary(
+            value=[Summary.Value(tag=tb_tag(k), simple_value=v) for k, v in values.items()]
+        )
+        self._write(Event(wall_time=time.time(), step=step, summary=summary))
+
+    def _write(self, event) -> None:
+        import struct
+
+        from tensorboardX.record_writer import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        record = (
+            header
+            + struct.pack("<I", masked_crc32c(header))
+            + data
+            + struct.pack("<I", masked_crc32c(data))
+        )
+        append_whole(self._fd, record, self.path)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class SilentMetricsLogger:
     """The :class:`MetricsLogger` of a process other than 0 in a multi-process run: every
     process computes the same metrics (replicated scalars); process 0 writes them."""
@@ -132,12 +194,15 @@ class MetricsLogger:
                 f"total_steps={total_steps}, start_step={start_step}."
             )
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self.total_steps = total_steps
         self.tty = sys.stdout.isatty() if tty is None else tty
-        _repair_torn_tail(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _repair_torn_tail(self.path)
+        except OSError as e:
+            raise RunWriteError(self.path, e, 0) from None
+        self._fd = self._open()
         # Created on first use, so that truncate_after can pass purge_step before any event.
         self._tb: Any = None
         self._purge_step: int | None = None
@@ -162,14 +227,9 @@ class MetricsLogger:
         self._check_open("log")
         values = _as_floats(metrics)
         record: dict[str, Any] = {"step": int(step), **values, "time": time.time()}
-        # One write per line, then flush: a kill leaves at most this line torn.
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-
-        writer = self._writer()
-        for key, value in values.items():
-            writer.add_scalar(tb_tag(key), value, global_step=int(step))
-
+        # One write per line: a kill leaves at most this line torn, a full disk none of it.
+        append_whole(self._fd, (json.dumps(record) + "\n").encode("utf-8"), self.path)
+        self._events().scalars(int(step), values)
         self._show(int(step), values)
 
     def message(self, text: str) -> None:
@@ -186,7 +246,7 @@ class MetricsLogger:
         purge its events after ``step`` too (``purge_step``), so its curves do not double back.
         """
         self._check_open("truncate_after")
-        self._file.close()
+        os.close(self._fd)
         kept: list[str] = []
         dropped = 0
         # The torn tail was repaired on open, so every line must parse.
@@ -196,8 +256,8 @@ class MetricsLogger:
             else:
                 kept.append(line + "\n")
         if dropped:
-            _atomic_write(self.path, "".join(kept))
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+            atomic_write_text(self.path, "".join(kept))
+        self._fd = self._open()
 
         if self._tb is not None:
             self._tb.close()
@@ -215,7 +275,7 @@ class MetricsLogger:
         if self._closed:
             return
         self._closed = True
-        self._file.close()
+        os.close(self._fd)
         if self._tb is not None:
             self._tb.close()
         if self._bar is not None:
@@ -238,13 +298,15 @@ class MetricsLogger:
         if self._closed:
             raise ValueError(f"MetricsLogger.{what}: the logger for {self.run_dir} is closed.")
 
-    def _writer(self) -> Any:
-        if self._tb is None:
-            from tensorboardX import SummaryWriter
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise RunWriteError(self.path, e, 0) from None
 
-            self._tb = SummaryWriter(
-                str(self.run_dir / TB_DIR), purge_step=self._purge_step, flush_secs=10
-            )
+    def _events(self) -> EventFile:
+        if self._tb is None:
+            self._tb = EventFile(self.run_dir / TB_DIR, purge_step=self._purge_step)
             self._purge_step = None
         return self._tb
 
@@ -354,16 +416,3 @@ def _repair_torn_tail(path: Path) -> None:
         else:
             f.seek(0, os.SEEK_END)
             f.write(b"\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
