@@ -24,7 +24,6 @@ import pytest
 
 from seqshard.config import load_config
 from seqshard.mesh import training_mesh
-from seqshard.train import checkpoint
 from seqshard.train.checkpoint import Checkpointer, CheckpointSaveError
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.run_files import format_bytes
