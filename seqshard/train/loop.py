@@ -54,6 +54,7 @@ from seqshard.train.checkpoint import (
 from seqshard.train.metrics import MetricsLogger, SilentMetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
 from seqshard.train.run_files import RunWriteError, atomic_write_text
+from seqshard.train.run_lock import RunLock, RunLockedError
 from seqshard.train.state import (
     NONFINITE_KINDS,
     NonfiniteGuard,
@@ -401,6 +402,35 @@ def _train(cfg: Config, stop: _StopOnSignal, log, tty, started: float) -> TrainR
     run_dir = run_dir_of(cfg)
     # Everything that can fail on bad input is checked before the run directory is written.
     resuming = _check_run_dir(run_dir, cfg)
+    lock = _lock_run_dir(run_dir, log)
+    try:
+        return _train_locked(cfg, stop, log, tty, started, resuming)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_run_dir(run_dir: Path, log) -> RunLock | None:
+    """Process 0, the run's one writer, takes the run directory's lock; every process stops if
+    it could not (another training writes there)."""
+    lock, error = None, None
+    if is_main_process():
+        try:
+            lock = RunLock.acquire(run_dir, log=log)
+        except RunLockedError as e:
+            error = e
+    if agree_any(error is not None):
+        if lock is not None:
+            lock.release()
+        raise error or RunLockedError(
+            f"{run_dir}: process 0 could not lock the run directory (another training writes "
+            f"there); its message says which."
+        )
+    return lock
+
+
+def _train_locked(cfg: Config, stop, log, tty, started: float, resuming: bool) -> TrainResult:
+    run_dir = run_dir_of(cfg)
     if is_main_process():  # prepares the data directory on first use; the others wait
         ensure_data(cfg, log)
     barrier("seqshard: data prepared")
