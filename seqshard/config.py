@@ -157,7 +157,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: Literal["latest_good", "strict"] = "latest_good"  # a damaged newest checkpoint:
     #   latest_good skips it (with a warning) for the newest one that verifies; strict stops
-    nonfinite: Literal["stop", "skip"] = "stop"  # a step whose loss or grad norm is not finite
+    nonfinite: Literal["stop", "skip"] = "stop"  # loss or grad norm not finite, or grad norm 0
     #   applies no update; stop: exit non-zero; skip: go on with the next batch
     max_nonfinite_skips: int = 10  # skip: stop after this many non-finite steps in a row
     eval_on_stop: bool = False  # evaluate before stopping on SIGTERM / Ctrl-C (slower exit)

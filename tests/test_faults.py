@@ -106,7 +106,9 @@ def test_divergence_stops_and_never_saves_a_non_finite_state(tmp_path, tiny_over
         train(cfg, log=quiet, tty=False)
     msg = str(e.value)
     bad_step = int(msg.split("step ")[1].split(":")[0])
-    assert "not finite; stopping (train.nonfinite=stop)" in msg and "nan" in msg
+    # lr=1e6 saturates the model: its gradient is exactly zero a step or two before the NaN.
+    assert "; stopping (train.nonfinite=stop)" in msg
+    assert "loss nan" in msg or "grad norm nan" in msg or "grad norm zero" in msg
     saved = checkpoint_steps(tmp_path / "stop")
     assert saved and max(saved) < bad_step, (saved, bad_step)
     assert f"checkpoints/{max(saved)} (step {max(saved)})" in msg
@@ -119,7 +121,7 @@ def test_divergence_with_skip_stops_after_max_skips_in_a_row(tmp_path, tiny_over
         tiny_overrides, tmp_path, "skip", nonfinite="skip", max_nonfinite_skips=3, log_every=1
     )
     cfg = load_config(None, overrides)
-    with pytest.raises(NonfiniteError, match=r"3 non-finite steps in a row"):
+    with pytest.raises(NonfiniteError, match=r"3 non-finite or zero-gradient steps in a row"):
         train(cfg, log=quiet, tty=False)
     skipped = [m for m in capsys.readouterr().out.splitlines() if "update skipped" in m]
     assert skipped and "train.nonfinite=skip stops after 3 in a row" in skipped[0]

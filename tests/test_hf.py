@@ -500,6 +500,38 @@ def test_a_non_finite_weight_is_named_before_a_run_starts(copy_of):
         load(copy_of)
 
 
+def test_a_huge_weight_warns_on_import_and_the_run_stops_standing_still(
+    copy_of, tmp_path, tiny_yaml, capsys
+):
+    """Fault 6 of the campaign: one finite but huge value (1e30 in a down_proj) trained 40
+    steps at loss ln(vocab) with gradient norm 0 and exited 0. Import now warns (the bound,
+    1e4, is in seqshard.hf.load), and the first step with a zero gradient stops the run like a
+    non-finite one (exit 3, one line, nothing saved after it)."""
+    from safetensors.numpy import load_file, save_file
+
+    from seqshard.cli import EXIT_NONFINITE
+
+    index = json.loads((copy_of / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.mlp.down_proj.weight"
+    path = copy_of / index[name]
+    tensors = load_file(path)
+    tensors[name][3, 5] = 1e30
+    save_file(tensors, path, metadata={"format": "pt"})
+
+    tiny_yaml(tmp_path / "base.yaml", tmp_path / "runs")
+    config = tmp_path / "huge.yaml"
+    config.write_text(f"base: base.yaml\ninit: {{from_hf: {copy_of}}}\n")
+    capsys.readouterr()
+    code = main(["train", str(config), "train.steps=4", "--sample-tokens", "0"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_NONFINITE, out + err
+    warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and f"tensor {name} holds 1 values above 10000" in warnings[0]
+    assert "(largest 1e+30)" in warnings[0]
+    assert err.startswith("seqshard train: error: step 1: loss finite, grad norm zero: zero "), err
+    assert err.count("\n") == 1
+
+
 def test_the_config_must_agree_with_config_json(copy_of):
     cfg = ModelConfig(
         compute_dtype="float32",

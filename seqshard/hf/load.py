@@ -68,14 +68,16 @@ def load_hf_weights(
         if row.field == "unembed" and hf.tied:  # as transformers does, even if lm_head is there
             source = next(r for r in TABLE if r.field == "embed")  # a copy
         if not row.stacked:
-            placed[row.field] = _place(tensors, source, None, cfg, target.sharding, target.shape)
+            placed[row.field] = _place(
+                tensors, source, None, cfg, target.sharding, target.shape, log
+            )
             continue
         block = shape_dtype_structs(row.block_type, cfg.dim_sizes(), mesh)
         stack = placed.get(row.field)
         if stack is None:
             stack = _zeros(target.shape, target.sharding)
         for i in range(cfg.n_layers):
-            x = _place(tensors, source, i, cfg, block.sharding, block.shape)
+            x = _place(tensors, source, i, cfg, block.sharding, block.shape, log)
             index = (i,) if row.part is None else (i, row.part)
             stack = _updater(target.sharding, len(index))(stack, x, *index)
             del x
@@ -137,10 +139,26 @@ def _sizes_said(row: TensorRow, cfg: ModelConfig) -> str:
     return ", ".join(f"{n}={sizes[n]} ({HF_KEYS[n]})" for n in dict.fromkeys(names))
 
 
+LARGEST_TRAINED_WEIGHT = 1e4
+"""A weight above this in magnitude is reported on import. Trained transformer weights are of
+order 1 (AdamW with weight decay keeps them there; the largest, norm gains and a few outlier
+entries, stay in the tens to hundreds), and a single 1e4 entry already makes the activations
+it feeds 1e4 times larger than the rest of the residual. Past about 1e19 the next RMSNorm's
+sum of squares overflows f32 and every gradient through it is zero: a corrupt value (1e30 in
+one down_proj) trained 40 steps at loss ln(vocab) with gradient norm 0."""
+
+
 def _place(
-    tensors: HFTensors, row: TensorRow, layer: int | None, cfg, sharding, shape
+    tensors: HFTensors,
+    row: TensorRow,
+    layer: int | None,
+    cfg,
+    sharding,
+    shape,
+    log: Callable[[str], None] = print,
 ) -> jax.Array:
-    """Read one Hugging Face tensor and put each local device's block of it on that device."""
+    """Read one Hugging Face tensor and put each local device's block of it on that device;
+    one warning line (to ``log``) if it holds values far outside a trained model's."""
     name = row.hf_name_of(layer)
     stored = tensors.read(name)
     if not np.isfinite(stored).all():
@@ -149,6 +167,15 @@ def _place(
             f"{tensors.file_of[name]}: tensor {name} holds {bad} non-finite values (NaN or "
             f"inf): a run started from it would stop at its first step. The file is damaged "
             f"or the model diverged; use another checkpoint."
+        )
+    largest = float(np.max(np.abs(stored))) if stored.size else 0.0
+    if largest > LARGEST_TRAINED_WEIGHT:
+        over = int(np.count_nonzero(np.abs(stored) > LARGEST_TRAINED_WEIGHT))
+        log(
+            f"warning: {tensors.file_of[name]}: tensor {name} holds {over} values above "
+            f"{LARGEST_TRAINED_WEIGHT:g} in magnitude (largest {largest:.3g}), far outside what "
+            f"a trained model holds: the file may be damaged. A run from it may stand still "
+            f"(its gradient vanishes) or diverge; seqshard stops at such a step."
         )
     values = row.from_hf(stored, cfg)
     return jax.make_array_from_callback(

@@ -605,14 +605,19 @@ class _NonfiniteWatch:
             return
         new, self.seen = total - self.seen, total
         train_cfg = self.run.cfg.train
-        what = (
-            f"step {int(guard.last_step)}: loss {NONFINITE_KINDS[int(guard.last_loss)]}, "
-            f"grad norm {NONFINITE_KINDS[int(guard.last_grad_norm)]}"
+        loss_kind = NONFINITE_KINDS[int(guard.last_loss)]
+        grad_kind = NONFINITE_KINDS[int(guard.last_grad_norm)]
+        standing_still = loss_kind == "finite" and grad_kind == "zero"
+        fault = (
+            "zero gradient (no weight can move: training stands still)"
+            if standing_still
+            else "not finite"
         )
+        what = f"step {int(guard.last_step)}: loss {loss_kind}, grad norm {grad_kind}: {fault}"
         values["nonfinite_steps"] = float(total)
         if train_cfg.nonfinite == "skip" and in_a_row < train_cfg.max_nonfinite_skips:
             self.log(
-                f"{what}: not finite, update skipped ({new} new, {in_a_row} in a row, {total} "
+                f"{what}, update skipped ({new} new, {in_a_row} in a row, {total} "
                 f"in the run; train.nonfinite=skip stops after {train_cfg.max_nonfinite_skips} "
                 f"in a row)"
             )
@@ -626,14 +631,20 @@ class _NonfiniteWatch:
             else "there is no checkpoint yet: a new run starts from step 0"
         )
         why = (
-            f"{in_a_row} non-finite steps in a row (train.max_nonfinite_skips="
+            f"{in_a_row} non-finite or zero-gradient steps in a row (train.max_nonfinite_skips="
             f"{train_cfg.max_nonfinite_skips})"
             if train_cfg.nonfinite == "skip"
             else "train.nonfinite=stop"
         )
+        check = (
+            "Check the initial weights for values far outside a trained model's (init.from_hf "
+            "warns about them), lower "
+            if standing_still
+            else "Lower "
+        )
         raise NonfiniteError(
-            f"{what}: not finite; stopping ({why}). No update was applied from that step on "
-            f"and nothing was saved after it; {good}. Lower "
+            f"{what}; stopping ({why}). No update was applied from that step on "
+            f"and nothing was saved after it; {good}. {check}"
             f"train.lr (now {train_cfg.lr:g}), keep train.grad_clip > 0 (now "
             f"{train_cfg.grad_clip:g}), or set train.nonfinite=skip to skip such batches."
         )

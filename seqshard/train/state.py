@@ -1,7 +1,8 @@
 """The training state and its layout: weights, optimizer state, step, all sharded from the types.
 
-``guard`` records the steps whose loss or gradient norm was not finite. Such a step applies
-no update (the train step keeps the weights and optimizer state it was given, on device), so a
+``guard`` records the steps whose loss or gradient norm was not finite, or whose gradient
+norm was exactly zero (training that stands still: a weight so large that it saturates every
+softmax, an lr so large that the next step is NaN). Such a step applies no update (the train step keeps the weights and optimizer state it was given, on device), so a
 state is finite whenever its first state was; the loop reads the guard with the metrics it
 fetches anyway and stops or goes on as ``train.nonfinite`` says.
 
@@ -37,13 +38,15 @@ __all__ = [
     "no_nonfinite",
     "nonfinite_kind",
     "relayered",
+    "step_is_healthy",
     "train_state_structs",
 ]
 
 
 @pytree_dataclass
 class NonfiniteGuard:
-    """Steps whose loss or gradient norm was not finite; none of them applied an update."""
+    """Steps whose loss or gradient norm was not finite or whose gradient norm was zero;
+    none of them applied an update. (The name is the checkpoint's: kept.)"""
 
     in_a_row: i32[()]  # non-finite steps since the last finite one
     total: i32[()]  # non-finite steps in the whole run
@@ -52,14 +55,27 @@ class NonfiniteGuard:
     last_grad_norm: i32[()]
 
 
-NONFINITE_KINDS = ("finite", "nan", "inf", "-inf")
+NONFINITE_KINDS = ("finite", "nan", "inf", "-inf", "zero")
 """How the guard records a value: by kind, so the guard itself stays finite (a checkpoint
-holds only finite numbers)."""
+holds only finite numbers). ``zero`` is only recorded for the gradient norm."""
 
 
-def nonfinite_kind(x: jax.Array) -> jax.Array:
-    """i32[]: the index of ``x``'s kind in :data:`NONFINITE_KINDS`."""
-    return jnp.select([jnp.isnan(x), x == jnp.inf, x == -jnp.inf], [1, 2, 3], 0).astype(jnp.int32)
+def nonfinite_kind(x: jax.Array, zero_is_bad: bool = False) -> jax.Array:
+    """i32[]: the index of ``x``'s kind in :data:`NONFINITE_KINDS` (``zero`` only if
+    ``zero_is_bad``)."""
+    cases = [jnp.isnan(x), x == jnp.inf, x == -jnp.inf, zero_is_bad & (x == 0)]
+    return jnp.select(cases, [1, 2, 3, 4], 0).astype(jnp.int32)
+
+
+def step_is_healthy(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
+    """bool[]: the loss and gradient norm are finite and the gradient norm is not zero.
+
+    A gradient norm of exactly zero means no weight can move: a weight so large that it
+    saturates the softmaxes it feeds (a corrupt import: 1e30 in one matrix trained 40 steps at
+    loss ln(vocab) with grad_norm 0), or a step so large that the next one is NaN. Adam would
+    turn a zero gradient into a zero update, so the run would go on standing still; it is a
+    fault like a NaN, under the same ``train.nonfinite`` policy."""
+    return jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (grad_norm != 0)
 
 
 @pytree_dataclass

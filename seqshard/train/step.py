@@ -31,6 +31,7 @@ from seqshard.train.state import (
     TrainState,
     nonfinite_kind,
     shardings_of,
+    step_is_healthy,
     train_state_structs,
 )
 
@@ -99,9 +100,10 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.weights)
         weights = optax.apply_updates(state.weights, updates)
-        # A step whose loss or gradient norm is not finite applies no update: the state stays
-        # as it was, on device, and the guard records the step for the loop to act on.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A step whose loss or gradient norm is not finite, or whose gradient is zero, applies
+        # no update: the state stays as it was, on device, and the guard records the step for
+        # the loop to act on.
+        finite = step_is_healthy(loss, grad_norm)
         apply = finite & _may_update(state.guard, cfg.train)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(apply, new, old))
         metrics = {
@@ -145,7 +147,7 @@ def _guard_after(
         total=guard.total + bad,
         last_step=jnp.where(bad, step, guard.last_step),
         last_loss=jnp.where(bad, nonfinite_kind(loss), guard.last_loss),
-        last_grad_norm=jnp.where(bad, nonfinite_kind(grad_norm), guard.last_grad_norm),
+        last_grad_norm=jnp.where(bad, nonfinite_kind(grad_norm, True), guard.last_grad_norm),
     )
 
 
