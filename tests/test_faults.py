@@ -287,7 +287,7 @@ def test_a_disk_full_outside_a_save_stops_with_one_line(tmp_path, tiny_overrides
     """Fault 4 of the campaign: the disk filled after checkpoint 10 printed a bare "[Errno 28]
     No space left on device" with no path, ~25 lines of tensorboardX tracebacks at exit, and
     left metrics.jsonl ending in a torn line. Here a run checkpoints at 2, the disk is filled
-    leaving 3 pages (the run files' rewrites fit, the metrics and events of the next steps do
+    leaving two pages (the run files' rewrites fit, the metrics and events of the next steps do
     not), and the resumed run must stop with one line: the file, the OS error, the bytes needed
     and free, and the newest intact checkpoint; no traceback; metrics.jsonl whole lines."""
     config = tmp_path / "c.yaml"
@@ -295,8 +295,8 @@ def test_a_disk_full_outside_a_save_stops_with_one_line(tmp_path, tiny_overrides
     overrides = tiny_overrides(small_disk / "runs", "full", steps=2, eval_every=0)
     run_dir = small_disk / "runs" / "full"
     assert train(load_config(config, overrides), log=quiet, tty=False).step == 2
-    fill_leaving(small_disk, pages=3)
-    more = ["train.steps=400", "train.checkpoint_every=0"]
+    fill_leaving(small_disk, pages=2)
+    more = ["train.steps=400", "train.checkpoint_every=0", "train.eval_every=0"]
     args = [*overrides, *more, "--sample-tokens=0"]
     proc = subprocess.run(
         [*SEQSHARD, "train", str(config), *args],
