@@ -49,12 +49,12 @@ round-robin, one of each variant per round, the order alternating, each step tim
 config's ``train.batch_size x train.seq_len`` random tokens, packed documents (each row starts
 one; more start at random, ``--mean-doc-len`` tokens apart on average).
 
-FLOPs are model FLOPs from :func:`seqshard.flops.flops_per_token` (matmuls only, attention
+FLOPs are model FLOPs from :func:`seqshard.model.cost.flops_per_token` (matmuls only, attention
 counted unmasked, no credit for recomputation), never XLA's ``cost_analysis()``. MFU is given
 against 989 TFLOP/s (H100 dense bf16) and against a large bf16 matmul measured in the same run
 (:func:`seqshard.hardware.measure_matmul_flops`, ``--peak-n`` = 8192 on GPU, best of
 ``--peak-repeats``), measured before the first config and again after the last (both printed;
-the lines use the first). The planner's prediction, ``seqshard.planner.plan(cfg, 1,
+the lines use the first). The planner's prediction, ``seqshard.plan.planner.plan(cfg, 1,
 "h100").step_time_s``, is printed beside the measured step time (``n/a`` if the planner cannot
 be imported or fails).
 
@@ -96,12 +96,12 @@ from jax import lax
 
 from seqshard.batch import TokenBatch
 from seqshard.config import Config, load_config, resolve_mesh
-from seqshard.flops import flops_per_token, param_count
 from seqshard.hardware import KNOWN_PEAKS, measure_matmul_flops
 from seqshard.mesh import training_mesh
 from seqshard.model import attention
 from seqshard.model.attention import resolve_impl
 from seqshard.model.config import ModelConfig
+from seqshard.model.cost import flops_per_token, param_count
 from seqshard.model.reference import (
     Attend,
     reference_embed,
@@ -111,7 +111,7 @@ from seqshard.model.reference import (
     reference_positions,
     reference_unembed,
 )
-from seqshard.shardtypes import shardings
+from seqshard.shardlib.shardtypes import shardings
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import init_train_state
 from seqshard.train.step import grads_and_loss, make_train_step
@@ -286,9 +286,9 @@ def load_case(path: str, mask: str, overrides: list[str]) -> Config:
 def predicted_step_s(cfg: Config, hardware: str) -> tuple[float | None, str]:
     """The planner's step time for ``cfg`` on one ``hardware`` device, or (None, why not)."""
     try:
-        from seqshard.planner import plan
+        from seqshard.plan.planner import plan
     except ImportError as e:
-        return None, f"seqshard.planner not importable ({e})"
+        return None, f"seqshard.plan.planner not importable ({e})"
     try:
         return float(plan(cfg, 1, hardware).step_time_s), ""
     except Exception as e:  # the planner is optional here: report and go on

@@ -10,7 +10,7 @@ d_ff 512, vocab 4096), f32, einsum attention, remat ``saved``, autodiff backward
 p), the p = 1 baseline runs on the same 8 devices as d x t = (p·d) x t, the same batch in
 m / p accumulated passes (each device then holds p times the rows of a pipeline stage). Per variant: the schedule's bubble fraction, XLA's
 compiled temp memory per device (``memory_analysis``), the bytes ``ring_shift`` over p moves
-per step per device (``seqshard.show.pipeline_shifts``, held to the compiled HLO by
+per step per device (``seqshard.plan.show.pipeline_shifts``, held to the compiled HLO by
 tests/test_pipelined.py), and the median step time of the timed steps (round-robin over the
 variants after a warm-up step each) with its ratio to the p = 1 step of the same run. Fake
 CPU devices share two cores: the times say little about accelerators, where the bubble and
@@ -35,10 +35,10 @@ import numpy as np
 
 from seqshard.batch import TokenBatch
 from seqshard.config import Config, MeshConfig, TrainConfig, check_config
-from seqshard.flops import format_bytes, format_table
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
-from seqshard.show import pipeline_shifts
+from seqshard.model.cost import format_bytes, format_table
+from seqshard.plan.show import pipeline_shifts
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import init_train_state
 from seqshard.train.step import make_train_step
@@ -79,7 +79,7 @@ def _batch(mesh) -> TokenBatch:
     starts = rng.random((ROWS, LENGTH)) < 0.01
     starts[:, 0] = True
     from seqshard.batch import token_batch
-    from seqshard.shardtypes import shardings
+    from seqshard.shardlib.shardtypes import shardings
 
     return jax.device_put(token_batch(tokens, starts), shardings(TokenBatch, mesh))
 

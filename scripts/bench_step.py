@@ -25,7 +25,7 @@ batch 32 x 128 tokens; AdamW + clipping from :func:`seqshard.train.optimizer.mak
   here), as one plain single-program forward: ``lax.scan`` over layers under seqshard's own
   remat (``explicit_activation_checkpointing(layer, cfg.remat)``, the layer marking the same
   values as seqshard's with ``save_for_backward``), jitted with in/out shardings only: weights
-  and optimizer state in the shardings of their types (``seqshard.shardtypes.shardings``), the
+  and optimizer state in the shardings of their types (``seqshard.shardlib.shardtypes.shardings``), the
   batch ``TokenBatch``'s ``'B/d L'``; XLA's SPMD partitioner chooses every collective. It
   starts from the very same initial state, so the two first-step losses printed must agree.
 * **seqshard-M/t**, **seqshard-L/t** (only with ``--impls``): seqshard's step with
@@ -60,9 +60,9 @@ the baseline's at its best mesh. With ``gspmd-act`` in ``--impls``, the line
 gspmd-act's on the same mesh.
 
 Columns: step time (median and min over the timed steps), tokens/s (all B x L tokens),
-GFLOP/s of model FLOPs (``seqshard.flops.flops_per_token``: no credit for recomputation), MFU,
+GFLOP/s of model FLOPs (``seqshard.model.cost.flops_per_token``: no credit for recomputation), MFU,
 the compiled collectives (``seqshard.testing.count_collectives``: a scan body counts once),
-collective calls and ring-model bytes sent per device per step (``seqshard.comms``: scan bodies
+collective calls and ring-model bytes sent per device per step (``seqshard.shardlib.comms``: scan bodies
 times their trip count), XLA's ``temp_size_in_bytes``, and the first step's loss.
 """
 
@@ -94,12 +94,11 @@ from jax import lax
 from jax.sharding import Mesh, Sharding
 
 from seqshard.batch import TokenBatch
-from seqshard.comms import collectives
 from seqshard.config import Config, MeshConfig, TrainConfig
-from seqshard.flops import flops_per_token, format_bytes, format_table
 from seqshard.hardware import measure_matmul_flops
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
+from seqshard.model.cost import flops_per_token, format_bytes, format_table
 from seqshard.model.reference import (
     reference_embed,
     reference_layer,
@@ -108,9 +107,10 @@ from seqshard.model.reference import (
     reference_positions,
     reference_unembed,
 )
+from seqshard.model.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.model.weights import Layer, Weights
-from seqshard.remat import explicit_activation_checkpointing, save_for_backward
-from seqshard.shardtypes import f32, shardings
+from seqshard.shardlib.comms import collectives
+from seqshard.shardlib.shardtypes import f32, shardings
 from seqshard.testing import COLLECTIVE_KINDS, count_collectives
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import TrainState, init_train_state

@@ -9,8 +9,10 @@ chip-to-chip transfer written in a small named-axis notation, and checked.
 
     w = shardops.all_gather('M/d F/t -> M F/t', w)   # one all-gather over d, checked
 
-The model lives in :mod:`seqshard.model`, training in :mod:`seqshard.train`, the data pipeline
-in :mod:`seqshard.data`, FLOP and memory accounting in :mod:`seqshard.flops`, and helpers for
+The notation core lives in :mod:`seqshard.shardlib`, the model (with its FLOP and memory
+accounting, :mod:`seqshard.model.cost`) in :mod:`seqshard.model`, the data pipeline in
+:mod:`seqshard.data`, training in :mod:`seqshard.train`, Hugging Face interop in
+:mod:`seqshard.hf`, the planner and ``seqshard show`` in :mod:`seqshard.plan`, and helpers for
 tests of sharded code (fake CPU meshes, HLO collective counts) in :mod:`seqshard.testing`.
 """
 
@@ -20,15 +22,15 @@ import importlib
 # `seqshard train` can install its signal handlers before JAX is imported (seconds).
 _PUBLIC = {
     "shardops": None,
-    "OpSpec": "notation",
-    "Shape": "notation",
-    "SpecSyntaxError": "notation",
-    "parse_op": "notation",
-    "parse_shape": "notation",
-    "explicit_activation_checkpointing": "remat",
-    "save_for_backward": "remat",
-    "ShapeError": "shapecheck",
-    "shape_scope": "shapecheck",
+    "OpSpec": "shardlib.notation",
+    "Shape": "shardlib.notation",
+    "SpecSyntaxError": "shardlib.notation",
+    "parse_op": "shardlib.notation",
+    "parse_shape": "shardlib.notation",
+    "explicit_activation_checkpointing": "model.remat",
+    "save_for_backward": "model.remat",
+    "ShapeError": "shardlib.shapecheck",
+    "shape_scope": "shardlib.shapecheck",
     **dict.fromkeys(
         [
             "Array",
@@ -45,7 +47,7 @@ _PUBLIC = {
             "shardings",
             "typed_shard_map",
         ],
-        "shardtypes",
+        "shardlib.shardtypes",
     ),
 }
 
@@ -55,7 +57,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'seqshard' has no attribute {name!r}")
     module = _PUBLIC[name]
     if module is None:
-        return importlib.import_module(f"seqshard.{name}")
+        return importlib.import_module(f"seqshard.shardlib.{name}")
     return getattr(importlib.import_module(f"seqshard.{module}"), name)
 
 

@@ -22,7 +22,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from seqshard.shardtypes import Array, bool_, i32, pytree_dataclass, shape_dtype_structs, shardings
+from seqshard.shardlib.shardtypes import (
+    Array,
+    bool_,
+    i32,
+    pytree_dataclass,
+    shape_dtype_structs,
+    shardings,
+)
 
 __all__ = ["TokenBatch", "batch_structs", "split_microbatches", "token_batch"]
 

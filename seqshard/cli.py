@@ -52,7 +52,7 @@ def _load(path: str, overrides: Sequence[str], devices: int | None = None, proce
 
     cfg = load_config(path, overrides)
     if devices is not None:
-        from seqshard.planner import target_config
+        from seqshard.plan.planner import target_config
 
         return target_config(cfg, devices)
     if cfg.mesh.is_resolved:
@@ -499,8 +499,8 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
 def _show(args) -> int:
     from seqshard.config import ConfigError
     from seqshard.hardware import chip
-    from seqshard.planner import target_config
-    from seqshard.show import describe
+    from seqshard.plan.planner import target_config
+    from seqshard.plan.show import describe
 
     if args.chip is not None:
         chip(args.chip)  # an unknown name fails here, before anything compiles

@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from seqshard.mesh import axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
-from seqshard.pipeline_schedule import Pipeline, make_schedule
+from seqshard.model.pipeline.schedule import Pipeline, make_schedule
 
 __all__ = [
     "Config",

@@ -6,7 +6,7 @@ looks a device up in it by ``device_kind`` and multiplies by the device count; o
 measures instead, since there is no datasheet number: fake CPU devices
 (``--xla_force_host_platform_device_count``) share the host's cores, so the peak is the
 host's, measured once with a large f32 matmul, whatever the device count.
-:mod:`seqshard.planner` reads the rest (``seqshard show CONFIG --devices N --chip NAME``).
+:mod:`seqshard.plan.planner` reads the rest (``seqshard show CONFIG --devices N --chip NAME``).
 
 Links, as the planner uses them: a collective over a mesh axis whose devices all sit in one
 *fast domain* (a GPU node's NVLink/NVSwitch, a TPU slice's ICI) runs at ``fast_bytes_per_s``

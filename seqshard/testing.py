@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.sharding import Mesh
 
-from seqshard.comms import KINDS, Collective, collectives
 from seqshard.mesh import AXES, mesh_from_devices
+from seqshard.shardlib.comms import KINDS, Collective, collectives
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -63,7 +63,7 @@ def compiled_hlo(fn: Callable, *args, **kwargs) -> str:
 def list_collectives(fn: Callable, *args, mesh: Mesh | None = None, **kwargs) -> list[Collective]:
     """Every collective instruction in the compiled HLO of ``fn(*args)``, in text order.
 
-    With ``mesh``, each also names the mesh axes it runs over (see :mod:`seqshard.comms`).
+    With ``mesh``, each also names the mesh axes it runs over (see :mod:`seqshard.shardlib.comms`).
     """
     return collectives(compiled_hlo(fn, *args, **kwargs), mesh)
 

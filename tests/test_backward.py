@@ -36,15 +36,15 @@ import pytest
 from model_weights import packed_batch, random_weights, tiny_model
 
 from seqshard.batch import token_batch
-from seqshard.comms import collectives
 from seqshard.config import Config, ConfigError, DataConfig, MeshConfig, TrainConfig, load_config
 from seqshard.model import ModelConfig, loss_fn, reference_loss_fn, transformer, weight_structs
 from seqshard.model import backward as bw
 from seqshard.model.config import Backward
 from seqshard.model.context import sequence_rows
 from seqshard.model.weights import Layer
-from seqshard.shapecheck import shape_scope
-from seqshard.shardtypes import bool_, f32, typed_shard_map
+from seqshard.shardlib.comms import collectives
+from seqshard.shardlib.shapecheck import shape_scope
+from seqshard.shardlib.shardtypes import bool_, f32, typed_shard_map
 from seqshard.testing import fake_cpu_mesh
 from seqshard.train.loop import train
 from seqshard.train.metrics import read_metrics

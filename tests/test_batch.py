@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from seqshard.batch import TokenBatch, batch_structs, split_microbatches, token_batch
-from seqshard.shardtypes import Array, partition_specs, shardings
+from seqshard.shardlib.shardtypes import Array, partition_specs, shardings
 from seqshard.testing import count_collectives, fake_cpu_mesh
 
 

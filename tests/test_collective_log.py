@@ -1,5 +1,5 @@
-"""seqshard.collective_log: what shardops log while tracing, and autodiff's transposes of it,
-held against the collectives XLA compiles (seqshard.comms), with check_vma on and off."""
+"""seqshard.shardlib.collective_log: what shardops log while tracing, and autodiff's transposes of it,
+held against the collectives XLA compiles (seqshard.shardlib.comms), with check_vma on and off."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from seqshard import collective_log, shardops
-from seqshard.comms import collectives
-from seqshard.shardtypes import f32, typed_shard_map
+from seqshard.shardlib import collective_log, shardops
+from seqshard.shardlib.comms import collectives
+from seqshard.shardlib.shardtypes import f32, typed_shard_map
 from seqshard.testing import fake_cpu_mesh
 
 B, M, F = 8, 16, 8

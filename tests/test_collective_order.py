@@ -1,5 +1,5 @@
-"""seqshard.collective_order: a collective that may overtake a loop's collectives, found in
-compiled HLO, and seqshard.pipeline.after, which orders it behind the loop.
+"""seqshard.shardlib.collective_order: a collective that may overtake a loop's collectives, found in
+compiled HLO, and seqshard.model.pipeline.spmd.after, which orders it behind the loop.
 
 hlo         hand-written modules: a loop of collectives then an independent collective is
             found; one that reads the loop's result (through other instructions), a loop
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from seqshard.collective_order import Unordered, unordered_after_loops
-from seqshard.pipeline import after
+from seqshard.model.pipeline.spmd import after
+from seqshard.shardlib.collective_order import Unordered, unordered_after_loops
 from seqshard.testing import compiled_hlo, fake_cpu_mesh
 
 _MODULE = """HloModule m

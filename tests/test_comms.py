@@ -1,4 +1,4 @@
-"""seqshard.comms reads the communication of compiled programs: axes, phases, calls, bytes."""
+"""seqshard.shardlib.comms reads the communication of compiled programs: axes, phases, calls, bytes."""
 
 import functools
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from model_weights import tiny_model
 
-from seqshard import f32, shardops, typed_shard_map
-from seqshard.comms import Collective, collectives, format_comm_table
+from seqshard import f32, typed_shard_map
 from seqshard.model import init_weights, loss_fn
+from seqshard.shardlib import shardops
+from seqshard.shardlib.comms import Collective, collectives, format_comm_table
 from seqshard.testing import compiled_hlo, fake_cpu_mesh
 
 

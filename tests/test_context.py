@@ -32,7 +32,6 @@ from model_weights import random_weights, tiny_model
 from test_loop import FLAT, by_step, run
 
 from seqshard.batch import batch_structs
-from seqshard.comms import collectives
 from seqshard.config import Config, MeshConfig, TrainConfig
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import (
@@ -43,7 +42,8 @@ from seqshard.model import (
     reference_loss_fn,
     weight_structs,
 )
-from seqshard.step_comms import collectives_per_step
+from seqshard.plan.step_comms import collectives_per_step
+from seqshard.shardlib.comms import collectives
 from seqshard.testing import compiled_hlo
 from seqshard.train.step import grads_and_loss
 
@@ -232,7 +232,7 @@ def test_counts_do_not_grow_with_the_layer_count(impl):
 @pytest.mark.parametrize("backward", ["explicit", "autodiff"])
 @pytest.mark.parametrize("impl", ["allgather", "ring"])
 def test_compiled_collectives_are_the_predicted_ones(impl, backward):
-    """The step's collectives predicted from the notation (seqshard.step_comms, nothing
+    """The step's collectives predicted from the notation (seqshard.plan.step_comms, nothing
     compiled) == the compiled ones, per kind, axes and phase, in calls per step."""
     cfg = _config(impl, backward=backward)
     _, found = compiled(cfg)

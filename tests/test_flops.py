@@ -1,4 +1,4 @@
-"""Tests for seqshard/flops.py: closed forms (seed 004), the table of operations (its sums,
+"""Tests for seqshard/model/cost.py: closed forms (seed 004), the table of operations (its sums,
 seed 004's standard layer built from its rows, attention's causal half, remat's recompute,
 per-device splits), parameter counts, XLA's own FLOP count of the compiled forward and train
 step, MFU arithmetic and the memory estimate."""
@@ -14,7 +14,9 @@ import pytest
 
 from seqshard.batch import batch_structs
 from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_config
-from seqshard.flops import (
+from seqshard.model import init_weights, loss_fn
+from seqshard.model.config import ModelConfig
+from seqshard.model.cost import (
     OPTIMIZER_FLOPS_PER_PARAM,
     PHASES,
     FlopsPerToken,
@@ -33,10 +35,8 @@ from seqshard.flops import (
     param_count,
     step_flops,
 )
-from seqshard.model import init_weights, loss_fn
-from seqshard.model.config import ModelConfig
+from seqshard.model.remat import FullRemat, SavedRemat
 from seqshard.model.weights import weight_structs
-from seqshard.remat import FullRemat, SavedRemat
 from seqshard.testing import fake_cpu_mesh
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import train_state_structs
@@ -313,7 +313,7 @@ def test_causal_counts_the_useful_half_of_attention():
     ],
 )
 def test_recompute_per_policy(remat, recomputed):
-    """The policy names the layer operations it re-runs (seqshard.remat); each re-runs its
+    """The policy names the layer operations it re-runs (seqshard.model.remat); each re-runs its
     whole forward. The operations outside the layer scan are never recomputed."""
     cfg = _cfg(remat=remat, n_layers=3)
     table = step_flops(cfg, batch=2, seq_len=32)

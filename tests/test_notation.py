@@ -1,10 +1,10 @@
-"""Tests for seqshard/notation.py: canonical round trips, generated specs, fuzzing, error carets."""
+"""Tests for seqshard/shardlib/notation.py: canonical round trips, generated specs, fuzzing, error carets."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqshard.notation import Dim, OpSpec, Shape, SpecSyntaxError, parse_op, parse_shape
+from seqshard.shardlib.notation import Dim, OpSpec, Shape, SpecSyntaxError, parse_op, parse_shape
 
 # ---------------------------------------------------------------------------------------------
 # Canonical strings print back unchanged

@@ -1,4 +1,4 @@
-"""Tests of seqshard/pipeline.py on a toy stack of tanh layers: the pipelined forward and its
+"""Tests of seqshard/model/pipeline/spmd.py on a toy stack of tanh layers: the pipelined forward and its
 autodiff (gpipe, circular) and 1F1B's hand-written backward equal the plain sequential stack
 and its jax.grad (f32): the loss within 1e-6 relative; the gradients within 2e-5 relative
 (3e-6 absolute), since the pipeline adds the m microbatches' contributions one by one where
@@ -16,13 +16,14 @@ import pytest
 from jax import lax
 from model_weights import random_weights, tiny_model
 
-from seqshard import collective_log, f32, typed_shard_map
+from seqshard import f32, typed_shard_map
 from seqshard.model.context import sequence_rows
+from seqshard.model.pipeline.spmd import circular_forward, one_f_one_b
 from seqshard.model.reference import reference_layer, reference_mask, reference_positions
 from seqshard.model.transformer import _layer, rope_and_mask
 from seqshard.model.weights import Layer
-from seqshard.pipeline import circular_forward, one_f_one_b
-from seqshard.shardtypes import Array, bool_, i32
+from seqshard.shardlib import collective_log
+from seqshard.shardlib.shardtypes import Array, bool_, i32
 from seqshard.testing import count_collectives, fake_cpu_mesh
 
 D, ROWS, LAYERS = 8, 2, 8

@@ -1,4 +1,4 @@
-"""Tests of seqshard/pipeline_schedule.py: every schedule runs each microbatch through every
+"""Tests of seqshard/model/pipeline/schedule.py: every schedule runs each microbatch through every
 layer block forward and backward exactly once, in an order the data allows (each hop one
 tick or more, on the stage that holds the block), and its bubble and in-flight counts are the
 closed forms its docstring states."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from seqshard.pipeline_schedule import make_schedule
+from seqshard.model.pipeline.schedule import make_schedule
 
 CASES = [
     (name, p, m, v)

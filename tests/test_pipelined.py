@@ -1,4 +1,4 @@
-"""Tests for seqshard/model/pipelined.py: the model pipelined over mesh axis p.
+"""Tests for seqshard/model/pipeline/pipelined.py: the model pipelined over mesh axis p.
 
 reference     loss and every weight's gradient equal reference_loss_fn and its jax.grad
               on meshes (p, d, c, t) = (2,2,1,2), (4,2,1,1), (2,4,1,1), (8,1,1,1), for
@@ -8,7 +8,7 @@ HLO           the compiled train step's collectives over p: the schedule's two
               collective-permutes (activations forward, cotangents back) and all-reduces
               of the loss and the replicated weights' gradients; nothing else crosses p
               (no all-gather of another stage's weights); no collective that may overtake
-              a loop's on XLA's CPU runtime (seqshard.collective_order)
+              a loop's on XLA's CPU runtime (seqshard.shardlib.collective_order)
 memory        1f1b's compiled temp bytes per device below gpipe's at m = 4p
 training      20 steps of each schedule track the p = 1 run (gradient accumulation over
               the same microbatches) within 1e-5; checkpoints written with p = 2 restore
@@ -28,17 +28,17 @@ import pytest
 from model_weights import packed_batch, random_weights, tiny_model
 
 from seqshard.batch import batch_structs, token_batch
-from seqshard.collective_order import unordered_after_loops
-from seqshard.comms import collectives
 from seqshard.config import ConfigError, load_config
 from seqshard.hf.export import export_run
 from seqshard.hf.load import load_hf_weights
 from seqshard.mesh import training_mesh
+from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.reference import reference_loss_fn
 from seqshard.model.transformer import batch_loss_terms
 from seqshard.model.weights import weight_structs
-from seqshard.pipeline_schedule import Pipeline
-from seqshard.show import pipeline_report, pipeline_shifts
+from seqshard.plan.show import pipeline_report, pipeline_shifts
+from seqshard.shardlib.collective_order import unordered_after_loops
+from seqshard.shardlib.comms import collectives
 from seqshard.testing import compiled_hlo, fake_cpu_mesh
 from seqshard.train.checkpoint import latest_state
 from seqshard.train.loop import train

@@ -1,4 +1,4 @@
-"""Tests of seqshard.planner: the chip table, the plan's arithmetic, the verdict and its
+"""Tests of seqshard.plan.planner: the chip table, the plan's arithmetic, the verdict and its
 suggested change, every shipped config on its target, and the plan held to XLA's own figures
 for the train step compiled on fake CPU devices."""
 
@@ -15,14 +15,14 @@ import pytest
 
 from seqshard.cli import main
 from seqshard.config import ConfigError, load_config
-from seqshard.flops import (
+from seqshard.hardware import CHIPS, KNOWN_PEAKS, chip
+from seqshard.model.cost import (
     flops_per_token,
     format_bytes,
     hardware_flops_per_token,
     memory_per_device,
 )
-from seqshard.hardware import CHIPS, KNOWN_PEAKS, chip
-from seqshard.planner import (
+from seqshard.plan.planner import (
     attention_impl_on,
     collectives_per_step,
     memory_plan,
@@ -347,7 +347,7 @@ def test_the_gpu_configs_describe_the_shapes_asked_for():
 #
 # A subprocess with N fake CPU devices lowers and compiles the real train step from
 # ShapeDtypeStructs (nothing is allocated) and reports XLA's memory_analysis and the bytes of
-# the collectives in the optimized HLO, by mesh axes (seqshard.comms). The planner's figures
+# the collectives in the optimized HLO, by mesh axes (seqshard.shardlib.comms). The planner's figures
 # come from this process: it needs no devices.
 #
 # compute_dtype is float32: XLA's CPU backend runs bf16 collectives in f32, doubling their
@@ -372,7 +372,7 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import collections
 from seqshard.batch import batch_structs
-from seqshard.comms import collectives
+from seqshard.shardlib.comms import collectives
 from seqshard.config import load_config
 from seqshard.mesh import training_mesh
 from seqshard.train.optimizer import make_optimizer

@@ -1,4 +1,4 @@
-"""Tests for seqshard/remat.py: what each policy keeps, and that it changes memory, not values.
+"""Tests for seqshard/model/remat.py: what each policy keeps, and that it changes memory, not values.
 
     unit     on a small function: 'saved' recomputes exactly what save_for_backward does not
              mark, 'full' recomputes everything, 'none' nothing (counted in the grad's jaxpr)
@@ -29,9 +29,9 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 from model_weights import random_weights, tiny_model
 
-from seqshard.flops import LayerBytes, MatmulFlops
 from seqshard.model import ModelConfig, loss_fn
-from seqshard.remat import (
+from seqshard.model.cost import LayerBytes, MatmulFlops
+from seqshard.model.remat import (
     REMAT_POLICIES,
     SAVED,
     FullRemat,

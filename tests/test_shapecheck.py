@@ -1,12 +1,12 @@
-"""Tests of seqshard.shapecheck: one size per dimension name within a scope, blocks and global
+"""Tests of seqshard.shardlib.shapecheck: one size per dimension name within a scope, blocks and global
 arrays checked against specs, and the block axes the ops see."""
 
 from __future__ import annotations
 
 import pytest
 
-from seqshard.notation import parse_shape
-from seqshard.shapecheck import (
+from seqshard.shardlib.notation import parse_shape
+from seqshard.shardlib.shapecheck import (
     ShapeError,
     block_axes,
     check_block,

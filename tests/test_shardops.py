@@ -1,4 +1,4 @@
-"""Tests for seqshard/shardops.py: every op against a numpy reference on several meshes.
+"""Tests for seqshard/shardlib/shardops.py: every op against a numpy reference on several meshes.
 
 Each op runs inside ``jax.shard_map`` on global integer-valued float inputs (so sums are exact
 whatever the reduction order). In/out specs come from the op's spec strings. An input that is
@@ -26,10 +26,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Float, Int, jaxtyped
 
-from seqshard import shardops as so
-from seqshard.notation import Dim, Shape, parse_op
-from seqshard.shapecheck import ShapeError
-from seqshard.shardtypes import ArrayType, f32, i32, typed_shard_map
+from seqshard.shardlib import shardops as so
+from seqshard.shardlib.notation import Dim, Shape, parse_op
+from seqshard.shardlib.shapecheck import ShapeError
+from seqshard.shardlib.shardtypes import ArrayType, f32, i32, typed_shard_map
 from seqshard.testing import COLLECTIVE_KINDS, count_collectives, fake_cpu_mesh, list_collectives
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests for seqshard/shardtypes.py: types, what derives from them, and typed_shard_map."""
+"""Tests for seqshard/shardlib/shardtypes.py: types, what derives from them, and typed_shard_map."""
 
 # Spec strings such as 'd_model/t/d' in annotations parse as Python expressions, so ruff
 # reads them as forward references to undefined names.
@@ -14,10 +14,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from seqshard import Array, ArrayType, bf16, f32, i32, pytree_dataclass, typed_shard_map
-from seqshard import shardops as so
-from seqshard.notation import SpecSyntaxError
-from seqshard.shapecheck import ShapeError
-from seqshard.shardtypes import (
+from seqshard.shardlib import shardops as so
+from seqshard.shardlib.notation import SpecSyntaxError
+from seqshard.shardlib.shapecheck import ShapeError
+from seqshard.shardlib.shardtypes import (
     block_shape,
     partition_specs,
     shape_dtype_structs,

@@ -1,4 +1,4 @@
-"""Tests of seqshard.show: what `seqshard show` reads off the types and the compiled step."""
+"""Tests of seqshard.plan.show: what `seqshard show` reads off the types and the compiled step."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import re
 import pytest
 
 from seqshard.config import load_config
-from seqshard.flops import PHASES, flops_per_token, hardware_flops_per_token, step_flops
+from seqshard.model.cost import PHASES, flops_per_token, hardware_flops_per_token, step_flops
 from seqshard.model.weights import param_count
-from seqshard.show import context_report, describe, flops_table, weight_table
+from seqshard.plan.show import context_report, describe, flops_table, weight_table
 
 OVERRIDES = [
     "model.vocab=64",
@@ -95,7 +95,7 @@ def test_describe_with_a_chip_shows_its_plan(cfg):
 
 
 def test_flops_table_is_the_step_table(cfg):
-    """One line per operation of seqshard.flops.step_flops (kind, runs, each phase; exact below a
+    """One line per operation of seqshard.model.cost.step_flops (kind, runs, each phase; exact below a
     million FLOPs), the matmul, elementwise and total sums, and the per-token figures."""
     text = flops_table(cfg)
     step = step_flops(cfg.model, batch=8, seq_len=16)

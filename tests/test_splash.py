@@ -33,7 +33,7 @@ from model_weights import packed_batch, random_weights, tiny_model
 from seqshard.model import loss_fn, weight_structs
 from seqshard.model.attention import attention, attention_mask
 from seqshard.model.splash import block_size, splash_attention
-from seqshard.shardtypes import bool_, f32, typed_shard_map
+from seqshard.shardlib.shardtypes import bool_, f32, typed_shard_map
 from seqshard.testing import count_collectives, fake_cpu_mesh
 
 BATCH, LENGTH, N_Q, N_KV, D_HEAD = 4, 128, 2, 2, 8

@@ -10,7 +10,7 @@ from model_weights import tiny_model
 
 from seqshard.config import TrainConfig
 from seqshard.model.weights import Weights, weight_structs
-from seqshard.shardtypes import partition_specs
+from seqshard.shardlib.shardtypes import partition_specs
 from seqshard.testing import fake_cpu_mesh
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import init_train_state, shardings_of, train_state_structs

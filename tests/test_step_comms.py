@@ -1,5 +1,5 @@
-"""seqshard.step_comms: a training step's collectives predicted from the notation (nothing
-compiled) equal the collectives of the step XLA compiles (seqshard.comms), kind by kind.
+"""seqshard.plan.step_comms: a training step's collectives predicted from the notation (nothing
+compiled) equal the collectives of the step XLA compiles (seqshard.shardlib.comms), kind by kind.
 
 Compared per (phase, inside a loop or not, kind, mesh axes, per-device result shape): calls
 per step, hence bytes. f32 compute: XLA's CPU backend runs bf16 collectives in f32.
@@ -23,11 +23,11 @@ import pytest
 from model_weights import TINY
 
 from seqshard.batch import batch_structs
-from seqshard.collective_order import unordered_after_loops
-from seqshard.comms import collectives
 from seqshard.config import load_config
 from seqshard.mesh import training_mesh
-from seqshard.step_comms import collectives_per_step, format_planned_table, logged_step
+from seqshard.plan.step_comms import collectives_per_step, format_planned_table, logged_step
+from seqshard.shardlib.collective_order import unordered_after_loops
+from seqshard.shardlib.comms import collectives
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import train_state_structs
 from seqshard.train.step import make_train_step

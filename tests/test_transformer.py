@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 from model_weights import packed_batch as shared_packed_batch
 from model_weights import random_weights, tiny_model
 
-from seqshard import collective_log
 from seqshard.config import ConfigError, load_config
 from seqshard.model import (
     ModelConfig,
@@ -45,6 +44,7 @@ from seqshard.model import (
 )
 from seqshard.model.attention import resolve_impl
 from seqshard.model.config import RESIDUAL_SPECS
+from seqshard.shardlib import collective_log
 from seqshard.testing import count_collectives, fake_cpu_mesh, list_collectives
 
 CFG = tiny_model()
@@ -432,7 +432,7 @@ def _for_residual(comms: tuple[Comm, ...], residual: str) -> list[tuple[str, str
 @pytest.mark.parametrize("residual", ["M/t", "L/t"])
 def test_comm_table_lists_the_shardops_calls_of_transformer_py(residual):
     """The collectives transformer.py's forward pass writes, as shardops log them while it
-    is traced (seqshard.collective_log), in order, inside the scanned layer body or not."""
+    is traced (seqshard.shardlib.collective_log), in order, inside the scanned layer body or not."""
     cfg = dataclasses.replace(
         CFG, n_layers=3, rope_theta=12345.0, backward="autodiff", residual=residual
     )

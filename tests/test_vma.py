@@ -1,4 +1,4 @@
-"""Tests for seqshard/vma.py: the axes a value varies over, and whether that is tracked."""
+"""Tests for seqshard/shardlib/vma.py: the axes a value varies over, and whether that is tracked."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,8 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from seqshard.shardlib.vma import replication_checked, varying_axes
 from seqshard.testing import fake_cpu_mesh
-from seqshard.vma import replication_checked, varying_axes
 
 
 def _run(body, mesh, in_spec, x, check_vma, axis_names=None):

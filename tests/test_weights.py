@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from model_weights import tiny_model
 
 from seqshard.model import ModelConfig, Weights, init_weights, param_count, weight_structs
-from seqshard.shardtypes import partition_specs
+from seqshard.shardlib.shardtypes import partition_specs
 from seqshard.testing import fake_cpu_mesh
 
 CFG = tiny_model()

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from seqshard.batch import TokenBatch
 from seqshard.data.packing import PackedStream
 from seqshard.data.tokenfile import TokenSplit, check_tokenizer, open_split
-from seqshard.shardtypes import shardings
+from seqshard.shardlib.shardtypes import shardings
 
 __all__ = ["EVAL_SEED", "Loader", "unigram_entropy"]
 

@@ -35,7 +35,6 @@ from jax.sharding import Mesh
 
 from seqshard.config import Config
 from seqshard.data.tokenizer import EOT, eot_id, load_tokenizer
-from seqshard.flops import format_bytes
 from seqshard.hf.hf_config import CONFIG_FILE, hf_config_dict
 from seqshard.hf.safetensors_io import (
     DTYPES,
@@ -46,6 +45,7 @@ from seqshard.hf.safetensors_io import (
 )
 from seqshard.hf.table import TensorRow, hf_tensor_names
 from seqshard.launch import barrier, is_main_process
+from seqshard.model.cost import format_bytes
 from seqshard.model.weights import Weights
 from seqshard.train.checkpoint import Checkpointer
 from seqshard.train.optimizer import make_optimizer

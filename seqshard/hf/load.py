@@ -26,7 +26,7 @@ from seqshard.hf.safetensors_io import HFTensors
 from seqshard.hf.table import TABLE, TensorRow, hf_tensor_names
 from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Weights, weight_structs
-from seqshard.shardtypes import shape_dtype_structs
+from seqshard.shardlib.shardtypes import shape_dtype_structs
 
 __all__ = ["check_model_agrees", "load_hf_weights"]
 

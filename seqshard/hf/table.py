@@ -49,8 +49,8 @@ import numpy as np
 
 from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Layer, Weights
-from seqshard.notation import Shape
-from seqshard.shardtypes import ArrayType, type_tree
+from seqshard.shardlib.notation import Shape
+from seqshard.shardlib.shardtypes import ArrayType, type_tree
 
 __all__ = ["TABLE", "TensorRow", "hf_tensor_names", "row_of"]
 

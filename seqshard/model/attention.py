@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard import shardops
 from seqshard.model.config import AttentionImpl, AttentionMask, ModelConfig
+from seqshard.shardlib import shardops
 
 __all__ = [
     "apply_rope",

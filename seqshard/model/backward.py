@@ -67,7 +67,7 @@ How the seed's open questions are resolved:
   table is a partial sum over d: the psum_scatter adds the shards' partials and hands each
   one its own M/d/c block, the layout the optimizer updates. It is the gather's transpose and
   the gradient's only communication (the same for every matrix).
-* **index_add.** :func:`seqshard.shardops.index_add`, the transpose of ``index_unreduced``:
+* **index_add.** :func:`seqshard.shardlib.shardops.index_add`, the transpose of ``index_unreduced``:
   each t shard scatter-adds the rows of its vocab block, owing the other d shards' rows, and
   a psum_scatter over d lands the table gradient 'V/t M/d/c'.
 * **Fused attention.** For ``attention_impl`` cudnn, xla and splash the backward calls the
@@ -91,8 +91,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard import collective_log, shardops
-from seqshard.collective_log import part
 from seqshard.model.attention import (
     apply_rope,
     attention,
@@ -119,7 +117,9 @@ from seqshard.model.transformer import (
     run_layers,
 )
 from seqshard.model.weights import Layer, Weights
-from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
+from seqshard.shardlib import collective_log, shardops
+from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = [
     "ACTIVATIONS",
@@ -183,7 +183,7 @@ _PART_OF = {"ln1": "attn_norm", "gx": "attn_norm", "nx": "attn_norm", "w_q": "q"
 _PART_OF |= {"w_o": "o", "h": "o", "ln2": "ffn_norm", "gh": "ffn_norm", "nh": "ffn_norm"}
 _PART_OF |= {"w_gate": "gate", "w_up": "up", "w_down": "down"}
 _PART_OF |= {"keys": "context", "values": "context", "lse": "context"}
-"""The operation (as :func:`seqshard.flops.step_flops` names it) each activation belongs to,
+"""The operation (as :func:`seqshard.model.cost.step_flops` names it) each activation belongs to,
 for the collective log; others are named as themselves (``q``)."""
 
 
@@ -664,7 +664,7 @@ def _layers_backward(cfg: ModelConfig, rows: SequenceRows, layers: Layer, kept, 
 
     def layer(d_out, w_and_kept):
         w_layer, kept_layer = w_and_kept
-        # Named as JAX names remat's recomputation, so HLO audits (seqshard.comms) put its
+        # Named as JAX names remat's recomputation, so HLO audits (seqshard.shardlib.comms) put its
         # re-gathers in the 'recompute' phase, as for autodiff.
         with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
             a = layer_activations(cfg, rows, rope, mask, w_layer, kept_layer)

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Literal
 
-from seqshard.remat import RematName
+from seqshard.model.remat import RematName
 
 __all__ = [
     "DIM_FIELDS",

@@ -3,7 +3,7 @@
 With ``mesh.c > 1`` each device holds ``L/c`` positions of every row it holds. A causal mask
 gives later positions more keys, so a contiguous split would hand the last shard c times the
 first one's attention work. The model's rows are laid out in *zigzag* order instead
-(:mod:`seqshard.notation`: the row cut into 2c chunks, shard i holding chunks i and 2c-1-i),
+(:mod:`seqshard.shardlib.notation`: the row cut into 2c chunks, shard i holding chunks i and 2c-1-i),
 written in every spec as ``'B/d L@zigzag/c ...'``: each shard then holds one early and one
 late chunk, and the same amount of work.
 
@@ -46,10 +46,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard import collective_log, shardops
 from seqshard.model.attention import attention, document_positions
-from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
-from seqshard.vma import varying_axes
+from seqshard.shardlib import collective_log, shardops
+from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
+from seqshard.shardlib.vma import varying_axes
 
 __all__ = [
     "SequenceRows",

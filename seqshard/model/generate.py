@@ -51,7 +51,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from seqshard import shardops
 from seqshard.mesh import AXES, mesh_of_sizes
 from seqshard.model.attention import attention, rope_frequencies, rope_tables
 from seqshard.model.config import ModelConfig
@@ -65,8 +64,9 @@ from seqshard.model.transformer import (
     unembed,
 )
 from seqshard.model.weights import Layer, Weights
-from seqshard.shapecheck import shape_scope
-from seqshard.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
+from seqshard.shardlib import shardops
+from seqshard.shardlib.shapecheck import shape_scope
+from seqshard.shardlib.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
 
 __all__ = ["DecodeSpec", "decode_mesh", "generate"]
 

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from seqshard.shardtypes import manual_axes, per_device_unchecked
-from seqshard.vma import varying_axes
+from seqshard.shardlib.shardtypes import manual_axes, per_device_unchecked
+from seqshard.shardlib.vma import varying_axes
 
 __all__ = ["block_size", "splash_attention", "splash_attention_vjp"]
 

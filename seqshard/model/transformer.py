@@ -40,16 +40,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from seqshard import collective_log, shardops
 from seqshard.batch import TokenBatch, token_batch
-from seqshard.collective_log import part
 from seqshard.model.attention import apply_rope, attention_mask, rope_frequencies, rope_tables
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, attend, context_mask, sequence_rows
+from seqshard.model.pipeline.schedule import Pipeline
+from seqshard.model.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.model.weights import Layer, Weights
-from seqshard.pipeline_schedule import Pipeline
-from seqshard.remat import explicit_activation_checkpointing, save_for_backward
-from seqshard.shardtypes import f32, typed_shard_map
+from seqshard.shardlib import collective_log, shardops
+from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.shardtypes import f32, typed_shard_map
 
 __all__ = [
     "attention_inputs",
@@ -295,7 +295,9 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
     @functools.partial(typed_shard_map, mesh=mesh)
     def loss_terms(w: Weights, batch: TokenBatch) -> f32["2"]:
         if mesh.shape["p"] > 1:
-            from seqshard.model.pipelined import pipelined_loss_terms  # it imports this module
+            from seqshard.model.pipeline.pipelined import (
+                pipelined_loss_terms,  # it imports this module
+            )
 
             return pipelined_loss_terms(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
         if cfg.backward == "explicit":
@@ -329,7 +331,7 @@ def batch_loss_terms(
 
     Gradient accumulation adds these over microbatches and divides once, which gives exactly
     the full-batch mean even when packed documents make counts differ between microbatches.
-    On a mesh with p > 1 the layers are pipelined (:mod:`seqshard.model.pipelined`): the
+    On a mesh with p > 1 the layers are pipelined (:mod:`seqshard.model.pipeline.pipelined`): the
     batch runs as ``pipeline.microbatches`` microbatches through the stages by
     ``pipeline.schedule``; ``pipeline`` is ignored at p = 1.
     """

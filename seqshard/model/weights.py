@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from seqshard.mesh import axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
-from seqshard.shardtypes import (
+from seqshard.shardlib.shardtypes import (
     Array,
     ArrayType,
     f32,

@@ -72,7 +72,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yaml
 from seqshard.model.config import DIM_FIELDS
-from seqshard.shardtypes import shardings, u32, with_unsplit_dims
+from seqshard.shardlib.shardtypes import shardings, u32, with_unsplit_dims
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.run_files import format_bytes
 from seqshard.train.state import TrainState, layer_order, relayered, train_state_structs

@@ -39,11 +39,11 @@ from seqshard.config import (
     read_run_config,
 )
 from seqshard.data import Loader, prepare, read_meta, tokenizer_hash
-from seqshard.flops import flops_per_token
 from seqshard.hardware import peak_flops
 from seqshard.hf.load import load_hf_weights
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
+from seqshard.model.cost import flops_per_token
 from seqshard.model.weights import Weights, init_weights
 from seqshard.train.checkpoint import (
     Checkpointer,

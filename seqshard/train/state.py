@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from seqshard.model.config import ModelConfig
 from seqshard.model.weights import Weights, init_weights, weight_structs
-from seqshard.shardtypes import i32, pytree_dataclass, shape_dtype_structs
+from seqshard.shardlib.shardtypes import i32, pytree_dataclass, shape_dtype_structs
 
 if TYPE_CHECKING:
     from seqshard.config import Config
@@ -144,7 +144,7 @@ def init_train_state(
 
 def layer_order(cfg: Config, p: int) -> tuple[int, ...]:
     """The model's layer at each position of the stored layer stack of ``cfg`` on a mesh with
-    ``p`` stages (:meth:`seqshard.pipeline_schedule.Pipeline.layer_order`): the identity but
+    ``p`` stages (:meth:`seqshard.model.pipeline.schedule.Pipeline.layer_order`): the identity but
     for the circular schedule, whose stages hold every p-th block."""
     return cfg.train.pipeline().layer_order(p, cfg.model.n_layers)
 

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from seqshard import collective_log
 from seqshard.batch import TokenBatch, split_microbatches
 from seqshard.config import Config
 from seqshard.model.transformer import batch_loss_terms
 from seqshard.model.weights import Weights
-from seqshard.shardtypes import shardings
+from seqshard.shardlib import collective_log
+from seqshard.shardlib.shardtypes import shardings
 from seqshard.train.optimizer import lr_schedule
 from seqshard.train.state import (
     NonfiniteGuard,

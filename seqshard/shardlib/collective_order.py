@@ -14,7 +14,7 @@ fake-device tests run there.
 
 Each entry is a loop of collectives and a later collective (or loop of them) in the same
 computation that does not depend on the loop's result: code that writes such a program must
-make the later one read what the loop made (:func:`seqshard.pipeline.after`).
+make the later one read what the loop made (:func:`seqshard.model.pipeline.spmd.after`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from seqshard.comms import KINDS, called_computations, hlo_computations
+from seqshard.shardlib.comms import KINDS, called_computations, hlo_computations
 
 __all__ = ["Unordered", "unordered_after_loops"]
 

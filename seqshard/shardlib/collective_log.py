@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from seqshard.notation import parse_op
+from seqshard.shardlib.notation import parse_op
 
 __all__ = [
     "Log",
@@ -172,7 +172,7 @@ def phase(name: str):
 
 def part(name: str):
     """Collectives traced in this block belong to the model operation ``name`` (the names of
-    :func:`seqshard.flops.step_flops`, which remat policies are asked about)."""
+    :func:`seqshard.model.cost.step_flops`, which remat policies are asked about)."""
     return _setting(part=name)
 
 
@@ -185,7 +185,7 @@ def hand_differentiated():
 def custom_vjp_primal():
     """This block is a ``jax.custom_vjp``'s primal function. Under differentiation JAX traces
     it and, separately, the VJP's forward rule, and runs only the latter; the collectives
-    logged here are marked, so a step's count (:mod:`seqshard.step_comms`) takes them once."""
+    logged here are marked, so a step's count (:mod:`seqshard.plan.step_comms`) takes them once."""
     return _setting(vjp_primal=True)
 
 

@@ -22,7 +22,7 @@ import re
 
 import numpy as np
 
-from seqshard.flops import format_bytes, format_table
+from seqshard.model.cost import format_bytes, format_table
 
 __all__ = [
     "Collective",
@@ -128,7 +128,7 @@ def ring_bytes_sent(kind: str, group_size: int, result_bytes: float) -> float:
     per-device result is ``result_bytes`` (ring algorithms; see the module docstring).
 
     The one formula for both the compiled program's collectives (:class:`Collective`) and the
-    planner's (:mod:`seqshard.planner`)."""
+    planner's (:mod:`seqshard.plan.planner`)."""
     n, r = group_size, result_bytes
     if n <= 1:
         return 0.0

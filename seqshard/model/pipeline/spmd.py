@@ -2,7 +2,7 @@
 
 Each stage holds its layer blocks (``'layers/p ...'``: stage s the s-th contiguous block, or
 for the circular schedule blocks s, s + p, ...) and runs the ticks of
-:mod:`seqshard.pipeline_schedule` in a ``lax.scan``. What is in flight between stages is one
+:mod:`seqshard.model.pipeline.schedule` in a ``lax.scan``. What is in flight between stages is one
 microbatch's activation per stage, ``'S/p ...'`` with S = p: each tick every stage applies its
 block to its own, then one ``shardops.ring_shift`` over p hands it to the next stage (and,
 for 1F1B, another hands cotangents back to the previous one).
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from seqshard import collective_log, shardops
-from seqshard.shapecheck import shape_scope
-from seqshard.vma import replication_checked, varying_axes
+from seqshard.shardlib import collective_log, shardops
+from seqshard.shardlib.shapecheck import shape_scope
+from seqshard.shardlib.vma import replication_checked, varying_axes
 
 __all__ = ["after", "circular_forward", "cotangent_after", "one_f_one_b", "varying_over_stages"]
 
@@ -184,7 +184,7 @@ def after(x: Any, *deps: Any) -> Any:
     XLA's CPU runtime orders a program by its data alone (optimization barriers are gone by
     then), and starts a collective that follows a loop of collectives without waiting for
     the loop unless it reads the loop's result; devices that then enter two collectives in
-    different orders wait on each other for ever (:mod:`seqshard.collective_order` finds
+    different orders wait on each other for ever (:mod:`seqshard.shardlib.collective_order` finds
     such pairs in a compiled program). The dependency is a select on a flag that is always
     true (a count of NaNs, clamped to 0): no value changes, NaN or not. Each dep must vary
     over no mesh axis that ``x`` does not (``x``'s type stays as it is)."""

@@ -3,10 +3,10 @@
 With ``mesh.p > 1`` the stacked layers rest split over p (``layers: Array['layers/p', Layer]``:
 stage s holds layers s·L/p to (s+1)·L/p - 1; under the circular schedule, its v blocks of
 L/(p·v) layers are the model's blocks s, s + p, ..., in the order
-:meth:`~seqshard.pipeline_schedule.Pipeline.layer_order` gives, which checkpoints record and
+:meth:`~seqshard.model.pipeline.schedule.Pipeline.layer_order` gives, which checkpoints record and
 restores convert) and one call runs the local batch as
 ``train.microbatches`` microbatches through the stages, in the ticks of
-:mod:`seqshard.pipeline_schedule`, inside the model's one shard_map (per device)::
+:mod:`seqshard.model.pipeline.schedule`, inside the model's one shard_map (per device)::
 
     rows = sequence_rows(tokens)                      'B/d L@zigzag/c', every stage
     xs = embed(rows.tokens) as 'm b ...'              the residual, read on stage 0
@@ -25,7 +25,7 @@ norm's, written out in both schedules). They are small next to L/p layers per st
 splitting them over p would gather them across the pipeline's (slow) links every step.
 
 **Backward.** ``gpipe`` and ``circular``: JAX differentiates the tick scan (each shift's transpose is the shift
-back). ``1f1b`` (:func:`seqshard.pipeline.one_f_one_b`): a ``custom_vjp`` whose forward
+back). ``1f1b`` (:func:`seqshard.model.pipeline.spmd.one_f_one_b`): a ``custom_vjp`` whose forward
 runs the interleaved forward and backward ticks and keeps the gradients; its backward scales
 them by the loss's cotangent. Within a stage, the layers' backward is the hand-written one of
 :mod:`seqshard.model.backward` under ``model.backward=explicit`` (a ``custom_vjp`` over the
@@ -46,9 +46,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard import collective_log, shardops
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
+from seqshard.model.pipeline.schedule import Pipeline
+from seqshard.model.pipeline.spmd import (
+    circular_forward,
+    cotangent_after,
+    one_f_one_b,
+    varying_over_stages,
+)
 from seqshard.model.transformer import (
     embed,
     final_norm,
@@ -57,14 +63,8 @@ from seqshard.model.transformer import (
     unembed,
 )
 from seqshard.model.weights import Weights
-from seqshard.pipeline import (
-    circular_forward,
-    cotangent_after,
-    one_f_one_b,
-    varying_over_stages,
-)
-from seqshard.pipeline_schedule import Pipeline
-from seqshard.shapecheck import block_axes, block_axes_scope, shape_scope
+from seqshard.shardlib import collective_log, shardops
+from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = ["pipelined_loss_terms", "to_microbatches"]
 

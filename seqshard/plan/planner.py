@@ -9,9 +9,9 @@ A mesh size of -1 resolves against ``n_devices``; the chip's figures come from
 ``train.microbatches`` passes and the optimizer update). Four parts:
 
 **Memory** (the peak of the step, :class:`MemoryPlan`). Weights, gradients and AdamW's two
-moments are f32 and fully sharded (:func:`seqshard.flops.memory_per_device`); with
+moments are f32 and fully sharded (:func:`seqshard.model.cost.memory_per_device`); with
 microbatches the gradients have an accumulation buffer too. Activations are what the remat
-policy keeps of every layer for the backward pass (:mod:`seqshard.remat`), for one
+policy keeps of every layer for the backward pass (:mod:`seqshard.model.remat`), for one
 microbatch of ``b = batch / (microbatches * d)`` rows. Logits: f32 ``'b L V/t'`` and their
 gradient. Transient: the largest short-lived working set, either
 
@@ -19,7 +19,7 @@ gradient. Transient: the largest short-lived working set, either
   gradient before the reduce-scatter, and one transposed copy (the gather runs along M, not
   the major dimension); or
 * one layer's backward: what the policy did not keep and the backward rebuilds (gathered
-  weights, normalized inputs, attention probabilities: :class:`seqshard.flops.LayerBytes`),
+  weights, normalized inputs, attention probabilities: :class:`seqshard.model.cost.LayerBytes`),
   the gathered weights' gradients, and, on the einsum path, the f32 ``'b L L Q K/t'``
   gradients of the scores (fused kernels, cudnn and splash, never hold them).
 
@@ -31,14 +31,14 @@ train step compiled for fake CPU devices (tests/test_planner.py): within 15%, me
 to 1.10 of XLA's figure.
 
 **Communication** (:class:`PlannedCollective`): every collective the step's shardops calls
-emit, predicted from the notation by :mod:`seqshard.step_comms` (the step traced on an
+emit, predicted from the notation by :mod:`seqshard.plan.step_comms` (the step traced on an
 abstract mesh, nothing compiled): the forward's, their transposes (autodiff) or the
 hand-written backward's (``model.backward=explicit``), and what the remat policy re-runs.
-Bytes per call are the ring formulas of :func:`seqshard.comms.ring_bytes_sent`. Not counted:
+Bytes per call are the ring formulas of :func:`seqshard.shardlib.comms.ring_bytes_sent`. Not counted:
 the optimizer's global-norm all-reduces (a few f32 scalars).
 
 **Roofline.** Compute: the hardware FLOPs of the step (model FLOPs plus what remat re-runs,
-:mod:`seqshard.flops`, attention unmasked) at the chip's dense bf16 peak. Each collective
+:mod:`seqshard.model.cost`, attention unmasked) at the chip's dense bf16 peak. Each collective
 runs at the bandwidth of the link its mesh axis crosses (:mod:`seqshard.hardware`: NVLink
 or ICI inside a GPU node or TPU slice, InfiniBand or DCN across them; t stays inside one, as
 :func:`seqshard.mesh.training_mesh` lays it out, and d crosses when the devices span more
@@ -72,7 +72,7 @@ import jax.numpy as jnp
 
 from seqshard import hardware
 from seqshard.config import Config, ConfigError, check_config, resolve_mesh
-from seqshard.flops import (
+from seqshard.model.cost import (
     flops_per_token,
     format_bytes,
     hardware_flops_per_token,
@@ -80,10 +80,10 @@ from seqshard.flops import (
     matmul_flops_per_token,
     memory_per_device,
 )
+from seqshard.model.remat import NoRemat, remat_policy
 from seqshard.model.weights import Layer, Weights
-from seqshard.remat import NoRemat, remat_policy
-from seqshard.shardtypes import ArrayType, block_shape, type_tree
-from seqshard.step_comms import PlannedCollective, collectives_per_step
+from seqshard.plan.step_comms import PlannedCollective, collectives_per_step
+from seqshard.shardlib.shardtypes import ArrayType, block_shape, type_tree
 
 __all__ = [
     "FUSED_ATTENTION",
@@ -186,7 +186,7 @@ def _gathers(cfg: Config, types: Iterable[tuple[str, ArrayType]]) -> list[_Gathe
         if len(where) != 1:
             raise TypeError(
                 f"weight {name} is {t!r}: the planner assumes every weight has one d_model "
-                f"dimension, gathered whole before use. Teach seqshard/planner.py how "
+                f"dimension, gathered whole before use. Teach seqshard/plan/planner.py how "
                 f"transformer.py uses this one."
             )
         (pos,) = where
@@ -255,7 +255,7 @@ def _head_table(cfg: Config) -> tuple[int, int]:
 
 def _layer_memory(cfg: Config, attention_impl: str, lb, activations: int) -> tuple[int, int]:
     """(``activations`` less the probabilities fused attention never keeps, one layer's
-    backward working set), for layers of :class:`~seqshard.flops.LayerBytes` ``lb``."""
+    backward working set), for layers of :class:`~seqshard.model.cost.LayerBytes` ``lb``."""
     m, c = cfg.model, cfg.mesh.sizes()["c"]
     gathered = _layer_gathers(cfg)
     weight_grads = sum(g.gathered_bytes for g in gathered)  # before their reduce-scatters
@@ -285,7 +285,7 @@ def _weight_bytes_per_device(cfg: Config) -> int:
 
 
 def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
-    """The peak of a pipelined step (mesh.p > 1, :mod:`seqshard.model.pipelined`): each stage
+    """The peak of a pipelined step (mesh.p > 1, :mod:`seqshard.model.pipeline.pipelined`): each stage
     holds L/p layers; a microbatch has b = batch / (d·m) rows.
 
     * gpipe, circular (v blocks): autodiff of the tick loop keeps, for every forward tick

@@ -3,7 +3,7 @@
 Call them inside ``jax.shard_map`` (or :func:`seqshard.typed_shard_map`); each array is the
 per-device block of a global array whose layout the spec states. Each op checks its inputs
 against the spec's left side, works out which mesh axes change, and lowers to exactly one
-collective per changed dimension (or none), which it logs for :mod:`seqshard.collective_log`
+collective per changed dimension (or none), which it logs for :mod:`seqshard.shardlib.collective_log`
 (a step's communication predicted from the notation, nothing compiled)::
 
     w = all_gather('M/d F/t -> M F/t', w)                  # lax.all_gather over d
@@ -42,10 +42,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from seqshard import collective_log
-from seqshard.notation import Dim, OpSpec, Shape, parse_op
-from seqshard.shapecheck import BlockAxes, ShapeError, block_axes, check_block, current_scope
-from seqshard.vma import replication_checked, varying_axes
+from seqshard.shardlib import collective_log
+from seqshard.shardlib.notation import Dim, OpSpec, Shape, parse_op
+from seqshard.shardlib.shapecheck import (
+    BlockAxes,
+    ShapeError,
+    block_axes,
+    check_block,
+    current_scope,
+)
+from seqshard.shardlib.vma import replication_checked, varying_axes
 
 __all__ = [
     "all_gather",
@@ -70,7 +76,7 @@ __all__ = [
 
 
 def _block_axes(where: str) -> BlockAxes:
-    """The block's mesh axes (see :func:`seqshard.shapecheck.block_axes`), or a clear error."""
+    """The block's mesh axes (see :func:`seqshard.shardlib.shapecheck.block_axes`), or a clear error."""
     axes = block_axes()
     if axes is None:
         # A mesh set with jax.set_mesh outside shard_map has no manual axes: still not a block.
@@ -216,7 +222,7 @@ class _Call:
         return _linear_index(axes, self.axes)
 
     def log(self, kind: str, axes: Sequence[str], x: jax.Array, y: jax.Array, **kw) -> None:
-        """Record the collective just emitted (:mod:`seqshard.collective_log`)."""
+        """Record the collective just emitted (:mod:`seqshard.shardlib.collective_log`)."""
         collective_log.emit(
             self.name, self.text, kind, axes, self.size(axes), x, y, checked=self.checked, **kw
         )

@@ -17,7 +17,7 @@ the context axis ``c``: the dimension is cut into 2c equal chunks and laid out a
 2c-1, 1, 2c-2, ..., so that its split over c gives shard i chunks i and 2c-1-i (with c = 1 it
 is the natural order). Labels bind one size whatever the order, but layouts differ: an op
 that reads a zigzag array with a spec that omits the order is an error, and only
-:func:`seqshard.shardops.reorder` changes it.
+:func:`seqshard.shardlib.shardops.reorder` changes it.
 
 ``{U_t}`` (or ``{U_t,d}``) is the seed's *unreduced* marker: it belongs to the whole operand.
 In ``index_unreduced`` the table operand marks its indexed dimension with brackets:

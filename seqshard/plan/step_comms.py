@@ -5,12 +5,12 @@
 
 The step's loss and gradient (``seqshard.train.step.grads_and_loss``, every microbatch) are
 traced with ``jax.eval_shape`` on an ``AbstractMesh`` of the config's sizes, under
-:func:`seqshard.collective_log.recording`: each shardops call logs the collective it lowers
+:func:`seqshard.shardlib.collective_log.recording`: each shardops call logs the collective it lowers
 to. From that log:
 
 * **forward**: what the forward pass logged;
 * **backward**: with ``model.backward=autodiff``, the transpose of each forward collective
-  (:func:`seqshard.collective_log.transpose`); with ``explicit``, what backward.py logged;
+  (:func:`seqshard.shardlib.collective_log.transpose`); with ``explicit``, what backward.py logged;
 * **recompute**: with autodiff, the forward collectives of the layer body that the remat
   policy re-runs in the backward pass (:func:`recomputed`); with ``explicit``, what
   backward.py logged as recomputation.
@@ -20,7 +20,7 @@ all-reduces of f32 scalars there, not predicted). One XLA optimization is modell
 changes calls per step: with microbatches, the gathers of the weights outside the layer scan
 (embedding, unembedding, final norm) do not depend on the microbatch, and XLA hoists them out
 of the accumulation loop, once per step. tests/test_step_comms.py holds the prediction equal
-to the compiled HLO (:mod:`seqshard.comms`) kind by kind, per phase, in and out of loops.
+to the compiled HLO (:mod:`seqshard.shardlib.comms`) kind by kind, per phase, in and out of loops.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import functools
 
 from jax.sharding import AbstractMesh, AxisType
 
-from seqshard import collective_log
 from seqshard.batch import batch_structs
-from seqshard.collective_log import LoggedCollective
-from seqshard.comms import ring_bytes_sent
 from seqshard.config import Config
-from seqshard.flops import format_bytes, format_table
+from seqshard.model.cost import format_bytes, format_table
+from seqshard.model.remat import remat_policy
 from seqshard.model.weights import weight_structs
-from seqshard.remat import remat_policy
+from seqshard.shardlib import collective_log
+from seqshard.shardlib.collective_log import LoggedCollective
+from seqshard.shardlib.comms import ring_bytes_sent
 
 __all__ = [
     "PHASES",
@@ -71,7 +71,7 @@ class PlannedCollective:
 
     @property
     def axis_key(self) -> str:
-        """``'d'``, ``'t'``, ``'t/d'``: the axes as :func:`seqshard.comms.format_comm_table` keys them."""
+        """``'d'``, ``'t'``, ``'t/d'``: the axes as :func:`seqshard.shardlib.comms.format_comm_table` keys them."""
         return "/".join(self.axes)
 
     @property
@@ -113,7 +113,7 @@ def recomputed(c: LoggedCollective, remat: str) -> bool:
     Only the scanned layer body is checkpointed. No policy keeps a gathered weight (the
     ``saved`` policy keeps what the model marks, and it marks no weight), so under ``saved``
     and ``full`` every layer weight is gathered again; an activation collective is re-run when
-    the policy re-runs the operation it belongs to (:meth:`seqshard.remat.RematPolicy.recomputes`:
+    the policy re-runs the operation it belongs to (:meth:`seqshard.model.remat.RematPolicy.recomputes`:
     the norms' gathers under both, the attention output's reduce-scatter under ``full``, the
     FFN output's never, since nothing in the backward pass reads it)."""
     policy = remat_policy(remat)

@@ -4,7 +4,7 @@ Resolved config; parameter count; each weight's global and per-device shape and 
 the FLOPs of a training step by operation (:func:`flops_table`) and per token (MFU's); every
 collective of the step predicted from the notation, per phase and per layer, without
 compiling (:func:`predicted_comm_report`); the
-planner's bytes per device (:mod:`seqshard.planner`: weights, grads,
+planner's bytes per device (:mod:`seqshard.plan.planner`: weights, grads,
 optimizer state, activations, logits, the largest transient); with a chip, the planner's
 whole plan for it (FLOPs and communication per step, roofline step time and MFU, and whether
 it fits); and, from the train step compiled for the config's mesh (nothing runs, nothing is
@@ -17,9 +17,8 @@ from __future__ import annotations
 import jax
 
 from seqshard.batch import batch_structs
-from seqshard.comms import Collective, collectives, format_comm_table
 from seqshard.config import Config, config_to_yaml
-from seqshard.flops import (
+from seqshard.model.cost import (
     PHASES,
     flops_per_token,
     format_bytes,
@@ -28,9 +27,10 @@ from seqshard.flops import (
     step_flops,
 )
 from seqshard.model.weights import Weights, param_count
-from seqshard.planner import FUSED_ATTENTION, describe_memory, memory_plan, plan
-from seqshard.shardtypes import block_shape, type_tree
-from seqshard.step_comms import PlannedCollective, collectives_per_step, format_planned_table
+from seqshard.plan.planner import FUSED_ATTENTION, describe_memory, memory_plan, plan
+from seqshard.plan.step_comms import PlannedCollective, collectives_per_step, format_planned_table
+from seqshard.shardlib.comms import Collective, collectives, format_comm_table
+from seqshard.shardlib.shardtypes import block_shape, type_tree
 
 __all__ = [
     "context_report",
@@ -79,7 +79,7 @@ def _count(n: float) -> str:
 
 
 def flops_table(cfg: Config) -> str:
-    """The FLOPs of one training step of ``cfg`` by operation (:func:`seqshard.flops.step_flops`):
+    """The FLOPs of one training step of ``cfg`` by operation (:func:`seqshard.model.cost.step_flops`):
     forward, backward, remat's recompute and the optimizer update, each over the whole step
     (all devices), with the row's total on one device of the mesh; matmul and elementwise
     sums; attention's causal half; and the model FLOPs per token (the numerator of MFU)."""
@@ -129,7 +129,7 @@ def flops_table(cfg: Config) -> str:
 
 def predicted_comm_report(cfg: Config) -> str:
     """Every collective of a training step, predicted from the notation without compiling
-    (:mod:`seqshard.step_comms`), per phase and per layer."""
+    (:mod:`seqshard.plan.step_comms`), per phase and per layer."""
     m = cfg.model
     calls = collectives_per_step(cfg)
     head = (
@@ -145,8 +145,8 @@ def predicted_comm_report(cfg: Config) -> str:
 
 def context_report(cfg: Config) -> str:
     """The sequence split over c: for each ``model.context_impl``, what it moves per layer
-    (predicted from the notation, :mod:`seqshard.step_comms`) and the planner's per-device
-    activation and peak memory (:mod:`seqshard.planner`), side by side."""
+    (predicted from the notation, :mod:`seqshard.plan.step_comms`) and the planner's per-device
+    activation and peak memory (:mod:`seqshard.plan.planner`), side by side."""
     import dataclasses
 
     m, c = cfg.model, cfg.mesh.sizes()["c"]
@@ -186,8 +186,8 @@ def context_report(cfg: Config) -> str:
 
 
 def predicted_vs_compiled(predicted: list[PlannedCollective], compiled: list[Collective]) -> str:
-    """One line: the prediction from the notation (:mod:`seqshard.step_comms`) against the
-    compiled step's collectives (:mod:`seqshard.comms`), calls and bytes per step, and what
+    """One line: the prediction from the notation (:mod:`seqshard.plan.step_comms`) against the
+    compiled step's collectives (:mod:`seqshard.shardlib.comms`), calls and bytes per step, and what
     XLA adds in the optimizer update (its global gradient norm, no shardops call)."""
     model = [c for c in compiled if c.phase != "update"]
     update = [c for c in compiled if c.phase == "update"]
@@ -266,7 +266,7 @@ def pipeline_shifts(cfg: Config) -> tuple[int, int]:
 def pipeline_report(cfg: Config) -> str:
     """The layers pipelined over p: the schedule as a tick x stage table, its bubble fraction,
     the microbatch inputs each stage holds at its peak, and what ``ring_shift`` over p moves
-    per step (:mod:`seqshard.pipeline_schedule`; from the config alone)."""
+    per step (:mod:`seqshard.model.pipeline.schedule`; from the config alone)."""
     m, train_cfg, sizes = cfg.model, cfg.train, cfg.mesh.sizes()
     p = sizes["p"]
     if p == 1:
@@ -330,7 +330,7 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
         impl = "einsum" if m.attention_impl == "auto" else m.attention_impl
         micro = train_cfg.batch_size // train_cfg.microbatches
         parts.append(
-            f"estimated memory per device at the peak of a step (seqshard.planner; microbatch of "
+            f"estimated memory per device at the peak of a step (seqshard.plan.planner; microbatch of "
             f"{micro}, remat={m.remat}, attention as {impl}"
             + ("" if impl in FUSED_ATTENTION else ", scores materialized")
             + "; --chip NAME plans for a chip):"

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 
-from seqshard.notation import Shape
+from seqshard.shardlib.notation import Shape
 
 __all__ = [
     "BlockAxes",

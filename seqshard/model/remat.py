@@ -5,7 +5,7 @@
 
 A remat policy is a small typed object, one per value of the config key
 ``model.remat: saved | full | none``. Besides the ``jax.checkpoint`` policy it wraps the layer
-with, it owns what that choice costs, so the accounting in :mod:`seqshard.flops` asks it
+with, it owns what that choice costs, so the accounting in :mod:`seqshard.model.cost` asks it
 instead of matching strings:
 
     policy = remat_policy(cfg.remat)               # SavedRemat(), FullRemat() or NoRemat()
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeVar, runtime_
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-if TYPE_CHECKING:  # the accounting types; seqshard.flops imports this module
-    from seqshard.flops import LayerBytes, MatmulFlops
+if TYPE_CHECKING:  # the accounting types; seqshard.model.cost imports this module
+    from seqshard.model.cost import LayerBytes, MatmulFlops
 
 __all__ = [
     "REMAT_POLICIES",
@@ -73,7 +73,7 @@ class RematPolicy(Protocol):
 
     def recomputes(self, op: str) -> bool:
         """Whether one layer's backward pass re-runs the layer's forward operation ``op``,
-        named as in :func:`seqshard.flops.step_flops` (``'attn_norm'``, ``'q'``, ...,
+        named as in :func:`seqshard.model.cost.step_flops` (``'attn_norm'``, ``'q'``, ...,
         ``'ffn_residual'``). The FLOP accounting asks this of every layer operation."""
         ...
 
@@ -120,7 +120,7 @@ class SavedRemat:
     RECOMPUTED: ClassVar[frozenset[str]] = frozenset(
         {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu"}
     )
-    # Parts that move data and compute nothing (no row of seqshard.flops's table).
+    # Parts that move data and compute nothing (no row of seqshard.model.cost's table).
     RECOMPUTED_TRANSFERS: ClassVar[frozenset[str]] = frozenset({"context"})
 
     @property

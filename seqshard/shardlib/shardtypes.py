@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from seqshard.notation import Shape, parse_shape
-from seqshard.shapecheck import (
+from seqshard.shardlib.notation import Shape, parse_shape
+from seqshard.shardlib.shapecheck import (
     ShapeError,
     ShapeScope,
     block_axes_scope,
@@ -44,7 +44,7 @@ from seqshard.shapecheck import (
     check_global,
     shape_scope,
 )
-from seqshard.vma import replication_checked, varying_axes
+from seqshard.shardlib.vma import replication_checked, varying_axes
 
 __all__ = [
     "Array",

@@ -31,7 +31,7 @@ Conventions, used by every count here:
   Fused kernels (cudnn, splash) skip most masked blocks, and re-run ``q . k^T`` and the
   softmax in their backward whatever the policy: not counted.
 * **Recompute** is asked of the remat policy, per layer operation
-  (:meth:`seqshard.remat.RematPolicy.recomputes`): its forward FLOPs again, in the backward
+  (:meth:`seqshard.model.remat.RematPolicy.recomputes`): its forward FLOPs again, in the backward
   pass. The embedding, final norm, logits and loss run outside the checkpointed layer scan
   and are never recomputed.
 * **Model vs hardware FLOPs.** :func:`flops_per_token` is the matmul rows, forward and
@@ -59,7 +59,7 @@ Memory (:func:`memory_per_device`) is an estimate of what lives on one device of
 moments, all fully sharded over ``d*c*t``; the activations each layer saves for the backward
 pass under ``cfg.remat``; and the f32 logits.
 
-What ``cfg.remat`` recomputes and keeps is the policy's to say (:mod:`seqshard.remat`):
+What ``cfg.remat`` recomputes and keeps is the policy's to say (:mod:`seqshard.model.remat`):
 
     policy = remat_policy(cfg.remat)
     policy.recomputes('softmax')                                               # per layer op
@@ -78,10 +78,10 @@ from typing import TYPE_CHECKING, Literal
 
 import jax
 
-from seqshard.notation import parse_op, parse_shape
-from seqshard.remat import remat_policy
+from seqshard.model.remat import remat_policy
+from seqshard.shardlib.notation import parse_op, parse_shape
 
-if TYPE_CHECKING:  # only its fields are read; importing seqshard.flops stays light
+if TYPE_CHECKING:  # only its fields are read; importing seqshard.model.cost stays light
     from seqshard.model.config import ModelConfig
 
 __all__ = [
@@ -266,7 +266,7 @@ def _norm(cfg: ModelConfig, name: str, consumers: int) -> _Formula:
 
 def _layer_ops(cfg: ModelConfig) -> tuple[_Formula, ...]:
     """One layer's operations, in the order transformer.py runs them. The names are what
-    :meth:`seqshard.remat.RematPolicy.recomputes` is asked about."""
+    :meth:`seqshard.model.remat.RematPolicy.recomputes` is asked about."""
     m, f, h, k, dh = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv, cfg.d_head
     return (
         _norm(cfg, "attn_norm", consumers=2),  # feeds the q and the k, v einsums
@@ -410,7 +410,7 @@ class MatmulFlops:
 
     def recomputed(self, recomputes: Callable[[str], bool]) -> int:
         """The per-layer parts whose operations ``recomputes(name)`` says a policy re-runs
-        (:meth:`seqshard.remat.RematPolicy.recompute_flops`). ``qkv`` lumps q, k and v, so a
+        (:meth:`seqshard.model.remat.RematPolicy.recompute_flops`). ``qkv`` lumps q, k and v, so a
         policy must re-run all three or none of them."""
         total = 0
         for flops, names in (
@@ -486,7 +486,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
     """:func:`flops_per_token` plus the matmuls ``cfg.remat`` re-runs in the backward pass
     (the table's matmul recompute): 0 for ``none``, ``q . k^T`` for ``saved``, the layer but
-    the down projection for ``full`` (each policy's docstring in :mod:`seqshard.remat` says
+    the down projection for ``full`` (each policy's docstring in :mod:`seqshard.model.remat` says
     why). The LM head runs outside the checkpointed layer scan and is never recomputed."""
     s = _one_row(cfg, seq_len)
     recompute = s.sum("recompute", "matmul") // seq_len
@@ -567,7 +567,7 @@ class MemoryEstimate:
 @dataclasses.dataclass(frozen=True)
 class LayerBytes:
     """Bytes on one device of each array one layer's forward pass makes, for a remat policy
-    to choose from (:meth:`seqshard.remat.RematPolicy.saved_bytes`).
+    to choose from (:meth:`seqshard.model.remat.RematPolicy.saved_bytes`).
 
     Per device: the batch split over d (b = batch/d rows), heads / d_ff / d_model over t;
     c = bytes of ``cfg.compute_dtype``. See :func:`layer_bytes`."""
