@@ -351,13 +351,47 @@ def _with_hf_model(cfg: Config, layers: Sequence[dict]) -> Config:
 
 def check_config(cfg: Config) -> None:
     """Cross-field checks, with the values in the message. Raises ConfigError."""
-    mesh, train = cfg.mesh, cfg.train
+    _check_mesh(cfg)
+    _check_counts(cfg.train)
+    _check_batch(cfg)
+    _check_pipeline(cfg)
+    _check_schedule(cfg.train)
+    _check_cadence(cfg.train)
+    _check_optimizer(cfg.train)
+    check_run_name(cfg.run.name)
+    _check_runtime(cfg.runtime)
+    _check_data(cfg)
+
+
+def _check_mesh(cfg: Config) -> None:
+    """The mesh sizes, and (once the mesh is resolved) the model's splits over it."""
+    mesh = cfg.mesh
     _check_mesh_sizes(mesh)
     if mesh.is_resolved:  # else resolve_mesh checks these once the device count is known
         try:
             cfg.model.check_mesh(mesh.sizes())
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _check_mesh_sizes(mesh: MeshConfig) -> None:
+    given = mesh.given()
+    bad = {a: n for a, n in given.items() if n != REMAINING and n < 1}
+    if bad:
+        raise ConfigError(
+            f"mesh sizes must be >= 1, or -1 for the remaining devices; got "
+            f"{', '.join(f'mesh.{a}={n}' for a, n in bad.items())}."
+        )
+    free = [a for a, n in given.items() if n == REMAINING]
+    if len(free) > 1:
+        raise ConfigError(
+            f"at most one mesh axis may be -1 (the remaining devices), got "
+            f"{', '.join(f'mesh.{a}=-1' for a in free)}. Give all sizes but one."
+        )
+
+
+def _check_counts(train: TrainConfig) -> None:
+    """The train keys that count something (steps, sequences, batches) are positive."""
     for name in (
         "steps",
         "batch_size",
@@ -369,6 +403,12 @@ def check_config(cfg: Config) -> None:
     ):
         if getattr(train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(train, name)}.")
+
+
+def _check_batch(cfg: Config) -> None:
+    """The batch split into microbatches, and (once the mesh is resolved) the batch and the
+    sequence split over the mesh."""
+    mesh, train = cfg.mesh, cfg.train
     if train.seq_len < 2:
         raise ConfigError(
             f"train.seq_len must be >= 2 (a next-token target needs two tokens), got {train.seq_len}."
@@ -399,88 +439,6 @@ def check_config(cfg: Config) -> None:
             f"{mesh.c * mesh.t}. Choose train.seq_len divisible by {mesh.c * mesh.t}, or "
             f"model.residual=M/t."
         )
-    _check_pipeline(cfg)
-    if train.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}.")
-    if not 0 <= train.min_lr_ratio <= 1 or not 0 < train.decay_fraction <= 1:
-        raise ConfigError(
-            f"train.min_lr_ratio must be in [0, 1] and train.decay_fraction in (0, 1]; got "
-            f"{train.min_lr_ratio} and {train.decay_fraction}."
-        )
-    if train.lr <= 0 or train.grad_clip < 0 or train.weight_decay < 0:
-        raise ConfigError(
-            f"train.lr must be > 0 and train.grad_clip, train.weight_decay >= 0; got lr={train.lr}, "
-            f"grad_clip={train.grad_clip}, weight_decay={train.weight_decay}."
-        )
-    for name in ("eval_every", "checkpoint_every"):
-        if getattr(train, name) < 0:
-            raise ConfigError(
-                f"train.{name} must be >= 0 (0: only at the end), got {getattr(train, name)}."
-            )
-    if train.max_nonfinite_skips < 1:
-        raise ConfigError(
-            f"train.max_nonfinite_skips must be >= 1, got {train.max_nonfinite_skips}."
-        )
-    for name in (
-        "lr",
-        "min_lr_ratio",
-        "decay_fraction",
-        "weight_decay",
-        "beta1",
-        "beta2",
-        "eps",
-        "grad_clip",
-        "peak_flops",
-    ):
-        if not math.isfinite(getattr(train, name)):
-            raise ConfigError(f"train.{name} must be a finite number, got {getattr(train, name)}.")
-    if not 0 <= train.beta1 < 1 or not 0 <= train.beta2 < 1 or train.eps <= 0:
-        raise ConfigError(
-            f"train.beta1 and train.beta2 must be in [0, 1) and train.eps > 0; got "
-            f"{train.beta1}, {train.beta2}, {train.eps}."
-        )
-    check_run_name(cfg.run.name)
-    runtime = cfg.runtime
-    for name in ("heartbeat_timeout_s", "shutdown_timeout_s", "initialization_timeout_s"):
-        if getattr(runtime, name) < 1:
-            raise ConfigError(f"runtime.{name} must be >= 1 second, got {getattr(runtime, name)}.")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}.")
-    if cfg.data.tokenizer is None and cfg.data.vocab_size > cfg.model.vocab:
-        raise ConfigError(
-            f"data.vocab_size={cfg.data.vocab_size} (the tokenizer's) exceeds model.vocab="
-            f"{cfg.model.vocab}: token ids would fall outside the embedding. Set model.vocab >= "
-            f"{cfg.data.vocab_size}."
-        )
-
-
-def _check_mesh_sizes(mesh: MeshConfig) -> None:
-    given = mesh.given()
-    bad = {a: n for a, n in given.items() if n != REMAINING and n < 1}
-    if bad:
-        raise ConfigError(
-            f"mesh sizes must be >= 1, or -1 for the remaining devices; got "
-            f"{', '.join(f'mesh.{a}={n}' for a, n in bad.items())}."
-        )
-    free = [a for a, n in given.items() if n == REMAINING]
-    if len(free) > 1:
-        raise ConfigError(
-            f"at most one mesh axis may be -1 (the remaining devices), got "
-            f"{', '.join(f'mesh.{a}=-1' for a in free)}. Give all sizes but one."
-        )
-
-
-def resolve_mesh(cfg: Config, n_devices: int) -> Config:
-    """``cfg`` on ``n_devices`` devices: a ``mesh`` size of -1 becomes the remaining devices,
-    and the checks that need the mesh (model splits, batch over d) run. Raises ConfigError."""
-    if cfg.mesh.is_resolved:
-        return cfg
-    cfg = dataclasses.replace(cfg, mesh=cfg.mesh.resolved(n_devices))
-    check_config(cfg)
-    return cfg
-
-
-_RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def _check_pipeline(cfg: Config) -> None:
@@ -500,6 +458,90 @@ def _check_pipeline(cfg: Config) -> None:
             f"train.pipeline_repeats = {p} x {train.pipeline_repeats} = {blocks} equal layer "
             f"blocks. Choose n_layers divisible by {blocks}, or other mesh.p / pipeline_repeats."
         )
+
+
+def _check_schedule(train: TrainConfig) -> None:
+    """The learning-rate schedule's shape and the size of an update (lr, clipping, decay)."""
+    if train.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must be >= 0, got {train.warmup_steps}.")
+    if not 0 <= train.min_lr_ratio <= 1 or not 0 < train.decay_fraction <= 1:
+        raise ConfigError(
+            f"train.min_lr_ratio must be in [0, 1] and train.decay_fraction in (0, 1]; got "
+            f"{train.min_lr_ratio} and {train.decay_fraction}."
+        )
+    if train.lr <= 0 or train.grad_clip < 0 or train.weight_decay < 0:
+        raise ConfigError(
+            f"train.lr must be > 0 and train.grad_clip, train.weight_decay >= 0; got lr={train.lr}, "
+            f"grad_clip={train.grad_clip}, weight_decay={train.weight_decay}."
+        )
+
+
+def _check_cadence(train: TrainConfig) -> None:
+    """How often the run evaluates and checkpoints, and how many bad steps it skips."""
+    for name in ("eval_every", "checkpoint_every"):
+        if getattr(train, name) < 0:
+            raise ConfigError(
+                f"train.{name} must be >= 0 (0: only at the end), got {getattr(train, name)}."
+            )
+    if train.max_nonfinite_skips < 1:
+        raise ConfigError(
+            f"train.max_nonfinite_skips must be >= 1, got {train.max_nonfinite_skips}."
+        )
+
+
+def _check_optimizer(train: TrainConfig) -> None:
+    """The float keys are finite, and AdamW's moment decays and epsilon are in range."""
+    for name in (
+        "lr",
+        "min_lr_ratio",
+        "decay_fraction",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "eps",
+        "grad_clip",
+        "peak_flops",
+    ):
+        if not math.isfinite(getattr(train, name)):
+            raise ConfigError(f"train.{name} must be a finite number, got {getattr(train, name)}.")
+    if not 0 <= train.beta1 < 1 or not 0 <= train.beta2 < 1 or train.eps <= 0:
+        raise ConfigError(
+            f"train.beta1 and train.beta2 must be in [0, 1) and train.eps > 0; got "
+            f"{train.beta1}, {train.beta2}, {train.eps}."
+        )
+
+
+def _check_runtime(runtime: RuntimeConfig) -> None:
+    """The timeouts between the processes of a run."""
+    for name in ("heartbeat_timeout_s", "shutdown_timeout_s", "initialization_timeout_s"):
+        if getattr(runtime, name) < 1:
+            raise ConfigError(f"runtime.{name} must be >= 1 second, got {getattr(runtime, name)}.")
+
+
+def _check_data(cfg: Config) -> None:
+    """The data keys, and the tokenizer to train against the model's vocabulary."""
+    data = cfg.data
+    if not 0 < data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}.")
+    if data.tokenizer is None and data.vocab_size > cfg.model.vocab:
+        raise ConfigError(
+            f"data.vocab_size={data.vocab_size} (the tokenizer's) exceeds model.vocab="
+            f"{cfg.model.vocab}: token ids would fall outside the embedding. Set model.vocab >= "
+            f"{data.vocab_size}."
+        )
+
+
+def resolve_mesh(cfg: Config, n_devices: int) -> Config:
+    """``cfg`` on ``n_devices`` devices: a ``mesh`` size of -1 becomes the remaining devices,
+    and the checks that need the mesh (model splits, batch over d) run. Raises ConfigError."""
+    if cfg.mesh.is_resolved:
+        return cfg
+    cfg = dataclasses.replace(cfg, mesh=cfg.mesh.resolved(n_devices))
+    check_config(cfg)
+    return cfg
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def check_run_name(name: str) -> None:
