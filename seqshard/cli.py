@@ -415,24 +415,19 @@ def _eval(args) -> int:
 
 def _sample(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -> list[str]:
     """Continuations of ``prompts`` by the latest checkpoint of ``run_dir``."""
+    import jax
+
     from seqshard.data import load_tokenizer
     from seqshard.mesh import training_mesh
+    from seqshard.model.generate import Sampling
     from seqshard.sample import generate_text
     from seqshard.train.checkpoint import latest_state
 
+    sampling = Sampling(max_new_tokens, temperature, top_k, key=jax.random.key(seed))
     weights = latest_state(run_dir, cfg, training_mesh(cfg.mesh.sizes())).weights
     tokenizer = load_tokenizer(Path(cfg.data.dir) / "tokenizer.json")
-    return generate_text(
-        weights,
-        tokenizer,
-        prompts,
-        cfg.model,
-        None,  # generate_text picks a decode mesh the batch and model fit
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-    )
+    # mesh None: generate_text picks a decode mesh the batch and model fit
+    return generate_text(weights, tokenizer, prompts, cfg.model, None, sampling)
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,20 +1,20 @@
 """Where text meets tokens: text prompts in, sampled text out.
 
-    texts = generate_text(weights, tok, ["def f(x):"], cfg, None, max_new_tokens=32,
-                          temperature=0.0, top_k=None, seed=0)
+    texts = generate_text(weights, tok, ["def f(x):"], cfg, None, Sampling(32, temperature=0.0))
 
 The model (:func:`seqshard.model.generate`) works on token ids only; this module encodes the
 prompts with the run's tokenizer (:mod:`seqshard.data.tokenizer`), left-pads them into one
 batch, generates, and decodes each continuation up to its first ``<|endoftext|>``.
 """
 
-import jax
+import dataclasses
+
 import numpy as np
 from jax.sharding import Mesh
 
 from seqshard.data.tokenizer import Tokenizer, decode, encode_batch, eot_id
 from seqshard.model.config import ModelConfig
-from seqshard.model.generate import decode_mesh, generate
+from seqshard.model.generate import Sampling, decode_mesh, generate
 from seqshard.model.weights import Weights
 
 __all__ = ["generate_text"]
@@ -26,11 +26,7 @@ def generate_text(
     prompts: list[str],
     cfg: ModelConfig,
     mesh: Mesh | None,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
+    sampling: Sampling,
 ) -> list[str]:
     """Each prompt's continuation (without the prompt), cut before its first ``<|endoftext|>``.
 
@@ -38,9 +34,17 @@ def generate_text(
     alone (the token before every document in the training data). ``mesh=None`` picks
     :func:`~seqshard.model.decode_mesh`; with a mesh whose d does not divide the batch, the
     batch is padded with copies of the first prompt, which are dropped from the result.
+    ``sampling`` chooses the tokens; the stop token is the tokenizer's ``<|endoftext|>``.
     """
     if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f"generate_text: prompts must be a list of strings, got {prompts!r}.")
+    if sampling.stop_token is not None or sampling.return_logits:
+        raise ValueError(
+            f"generate_text: rows stop at the tokenizer's <|endoftext|> and the result is text, "
+            f"so sampling.stop_token and sampling.return_logits must be unset, got "
+            f"stop_token={sampling.stop_token!r}, return_logits={sampling.return_logits!r}. "
+            f"Call seqshard.model.generate for token ids and logits."
+        )
     if not prompts:
         return []
     if tokenizer.get_vocab_size() > cfg.vocab:
@@ -66,18 +70,8 @@ def generate_text(
     prompt = np.zeros((len(ids), width), np.int32)
     for b, row in enumerate(ids):
         prompt[b, width - len(row) :] = row
-    out = generate(
-        weights,
-        prompt,
-        cfg,
-        mesh,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        key=jax.random.key(seed),
-        prompt_lengths=[len(row) for row in ids],
-        stop_token=eot,
-    )
+    sampling = dataclasses.replace(sampling, stop_token=eot)
+    out = generate(weights, prompt, cfg, mesh, sampling, prompt_lengths=[len(row) for row in ids])
     texts = []
     for row in np.asarray(out[:n, width:]).tolist():
         if eot is not None and eot in row:

@@ -15,7 +15,7 @@ from model_weights import tiny_model
 
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import init_weights, reference_logits_fn
-from seqshard.model.generate import DecodeSpec, _decoder, decode_mesh, generate
+from seqshard.model.generate import DecodeSpec, Sampling, _decoder, decode_mesh, generate
 from seqshard.testing import fake_cpu_mesh
 
 # The module, not the function seqshard.model re-exports under the same name.
@@ -78,9 +78,7 @@ def test_decode_mesh_fills_t_then_divides_the_batch():
 )
 def test_greedy_equals_step_by_step_reference_argmax(weights, host_weights, batch, shape):
     prompt, new = prompts(batch, 5, seed=batch), 5
-    out = np.asarray(
-        generate(weights, prompt, CFG, mesh(shape), max_new_tokens=new, temperature=0.0)
-    )
+    out = np.asarray(generate(weights, prompt, CFG, mesh(shape), Sampling(new, temperature=0.0)))
     assert out.shape == (batch, 5 + new) and out.dtype == np.int32
     np.testing.assert_array_equal(out[:, :5], prompt)
     for b in range(batch):
@@ -90,19 +88,11 @@ def test_greedy_equals_step_by_step_reference_argmax(weights, host_weights, batc
         np.testing.assert_array_equal(out[b], seq, err_msg=f"row {b} on mesh {shape}")
 
 
-def with_logits(weights, prompt, new: int, temperature: float, seed: int, **kw):
+def with_logits(weights, prompt, new: int, temperature: float, seed: int, top_k=None, **kw):
     """(tokens, each new token's logits) as numpy, generated on a 2x2 mesh."""
-    out, logits = generate(
-        weights,
-        prompt,
-        CFG,
-        mesh((2, 2)),
-        max_new_tokens=new,
-        temperature=temperature,
-        key=jax.random.key(seed),
-        return_logits=True,
-        **kw,
-    )
+    key = jax.random.key(seed)
+    sampling = Sampling(new, temperature, top_k, key=key, return_logits=True)
+    out, logits = generate(weights, prompt, CFG, mesh((2, 2)), sampling, **kw)
     return np.asarray(out), np.asarray(logits)
 
 
@@ -125,37 +115,18 @@ def test_cached_logits_match_reference_with_left_padding(weights, host_weights):
 def test_left_padded_rows_generate_what_they_generate_alone(weights):
     lengths = [3, 6]
     prompt = prompts(2, 6, seed=2)
-    out = np.asarray(
-        generate(
-            weights,
-            prompt,
-            CFG,
-            mesh((2, 2)),
-            max_new_tokens=5,
-            temperature=0.0,
-            prompt_lengths=lengths,
-        )
-    )
+    greedy = Sampling(max_new_tokens=5, temperature=0.0)
+    out = np.asarray(generate(weights, prompt, CFG, mesh((2, 2)), greedy, prompt_lengths=lengths))
     for b, n in enumerate(lengths):
-        alone = generate(
-            weights, prompt[b : b + 1, 6 - n :], CFG, mesh((1, 2)), max_new_tokens=5, temperature=0
-        )
+        alone = generate(weights, prompt[b : b + 1, 6 - n :], CFG, mesh((1, 2)), greedy)
         np.testing.assert_array_equal(out[b, 6:], np.asarray(alone)[0, n:], err_msg=f"row {b}")
 
 
 def test_top_k_1_equals_greedy(weights):
     prompt = prompts(4, 4, seed=4)
-    greedy = generate(weights, prompt, CFG, mesh((2, 2)), max_new_tokens=8, temperature=0.0)
-    top1 = generate(
-        weights,
-        prompt,
-        CFG,
-        mesh((2, 2)),
-        max_new_tokens=8,
-        temperature=2.0,
-        top_k=1,
-        key=jax.random.key(9),
-    )
+    greedy = generate(weights, prompt, CFG, mesh((2, 2)), Sampling(8, temperature=0.0))
+    top1_sampling = Sampling(8, temperature=2.0, top_k=1, key=jax.random.key(9))
+    top1 = generate(weights, prompt, CFG, mesh((2, 2)), top1_sampling)
     np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
 
 
@@ -163,17 +134,8 @@ def test_sampling_is_a_function_of_the_key_on_any_mesh(weights):
     prompt = prompts(4, 3, seed=5)
 
     def sample(shape, seed):
-        out = generate(
-            weights,
-            prompt,
-            CFG,
-            mesh(shape),
-            max_new_tokens=8,
-            temperature=1.0,
-            top_k=5,
-            key=jax.random.key(seed),
-        )
-        return np.asarray(out)
+        sampling = Sampling(8, temperature=1.0, top_k=5, key=jax.random.key(seed))
+        return np.asarray(generate(weights, prompt, CFG, mesh(shape), sampling))
 
     first = sample((2, 2), 0)
     np.testing.assert_array_equal(sample((2, 2), 0), first)
@@ -200,10 +162,11 @@ def test_sampled_ids_are_in_the_vocab_and_among_the_top_k(weights, top_k):
 
 def test_stop_token_ends_rows_and_fills_them(weights):
     prompt = prompts(4, 4, seed=7)
-    kwargs = dict(max_new_tokens=8, temperature=0.0)
-    free = np.asarray(generate(weights, prompt, CFG, mesh((2, 2)), **kwargs))[:, 4:]
+    greedy = Sampling(max_new_tokens=8, temperature=0.0)
+    free = np.asarray(generate(weights, prompt, CFG, mesh((2, 2)), greedy))[:, 4:]
     stop = int(free[0, 2])
-    out = np.asarray(generate(weights, prompt, CFG, mesh((2, 2)), stop_token=stop, **kwargs))
+    stopping = dataclasses.replace(greedy, stop_token=stop)
+    out = np.asarray(generate(weights, prompt, CFG, mesh((2, 2)), stopping))
     for b in range(4):
         hits = np.flatnonzero(free[b] == stop)
         end = hits[0] + 1 if hits.size else 8
@@ -215,9 +178,8 @@ def test_bfloat16_cache(weights, host_weights):
     # The same f32 master weights; matmul inputs and the cache in bfloat16.
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
     prompt = prompts(2, 4, seed=8)
-    out, logits = generate(
-        weights, prompt, cfg, mesh((2, 2)), max_new_tokens=4, temperature=0.0, return_logits=True
-    )
+    sampling = Sampling(max_new_tokens=4, temperature=0.0, return_logits=True)
+    out, logits = generate(weights, prompt, cfg, mesh((2, 2)), sampling)
     ref = reference_logits(host_weights, np.asarray(out)[0], cfg)[3:7]
     np.testing.assert_allclose(np.asarray(logits)[0], ref, atol=0.1, rtol=0.05)
 
@@ -237,9 +199,7 @@ def test_the_decoder_is_built_once_per_decode_spec(weights, monkeypatch):
 
     def sample(seed, temperature, top_k=4):
         key = jax.random.key(seed)
-        generate(
-            weights, prompt, CFG, m, max_new_tokens=3, temperature=temperature, top_k=top_k, key=key
-        )
+        generate(weights, prompt, CFG, m, Sampling(3, temperature, top_k, key=key))
 
     # Keys and temperatures are traced arguments: one spec, one decoder, one compilation.
     for seed, temperature in [(0, 0.7), (1, 1.3), (2, 0.9)]:
@@ -307,18 +267,20 @@ def test_bad_input_raises_a_clear_value_error(weights, change, match):
         key=jax.random.key(0),
     )
     args.update(change)
-    prompt = args.pop("prompt")
+    prompt, prompt_lengths = args.pop("prompt"), args.pop("prompt_lengths", None)
+    # A bad sampling option fails when the Sampling is made, the rest in generate.
     with pytest.raises(ValueError, match=match):
-        generate(weights, prompt, CFG, mesh((2, 2)), **args)
+        sampling = Sampling(**args)
+        generate(weights, prompt, CFG, mesh((2, 2)), sampling, prompt_lengths=prompt_lengths)
 
 
 def test_mesh_the_model_does_not_split_is_refused(weights):
     with pytest.raises(ValueError, match=r"model.n_kv=2 is not divisible by mesh axis t"):
-        generate(weights, prompts(1, 3), CFG, mesh((1, 4)), max_new_tokens=2, temperature=0)
+        generate(weights, prompts(1, 3), CFG, mesh((1, 4)), Sampling(2, temperature=0))
 
 
 def test_a_mesh_that_splits_the_sequence_is_refused(weights):
     """Generation keeps each row's cache whole: a mesh with c > 1 is an error naming c."""
     mesh = mesh_of_sizes({"c": 2})
     with pytest.raises(ValueError, match=r"mesh axis c \(context\) has size 2.*decode_mesh"):
-        generate(weights, np.zeros((1, 4), np.int32), CFG, mesh, max_new_tokens=2)
+        generate(weights, np.zeros((1, 4), np.int32), CFG, mesh, Sampling(2, temperature=0))

@@ -11,6 +11,7 @@ from model_weights import tiny_model
 
 from seqshard.data.tokenizer import EOT, decode, encode_batch, eot_id, train_tokenizer
 from seqshard.model import generate, init_weights
+from seqshard.model.generate import Sampling
 from seqshard.sample import generate_text
 from seqshard.testing import fake_cpu_mesh
 
@@ -35,31 +36,41 @@ def test_generate_text_stops_each_row_at_endoftext(text_setup):
     tok, cfg, w = text_setup
     eot = eot_id(tok)
     texts = ["the cat", "a dog ran in", ""]
-    kwargs = dict(max_new_tokens=10, temperature=0.0, top_k=None, seed=0)
+    greedy = Sampling(max_new_tokens=10, temperature=0.0)
     # Make <|endoftext|> win wherever a token the model likes already would: give it that
     # token's unembedding, slightly scaled up.
     ids = encode_batch(tok, [t or EOT for t in texts])
     width = max(map(len, ids))
     padded = np.array([[0] * (width - len(r)) + r for r in ids], np.int32)
     lengths = [len(r) for r in ids]
-    greedy = dict(max_new_tokens=10, temperature=0, prompt_lengths=lengths)
-    free = generate(w, padded, cfg, mesh((1, 2)), **greedy)
+    free = generate(w, padded, cfg, mesh((1, 2)), greedy, prompt_lengths=lengths)
     liked = int(np.asarray(free)[1, width + 3])
     unembed = w.unembed.at[eot].set(1.5 * w.unembed[liked])
     w = dataclasses.replace(w, unembed=unembed)
 
-    got = generate_text(w, tok, texts, cfg, None, **kwargs)
-    out = np.asarray(generate(w, padded, cfg, mesh((1, 2)), **greedy))[:, width:]
+    got = generate_text(w, tok, texts, cfg, None, greedy)
+    out = generate(w, padded, cfg, mesh((1, 2)), greedy, prompt_lengths=lengths)
+    out = np.asarray(out)[:, width:]
     stopped = [eot in row for row in out.tolist()]
     assert any(stopped), "the test should make some row emit <|endoftext|>"
     expected = [decode(tok, row[: row.index(eot)] if eot in row else row) for row in out.tolist()]
     assert got == expected
     assert all(EOT not in t for t in got)
     # A mesh whose d = 2 does not divide the 3 prompts: padded to 4 rows, the extra dropped.
-    assert generate_text(w, tok, texts, cfg, mesh((2, 2)), **kwargs) == got
+    assert generate_text(w, tok, texts, cfg, mesh((2, 2)), greedy) == got
 
 
 def test_generate_text_refuses_a_tokenizer_larger_than_the_model(text_setup):
     tok, _, w = text_setup
     with pytest.raises(ValueError, match=r"tokenizer has \d+ tokens but the model only 64"):
-        generate_text(w, tok, ["x"], CFG, None, max_new_tokens=2, temperature=0, top_k=None, seed=0)
+        generate_text(w, tok, ["x"], CFG, None, Sampling(max_new_tokens=2, temperature=0))
+
+
+@pytest.mark.parametrize("option", [dict(stop_token=3), dict(return_logits=True)])
+def test_generate_text_refuses_a_stop_token_or_logits(text_setup, option):
+    # Rows stop at <|endoftext|> and the result is text: another stop token or logits would
+    # be dropped without a word.
+    tok, cfg, w = text_setup
+    sampling = Sampling(max_new_tokens=2, temperature=0, **option)
+    with pytest.raises(ValueError, match=r"sampling.stop_token and sampling.return_logits"):
+        generate_text(w, tok, ["x"], cfg, None, sampling)

@@ -1,8 +1,8 @@
 """Token generation with a KV cache: a prefill shard_map, then one decode-step shard_map per token.
 
     mesh = decode_mesh(batch=1, cfg=cfg)                   # a mesh the batch and model fit
-    out = generate(weights, prompt, cfg, mesh, max_new_tokens=32, temperature=0.8, top_k=40,
-                   key=jax.random.key(0))                  # i32[B, P + 32]: prompt, then new
+    sampling = Sampling(max_new_tokens=32, temperature=0.8, top_k=40, key=jax.random.key(0))
+    out = generate(weights, prompt, cfg, mesh, sampling)   # i32[B, P + 32]: prompt, then new
 
 Token ids in, token ids out: text prompts and their decoding live in :mod:`seqshard.sample`,
 so the model never imports the data pipeline or a tokenizer.
@@ -68,9 +68,58 @@ from seqshard.shardlib import shardops
 from seqshard.shardlib.shapecheck import shape_scope
 from seqshard.shardlib.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
 
-__all__ = ["DecodeSpec", "decode_mesh", "generate"]
+__all__ = ["DecodeSpec", "Sampling", "decode_mesh", "generate"]
 
 _CACHE_DTYPES = {"float32": f32, "bfloat16": bf16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How :func:`generate` continues the prompts; checked when made (ValueError).
+
+        Sampling(max_new_tokens=32, temperature=0.0)                       # greedy
+        Sampling(max_new_tokens=32, temperature=0.8, top_k=40, key=jax.random.key(0))
+
+    ``temperature`` 0 is greedy (argmax); otherwise sampling from softmax(logits /
+    temperature), restricted to the ``top_k`` largest logits when given, with randomness from
+    ``key`` (the same key gives the same tokens on any mesh). With ``stop_token``, a row that
+    emits it emits only it from then on, and generation ends once every row has. ``max_len``
+    sizes the cache (default: the prompt width + max_new_tokens). ``return_logits``:
+    :func:`generate` also returns f32[B, max_new_tokens, vocab], each new token's logits.
+    What depends on the model or the prompt (top_k and stop_token within the vocabulary,
+    max_len against the prompt) :func:`generate` checks.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    key: jax.Array | None = None
+    stop_token: int | None = None
+    max_len: int | None = None
+    return_logits: bool = False
+
+    def __post_init__(self) -> None:
+        new, temperature = self.max_new_tokens, self.temperature
+        if not isinstance(new, int) or new < 1:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {new!r}.")
+        if (
+            not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature)
+            or (temperature < 0)
+        ):
+            raise ValueError(
+                f"generate: temperature must be a finite number >= 0 (0 is greedy), got "
+                f"{temperature!r}."
+            )
+        if not self.greedy and self.key is None:
+            raise ValueError(
+                f"generate: sampling (temperature={temperature}) needs a key: pass "
+                f"key=jax.random.key(seed), or temperature=0 for greedy decoding."
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,23 +446,8 @@ def _check_prompt(
     return np.where(real, prompt, 0).astype(np.int32), start
 
 
-def _checked(
-    weights: Weights,
-    prompt_tokens,
-    cfg: ModelConfig,
-    mesh: Mesh,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    key: jax.Array | None,
-    prompt_lengths: Sequence[int] | None,
-    max_len: int | None,
-    stop_token: int | None,
-    return_logits: bool,
-) -> tuple[DecodeSpec, np.ndarray, np.ndarray, jax.Array]:
-    """Every check of :func:`generate`'s arguments, before anything compiles: the spec, the
-    prompt i32[B, P] with padding zeroed, each row's first real index i32[B], and the key."""
+def _check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
+    """The mesh is a (d, t) mesh the model splits over."""
     if not isinstance(mesh, Mesh) or set(mesh.axis_names) != set(AXES):
         raise ValueError(
             f"generate: mesh must be a jax.sharding.Mesh with axes {AXES}, got "
@@ -432,58 +466,66 @@ def _checked(
             f"decode_mesh(batch, cfg) (axes d and t; weights trained with c > 1 load on it)."
         )
     cfg.check_mesh(dict(mesh.shape))
-    if not isinstance(weights, Weights):
-        raise TypeError(f"generate: weights must be a Weights, got {type(weights).__name__}.")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
-    if (
-        not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or (temperature < 0)
-    ):
+
+
+def _check_vocab(sampling: Sampling, vocab: int) -> None:
+    """``sampling``'s top_k and stop_token within the model's vocabulary."""
+    top_k, stop_token = sampling.top_k, sampling.stop_token
+    if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
         raise ValueError(
-            f"generate: temperature must be a finite number >= 0 (0 is greedy), got "
-            f"{temperature!r}."
+            f"generate: top_k must be None or an int in [1, vocab={vocab}], got {top_k!r}."
         )
-    greedy = temperature == 0
-    if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= cfg.vocab):
+    if stop_token is not None and (not isinstance(stop_token, int) or not 0 <= stop_token < vocab):
         raise ValueError(
-            f"generate: top_k must be None or an int in [1, vocab={cfg.vocab}], got {top_k!r}."
+            f"generate: stop_token must be None or an id in [0, {vocab}), got {stop_token!r}."
         )
-    if stop_token is not None and (
-        not isinstance(stop_token, int) or not 0 <= stop_token < cfg.vocab
-    ):
+
+
+def _cache_len(sampling: Sampling, length: int) -> int:
+    """S: the positions the cache holds, for a prompt of ``length`` tokens."""
+    new, max_len = sampling.max_new_tokens, sampling.max_len
+    cache_len = length + new if max_len is None else max_len
+    if not isinstance(cache_len, int) or length + new > cache_len:
         raise ValueError(
-            f"generate: stop_token must be None or an id in [0, {cfg.vocab}), got {stop_token!r}."
-        )
-    if not greedy and key is None:
-        raise ValueError(
-            f"generate: sampling (temperature={temperature}) needs a key: pass "
-            f"key=jax.random.key(seed), or temperature=0 for greedy decoding."
-        )
-    prompt, start = _check_prompt(prompt_tokens, prompt_lengths, cfg, mesh.shape["d"])
-    length = prompt.shape[1]
-    cache_len = length + max_new_tokens if max_len is None else max_len
-    if not isinstance(cache_len, int) or length + max_new_tokens > cache_len:
-        raise ValueError(
-            f"generate: the prompt ({length} tokens) plus max_new_tokens={max_new_tokens} needs "
-            f"a cache of {length + max_new_tokens} positions, but max_len={max_len!r}. Raise "
+            f"generate: the prompt ({length} tokens) plus max_new_tokens={new} needs "
+            f"a cache of {length + new} positions, but max_len={max_len!r}. Raise "
             f"max_len, shorten the prompt, or ask for fewer tokens."
         )
+    return cache_len
+
+
+def _checked(
+    weights: Weights,
+    prompt_tokens,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    sampling: Sampling,
+    prompt_lengths: Sequence[int] | None,
+) -> tuple[DecodeSpec, np.ndarray, np.ndarray, jax.Array]:
+    """Every check of :func:`generate`'s arguments, before anything compiles: the spec, the
+    prompt i32[B, P] with padding zeroed, each row's first real index i32[B], and the key."""
+    _check_mesh(cfg, mesh)
+    if not isinstance(weights, Weights):
+        raise TypeError(f"generate: weights must be a Weights, got {type(weights).__name__}.")
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"generate: sampling must be a Sampling, got {type(sampling).__name__}.")
+    _check_vocab(sampling, cfg.vocab)
+    prompt, start = _check_prompt(prompt_tokens, prompt_lengths, cfg, mesh.shape["d"])
     spec = DecodeSpec(
         # A decode step feeds one token per row: nothing to split over t in L. Whatever the
         # training layout, the residual is 'B/d L@zigzag/c M/t' here (the same model and weights).
         cfg=dataclasses.replace(cfg, residual="M/t"),
         mesh=mesh,
-        max_new_tokens=max_new_tokens,
-        cache_len=cache_len,
-        greedy=greedy,
-        top_k=None if greedy else top_k,
-        stop_token=stop_token,
+        max_new_tokens=sampling.max_new_tokens,
+        cache_len=_cache_len(sampling, prompt.shape[1]),
+        greedy=sampling.greedy,
+        top_k=None if sampling.greedy else sampling.top_k,
+        stop_token=sampling.stop_token,
         padded=bool((start > 0).any()),
-        return_logits=bool(return_logits),
+        return_logits=bool(sampling.return_logits),
     )
-    return spec, prompt, start, jax.random.key(0) if key is None else key
+    key = jax.random.key(0) if sampling.key is None else sampling.key
+    return spec, prompt, start, key
 
 
 def generate(
@@ -491,45 +533,24 @@ def generate(
     prompt_tokens,
     cfg: ModelConfig,
     mesh: Mesh,
+    sampling: Sampling,
     *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    key: jax.Array | None = None,
     prompt_lengths: Sequence[int] | None = None,
-    max_len: int | None = None,
-    stop_token: int | None = None,
-    return_logits: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Continue each prompt by ``max_new_tokens`` tokens: i32[B, P + max_new_tokens].
+    """Continue each prompt by ``sampling.max_new_tokens`` tokens: i32[B, P + max_new_tokens].
 
     ``prompt_tokens``: integer ids [B, P], each row a document from position 0. Rows shorter
     than P are left-padded: row b's prompt is ``prompt_tokens[b, P - prompt_lengths[b]:]``
     (padding values are ignored). The output is the prompt as given, then the new tokens.
 
-    ``temperature`` 0 is greedy (argmax); otherwise sampling from softmax(logits /
-    temperature), restricted to the ``top_k`` largest logits when given, with randomness from
-    ``key`` (the same key gives the same tokens on any mesh). ``weights`` may live on any mesh;
-    they are resharded onto ``mesh``, whose d must divide B (see :func:`decode_mesh`).
-    ``max_len`` sizes the cache (default P + max_new_tokens). With ``stop_token``, a row that
-    emits it emits only it from then on, and generation ends once every row has.
-    ``return_logits`` also returns f32[B, max_new_tokens, vocab]: each new token's logits.
+    How the tokens are chosen, and where generation stops, is ``sampling``'s (:class:`Sampling`).
+    ``weights`` may live on any mesh; they are resharded onto ``mesh``, whose d must divide B
+    (see :func:`decode_mesh`). With ``sampling.return_logits`` the result is a pair: the
+    tokens and f32[B, max_new_tokens, vocab], each new token's logits.
     """
-    spec, prompt, start, key = _checked(
-        weights,
-        prompt_tokens,
-        cfg,
-        mesh,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        key=key,
-        prompt_lengths=prompt_lengths,
-        max_len=max_len,
-        stop_token=stop_token,
-        return_logits=return_logits,
-    )
+    spec, prompt, start, key = _checked(weights, prompt_tokens, cfg, mesh, sampling, prompt_lengths)
     weights = jax.device_put(weights, shardings(Weights, mesh))
-    new, seen = _decoder(spec)(weights, prompt, start, key, jnp.float32(temperature))
+    temperature = jnp.float32(sampling.temperature)
+    new, seen = _decoder(spec)(weights, prompt, start, key, temperature)
     tokens = jnp.concatenate([jnp.asarray(prompt_tokens).astype(jnp.int32), new], axis=1)
-    return (tokens, seen) if return_logits else tokens
+    return (tokens, seen) if spec.return_logits else tokens
