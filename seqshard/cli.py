@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import signal
 import sys
@@ -172,22 +173,38 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _prepare(args) -> int:
-    from seqshard.data.prepare import prepare
+    from seqshard.data.prepare import PrepareConfig, prepare
 
-    prepare(
-        args.out,
-        inputs=args.inputs or None,
+    config = PrepareConfig(
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
         tokenizer_path=args.tokenizer,
-        hf_dataset=args.hf_dataset,
-        hf_split=args.hf_split,
-        text_field=args.text_field,
-        max_docs=args.max_docs,
         seed=args.seed,
-        overwrite=args.force,
     )
+    prepare(args.out, _prepare_corpus(args), config, overwrite=args.force)
     return 0
+
+
+def _prepare_corpus(args):
+    """The documents the prepare flags name: INPUTS and/or --hf-dataset, one after the other
+    (the Python stdlib if neither), the first --max-docs of them."""
+    from seqshard.data.corpus import Corpus, hf_corpus, path_corpus, stdlib_corpus
+
+    parts = []
+    if args.inputs:
+        parts.append(path_corpus(args.inputs, text_field=args.text_field))
+    if args.hf_dataset:
+        parts.append(hf_corpus(args.hf_dataset, split=args.hf_split, text_field=args.text_field))
+    if not parts:
+        corpus = stdlib_corpus()
+    elif len(parts) == 1:
+        corpus = parts[0]
+    else:
+        corpus = Corpus(
+            " + ".join(p.description for p in parts),
+            lambda: itertools.chain.from_iterable(parts),
+        )
+    return corpus.take(args.max_docs)
 
 
 # -- train ------------------------------------------------------------------------------------

@@ -73,10 +73,12 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory, corpus_dir) -> Path:
     """A prepared data directory: a 300-token BPE, ~13k train and ~1.3k val tokens."""
-    from seqshard.data import prepare
+    from seqshard.data import path_corpus, prepare
+    from seqshard.data.prepare import PrepareConfig
 
     out = tmp_path_factory.mktemp("data") / "tokens"
-    prepare(out, inputs=[corpus_dir], vocab_size=TINY_VOCAB, val_fraction=0.1, log=None)
+    config = PrepareConfig(vocab_size=TINY_VOCAB, val_fraction=0.1)
+    prepare(out, path_corpus([corpus_dir]), config, log=None)
     return out
 
 

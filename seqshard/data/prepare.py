@@ -1,13 +1,14 @@
 """Text -> token files: ``seqshard prepare``.
 
-    prepare("data/tokens")                                # the stdlib, a new 4096-token BPE
-    prepare("data/mine", inputs=["notes/"], tokenizer_path="data/tokens/tokenizer.json")
+    prepare("data/tokens", stdlib_corpus())          # the stdlib, a new 4096-token BPE
+    prepare("data/mine", path_corpus(["notes/"]),
+            PrepareConfig(tokenizer_path="data/tokens/tokenizer.json"))
 
-Steps: (1) read the documents once to train a tokenizer on the train documents (or, with a given
-tokenizer, only to count them); (2) read them again, encode them in parallel batches and append
-each, followed by ``<|endoftext|>``, to ``train.bin`` or ``val.bin``; (3) write meta.json. All of
-it happens in ``<out>.tmp``, renamed to ``<out>`` at the end, so an interrupted run never leaves
-a directory that looks prepared.
+Passes over a :class:`~seqshard.data.corpus.Corpus`: (1) read the documents once to train a
+tokenizer on the train documents (or, with a given tokenizer, only to count them); (2) read
+them again, encode them in parallel batches and append each, followed by ``<|endoftext|>``, to
+``train.bin`` or ``val.bin``; (3) write meta.json. All of it happens in ``<out>.tmp``, renamed
+to ``<out>`` at the end, so an interrupted run never leaves a directory that looks prepared.
 
 Document ``i`` (in corpus order) goes to val iff a hash of ``(seed, i)`` falls below
 ``val_fraction``: deterministic, independent of the text, and about ``val_fraction`` of the
@@ -17,14 +18,15 @@ to val (it was then also seen when training the tokenizer; nothing else of val e
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from seqshard.data import corpus as corpus_lib
+from seqshard.data.corpus import Corpus
 from seqshard.data.tokenfile import (
     FORMAT,
     FORMAT_VERSION,
@@ -33,19 +35,49 @@ from seqshard.data.tokenfile import (
     write_meta,
 )
 from seqshard.data.tokenizer import (
+    Tokenizer,
     eot_id,
     load_tokenizer,
     tokenizer_hash,
     train_tokenizer,
 )
 
-__all__ = ["DEFAULT_OUT", "DEFAULT_VOCAB", "is_val_doc", "prepare"]
+__all__ = ["DEFAULT_OUT", "DEFAULT_VOCAB", "PrepareConfig", "is_val_doc", "prepare"]
 
 DEFAULT_OUT = "data/tokens"
 DEFAULT_VOCAB = 4096
 TOKENIZER_FILE = "tokenizer.json"
 _MASK64 = (1 << 64) - 1
 _ENCODE_CHARS = 1 << 20  # characters per encode_batch call: big enough to use every core
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    """How :func:`prepare` makes a corpus's tokens (meta.json records each field).
+
+    ``tokenizer_path=None`` trains a byte-level BPE of ``vocab_size`` tokens on the train
+    documents; a given tokenizer.json is copied into the output (``vocab_size`` is then
+    ignored). ``val_fraction`` and ``seed`` pick the val documents (see the module docstring).
+    """
+
+    vocab_size: int = DEFAULT_VOCAB
+    val_fraction: float = 0.01
+    tokenizer_path: str | os.PathLike | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}; e.g. 0.01.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Count:
+    """What the first pass saw of the corpus."""
+
+    n_docs: int
+    n_val: int  # documents the hash rule puts in val
+    n_chars: int
+    nearest_val: int  # the document with the smallest hash: val by the small-corpus rule
 
 
 def _unit_hash(i: int, seed: int) -> float:
@@ -73,173 +105,197 @@ def _chunks(docs: Iterator[tuple[int, str]], max_chars: int) -> Iterator[list[tu
         yield chunk
 
 
-def _source_corpus(
-    inputs: Sequence[str | os.PathLike] | None,
-    hf_dataset: str | None,
-    text_field: str,
-    hf_split: str,
-) -> corpus_lib.Corpus:
-    parts = []
-    if inputs:
-        parts.append(corpus_lib.path_corpus(inputs, text_field=text_field))
-    if hf_dataset:
-        parts.append(corpus_lib.hf_corpus(hf_dataset, split=hf_split, text_field=text_field))
-    if not parts:
-        return corpus_lib.stdlib_corpus()
-    if len(parts) == 1:
-        return parts[0]
-    return corpus_lib.Corpus(
-        " + ".join(p.description for p in parts),
-        lambda: itertools.chain.from_iterable(parts),
-    )
-
-
 def _fmt(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
 
 
 def prepare(
     out_dir: str | os.PathLike,
+    corpus: Corpus,
+    config: PrepareConfig = PrepareConfig(),
     *,
-    inputs: Sequence[str | os.PathLike] | None = None,
-    vocab_size: int = DEFAULT_VOCAB,
-    val_fraction: float = 0.01,
-    tokenizer_path: str | os.PathLike | None = None,
-    hf_dataset: str | None = None,
-    hf_split: str = "train",
-    text_field: str = "text",
-    max_docs: int | None = None,
-    seed: int = 0,
     overwrite: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> Path:
-    """Prepare a token directory at ``out_dir`` (see :mod:`seqshard.data.tokenfile`) and return
-    its path.
+    """Prepare a token directory at ``out_dir`` (see :mod:`seqshard.data.tokenfile`) from the
+    documents of ``corpus``, as ``config`` says, and return its path.
 
-    Sources: ``inputs`` (files / directories) and/or ``hf_dataset``; neither means the Python
-    standard library. ``tokenizer_path=None`` trains a byte-level BPE of ``vocab_size`` tokens on
-    the train documents; a given tokenizer.json is copied into ``out_dir`` (``vocab_size`` is
-    then ignored). An existing ``out_dir`` is replaced only with ``overwrite=True``.
+    ``corpus``: :func:`~seqshard.data.corpus.path_corpus`, ``hf_corpus`` or ``stdlib_corpus``
+    (``.take(n)`` for the first n documents). An existing ``out_dir`` is replaced only with
+    ``overwrite=True``.
     """
     log = log or (lambda _msg: None)
     out_dir = Path(out_dir)
-    if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}; e.g. 0.01.")
+    if not isinstance(corpus, Corpus):
+        raise TypeError(
+            f"prepare: corpus must be a seqshard.data.Corpus, got {type(corpus).__name__}; "
+            f"make one with path_corpus(paths), hf_corpus(name) or stdlib_corpus()."
+        )
     if out_dir.exists() and not overwrite:
         raise FileExistsError(
             f"{out_dir} already exists; choose another --out, or pass --force "
             f"(overwrite=True) to replace it."
         )
     t_start = time.perf_counter()
-    source = _source_corpus(inputs, hf_dataset, text_field, hf_split).take(max_docs)
-    log(f"prepare: source {source.description}")
+    log(f"prepare: source {corpus.description}")
+    with _staged(out_dir) as tmp:
+        tok, count = _tokenizer_pass(corpus, config, tmp, log)
+        splits = _encode_pass(corpus, tok, _val_rule(count, config), count, tmp, log)
+        _write_meta(tmp, tok, corpus, count, splits, config)
+    _swap_into_place(tmp, out_dir)
+    log(f"prepare: wrote {out_dir} in {time.perf_counter() - t_start:.1f}s")
+    return out_dir
 
+
+@contextlib.contextmanager
+def _staged(out_dir: Path) -> Iterator[Path]:
+    """A fresh ``<out>.tmp`` to write in, removed if the block fails: an interrupted run never
+    leaves a directory that looks prepared."""
     tmp = Path(f"{out_dir}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)  # left by an interrupted run
     tmp.mkdir(parents=True)
     try:
-        # Pass 1: count documents and val documents (for the small-corpus rule), training the
-        # tokenizer on the way.
-        n_docs = n_val = n_chars = 0
-        smallest = (2.0, -1)  # (hash, index) of the document nearest to val
-
-        def counted_train_docs() -> Iterator[str]:
-            nonlocal n_docs, n_val, n_chars, smallest
-            for i, doc in enumerate(source):
-                n_docs, n_chars = i + 1, n_chars + len(doc)
-                smallest = min(smallest, (_unit_hash(i, seed), i))
-                if is_val_doc(i, val_fraction, seed):
-                    n_val += 1
-                else:
-                    yield doc
-
-        t0 = time.perf_counter()
-        if tokenizer_path is None:
-            tok = train_tokenizer(counted_train_docs(), vocab_size, tmp / TOKENIZER_FILE)
-            log(
-                f"prepare: trained a byte-level BPE of {tok.get_vocab_size()} tokens in "
-                f"{time.perf_counter() - t0:.1f}s"
-            )
-        else:
-            tok = load_tokenizer(tokenizer_path)
-            shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
-            for _ in counted_train_docs():
-                pass
-            log(f"prepare: using tokenizer {tokenizer_path} ({tok.get_vocab_size()} tokens)")
-        if n_docs == 0:
-            raise ValueError(
-                f"source {source.description} gave no non-empty documents; give prepare "
-                f"inputs with text in them."
-            )
-        log(f"prepare: {n_docs} documents, {_fmt(n_chars)} characters")
-        extra_val = smallest[1] if n_val == 0 and val_fraction > 0 and n_docs >= 2 else -1
-
-        def in_val(i: int) -> bool:
-            return i == extra_val or is_val_doc(i, val_fraction, seed)
-
-        vocab = tok.get_vocab_size()
-        dtype = dtype_for_vocab(vocab)
-        eot = eot_id(tok)
-        if eot is None:
-            log("prepare: the tokenizer has no <|endoftext|>; documents are not terminated")
-
-        # Pass 2: encode in batches (parallel in Rust) and append to the split files.
-        t0 = last = time.perf_counter()
-        writers = {s: SplitWriter(tmp, s, dtype) for s in ("train", "val")}
-        done = 0
-        for chunk in _chunks(enumerate(source), _ENCODE_CHARS):
-            encodings = tok.encode_batch([doc for _, doc in chunk], add_special_tokens=False)
-            for split in ("train", "val"):
-                ids = [
-                    e.ids + [eot] if eot is not None else e.ids
-                    for (i, _), e in zip(chunk, encodings, strict=True)
-                    if in_val(i) == (split == "val")
-                ]
-                writers[split].add(ids)
-            done += len(chunk)
-            if time.perf_counter() - last > 5:
-                last = time.perf_counter()
-                log(f"prepare: encoded {done}/{n_docs} documents")
-        splits = {s: w.close() for s, w in writers.items()}
-        n_tok = sum(s["n_tokens"] for s in splits.values())
-        log(
-            f"prepare: encoded {_fmt(n_tok)} tokens ({n_chars / max(n_tok, 1):.2f} chars/token) "
-            f"in {time.perf_counter() - t0:.1f}s: train {_fmt(splits['train']['n_tokens'])} "
-            f"tokens / {splits['train']['n_docs']} docs, val {_fmt(splits['val']['n_tokens'])} "
-            f"tokens / {splits['val']['n_docs']} docs"
-        )
-        if splits["val"]["n_docs"] == 0:
-            log("prepare: warning: the val split is empty (raise --val-fraction for evaluation)")
-
-        write_meta(
-            tmp,
-            {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "dtype": dtype.name,
-                "vocab_size": vocab,
-                "eot_id": eot,
-                "tokenizer": TOKENIZER_FILE,
-                "tokenizer_sha256": tokenizer_hash(tmp / TOKENIZER_FILE),
-                "tokenizer_source": "trained" if tokenizer_path is None else str(tokenizer_path),
-                "source": source.description,
-                "n_chars": n_chars,
-                "val_fraction": val_fraction,
-                "split_seed": seed,
-                "splits": splits,
-            },
-        )
+        yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    # Swap into place: the old directory (if any) goes only once the new one is complete.
+
+def _tokenizer_pass(
+    corpus: Corpus, config: PrepareConfig, tmp: Path, log: Callable[[str], None]
+) -> tuple[Tokenizer, _Count]:
+    """Pass 1: train the tokenizer on the train documents (or copy the given one into ``tmp``),
+    counting the documents and the val documents (for the small-corpus rule) on the way."""
+    val_fraction, seed, tokenizer_path = config.val_fraction, config.seed, config.tokenizer_path
+    n_docs = n_val = n_chars = 0
+    smallest = (2.0, -1)  # (hash, index) of the document nearest to val
+
+    def counted_train_docs() -> Iterator[str]:
+        nonlocal n_docs, n_val, n_chars, smallest
+        for i, doc in enumerate(corpus):
+            n_docs, n_chars = i + 1, n_chars + len(doc)
+            smallest = min(smallest, (_unit_hash(i, seed), i))
+            if is_val_doc(i, val_fraction, seed):
+                n_val += 1
+            else:
+                yield doc
+
+    t0 = time.perf_counter()
+    if tokenizer_path is None:
+        tok = train_tokenizer(counted_train_docs(), config.vocab_size, tmp / TOKENIZER_FILE)
+        log(
+            f"prepare: trained a byte-level BPE of {tok.get_vocab_size()} tokens in "
+            f"{time.perf_counter() - t0:.1f}s"
+        )
+    else:
+        tok = load_tokenizer(tokenizer_path)
+        shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        for _ in counted_train_docs():
+            pass
+        log(f"prepare: using tokenizer {tokenizer_path} ({tok.get_vocab_size()} tokens)")
+    if n_docs == 0:
+        raise ValueError(
+            f"source {corpus.description} gave no non-empty documents; give prepare "
+            f"inputs with text in them."
+        )
+    log(f"prepare: {n_docs} documents, {_fmt(n_chars)} characters")
+    return tok, _Count(n_docs, n_val, n_chars, smallest[1])
+
+
+def _val_rule(count: _Count, config: PrepareConfig) -> Callable[[int], bool]:
+    """Whether document ``i`` goes to val: the hash rule, or the small-corpus rule when the
+    hash rule picked none of at least two documents."""
+    small = count.n_val == 0 and config.val_fraction > 0 and count.n_docs >= 2
+    extra_val = count.nearest_val if small else -1
+
+    def in_val(i: int) -> bool:
+        return i == extra_val or is_val_doc(i, config.val_fraction, config.seed)
+
+    return in_val
+
+
+def _encode_pass(
+    corpus: Corpus,
+    tok: Tokenizer,
+    in_val: Callable[[int], bool],
+    count: _Count,
+    tmp: Path,
+    log: Callable[[str], None],
+) -> dict[str, dict]:
+    """Pass 2: encode in batches (parallel in Rust) and append each document, followed by
+    ``<|endoftext|>``, to ``tmp``'s train or val files; each split's entry for meta.json."""
+    eot = eot_id(tok)
+    if eot is None:
+        log("prepare: the tokenizer has no <|endoftext|>; documents are not terminated")
+    t0 = last = time.perf_counter()
+    writers = {
+        s: SplitWriter(tmp, s, dtype_for_vocab(tok.get_vocab_size())) for s in ("train", "val")
+    }
+    done = 0
+    for chunk in _chunks(enumerate(corpus), _ENCODE_CHARS):
+        encodings = tok.encode_batch([doc for _, doc in chunk], add_special_tokens=False)
+        for split in ("train", "val"):
+            ids = [
+                e.ids + [eot] if eot is not None else e.ids
+                for (i, _), e in zip(chunk, encodings, strict=True)
+                if in_val(i) == (split == "val")
+            ]
+            writers[split].add(ids)
+        done += len(chunk)
+        if time.perf_counter() - last > 5:
+            last = time.perf_counter()
+            log(f"prepare: encoded {done}/{count.n_docs} documents")
+    splits = {s: w.close() for s, w in writers.items()}
+    n_tok = sum(s["n_tokens"] for s in splits.values())
+    log(
+        f"prepare: encoded {_fmt(n_tok)} tokens ({count.n_chars / max(n_tok, 1):.2f} chars/token) "
+        f"in {time.perf_counter() - t0:.1f}s: train {_fmt(splits['train']['n_tokens'])} "
+        f"tokens / {splits['train']['n_docs']} docs, val {_fmt(splits['val']['n_tokens'])} "
+        f"tokens / {splits['val']['n_docs']} docs"
+    )
+    if splits["val"]["n_docs"] == 0:
+        log("prepare: warning: the val split is empty (raise --val-fraction for evaluation)")
+    return splits
+
+
+def _write_meta(
+    tmp: Path,
+    tok: Tokenizer,
+    corpus: Corpus,
+    count: _Count,
+    splits: dict[str, dict],
+    config: PrepareConfig,
+) -> None:
+    """Pass 3: ``tmp``'s meta.json: the format, the tokenizer, the source and the splits."""
+    vocab = tok.get_vocab_size()
+    tokenizer_path = config.tokenizer_path
+    write_meta(
+        tmp,
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype_for_vocab(vocab).name,
+            "vocab_size": vocab,
+            "eot_id": eot_id(tok),
+            "tokenizer": TOKENIZER_FILE,
+            "tokenizer_sha256": tokenizer_hash(tmp / TOKENIZER_FILE),
+            "tokenizer_source": "trained" if tokenizer_path is None else str(tokenizer_path),
+            "source": corpus.description,
+            "n_chars": count.n_chars,
+            "val_fraction": config.val_fraction,
+            "split_seed": config.seed,
+            "splits": splits,
+        },
+    )
+
+
+def _swap_into_place(tmp: Path, out_dir: Path) -> None:
+    """``tmp`` becomes ``out_dir``; the old directory (if any) goes only once the new one is
+    complete."""
     old = Path(f"{out_dir}.old")
     if out_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
-    log(f"prepare: wrote {out_dir} in {time.perf_counter() - t_start:.1f}s")
-    return out_dir

@@ -38,7 +38,8 @@ from seqshard.config import (
     config_to_yaml,
     read_run_config,
 )
-from seqshard.data import Loader, prepare, read_meta, tokenizer_hash
+from seqshard.data import Loader, path_corpus, prepare, read_meta, stdlib_corpus, tokenizer_hash
+from seqshard.data.prepare import PrepareConfig
 from seqshard.hardware import peak_flops
 from seqshard.hf.load import load_hf_weights
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
@@ -159,12 +160,16 @@ def ensure_data(
                 f"`seqshard prepare` wrote, or at a new path to prepare it there."
             )
         log(f"preparing {data_dir} (first use) ...")
+        data = cfg.data
+        prepare_config = PrepareConfig(
+            vocab_size=data.vocab_size,
+            val_fraction=data.val_fraction,
+            tokenizer_path=data.tokenizer,
+        )
         prepare(
             data_dir,
-            inputs=list(cfg.data.inputs) or None,
-            vocab_size=cfg.data.vocab_size,
-            val_fraction=cfg.data.val_fraction,
-            tokenizer_path=cfg.data.tokenizer,
+            path_corpus(data.inputs) if data.inputs else stdlib_corpus(),
+            prepare_config,
             log=log,
             overwrite=True,  # at most an empty directory: nothing to lose
         )

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from data_helpers import VOCAB, _documents
 
-from seqshard.data.prepare import prepare
+from seqshard.data.corpus import path_corpus
+from seqshard.data.prepare import PrepareConfig, prepare
 from seqshard.testing import fake_cpu_mesh
 
 
@@ -24,7 +25,8 @@ def text_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory, text_dir) -> Path:
     out = tmp_path_factory.mktemp("prepared") / "tokens"
-    return prepare(out, inputs=[text_dir], vocab_size=VOCAB, val_fraction=0.2, log=None)
+    config = PrepareConfig(vocab_size=VOCAB, val_fraction=0.2)
+    return prepare(out, path_corpus([text_dir]), config, log=None)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import pytest
 
 from seqshard.data import corpus as corpus_lib
 from seqshard.data import prepare, read_meta
+from seqshard.data.prepare import PrepareConfig
 
 
 def test_stdlib_corpus_is_the_base_stdlib_without_tests():
@@ -65,9 +66,8 @@ def test_hf_datasets_read_local_json_and_text_files_offline(tmp_path, monkeypatc
     with pytest.raises(FileNotFoundError, match="no file matches"):
         corpus_lib.hf_corpus(f"json:{tmp_path / 'none-*.jsonl'}")
     out = tmp_path / "prepared"
-    prepare(
-        out, hf_dataset=f"json:{tmp_path / 'a.jsonl'}", vocab_size=300, val_fraction=0.4, log=None
-    )
+    source = corpus_lib.hf_corpus(f"json:{tmp_path / 'a.jsonl'}")
+    prepare(out, source, PrepareConfig(vocab_size=300, val_fraction=0.4), log=None)
     meta = read_meta(out)
     assert sum(split["n_docs"] for split in meta["splits"].values()) == 2
     assert meta["source"] == f"huggingface json:{tmp_path / 'a.jsonl'} split=train field=text"

@@ -11,7 +11,8 @@ import pytest
 from data_helpers import VOCAB, _documents
 
 from seqshard.cli import main
-from seqshard.data.prepare import prepare
+from seqshard.data.corpus import path_corpus, stdlib_corpus
+from seqshard.data.prepare import PrepareConfig, prepare
 from seqshard.data.tokenfile import (
     SplitWriter,
     open_split,
@@ -58,24 +59,21 @@ def test_prepare_writes_files_and_meta(data_dir, text_dir):
 
 
 def test_prepare_is_deterministic_and_reuses_a_tokenizer(tmp_path, data_dir, text_dir):
-    again = prepare(
-        tmp_path / "again",
-        inputs=[text_dir],
-        tokenizer_path=data_dir / "tokenizer.json",
-        val_fraction=0.2,
-        log=None,
-    )
+    given = PrepareConfig(tokenizer_path=data_dir / "tokenizer.json", val_fraction=0.2)
+    again = prepare(tmp_path / "again", path_corpus([text_dir]), given, log=None)
     for name in ("train.bin", "val.bin", "train.offsets.npy", "tokenizer.json"):
         assert (again / name).read_bytes() == (data_dir / name).read_bytes()
     assert read_meta(again)["tokenizer_sha256"] == read_meta(data_dir)["tokenizer_sha256"]
     with pytest.raises(FileExistsError, match="--force"):
-        prepare(again, inputs=[text_dir], log=None)
+        prepare(again, path_corpus([text_dir]), log=None)
 
 
 def test_prepare_tiny_corpus_still_gets_a_val_doc(tmp_path):
     for i in range(3):
         (tmp_path / f"{i}.txt").write_text(f"document number {i} " * 20)
-    out = prepare(tmp_path / "out", inputs=[tmp_path], vocab_size=300, log=None)
+    out = prepare(
+        tmp_path / "out", path_corpus([tmp_path]), PrepareConfig(vocab_size=300), log=None
+    )
     assert read_meta(out)["splits"]["val"]["n_docs"] == 1
 
 
@@ -96,15 +94,21 @@ def test_interrupted_prepare_leaves_nothing_that_looks_prepared(tmp_path, text_d
 
     monkeypatch.setattr(SplitWriter, "add", crash)
     with pytest.raises(KeyboardInterrupt):
-        prepare(tmp_path / "out", inputs=[text_dir], vocab_size=300, log=None)
+        prepare(tmp_path / "out", path_corpus([text_dir]), PrepareConfig(vocab_size=300), log=None)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
 
 
 @pytest.mark.slow
 def test_prepare_full_stdlib(tmp_path):
     t0 = time.perf_counter()
-    out = prepare(tmp_path / "stdlib", vocab_size=4096, log=None)
+    out = prepare(tmp_path / "stdlib", stdlib_corpus(), PrepareConfig(vocab_size=4096), log=None)
     meta = read_meta(out)
     assert meta["vocab_size"] == 4096 and meta["splits"]["train"]["n_tokens"] > 1_000_000
     assert meta["splits"]["val"]["n_docs"] >= 1 and time.perf_counter() - t0 < 120
     assert json.loads((out / "meta.json").read_text()) == meta
+
+
+def test_prepare_refuses_paths_in_place_of_a_corpus(tmp_path, text_dir):
+    with pytest.raises(TypeError, match=r"corpus must be a seqshard.data.Corpus, got list"):
+        prepare(tmp_path / "out", [text_dir], log=None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from data_helpers import _loader
 
-from seqshard.data.prepare import prepare
+from seqshard.data.corpus import path_corpus
+from seqshard.data.prepare import PrepareConfig, prepare
 from seqshard.data.tokenfile import (
     check_tokenizer,
     dtype_for_vocab,
@@ -37,7 +38,8 @@ def test_missing_directory_meta_and_bin(tmp_path, data_copy):
 
 
 def test_empty_split(tmp_path, text_dir):
-    out = prepare(tmp_path / "noval", inputs=[text_dir], vocab_size=300, val_fraction=0, log=None)
+    no_val = PrepareConfig(vocab_size=300, val_fraction=0)
+    out = prepare(tmp_path / "noval", path_corpus([text_dir]), no_val, log=None)
     with pytest.raises(ValueError, match=r"val\.bin is empty \(0 tokens.*val-fraction"):
         open_split(out, "val")
 
