@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 
 from seqshard.config import Config, check_config, config_to_yaml, load_config
 from seqshard.mesh import training_mesh
-from seqshard.train import checkpoint
+from seqshard.train import checkpoint, checksums, step_dirs
 from seqshard.train.checkpoint import Checkpointer, CheckpointError, state_digest
 from seqshard.train.loop import train
 from seqshard.train.optimizer import make_optimizer
@@ -425,8 +425,8 @@ def test_checksums_do_not_depend_on_the_mesh(trained):
         reader.close()
     for d, t in [(4, 2), (2, 4), (8, 1)]:
         restored, _ = restore(replace(cfg, "mesh", d=d, t=t), run_dir / "checkpoints")
-        checksums, finite = state_digest(restored.state)
-        assert {n: f"0x{c:08x}" for n, c in checksums.items()} == saved, (d, t)
+        sums, finite = state_digest(restored.state)
+        assert {n: f"0x{c:08x}" for n, c in sums.items()} == saved, (d, t)
         assert all(finite.values())
 
 
@@ -461,8 +461,8 @@ def test_hashing_large_arrays_in_parts_gives_the_same_checksums(trained, monkeyp
     other = replace(cfg, "mesh", d=d, t=t)
     state = restore(other, run_dir / "checkpoints")[0].state
     whole = state_digest(state)
-    monkeypatch.setattr(checkpoint, "_PART_BYTES", 256)
-    parts = [checkpoint._plan(x).parts for x in jax.tree.leaves(state)]
+    monkeypatch.setattr(checksums, "_PART_BYTES", 256)
+    parts = [checksums._plan(x).parts for x in jax.tree.leaves(state)]
     assert max(parts) > 8 and sum(p > 1 for p in parts) > len(parts) // 2
     assert state_digest(state) == whole
 
@@ -514,7 +514,7 @@ def test_exactly_keep_checkpoints_are_kept_and_deletion_leaves_no_phantom(
         raise KeyboardInterrupt
 
     ckpt = Checkpointer(directory, keep=2)
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    monkeypatch.setattr(step_dirs.shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(at_step(state, 8), cfg, {"step": 8})
         ckpt.wait()
@@ -527,12 +527,12 @@ def test_exactly_keep_checkpoints_are_kept_and_deletion_leaves_no_phantom(
 
 
 def test_a_fresh_checkpoint_is_complete(trained):
-    """A complete checkpoint has every file listed in checkpoint._COMPLETE_MARKERS. If this
+    """A complete checkpoint has every file listed in step_dirs.COMPLETE_MARKERS. If this
     fails, orbax changed its layout: update the list, or complete checkpoints would be taken
     for leftovers."""
     _, run_dir = trained
     for step in ("4", "6"):
-        for marker in checkpoint._COMPLETE_MARKERS:
+        for marker in step_dirs.COMPLETE_MARKERS:
             assert (run_dir / "checkpoints" / step / marker).is_file(), marker
 
 

@@ -43,39 +43,44 @@ The loop's calls::
     ckpt.save(state, cfg, loader.state())         # on intervals; starts an async write
     ckpt.raise_if_save_failed()                   # after every step: cheap, never blocks
     ckpt.close()                                  # waits; raises CheckpointSaveError too
+
+The checksums are :mod:`seqshard.train.checksums`'s, the names in a checkpoint directory
+:mod:`seqshard.train.step_dirs`'s, and the quieting of orbax's own reports of a failure
+:mod:`seqshard.train.orbax_quiet`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import gc
 import logging
-import math
 import os
 import re
 import shutil
-import sys
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yaml
 from seqshard.model.config import DIM_FIELDS
-from seqshard.shardlib.shardtypes import shardings, u32, with_unsplit_dims
+from seqshard.train.checksums import state_digest
 from seqshard.train.optimizer import make_optimizer
+from seqshard.train.orbax_quiet import ORBAX_LOGGERS, OrbaxQuiet, join_orbax_threads, settle
 from seqshard.train.run_files import format_bytes
 from seqshard.train.state import TrainState, layer_order, relayered, train_state_structs
+from seqshard.train.step_dirs import (
+    checkpoint_steps,
+    remove_leftovers,
+    remove_tree,
+    set_aside,
+    step_directories,
+)
 
 __all__ = [
     "CheckpointError",
@@ -90,21 +95,6 @@ __all__ = [
 
 ResumePolicy = Literal["latest_good", "strict"]
 RESUME_POLICIES = ("latest_good", "strict")
-
-# What orbax (this version) writes into a step directory, relative to it; the top-level
-# commit_success.txt is written last, just before the rename from the temporary name.
-# tests/test_checkpoint.py checks that a fresh save has all of them, so an orbax that writes
-# another layout fails there instead of having its checkpoints taken for leftovers.
-_COMPLETE_MARKERS = (
-    "commit_success.txt",
-    "_CHECKPOINT_METADATA",
-    "meta/metadata",
-    "state/_METADATA",
-)
-_STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
-_TMP_NAME = re.compile(r"^[0-9]+\.orbax-checkpoint-tmp")  # an interrupted save
-_DELETING = ".deleting-"  # an interrupted deletion: `.deleting-<step>`
-_DAMAGED = ".damaged"  # a checkpoint restore skipped, kept for inspection: `<step>.damaged`
 
 
 class CheckpointError(ValueError):
@@ -131,202 +121,10 @@ class _Unusable(Exception):
         self.why = why
 
 
-# -- checksums --------------------------------------------------------------------------------
-
-
-def _fmix32(h: jax.Array) -> jax.Array:
-    """MurmurHash3's finalizer: a bijection of u32 in which every input bit flips ~half the
-    output bits."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _as_u32(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as u32 words (one per element; two for a 64-bit one, last axis)."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}.get(x.dtype.itemsize)
-    if uint is None:
-        raise TypeError(f"checkpoint checksums: unsupported dtype {x.dtype}.")
-    return jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
-
-
-def _hash_sum(
-    x: jax.Array, first: jax.Array, strides: Sequence[int]
-) -> tuple[jax.Array, jax.Array]:
-    """(u32[] checksum, bool[] all finite) of ``x``, a part of an array whose u32 word
-    [i, j, ...] is word ``first + i * strides[0] + j * strides[1] + ...`` of the array."""
-    bits = _as_u32(x)
-    position = jnp.zeros(bits.shape, jnp.uint32) + first  # (mod 2^32)
-    for axis, stride in enumerate(strides):
-        iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
-        position = position + iota * jnp.uint32(stride % 2**32)
-    checksum = jnp.sum(_fmix32(bits ^ (position * jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
-    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.array(True)
-    return checksum, finite
-
-
-def _row_major(shape: Sequence[int]) -> list[int]:
-    return [math.prod(shape[axis + 1 :]) for axis in range(len(shape))]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """How to hash one array: whole, or in ``parts`` parts (see :func:`_checksum`)."""
-
-    parts: int = 1
-    shards: int = 1  # how many blocks the leading dim is split into
-    sharding: NamedSharding | None = None  # of the (shards, parts, rows per part, ...) view
-
-
-_PART_BYTES = 2 << 20  # per device: about what one part of an array's hashing holds at once
-
-
-def _plan(x: Any) -> _Plan:
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or x.ndim == 0:
-        return _Plan()
-    block = sharding.shard_shape(x.shape)  # this device's
-    block_bytes = math.prod(block) * x.dtype.itemsize
-    rows = block[0]
-    if block_bytes <= _PART_BYTES or rows == 1:
-        return _Plan()
-    parts = min(
-        (p for p in range(2, rows + 1) if rows % p == 0 and block_bytes <= _PART_BYTES * p),
-        default=rows,
-    )
-    per_part = 1 if rows > parts else 0  # see _checksum
-    view = with_unsplit_dims(sharding, x.ndim, at=1, count=1 + per_part)
-    return _Plan(parts, x.shape[0] // rows, view)
-
-
-def _checksum(x: jax.Array, plan: _Plan) -> tuple[jax.Array, jax.Array]:
-    """(u32[], bool[]): the wrapping sum over the array of fmix32(bits ^ position * golden
-    ratio), and whether it is all finite.
-
-    Each term is a bijection of the element's bits, so any change to one element (a flipped
-    bit) always changes the sum; the position makes a swap of two elements change it too
-    (but for a 2^-32 chance). The sum is over the *global* array: XLA reduces each device's
-    block and adds the partial sums, and wrapping u32 addition is associative and commutative,
-    so the result is the same, bit for bit, on every mesh and sharding.
-
-    XLA on CPU writes the hashed words to a temporary before reducing them, as large as the
-    array's block on each device and, for arrays hashed side by side, all of them at once.
-    A large array is hashed in ``plan.parts`` parts instead, one after the other in a loop,
-    so the temporary is one part's: its rows viewed as ``(shards, parts, rows per part)``,
-    a free reshape that leaves each device its own rows, part ``j`` being the ``j``-th run of
-    consecutive rows of every device's block."""
-    bits_shape = jax.eval_shape(_as_u32, jax.ShapeDtypeStruct(x.shape, x.dtype)).shape
-    if plan.parts == 1:
-        return _hash_sum(x, jnp.uint32(0), _row_major(bits_shape))
-    shards, parts = plan.shards, plan.parts
-    per_part = x.shape[0] // shards // parts  # rows
-    row = math.prod(bits_shape[1:])  # u32 words
-    # The words of part j's [s, i, ...] are at ((s * parts + j) * per_part + i) * row + ...
-    # (A dim of 1 row per part is left out: XLA on CPU copies the whole view for it.)
-    rows = [per_part] if per_part > 1 else []
-    view = x.reshape(shards, parts, *rows, *x.shape[1:])
-    view = jax.lax.with_sharding_constraint(view, plan.sharding)
-    strides = [parts * per_part * row, *[row] * len(rows), *_row_major(bits_shape[1:])]
-
-    def add_part(j, total):
-        part = jax.lax.dynamic_index_in_dim(view, j, axis=1, keepdims=False)
-        first = j.astype(jnp.uint32) * jnp.uint32(per_part * row % 2**32)
-        checksum, finite = _hash_sum(part, first, strides)
-        return total[0] + checksum, total[1] & finite
-
-    return jax.lax.fori_loop(0, parts, add_part, (jnp.uint32(0), jnp.array(True)))
-
-
-def _digest(leaves: Sequence[jax.Array], plans: tuple[_Plan, ...]) -> tuple[jax.Array, jax.Array]:
-    """(u32[n] checksums, bool[n] all finite) of ``leaves``."""
-    sums, finite = zip(*(_checksum(x, p) for x, p in zip(leaves, plans, strict=True)), strict=True)
-    return jnp.stack(sums), jnp.stack(finite)
-
-
-@functools.cache
-def _jitted_digest(mesh: Mesh | None):
-    if mesh is None:
-        return jax.jit(_digest, static_argnums=1)
-    # A few scalars, replicated: every process can read them.
-    return jax.jit(_digest, static_argnums=1, out_shardings=shardings(u32["n"], mesh))
-
-
-def _leaf_names(state: Any) -> list[str]:
-    """``state.weights.layers.w_up``, ``state.opt_state[1][0].mu.embed``, ...: every array."""
-    return [
-        "state" + jax.tree_util.keystr(path)
-        for path, _ in jax.tree_util.tree_leaves_with_path(state)
-    ]
-
-
-def state_digest(state: Any) -> tuple[dict[str, int], dict[str, bool]]:
-    """Each array's checksum and whether it is finite, by name, in one jitted call on device.
-
-    Nothing but the 5 bytes per array comes to the host; the checksum does not depend on the
-    arrays' sharding (see :func:`_checksum`)."""
-    names, leaves = _leaf_names(state), jax.tree.leaves(state)
-    shardings = [getattr(x, "sharding", None) for x in leaves]
-    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-    plans = tuple(_plan(x) for x in leaves)
-    sums, finite = jax.device_get(_jitted_digest(mesh)(leaves, plans))
-    return (
-        dict(zip(names, (int(c) for c in sums), strict=True)),
-        dict(zip(names, (bool(f) for f in finite), strict=True)),
-    )
-
-
-# -- the step directories ---------------------------------------------------------------------
-
-
-def _missing_marker(path: Path) -> str | None:
-    """The first file a complete checkpoint has that ``path`` lacks, or None."""
-    for marker in _COMPLETE_MARKERS:
-        if not (path / marker).is_file():
-            return marker
-    return None
-
-
-def step_directories(directory: str | Path) -> dict[int, str | None]:
-    """Every step directory in ``directory`` that holds anything: step -> the first file of a
-    complete checkpoint it lacks (None: complete), ascending. Empty ones are left out."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return {}
-    steps = {
-        int(p.name): _missing_marker(p)
-        for p in directory.iterdir()
-        if _STEP_NAME.match(p.name) and p.is_dir() and not p.is_symlink() and any(p.iterdir())
-    }
-    return dict(sorted(steps.items()))
-
-
-def checkpoint_steps(directory: str | Path) -> list[int]:
-    """The steps of the complete checkpoints in ``directory``, ascending (none: [])."""
-    return [step for step, missing in step_directories(directory).items() if missing is None]
-
-
 def _sync(name: str) -> None:
     """All processes of a multi-process run wait here (for what process 0 changed on disk)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
-
-
-def _remove_tree(path: Path) -> None:
-    """Remove ``path``: renamed (atomically) to a name no reader takes for a checkpoint first,
-    so a kill mid-removal leaves a ``.deleting-*`` directory, cleaned at the next start."""
-    if not path.name.startswith(_DELETING):
-        hidden = path.with_name(f"{_DELETING}{path.name}")
-        if hidden.exists():
-            shutil.rmtree(hidden, ignore_errors=True)
-        path.rename(hidden)
-        path = hidden
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _os_error(e: BaseException) -> str:
@@ -358,123 +156,6 @@ def _first_line(e: BaseException) -> str:
     return lines[0][:300] if lines else type(e).__name__
 
 
-_LOGGERS = ("absl", "asyncio")  # where orbax's errors and those of its asyncio tasks go
-_QUIET: set[_OrbaxQuiet] = set()  # Checkpointers whose reads or writes' leftovers are silenced
-_outer_unraisablehook: Callable[[Any], None] | None = None
-
-
-def _orbax_leftover(u: Any) -> bool:
-    """An error orbax's workers raise where nobody catches it, after a failed read or write:
-    a tensorstore callback into the event loop orbax closed at the first error ("Event loop
-    is closed"), or an abandoned read coroutine."""
-    code = getattr(u.object, "cr_code", None)
-    return (
-        isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)
-    ) or (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename)
-
-
-_silenced = 0  # leftovers silenced so far (see _settle)
-
-
-def _unraisablehook(u: Any) -> None:
-    global _silenced
-    if _QUIET and _orbax_leftover(u):
-        _silenced += 1
-        return
-    (_outer_unraisablehook or sys.__unraisablehook__)(u)
-
-
-def _settle(timeout_s: float = 2.0) -> None:
-    """After a failed read or write, wait (within the Checkpointer's call, which the caller
-    sees as one error) until orbax's abandoned work stops reporting: ~10 ms on a local disk."""
-    deadline, seen = time.monotonic() + timeout_s, -1
-    while seen != _silenced and time.monotonic() < deadline:
-        seen = _silenced
-        gc.collect()  # abandoned coroutines and tasks report when collected
-        time.sleep(0.05)
-
-
-class _OrbaxQuiet(logging.Filter):
-    """Keeps what orbax reports of a failure we report ourselves off stderr.
-
-    A failed asynchronous save makes orbax log the same OSError from several threads, each
-    with a traceback (hundreds of lines), and its abandoned tensorstore callbacks print more;
-    the Checkpointer raises one CheckpointSaveError with what matters instead (a damaged
-    checkpoint read: one CheckpointError or warning line). Held: orbax's ERROR records, only
-    while a save or read of ours is in flight (let through afterwards if it succeeded), and
-    the leftovers above, from then until close() if it failed."""
-
-    def __init__(self):
-        super().__init__()
-        self.holding, self.failed, self.held = False, False, []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """(On the absl and asyncio loggers.)"""
-        global _silenced
-        if record.levelno < logging.ERROR:
-            return True
-        if self.holding and f"{os.sep}orbax{os.sep}" in record.pathname:
-            self.held.append(record)
-            return False
-        # asyncio's "Task exception was never retrieved" of an orbax task orbax abandoned.
-        if (
-            self in _QUIET
-            and record.name == "asyncio"
-            and f"{os.sep}orbax{os.sep}" in record.getMessage()
-        ):
-            _silenced += 1
-            return False
-        return True
-
-    def hold(self) -> None:
-        self.holding = True
-        _quiet(self, True)
-
-    def release(self, ok: bool) -> None:
-        """End of a save or read: ``ok``, let what was held through; else drop it."""
-        held, self.holding, self.held = self.held, False, []
-        self.failed |= not ok
-        if ok:
-            _quiet(self, self.failed)
-            for record in held:
-                logging.getLogger(record.name).handle(record)
-
-    def close(self) -> None:
-        self.holding, self.held = False, []
-        _quiet(self, False)
-
-
-def _quiet(owner: _OrbaxQuiet, on: bool) -> None:
-    """Add or remove ``owner`` from those silencing orbax's leftovers (sys.unraisablehook)."""
-    global _outer_unraisablehook
-    if on:
-        if sys.unraisablehook is not _unraisablehook:
-            _outer_unraisablehook, sys.unraisablehook = sys.unraisablehook, _unraisablehook
-        _QUIET.add(owner)
-    else:
-        _QUIET.discard(owner)
-        if not _QUIET and sys.unraisablehook is _unraisablehook:
-            sys.unraisablehook, _outer_unraisablehook = _outer_unraisablehook, None
-
-
-def _join_orbax_threads(timeout_s: float = 120.0) -> None:
-    """Wait for the worker threads orbax started for a save: they outlive its first error and
-    go on writing into (and re-creating) the temporary directory for a moment."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        workers = [
-            t
-            for t in threading.enumerate()
-            if t is not threading.current_thread() and type(t).__module__.startswith("orbax.")
-        ]
-        if not workers:
-            return
-        for t in workers:
-            # orbax's threads re-raise their error from join(): the one we report already.
-            with contextlib.suppress(Exception):
-                t.join(max(0.0, deadline - time.monotonic()))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Pending:
     step: int
@@ -500,13 +181,13 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.keep, self.read_only, self.log = keep, read_only, log
         self._pending: _Pending | None = None
-        self._held = _OrbaxQuiet()
+        self._held = OrbaxQuiet()
         self._writer = not read_only and jax.process_index() == 0  # who changes the directory
         if self._writer and self.directory.is_dir():
-            self._clean_leftovers()
+            remove_leftovers(self.directory)
         _sync("seqshard.checkpoint: leftovers cleaned")  # before any process lists steps
         self.manager = self._new_manager()
-        for logger in _LOGGERS:
+        for logger in ORBAX_LOGGERS:
             logging.getLogger(logger).addFilter(self._held)
 
     def _new_manager(self) -> ocp.CheckpointManager:
@@ -602,7 +283,7 @@ class Checkpointer:
             with contextlib.suppress(Exception):  # a failure _finish_pending reported already
                 self.manager.close()
             self._held.close()
-            for logger in _LOGGERS:
+            for logger in ORBAX_LOGGERS:
                 logging.getLogger(logger).removeFilter(self._held)
 
     def _finish_pending(self, *, block: bool) -> None:
@@ -631,16 +312,16 @@ class Checkpointer:
         # let them finish before removing what they wrote. Their reports stay held until
         # close(), the one below replaces them. A manager that saw a failure may raise it
         # again at its next save: a new one takes over.
-        _join_orbax_threads()
+        join_orbax_threads()
         with contextlib.suppress(Exception):
             self.manager.close()
         self.manager = self._new_manager()
-        _settle()
+        settle()
         self._held.held.clear()  # (still holding: stragglers' reports are dropped at close)
         self._held.failed = True
         if self._writer:
             try:
-                self._clean_leftovers()
+                remove_leftovers(self.directory)
                 removed = "the partial write was removed"
             except OSError as e:
                 removed = f"removing the partial write failed too ({e})"
@@ -666,25 +347,9 @@ class Checkpointer:
     def _apply_retention(self) -> None:
         steps = self.all_steps()
         for step in steps[: max(len(steps) - self.keep, 0)]:
-            _remove_tree(self.directory / str(step))
+            remove_tree(self.directory / str(step))
         if len(steps) > self.keep:
             self.manager.reload()
-
-    def _clean_leftovers(self) -> None:
-        """Remove what this code's interrupted saves and deletions provably left: orbax's
-        temporary directories (``<step>.orbax-checkpoint-tmp*``), ``.deleting-*`` ones, and
-        empty step directories. A step directory with anything in it is never removed here,
-        even if incomplete: :meth:`restore` sets it aside (``<step>.damaged``) or refuses it."""
-        for path in sorted(self.directory.iterdir()):
-            if _TMP_NAME.match(path.name) or path.name.startswith(_DELETING):
-                _remove_tree(path)
-            elif (
-                _STEP_NAME.match(path.name)
-                and path.is_dir()
-                and not path.is_symlink()
-                and not any(path.iterdir())
-            ):
-                path.rmdir()
 
     # -- restoring --
 
@@ -741,7 +406,7 @@ class Checkpointer:
                 except _Unusable as e:
                     why = e.why
                 if why is not None:
-                    _settle()
+                    settle()
             finally:
                 self._held.release(ok=why is None)
             if why is None:
@@ -777,12 +442,7 @@ class Checkpointer:
             path = self.directory / str(s)
             where = ""
             if self._writer:
-                aside, n = path.with_name(f"{s}{_DAMAGED}"), 1
-                while aside.exists():
-                    n += 1
-                    aside = path.with_name(f"{s}{_DAMAGED}-{n}")
-                path.rename(aside)
-                where = f" (kept as {aside.name})"
+                where = f" (kept as {set_aside(path).name})"
             log(f"checkpoint {path}: {why}: skipping it, resuming from checkpoint {good}{where}")
         if skipped:
             _sync("seqshard.checkpoint: damaged set aside")
