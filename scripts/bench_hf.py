@@ -90,7 +90,6 @@ class Peak:  # resident set size, sampled
 peak = Peak()
 import jax, numpy as np
 from safetensors import safe_open
-from seqshard.config import Config
 from seqshard.hf.export import export_weights
 from seqshard.hf.hf_config import read_hf_config
 from seqshard.hf.load import load_hf_weights
@@ -107,7 +106,7 @@ weights = jax.block_until_ready(load_hf_weights(src, cfg, mesh, log=lambda m: No
 import_s, import_peak = time.perf_counter() - t, peak.peak
 resident = peak.now(); peak.phase(); t = time.perf_counter()
 out.mkdir()
-files, total = export_weights(weights, Config(model=cfg), out, "bfloat16", 2**30)
+files, total = export_weights(weights, cfg, out, "bfloat16", 2**30)
 export_s, export_peak = time.perf_counter() - t, peak.peak
 weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
 largest = 4 * max(int(np.prod(row.hf_shape(cfg))) for row, _, _ in hf_tensor_names(cfg))

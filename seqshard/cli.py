@@ -27,9 +27,23 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-__all__ = ["COMMANDS", "Command", "main"]
+if TYPE_CHECKING:  # annotations only: JAX and the model load inside the run functions
+    from jax.sharding import Mesh
+
+    from seqshard.config import Config
+    from seqshard.hf.export import ExportConfig, ExportResult
+    from seqshard.model.weights import Weights
+
+__all__ = [
+    "COMMANDS",
+    "Command",
+    "export_checkpoint",
+    "export_config",
+    "hf_initial_weights",
+    "main",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +309,7 @@ def _train_run(args) -> int:
     if _received:  # its exception was caught inside an import; it still stops us
         raise _StopBeforeStart(_received[-1])
     _say(f"run directory: {run_dir_of(cfg)}", flush=True)
-    result = train(cfg)
+    result = train(cfg, initial_weights=hf_initial_weights)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     if result.already_finished:
         _say(f"step {result.step}: val loss {val} (train.steps={cfg.train.steps} already reached)")
@@ -318,6 +332,14 @@ def _train_run(args) -> int:
         _say(args.sample_prompt + samples[0])
     _say(f"run directory: {result.run_dir}")
     return 0
+
+
+def hf_initial_weights(cfg: Config, mesh: Mesh, log: Callable[[str], None]) -> Weights:
+    """The weights of the Hugging Face directory ``cfg.init.from_hf``, placed on ``mesh``: the
+    ``initial_weights`` of seqshard.train.loop.train (which does not import seqshard.hf)."""
+    from seqshard.hf.load import load_hf_weights
+
+    return load_hf_weights(cfg.init.from_hf, cfg.model, mesh, log=log)
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -372,22 +394,64 @@ def _byte_size(text: str) -> int:
 
 
 def _export(args) -> int:
-    from seqshard.hf.export import export_run
     from seqshard.mesh import training_mesh
 
     cfg = _start(args, *_run_config_args(args.run_dir, args.overrides))
-    export_run(
-        args.run_dir,
-        args.out_dir,
+    export = export_config(
         cfg,
-        training_mesh(cfg.mesh.sizes()),
-        step=args.step,
+        args.out_dir,
         dtype=args.dtype,
         max_file_bytes=args.max_file_size,
         overwrite=args.overwrite,
-        log=_say,
     )
+    mesh = training_mesh(cfg.mesh.sizes())
+    export_checkpoint(args.run_dir, export, cfg, mesh, step=args.step, log=_say)
     return 0
+
+
+def export_config(cfg: Config, out_dir: str | Path, **options) -> ExportConfig:
+    """The :class:`~seqshard.hf.export.ExportConfig` of the run ``cfg`` into ``out_dir``: its
+    model, the tokenizer of its ``data.dir`` and the positions it trained on; ``options`` set
+    the other fields (``dtype``, ``max_file_bytes``, ``overwrite``, ``tokenizer``)."""
+    from seqshard.hf.export import ExportConfig, max_position
+
+    fields = {
+        "tokenizer": Path(cfg.data.dir) / "tokenizer.json",
+        "max_position": max_position(cfg.model, cfg.train.seq_len),
+        **options,
+    }
+    return ExportConfig(out_dir=Path(out_dir), model=cfg.model, **fields)
+
+
+def export_checkpoint(
+    run_dir: str | Path,
+    export: ExportConfig,
+    cfg: Config,
+    mesh: Mesh,
+    *,
+    step: int | None = None,
+    log: Callable[[str], None] = print,
+) -> ExportResult:
+    """Export checkpoint ``step`` (default: the newest good one) of ``run_dir``, restored on
+    ``mesh``, as ``export`` says (seqshard.hf.export.export_run). ``export.check()`` comes
+    first: a bad OUT_DIR, tokenizer or a full disk fails before a large checkpoint is read."""
+    from seqshard.hf.export import export_run
+    from seqshard.train.checkpoint import Checkpointer
+    from seqshard.train.optimizer import make_optimizer
+    from seqshard.train.state import layer_order, relayered
+
+    export.check()
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", read_only=True, log=log)
+    try:
+        restored = ckpt.restore(cfg, mesh, make_optimizer(cfg.train), step)
+    finally:
+        ckpt.close()
+    # Layer i of the export is the model's layer i, whatever order the stages store.
+    order = layer_order(cfg, mesh.shape["p"])
+    weights = relayered(restored.state.weights, order, range(cfg.model.n_layers))
+    source = f"{run_dir} step {restored.step}"
+    del restored  # the optimizer's moments: freed before the weights are gathered
+    return export_run(weights, export, source=source, log=log)
 
 
 # -- eval and generate ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ Tests that need transformers and torch (the ``hf`` extra) skip without them. Not
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -27,9 +28,8 @@ import jax
 import numpy as np
 import pytest
 
-from seqshard.cli import _run_config, main
+from seqshard.cli import _run_config, export_checkpoint, export_config, main
 from seqshard.config import ConfigError, load_config
-from seqshard.hf.export import export_run
 from seqshard.hf.hf_config import HFFormatError, read_hf_config
 from seqshard.hf.load import load_hf_weights
 from seqshard.hf.table import TABLE, hf_tensor_names, row_of
@@ -127,9 +127,9 @@ def exported(source_run, tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp("hf") / f"source-{d}x{t}"
             cfg = _run_config(str(source_run), [f"mesh.d={d}", f"mesh.t={t}"])
-            export_run(
-                source_run, out, cfg, training_mesh(cfg.mesh.sizes()), log=lambda m: None, **kwargs
-            )
+            mesh = training_mesh(cfg.mesh.sizes())
+            export = export_config(cfg, out, **kwargs)
+            export_checkpoint(source_run, export, cfg, mesh, log=lambda m: None)
             cache[key] = out
         return cache[key]
 
@@ -191,6 +191,22 @@ def test_export_refuses_a_disk_too_small_before_writing(source_run, tmp_path, mo
     err = capsys.readouterr().err
     assert "has 1.00 KiB free, but the float32 weights need" in err and "--dtype bfloat16" in err
     assert not out.exists() and not list(tmp_path.glob(".hf*"))
+
+
+def test_an_export_config_is_checked_when_made_and_before_a_restore(source_run, tmp_path):
+    """Bad options fail when the ExportConfig is made; a taken OUT_DIR or a missing tokenizer
+    fail in check(), which the CLI calls before it restores a checkpoint."""
+    cfg = _run_config(str(source_run), [])
+    with pytest.raises(ValueError, match=r"--dtype must be one of .*, got 'float16'"):
+        export_config(cfg, tmp_path / "a", dtype="float16")
+    with pytest.raises(ValueError, match="--max-file-size must be a positive number .* got 0"):
+        export_config(cfg, tmp_path / "a", max_file_bytes=0)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file; pass a directory"):
+        export_config(cfg, tmp_path / "file").check()
+    with pytest.raises(FileNotFoundError, match="nowhere.json does not exist"):
+        export_config(cfg, tmp_path / "a", tokenizer=tmp_path / "nowhere.json").check()
+    assert not (tmp_path / "a").exists()
 
 
 # -- against transformers ----------------------------------------------------------------------
@@ -402,6 +418,16 @@ def test_two_processes_export_and_import_as_one_does(tmp_path, source_run, expor
     started = latest_state(run_dir, cfg, mesh, log=lambda m: None).weights
     source = latest_state(source_run, _run_config(str(source_run), []), mesh, log=lambda m: None)
     assert tree_equal(started, source.weights)
+
+
+def test_train_needs_the_loader_of_from_hf(tmp_path, tiny_overrides):
+    """seqshard.train does not import seqshard.hf: train() with init.from_hf and no
+    initial_weights says what to pass, before it writes anything."""
+    cfg = load_config(None, tiny_overrides(tmp_path, "from_hf"))
+    cfg = dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, from_hf="hf/llama"))
+    with pytest.raises(ConfigError, match=r"initial_weights=seqshard.cli.hf_initial_weights"):
+        train(cfg, log=lambda m: None)
+    assert not (tmp_path / "from_hf").exists()
 
 
 def test_a_model_field_written_beside_from_hf_must_agree(tmp_path, source_run, exported):

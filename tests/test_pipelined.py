@@ -28,8 +28,8 @@ import pytest
 from model_weights import packed_batch, random_weights, tiny_model
 
 from seqshard.batch import batch_structs, token_batch
+from seqshard.cli import export_checkpoint, export_config
 from seqshard.config import ConfigError, load_config
-from seqshard.hf.export import export_run
 from seqshard.hf.load import load_hf_weights
 from seqshard.mesh import training_mesh
 from seqshard.model.pipeline.schedule import Pipeline
@@ -315,7 +315,7 @@ def test_a_pipelined_checkpoint_restores_with_other_p_and_trains_on(
     np.testing.assert_allclose(_losses(runs / "p4")[4], _losses(runs / "p1")[4], rtol=1e-5)
     # Exported from the stages' order, imported at p = 1: the model's layers in order.
     out = tmp_path / "hf"
-    export_run(runs / "two", out, cfg, mesh, log=_quiet)
+    export_checkpoint(runs / "two", export_config(cfg, out), cfg, mesh, log=_quiet)
     flat = load_config(None, [*two, "mesh.p=1", "mesh.d=4"])
     imported = load_hf_weights(out, flat.model, training_mesh(flat.mesh.sizes()), log=_quiet)
     for a, b in zip(jax.tree.leaves(imported), jax.tree.leaves(want), strict=True):

@@ -1,4 +1,4 @@
-"""Export a run's checkpoint as a Hugging Face Llama directory that transformers loads.
+"""Write a model's weights as a Hugging Face Llama directory that transformers loads.
 
     seqshard export runs/tiny-cpu hf/tiny-cpu            # the newest good checkpoint
     seqshard export runs/tiny-cpu hf/tiny-cpu --step 200 --dtype bfloat16
@@ -11,6 +11,17 @@ writes::
     model.safetensors.index.json         files of at most --max-file-size bytes
     tokenizer.json                     the tokenizer the run trained on
     tokenizer_config.json, special_tokens_map.json   what transformers.AutoTokenizer reads
+
+This module knows weights, not runs: it imports neither seqshard.config nor seqshard.train.
+The CLI wires a run to it (``seqshard.cli.export_checkpoint``): it builds the
+:class:`ExportConfig` from the run's config (``seqshard.cli.export_config``: the model, the
+tokenizer of ``data.dir``, :func:`max_position` of ``train.seq_len``), calls
+:meth:`ExportConfig.check` before restoring a possibly huge checkpoint, restores it, puts the
+layers in the model's order and calls :func:`export_run`::
+
+    export = ExportConfig(Path("hf/x"), cfg.model, Path("data/tokenizer.json"), 2048)
+    export.check()                                  # OUT_DIR, tokenizer, free space
+    export_run(weights, export, source="runs/x step 6")
 
 One tensor at a time: each Hugging Face tensor is cut from its sharded seqshard weight (one
 layer, one part), gathered to the host (every process takes part; process 0 writes), turned to
@@ -31,9 +42,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
 
-from seqshard.config import Config
 from seqshard.data.tokenizer import EOT, eot_id, load_tokenizer
 from seqshard.hf.hf_config import CONFIG_FILE, hf_config_dict
 from seqshard.hf.safetensors_io import (
@@ -45,97 +54,128 @@ from seqshard.hf.safetensors_io import (
 )
 from seqshard.hf.table import TensorRow, hf_tensor_names
 from seqshard.launch import barrier, is_main_process
+from seqshard.model.config import ModelConfig
 from seqshard.model.cost import format_bytes
 from seqshard.model.weights import Weights
-from seqshard.train.checkpoint import Checkpointer
-from seqshard.train.optimizer import make_optimizer
-from seqshard.train.state import layer_order, relayered
 
-__all__ = ["DEFAULT_MAX_FILE_BYTES", "ExportResult", "export_run", "export_weights"]
+__all__ = [
+    "DEFAULT_MAX_FILE_BYTES",
+    "ExportConfig",
+    "ExportResult",
+    "export_run",
+    "export_weights",
+    "max_position",
+]
 
 DEFAULT_MAX_FILE_BYTES = 2 * 2**30
 """Safetensors files are split above this size (2 GiB)."""
 
 
+def max_position(model: ModelConfig, seq_len: int) -> int:
+    """The ``max_position_embeddings`` an export declares: the sequence length trained on, or
+    llama3 rope's ``original_max_position * factor`` where that is longer (the length its
+    rescaled frequencies were made for)."""
+    if model.rope_type == "llama3":
+        return max(seq_len, int(model.rope_original_max_position * model.rope_factor))
+    return seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """What :func:`export_run` writes and where: ``model``'s weights in ``out_dir`` as
+    ``dtype``, in safetensors files of at most ``max_file_bytes``, with the ``tokenizer``
+    (a tokenizer.json, copied) and ``max_position`` (see :func:`max_position`) in its configs.
+    ``overwrite``: replace a non-empty ``out_dir`` once the export is complete."""
+
+    out_dir: Path
+    model: ModelConfig
+    tokenizer: Path
+    max_position: int
+    dtype: str = "float32"
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_dir", Path(self.out_dir))  # a str is welcome too
+        object.__setattr__(self, "tokenizer", Path(self.tokenizer))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        if self.max_file_bytes <= 0:
+            raise ValueError(
+                f"--max-file-size must be a positive number of bytes, got {self.max_file_bytes}."
+            )
+        if self.max_position <= 0:
+            raise ValueError(
+                f"max_position must be positive (the longest sequence the model takes), got "
+                f"{self.max_position}: use max_position(model, seq_len)."
+            )
+
+    def check(self) -> None:
+        """Raise, before anything is gathered or restored, if the export cannot be written:
+        ``out_dir`` a file or a non-empty directory (without ``overwrite``), the tokenizer
+        unreadable, or (process 0) too little free space for the weights."""
+        _check_out_dir(self.out_dir, self.overwrite)
+        load_tokenizer(self.tokenizer)
+        if is_main_process():
+            _check_free_space(self.out_dir, self.model, self.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExportResult:
     out_dir: Path
-    step: int
     files: list[str]  # the safetensors files written
     tensor_bytes: int
 
 
 def export_run(
-    run_dir: str | Path,
-    out_dir: str | Path,
-    cfg: Config,
-    mesh: Mesh,
+    weights: Weights,
+    export: ExportConfig,
     *,
-    step: int | None = None,
-    dtype: str = "float32",
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-    overwrite: bool = False,
-    tokenizer_path: str | Path | None = None,
+    source: str = "",
     log: Callable[[str], None] = print,
 ) -> ExportResult:
-    """Write checkpoint ``step`` (default: the newest good one) of ``run_dir`` to ``out_dir``
-    as a Hugging Face Llama, with the run's tokenizer (``tokenizer_path``, default
-    ``cfg.data.dir``'s)."""
-    out_dir = Path(out_dir)
-    _check_out_dir(out_dir, overwrite)
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
-    tokenizer_path = Path(tokenizer_path or Path(cfg.data.dir) / "tokenizer.json")
-    tokenizer = load_tokenizer(tokenizer_path)
-    if is_main_process():
-        _check_free_space(out_dir, cfg, dtype)
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints", read_only=True, log=log)
-    try:
-        restored = ckpt.restore(cfg, mesh, make_optimizer(cfg.train), step)
-    finally:
-        ckpt.close()
+    """Write ``weights`` (of ``export.model``, its layers in the model's order, sharded on any
+    mesh; every process calls this) to ``export.out_dir`` as a Hugging Face Llama, with its
+    configs and tokenizer. Logs one line, naming ``source`` (e.g. ``"runs/x step 6"``)."""
+    export.check()
+    out_dir, dtype = export.out_dir, export.dtype
+    tokenizer = load_tokenizer(export.tokenizer)
     partial = out_dir.parent / f".{out_dir.name}.partial"
     main = is_main_process()
     if main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     try:
-        # Layer i of the export is the model's layer i, whatever order the stages store.
-        weights = relayered(
-            restored.state.weights,
-            layer_order(cfg, mesh.shape["p"]),
-            range(cfg.model.n_layers),
-        )
-        files, total = export_weights(weights, cfg, partial, dtype, max_file_bytes)
+        files, total = export_weights(weights, export.model, partial, dtype, export.max_file_bytes)
         if main:
-            _write_configs(partial, cfg, dtype, tokenizer_path, tokenizer)
+            _write_configs(partial, export, tokenizer)
             _move_into_place(partial, out_dir)
     except OSError as e:
         if main:
             shutil.rmtree(partial, ignore_errors=True)
+        need = format_bytes(_weight_bytes(export.model, dtype))
         raise OSError(
             f"writing the export in {partial} failed: {e}. Nothing was left there and "
-            f"{out_dir} is as it was; free space (the weights need {format_bytes(_weight_bytes(cfg, dtype))}) "
-            f"or export elsewhere."
+            f"{out_dir} is as it was; free space (the weights need {need}) or export elsewhere."
         ) from None
     except BaseException:
         if main:
             shutil.rmtree(partial, ignore_errors=True)
         raise
     barrier("seqshard: export written")
+    what = f"{source} " if source else ""
     log(
-        f"exported {run_dir} step {restored.step} to {out_dir}: {len(files)} safetensors "
-        f"file(s), {format_bytes(total)} of {dtype} weights"
+        f"exported {what}to {out_dir}: {len(files)} safetensors file(s), "
+        f"{format_bytes(total)} of {dtype} weights"
     )
-    return ExportResult(out_dir, restored.step, files, total)
+    return ExportResult(out_dir, files, total)
 
 
 def export_weights(
-    weights: Weights, cfg: Config, directory: Path, dtype: str, max_file_bytes: int
+    weights: Weights, model: ModelConfig, directory: Path, dtype: str, max_file_bytes: int
 ) -> tuple[list[str], int]:
-    """Write ``weights`` as Hugging Face safetensors files in ``directory`` (process 0; every
-    process gathers). Returns the file names and the bytes of tensor data."""
-    model = cfg.model
+    """Write ``weights`` (of ``model``) as Hugging Face safetensors files in ``directory``
+    (process 0; every process gathers). Returns the file names and the bytes of tensor data."""
     names = hf_tensor_names(model)
     by_name = {name: (row, layer) for row, layer, name in names}
     planned = plan_files(
@@ -179,15 +219,15 @@ def _slicer(n_index: int):
     return jax.jit(lambda x, *index: x[index])
 
 
-def _weight_bytes(cfg: Config, dtype: str) -> int:
+def _weight_bytes(model: ModelConfig, dtype: str) -> int:
     size = DTYPES[dtype][1].itemsize
-    return sum(int(np.prod(r.hf_shape(cfg.model))) * size for r, _, _ in hf_tensor_names(cfg.model))
+    return sum(int(np.prod(r.hf_shape(model))) * size for r, _, _ in hf_tensor_names(model))
 
 
-def _check_free_space(out_dir: Path, cfg: Config, dtype: str) -> None:
+def _check_free_space(out_dir: Path, model: ModelConfig, dtype: str) -> None:
     """Refuse, before gathering anything, an export the filesystem cannot hold."""
     parent = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
-    need, free = _weight_bytes(cfg, dtype), shutil.disk_usage(parent).free
+    need, free = _weight_bytes(model, dtype), shutil.disk_usage(parent).free
     if free < need:
         raise OSError(
             f"{parent} has {format_bytes(free)} free, but the {dtype} weights need "
@@ -215,27 +255,22 @@ def _move_into_place(partial: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_configs(
-    directory: Path, cfg: Config, dtype: str, tokenizer_path: Path, tokenizer
-) -> None:
+def _write_configs(directory: Path, export: ExportConfig, tokenizer) -> None:
     eos = eot_id(tokenizer)
-    max_position = cfg.train.seq_len
-    if cfg.model.rope_type == "llama3":
-        max_position = max(
-            max_position, int(cfg.model.rope_original_max_position * cfg.model.rope_factor)
-        )
-    config = hf_config_dict(cfg.model, dtype=dtype, max_position=max_position, eos_token_id=eos)
+    config = hf_config_dict(
+        export.model, dtype=export.dtype, max_position=export.max_position, eos_token_id=eos
+    )
     _write_json(directory / CONFIG_FILE, config)
     generation = {"eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
     _write_json(directory / "generation_config.json", generation)
-    shutil.copyfile(tokenizer_path, directory / "tokenizer.json")
+    shutil.copyfile(export.tokenizer, directory / "tokenizer.json")
     special = {"eos_token": EOT} if eos is not None else {}
     _write_json(directory / "special_tokens_map.json", special)
     _write_json(
         directory / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": max_position,
+            "model_max_length": export.max_position,
             "add_bos_token": False,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,

@@ -8,6 +8,12 @@ resolved data directory it trains on, so ``seqshard eval`` and ``generate`` find
 anywhere). Training on a directory that holds checkpoints resumes from the latest good one,
 exactly (same batches, same state), on any mesh. SIGTERM or Ctrl-C finishes the current step,
 writes a checkpoint, and returns cleanly; before the first step it returns at once.
+
+A fresh run with ``init.from_hf`` starts from a Hugging Face model's weights, which this
+package does not read (seqshard.train and seqshard.hf do not import each other): the caller
+passes the loader, as `seqshard train` does (``seqshard.cli.hf_initial_weights``)::
+
+    train(cfg, initial_weights=hf_initial_weights)   # (cfg, mesh, log) -> Weights
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ from seqshard.config import (
 from seqshard.data import Loader, path_corpus, prepare, read_meta, stdlib_corpus, tokenizer_hash
 from seqshard.data.prepare import PrepareConfig
 from seqshard.hardware import peak_flops
-from seqshard.hf.load import load_hf_weights
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
 from seqshard.model.cost import flops_per_token
@@ -68,6 +73,7 @@ from seqshard.train.step import make_eval_step, make_train_step
 
 __all__ = [
     "RUN_INFO",
+    "InitialWeights",
     "NonfiniteError",
     "StopRequested",
     "TrainResult",
@@ -357,10 +363,23 @@ def _every(interval: int, step: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
+InitialWeights = Callable[[Config, Mesh, Callable[[str], None]], Weights]
+"""``(cfg, mesh, log) -> weights`` of a fresh run with ``init.from_hf``, in the model's layer
+order, sharded on ``mesh`` (``seqshard.cli.hf_initial_weights``)."""
+
+
 def train(
-    cfg: Config, *, log: Callable[[str], None] = print, tty: bool | None = None
+    cfg: Config,
+    *,
+    log: Callable[[str], None] = print,
+    tty: bool | None = None,
+    initial_weights: InitialWeights | None = None,
 ) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; returns its final figures.
+
+    A fresh run starts from ``initial_weights(cfg, mesh, log)`` when ``init.from_hf`` is set
+    (required then: ``seqshard.cli.hf_initial_weights`` reads the Hugging Face directory),
+    from random weights otherwise.
 
     Raises :class:`NonfiniteError` when ``train.nonfinite`` says to stop on a non-finite step
     (nothing is saved after it), and ConfigError / CheckpointError on bad input.
@@ -370,11 +389,17 @@ def train(
     that ends after such a stop should end without the interpreter's teardown, as `seqshard
     train` does (``os._exit``; see ``seqshard.cli``)."""
     started = time.perf_counter()
+    if cfg.init.from_hf and initial_weights is None:
+        raise ConfigError(
+            f"init.from_hf={cfg.init.from_hf}: train() does not read Hugging Face weights "
+            f"itself; pass initial_weights=seqshard.cli.hf_initial_weights (which reads them "
+            f"with seqshard.hf.load.load_hf_weights), or run `seqshard train CONFIG`."
+        )
     if not is_main_process():  # every process runs the run; process 0 reports it
         log = _quiet
     with _StopOnSignal(log) as stop:
         try:
-            return _train(cfg, stop, log, tty, started)
+            return _train(cfg, stop, log, tty, started, initial_weights)
         except Exception:
             if stop.early is None or stop.armed:
                 raise
@@ -403,13 +428,20 @@ def _stopped_early(cfg: Config, started: float) -> TrainResult:
     )
 
 
-def _train(cfg: Config, stop: _StopOnSignal, log, tty, started: float) -> TrainResult:
+def _train(
+    cfg: Config,
+    stop: _StopOnSignal,
+    log,
+    tty,
+    started: float,
+    initial_weights: InitialWeights | None,
+) -> TrainResult:
     run_dir = run_dir_of(cfg)
     # Everything that can fail on bad input is checked before the run directory is written.
     resuming = _check_run_dir(run_dir, cfg)
     lock = _lock_run_dir(run_dir, log)
     try:
-        return _train_locked(cfg, stop, log, tty, started, resuming)
+        return _train_locked(cfg, stop, log, tty, started, resuming, initial_weights)
     finally:
         if lock is not None:
             lock.release()
@@ -434,7 +466,15 @@ def _lock_run_dir(run_dir: Path, log) -> RunLock | None:
     return lock
 
 
-def _train_locked(cfg: Config, stop, log, tty, started: float, resuming: bool) -> TrainResult:
+def _train_locked(
+    cfg: Config,
+    stop,
+    log,
+    tty,
+    started: float,
+    resuming: bool,
+    initial_weights: InitialWeights | None,
+) -> TrainResult:
     run_dir = run_dir_of(cfg)
     if is_main_process():  # prepares the data directory on first use; the others wait
         ensure_data(cfg, log)
@@ -450,7 +490,7 @@ def _train_locked(cfg: Config, stop, log, tty, started: float, resuming: bool) -
     try:
         opt = make_optimizer(cfg.train)
         run = _Run(cfg, run_dir, data_dir, mesh, opt, ckpt, log, tty, started)
-        state, start, meta = _initial_state(run, resuming)
+        state, start, meta = _initial_state(run, resuming, initial_weights)
         loader = Loader(
             data_dir,
             "train",
@@ -477,13 +517,16 @@ def _train_locked(cfg: Config, stop, log, tty, started: float, resuming: bool) -
         ckpt.close()
 
 
-def _initial_state(run: _Run, resuming: bool) -> tuple[TrainState, int, dict[str, Any] | None]:
-    """(state, its step, the checkpoint's metadata or None): restored, or freshly initialized."""
+def _initial_state(
+    run: _Run, resuming: bool, initial_weights: InitialWeights | None
+) -> tuple[TrainState, int, dict[str, Any] | None]:
+    """(state, its step, the checkpoint's metadata or None): restored, or freshly initialized
+    (from ``initial_weights`` with init.from_hf, which :func:`train` has checked is given)."""
     cfg = run.cfg
     if not resuming:
         key = jax.random.key(cfg.train.seed)
         if cfg.init.from_hf:
-            weights = load_hf_weights(cfg.init.from_hf, cfg.model, run.mesh, log=run.log)
+            weights = initial_weights(cfg, run.mesh, run.log)
         else:
             weights = init_weights(cfg.model, run.mesh, key)
         # In the model's layer order; the circular pipeline stores every p-th block per stage.
