@@ -37,8 +37,8 @@ from seqshard.batch import TokenBatch
 from seqshard.config import Config, MeshConfig, TrainConfig, check_config
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
-from seqshard.model.cost import format_bytes, format_table
 from seqshard.plan.show import pipeline_shifts
+from seqshard.shardlib.tables import format_bytes, format_table
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import init_train_state
 from seqshard.train.step import make_train_step

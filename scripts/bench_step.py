@@ -98,7 +98,7 @@ from seqshard.config import Config, MeshConfig, TrainConfig
 from seqshard.hardware import measure_matmul_flops
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
-from seqshard.model.cost import flops_per_token, format_bytes, format_table
+from seqshard.model.cost import flops_per_token
 from seqshard.model.reference import (
     reference_embed,
     reference_layer,
@@ -108,9 +108,10 @@ from seqshard.model.reference import (
     reference_unembed,
 )
 from seqshard.model.remat import explicit_activation_checkpointing, save_for_backward
-from seqshard.model.weights import Layer, Weights
+from seqshard.model.weights import Layer, Weights, check_mesh
 from seqshard.shardlib.comms import collectives
 from seqshard.shardlib.shardtypes import f32, shardings
+from seqshard.shardlib.tables import format_bytes, format_table
 from seqshard.testing import COLLECTIVE_KINDS, count_collectives
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import TrainState, init_train_state
@@ -255,7 +256,7 @@ def make_batch(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def model_for_mesh(base: ModelConfig, d: int, t: int) -> tuple[ModelConfig, str]:
     """The specified model, or (t does not divide n_kv) the smallest change that splits."""
     try:
-        base.check_mesh({"d": d, "t": t})
+        check_mesh(base, {"d": d, "t": t})
         return base, ""
     except ValueError as e:
         why = str(e).split(". Choose")[0]
@@ -264,7 +265,7 @@ def model_for_mesh(base: ModelConfig, d: int, t: int) -> tuple[ModelConfig, str]
         if n_heads % n_kv == 0:
             changed = dataclasses.replace(base, n_kv=n_kv, n_q_per_kv=n_heads // n_kv)
             try:
-                changed.check_mesh({"d": d, "t": t})
+                check_mesh(changed, {"d": d, "t": t})
             except ValueError:
                 continue
             return changed, (

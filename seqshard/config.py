@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from seqshard.mesh import axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.model.pipeline.schedule import Pipeline, make_schedule
+from seqshard.model.weights import check_mesh
 
 __all__ = [
     "Config",
@@ -369,7 +370,7 @@ def _check_mesh(cfg: Config) -> None:
     _check_mesh_sizes(mesh)
     if mesh.is_resolved:  # else resolve_mesh checks these once the device count is known
         try:
-            cfg.model.check_mesh(mesh.sizes())
+            check_mesh(cfg.model, mesh.sizes())
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

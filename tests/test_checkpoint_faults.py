@@ -24,9 +24,9 @@ import pytest
 
 from seqshard.config import load_config
 from seqshard.mesh import training_mesh
+from seqshard.shardlib.tables import format_bytes
 from seqshard.train.checkpoint import Checkpointer, CheckpointSaveError
 from seqshard.train.optimizer import make_optimizer
-from seqshard.train.run_files import format_bytes
 from seqshard.train.state import init_train_state
 
 
@@ -98,7 +98,7 @@ def _check_the_report(
     assert "[Errno 28] No space left on device" in msg
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     assert f"needs about {format_bytes(nbytes)} (the train state" in msg
-    assert re.search(rf"{re.escape(str(directory))} has [0-9.]+ [KMGT]?B free", msg)
+    assert re.search(rf"{re.escape(str(directory))} has [0-9.]+ [KMGTP]?i?B free", msg)
     assert f"Checkpoint {earlier} is intact" in msg and "the partial write was removed" in msg
     assert len(msg.splitlines()) == 1
     # No temporary directory of the failed save; the earlier checkpoint as it was.

@@ -35,7 +35,7 @@ from seqshard.hf.load import load_hf_weights
 from seqshard.hf.table import TABLE, hf_tensor_names, row_of
 from seqshard.mesh import training_mesh
 from seqshard.model import ModelConfig
-from seqshard.model.transformer import logits_fn
+from seqshard.model.sharded import logits_fn
 from seqshard.model.weights import weight_structs
 from seqshard.train.checkpoint import latest_state
 from seqshard.train.loop import train

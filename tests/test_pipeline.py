@@ -20,7 +20,7 @@ from seqshard import f32, typed_shard_map
 from seqshard.model.context import sequence_rows
 from seqshard.model.pipeline.spmd import circular_forward, one_f_one_b
 from seqshard.model.reference import reference_layer, reference_mask, reference_positions
-from seqshard.model.transformer import _layer, rope_and_mask
+from seqshard.model.transformer import layer, rope_and_mask
 from seqshard.model.weights import Layer
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.shardtypes import Array, bool_, i32
@@ -204,7 +204,7 @@ def test_the_models_layers_pipeline_over_p_with_fsdp_and_tensor_parallel_inside(
         def stage(block, x, i):
             row = sequence_rows(tokens[i], starts[i])
             rope, mask = rope_and_mask(cfg, row)
-            body = functools.partial(_layer, cfg, row, rope, mask)
+            body = functools.partial(layer, cfg, row, rope, mask)
             return collective_log.scan("layers", body, x, block)[0]
 
         blocks = jax.tree.map(lambda w: w[None], ws)  # v = 1

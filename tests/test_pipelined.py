@@ -34,7 +34,7 @@ from seqshard.hf.load import load_hf_weights
 from seqshard.mesh import training_mesh
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.reference import reference_loss_fn
-from seqshard.model.transformer import batch_loss_terms
+from seqshard.model.sharded import batch_loss_terms
 from seqshard.model.weights import weight_structs
 from seqshard.plan.show import pipeline_report, pipeline_shifts
 from seqshard.shardlib.collective_order import unordered_after_loops
@@ -377,7 +377,7 @@ def test_what_a_pipelined_config_refuses_names_the_key_and_the_fix(overrides, me
 def test_logits_need_a_mesh_without_stages():
     """logits_fn runs every layer on each device: on a p > 1 mesh (a stage's block alone) it
     refuses, naming the fix, instead of returning another model's logits."""
-    from seqshard.model.transformer import logits_fn
+    from seqshard.model.sharded import logits_fn
 
     cfg, mesh = _cfg(), _mesh((2, 2, 1, 2))
     w = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), weight_structs(cfg))

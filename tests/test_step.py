@@ -236,7 +236,7 @@ def test_train_step_metrics_and_update():
 
 def poisoned_loss_terms(cfg: Config):
     """The model's loss terms, made NaN for a batch whose first token is 0 (a poisoned batch)."""
-    from seqshard.model.transformer import batch_loss_terms
+    from seqshard.model.sharded import batch_loss_terms
 
     def terms(w, batch):
         poison = jnp.where(batch.tokens[0, 0] == 0, jnp.nan, 1.0)

@@ -55,8 +55,8 @@ from seqshard.hf.safetensors_io import (
 from seqshard.hf.table import TensorRow, hf_tensor_names
 from seqshard.launch import barrier, is_main_process
 from seqshard.model.config import ModelConfig
-from seqshard.model.cost import format_bytes
 from seqshard.model.weights import Weights
+from seqshard.shardlib.tables import format_bytes
 
 __all__ = [
     "DEFAULT_MAX_FILE_BYTES",

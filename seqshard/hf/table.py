@@ -48,7 +48,7 @@ import einops
 import numpy as np
 
 from seqshard.model.config import ModelConfig
-from seqshard.model.weights import Layer, Weights
+from seqshard.model.weights import Layer, Weights, weight_info_by_path
 from seqshard.shardlib.notation import Shape
 from seqshard.shardlib.shardtypes import ArrayType, type_tree
 
@@ -143,22 +143,15 @@ def _types() -> dict[str, ArrayType]:
     return out
 
 
-_LAYER = "model.layers.{i}."
-TABLE: tuple[TensorRow, ...] = (
-    TensorRow("embed", "model.embed_tokens.weight", "vocab d_model"),
-    TensorRow("layers.ln1", _LAYER + "input_layernorm.weight", "d_model"),
-    TensorRow("layers.w_q", _LAYER + "self_attn.q_proj.weight", "(n_kv n_q_per_kv d_head) d_model"),
-    TensorRow("layers.w_kv", _LAYER + "self_attn.k_proj.weight", "(n_kv d_head) d_model", part=0),
-    TensorRow("layers.w_kv", _LAYER + "self_attn.v_proj.weight", "(n_kv d_head) d_model", part=1),
-    TensorRow("layers.w_o", _LAYER + "self_attn.o_proj.weight", "d_model (n_kv n_q_per_kv d_head)"),
-    TensorRow("layers.ln2", _LAYER + "post_attention_layernorm.weight", "d_model"),
-    TensorRow("layers.w_gate", _LAYER + "mlp.gate_proj.weight", "d_ff d_model"),
-    TensorRow("layers.w_up", _LAYER + "mlp.up_proj.weight", "d_ff d_model"),
-    TensorRow("layers.w_down", _LAYER + "mlp.down_proj.weight", "d_model d_ff"),
-    TensorRow("final_norm", "model.norm.weight", "d_model"),
-    TensorRow("unembed", "lm_head.weight", "vocab d_model"),
+TABLE: tuple[TensorRow, ...] = tuple(
+    TensorRow(field, hf_name, hf_layout, part=part if len(info.hf) > 1 else None)
+    for field, info in weight_info_by_path().items()
+    for part, (hf_name, hf_layout) in enumerate(info.hf)
 )
-"""Every seqshard weight once (``w_kv`` as its two parts), in Hugging Face's file order."""
+"""Every seqshard weight once (``w_kv`` as its two parts), in Hugging Face's file order: read
+off the weights' declarations (each block declares its weights' Hugging Face names beside its
+math: :mod:`seqshard.model.attention_block`, :mod:`seqshard.model.swiglu`, and
+:mod:`seqshard.model.weights` for the embedding and the head)."""
 
 
 def row_of(hf_name: str) -> tuple[TensorRow, int | None] | None:

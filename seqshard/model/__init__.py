@@ -8,7 +8,7 @@ from seqshard.model import decode_mesh, generate    # token ids in and out; text
 from seqshard.model.config import ModelConfig
 from seqshard.model.generate import decode_mesh, generate
 from seqshard.model.reference import reference_logits_fn, reference_loss_fn
-from seqshard.model.transformer import logits_fn, loss_fn, loss_sum_and_count
+from seqshard.model.sharded import logits_fn, loss_fn, loss_sum_and_count
 from seqshard.model.weights import Layer, Weights, init_weights, param_count, weight_structs
 
 __all__ = [

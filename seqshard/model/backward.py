@@ -6,7 +6,7 @@
 Inside the model's shard_map, :func:`explicit_loss_terms` is a ``jax.custom_vjp`` over the
 whole model. Its value is transformer.py's forward pass, unchanged (so eval and generation
 are the same programs whichever backward is chosen); under differentiation its forward keeps
-per layer what ``cfg.remat`` says (:data:`KEPT`), and its backward is written out here, layer
+per layer what ``cfg.remat`` says (:func:`kept_activations`), and its backward is written out here, layer
 by layer in reverse under ``lax.scan``, in the same notation as the forward. Gradients come
 out in the weights' own layouts, as a :class:`~seqshard.model.weights.Weights`.
 
@@ -85,45 +85,35 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard.model.attention import (
-    apply_rope,
-    attention,
-    attention_vjp,
-    einsum_probabilities,
-    einsum_values,
-    resolve_impl,
-)
+from seqshard.model.attention import apply_rope, attention_vjp, resolve_impl
+from seqshard.model.block import Activations as BlockActivations
+from seqshard.model.block import kept
 from seqshard.model.config import ModelConfig
-from seqshard.model.context import (
-    SequenceRows,
-    gathered_kv,
-    ring_backward,
-    ring_forward,
-    sequence_rows,
-)
+from seqshard.model.context import SequenceRows, ring_backward, sequence_rows
 from seqshard.model.transformer import (
+    HEAD,
     embed,
+    final_norm,
     forward_loss_terms,
+    layer_forward,
     loss_terms_and_softmax,
-    norm_input,
-    normed,
     rope_and_mask,
     run_layers,
+    unembed,
 )
-from seqshard.model.weights import Layer, Weights
+from seqshard.model.weights import LAYER_BLOCKS, Layer, Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = [
     "ACTIVATIONS",
-    "KEPT",
     "attention_backward",
     "embed_backward",
     "explicit_loss_terms",
@@ -133,69 +123,27 @@ __all__ = [
     "kept_activations",
     "layer_activations",
     "layer_backward",
-    "layer_output",
     "norm_backward",
     "rms_norm_backward",
 ]
 
 Activations = dict[str, jax.Array]
 
-ACTIVATIONS = (
-    "x",  # the layer input, the residual (cfg.residual_spec: 'B/d L@zigzag/c M/t' or 'B/d L/t M')
-    "ln1",  # the pre-attention norm gain, gathered: 'M' f32
-    "gx",  # the norm's input (norm_input): x gathered over t 'B/d L@zigzag/c M' (M/t), or x (L/t)
-    "nx",  # the normed input of the q, k, v projections: 'B/d L@zigzag/c M'
-    "w_q",  # gathered over d, as every matrix below: 'M Q K/t D'
-    "w_kv",  # '2 M K/t D'
-    "q",  # after RoPE: 'B/d L@zigzag/c Q K/t D'
-    "k",  # after RoPE: 'B/d L@zigzag/c K/t D'
-    "v",  # 'B/d L@zigzag/c K/t D'
-    "keys",  # k gathered over c: 'B/d L@zigzag K/t D' (k itself when c = 1; not for the ring)
-    "values",  # v gathered over c, as keys
-    "probs",  # einsum attention only: f32 'B/d K/t Q Qlen@zigzag/c Klen@zigzag'
-    "attn",  # the attention output before w_o: 'B/d L@zigzag/c Q K/t D'
-    "lse",  # the ring's softmax logsumexp per query (ring attention over c > 1 only)
-    "w_o",  # 'M Q K/t D'
-    "h",  # the residual after attention
-    "ln2",  # 'M' f32
-    "gh",  # h, as gx
-    "nh",  # the FFN's normed input: 'B/d L@zigzag/c M'
-    "w_gate",  # 'M F/t'
-    "w_up",  # 'M F/t'
-    "w_down",  # 'M F/t'
-    "gate",  # 'B/d L@zigzag/c F/t'
-    "up",  # 'B/d L@zigzag/c F/t'
+ACTIVATIONS: tuple[str, ...] = tuple(
+    a.name for block in LAYER_BLOCKS for a in block.activations if a.needed
 )
-"""One layer's activations in the order of its forward pass: everything its backward reads."""
-
-KEPT: Mapping[str, tuple[str, ...]] = {
-    # The layer input and exactly what transformer.py's _layer and ffn mark with
-    # save_for_backward, the operands whose recomputation would cost a matmul.
-    "saved": ("x", "q", "k", "v", "attn", "lse", "h", "gate", "up"),
-    # Only the input: the backward re-runs the layer's forward (but the down projection).
-    "full": ("x",),
-    # Everything, gathered weights and attention probabilities included: nothing recomputed.
-    "none": ACTIVATIONS,
-}
-"""``model.remat`` -> the activations the forward pass keeps per layer for the backward pass."""
-
-_PART_OF = {"ln1": "attn_norm", "gx": "attn_norm", "nx": "attn_norm", "w_q": "q", "w_kv": "kv"}
-_PART_OF |= {"w_o": "o", "h": "o", "ln2": "ffn_norm", "gh": "ffn_norm", "nh": "ffn_norm"}
-_PART_OF |= {"w_gate": "gate", "w_up": "up", "w_down": "down"}
-_PART_OF |= {"keys": "context", "values": "context", "lse": "context"}
-"""The operation (as :func:`seqshard.model.cost.step_flops` names it) each activation belongs to,
-for the collective log; others are named as themselves (``q``)."""
+"""One layer's activations in the order of its forward pass: everything its backward reads
+(declared with the blocks: :data:`seqshard.model.attention_block.ATTENTION`,
+:data:`seqshard.model.swiglu.SWIGLU`)."""
 
 
 def kept_activations(cfg: ModelConfig, c: int = 1) -> tuple[str, ...]:
-    """What the forward pass keeps per layer under ``cfg.remat`` (:data:`KEPT`) on a mesh whose
-    context axis has size ``c``: fused attention has no probabilities to keep, only the ring
-    (c > 1) has a logsumexp and no gathered keys, and with c = 1 the keys are k itself."""
-    ring = cfg.ring_over(c)
-    drop = {"probs"} if ring or not _einsum_attention(cfg) else set()
-    drop |= {"keys", "values"} if ring or c == 1 else {"lse"}
-    drop |= set() if ring else {"lse"}
-    return tuple(n for n in KEPT[cfg.remat] if n not in drop)
+    """What the forward pass keeps per layer under ``cfg.remat`` on a mesh whose context axis
+    has size ``c`` (:func:`seqshard.model.block.kept` of the layer's blocks): ``saved`` the
+    values the blocks mark, ``full`` the layer input, ``none`` everything the backward reads
+    (fused attention has no probabilities, only the ring a logsumexp, and with c = 1 the keys
+    are k itself)."""
+    return kept(LAYER_BLOCKS, cfg, c)
 
 
 def _einsum_attention(cfg: ModelConfig) -> bool:
@@ -213,117 +161,15 @@ def layer_activations(
     rope,
     mask: jax.Array | None,
     w: Layer,
-    kept: Mapping[str, jax.Array],
+    kept_values: Mapping[str, jax.Array],
 ) -> Activations:
-    """One layer's forward pass (transformer.py's ``_layer``) as :data:`ACTIVATIONS`.
-
-    ``kept`` holds what the forward pass kept (at least the input ``x``); each of those is
-    taken as it is, and every other activation is (re)computed from the ones before it: the
-    forward pass calls this with ``{'x': x}``, the backward pass with what was kept.
-    """
-    dt = jnp.dtype(cfg.compute_dtype)
-    cos, sin = rope
-    a = dict(kept)
-
-    def at(name: str, compute: Callable[[], jax.Array]) -> jax.Array:
-        if name not in a:
-            with part(_PART_OF.get(name, name)):
-                a[name] = compute()
-        return a[name]
-
-    x = a["x"]
-    # attention_inputs. The norm needs all of M, the projections every row: gather the gain,
-    # and the residual over t (before the norm for M/t, its output after it for L/t).
-    ln1 = at("ln1", lambda: shardops.all_gather("M/t/d/c -> M", w.ln1))
-    gx = at("gx", lambda: norm_input(cfg, x))
-    nx = at("nx", lambda: normed(cfg, gx, ln1))
-    # FSDP: each matrix is gathered over d just before use, in the backward pass again (only
-    # remat=none keeps gathered weights).
-    w_q = at("w_q", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
-    w_kv = at("w_kv", lambda: shardops.all_gather("2 M/d/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
-    q = at(
-        "q",
-        lambda: apply_rope(
-            shardops.einsum_unreduced(
-                "B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", nx, w_q
-            ),
-            cos,
-            sin,
-        ),
-    )
-    if "k" not in a or "v" not in a:
-        k, v = shardops.einsum_unreduced(
-            "B/d L@zigzag/c M, 2 M K/t D -> 2 B/d L@zigzag/c K/t D", nx, w_kv
-        )
-        a.setdefault("k", apply_rope(k, cos, sin))
-        a.setdefault("v", v)
-    k, v = a["k"], a["v"]
-    c, causal_only = shardops.axis_size("c"), cfg.attention_mask == "causal"
-    if cfg.ring_over(c):  # context.py's ring attention over c, its logsumexp named
-        if "attn" not in a or "lse" not in a:
-            with part("context"):
-                attn, lse = ring_forward(q, k, v, rows.segments, causal_only)
-            a.setdefault("attn", attn)
-            a.setdefault("lse", lse)
-        attn = a["attn"]
-    else:
-        # Every key of the row: k and v gathered over c (themselves when c = 1).
-        if "keys" not in a or "values" not in a:
-            with part("context"):
-                keys, values = gathered_kv(k, v)
-            a.setdefault("keys", keys)
-            a.setdefault("values", values)
-        keys, values = a["keys"], a["values"]
-        if _einsum_attention(cfg):  # attention.py's einsum attention, its probabilities named
-            probs = at("probs", lambda: einsum_probabilities(q, keys, mask))
-            attn = at("attn", lambda: einsum_values(probs.astype(v.dtype), values))
-        else:
-            impl, causal_only = cfg.attention_impl, causal_only and c == 1
-            attn = at("attn", lambda: attention(q, keys, values, mask, impl, causal_only))
-    # attention_output (w_o gathered over d, as above)
-    w_o = at("w_o", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
-
-    def residual_after_attention() -> jax.Array:
-        out = shardops.einsum_unreduced(
-            "B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M", attn, w_o
-        )
-        # Each t shard contracted only its own heads (K/t): sum the shards, into the residual's layout.
-        return x + shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
-
-    h = at("h", residual_after_attention)
-    # ffn: as before the attention, the norm needs all of M; the matrices are gathered over d.
-    ln2 = at("ln2", lambda: shardops.all_gather("M/t/d/c -> M", w.ln2))
-    gh = at("gh", lambda: norm_input(cfg, h))
-    nh = at("nh", lambda: normed(cfg, gh, ln2))
-    w_gate = at("w_gate", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_gate.astype(dt)))
-    w_up = at("w_up", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_up.astype(dt)))
-    at("w_down", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_down.astype(dt)))
-    at(
-        "gate",
-        lambda: shardops.einsum_unreduced(
-            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_gate
-        ),
-    )
-    at(
-        "up",
-        lambda: shardops.einsum_unreduced(
-            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_up
-        ),
-    )
-    return a
-
-
-def layer_output(cfg: ModelConfig, a: Activations) -> jax.Array:
-    """The layer's output (a residual) from its activations: the SwiGLU down projection added
-    to the residual h (the rest of transformer.py's ``ffn``)."""
-    y = jax.nn.silu(a["gate"]) * a["up"]
-    with part("down"):
-        out = shardops.einsum_unreduced(
-            "B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M", y, a["w_down"]
-        )
-        # Each t shard contracted only its own slice of F (F/t): sum the shards, into the residual's layout.
-        out = shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
-    return (a["h"] + out).astype(jnp.dtype(cfg.compute_dtype))
+    """One layer's activations for its backward: transformer.py's layer forward itself
+    (:func:`~seqshard.model.transformer.layer_forward`), taking what the forward pass kept
+    (at least the input ``x``) as it is and computing every other value the backward reads
+    from the ones before it, nothing more (not the down projection: no backward reads it)."""
+    a = BlockActivations(LAYER_BLOCKS, kept_values, explicit=True, only_needed=True)
+    layer_forward(cfg, rows, rope, mask, w, a)
+    return a.values
 
 
 def norm_backward(
@@ -449,8 +295,7 @@ def layer_backward(
     # gradient over t, so each t shard has all of M against its slice of F.
     with part("down"):
         g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_out)
-        gate, up = a["gate"], a["up"]
-        y = jax.nn.silu(gate) * up
+        gate, up, y = a["gate"], a["up"], a["y"]
         d_y = shardops.einsum_unreduced(
             "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", g, a["w_down"]
         )
@@ -541,27 +386,14 @@ def layer_backward(
 def head_forward(
     cfg: ModelConfig, w: Weights, x: jax.Array, rows: SequenceRows
 ) -> tuple[jax.Array, Activations]:
-    """transformer.py's final_norm, unembed and loss on the last residual: the
-    loss terms f32[2] and what the backward keeps of them (everything it reads, as autodiff
-    keeps outside the scanned layers)."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    # final_norm: the norm needs all of M, the logits every row (as in the layers).
-    with part("final_norm"):
-        ln = shardops.all_gather("M/t/d/c -> M", w.final_norm)
-        gx = norm_input(cfg, x)
-        nx = normed(cfg, gx, ln)
-    # unembed: each t shard computes the logits of its vocab block.
-    with part("logits"):
-        table = shardops.all_gather("V/t M/d/c -> V/t M", w.unembed.astype(dt))
-    logits = shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, V/t M -> B/d L@zigzag/c V/t",
-        nx,
-        table,
-        preferred_element_type=jnp.float32,
-    )
+    """transformer.py's final_norm, unembed and loss on the last residual: the loss terms f32[2]
+    and what the backward keeps of them (everything it reads, as autodiff keeps outside the
+    scanned layers): the head's activations (:data:`~seqshard.model.transformer.HEAD`) and
+    the softmax's pieces."""
+    a = BlockActivations((HEAD,))
+    logits = unembed(cfg, w, final_norm(cfg, w, x, a), a)
     terms, exp, sum_exp = loss_terms_and_softmax(logits, rows.targets, rows.counted)
-    kept = {"ln": ln, "gx": gx, "nx": nx, "table": table, "exp": exp, "sum_exp": sum_exp}
-    return terms, kept
+    return terms, {**a.values, "exp": exp, "sum_exp": sum_exp}
 
 
 def head_backward(
@@ -651,8 +483,9 @@ def _layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: 
     rope, mask = rope_and_mask(cfg, rows)
 
     def layer(x, w_layer):
-        a = layer_activations(cfg, rows, rope, mask, w_layer, {"x": x})
-        return layer_output(cfg, a), {name: a[name] for name in keep}
+        a = BlockActivations(LAYER_BLOCKS, {"x": x}, explicit=True)
+        out = layer_forward(cfg, rows, rope, mask, w_layer, a)
+        return out, {name: a[name] for name in keep}
 
     return collective_log.scan("layers", layer, x, layers)
 

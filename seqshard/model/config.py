@@ -14,6 +14,7 @@ from seqshard.model.remat import RematName
 
 __all__ = [
     "DIM_FIELDS",
+    "DTYPE_BYTES",
     "AttentionImpl",
     "AttentionMask",
     "Backward",
@@ -34,7 +35,9 @@ RopeType = Literal["default", "llama3"]
 
 RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/d L@zigzag/c M/t", "L/t": "B/d L@zigzag/c/t M"}
 """``model.residual`` -> the residual stream's layout between blocks, per device."""
-_DTYPES = ("float32", "bfloat16")
+DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2}
+"""The compute dtypes (``model.compute_dtype``) and their bytes: the one table of them."""
+_DTYPES = tuple(DTYPE_BYTES)
 
 
 DIM_FIELDS = {
@@ -158,16 +161,6 @@ class ModelConfig:
         """Global sizes of the dimension names used in the weight types: the model's shape."""
         return {dim: getattr(self, field) for dim, field in DIM_FIELDS.items()}
 
-    def check_mesh(self, mesh_sizes: Mapping[str, int]) -> None:
-        """Raise ValueError, before anything compiles, if a mesh of these axis sizes (e.g.
-        ``{'d': 4, 't': 2}``, missing axes 1) cannot split the model's weights.
-
-        The rule is read off the weight types: each dimension split over mesh axes (``vocab/t``,
-        ``d_model/t/d/c``) must be divisible by the product of their sizes."""
-        from seqshard.model.weights import check_weights_split  # weights.py imports this module
-
-        check_weights_split(self, mesh_sizes)
-
     @property
     def residual_spec(self) -> str:
         """The residual stream between blocks: ``'B/d L@zigzag/c M/t'`` or ``'B/d L@zigzag/c/t M'``
@@ -182,6 +175,11 @@ class ModelConfig:
     @property
     def n_heads(self) -> int:
         return self.n_q_per_kv * self.n_kv
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one value in ``compute_dtype``."""
+        return DTYPE_BYTES[self.compute_dtype]
 
 
 def _check_choice(name: str, value: str, choices) -> None:

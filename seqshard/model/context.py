@@ -57,6 +57,7 @@ __all__ = [
     "gathered_kv",
     "context_mask",
     "ring_attention",
+    "next_token_targets",
     "ring_backward",
     "ring_forward",
     "sequence_rows",
@@ -81,11 +82,20 @@ def _local(x: jax.Array) -> jax.Array:
     )
 
 
+def next_token_targets(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The next token at each position and whether it counts: ``[B, L]`` each.
+
+    A position counts when a next token exists in the same document (the last position of a
+    row and the last token of each packed document have no target).
+    """
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    has_next = jnp.concatenate([~is_seq_start[:, 1:], jnp.zeros_like(is_seq_start[:, :1])], axis=1)
+    return targets, has_next
+
+
 def sequence_rows(tokens: jax.Array, is_seq_start: jax.Array) -> SequenceRows:
     """The batch's 'B/d L/c' ids and document starts -> :class:`SequenceRows` (inside the
     model's shard_map). One all-gather over c of each (none when c = 1)."""
-    from seqshard.model.transformer import next_token_targets  # it imports this module
-
     whole = shardops.all_gather("B/d L/c -> B/d L", tokens)
     starts = shardops.all_gather("B/d L/c -> B/d L", is_seq_start)
     targets, counted = next_token_targets(whole, starts)

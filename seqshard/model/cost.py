@@ -31,7 +31,7 @@ Conventions, used by every count here:
   Fused kernels (cudnn, splash) skip most masked blocks, and re-run ``q . k^T`` and the
   softmax in their backward whatever the policy: not counted.
 * **Recompute** is asked of the remat policy, per layer operation
-  (:meth:`seqshard.model.remat.RematPolicy.recomputes`): its forward FLOPs again, in the backward
+  (each operation's declared ``recomputed_by``, :func:`recomputes`): its forward FLOPs again, in the backward
   pass. The embedding, final norm, logits and loss run outside the checkpointed layer scan
   and are never recomputed.
 * **Model vs hardware FLOPs.** :func:`flops_per_token` is the matmul rows, forward and
@@ -59,11 +59,10 @@ Memory (:func:`memory_per_device`) is an estimate of what lives on one device of
 moments, all fully sharded over ``d*c*t``; the activations each layer saves for the backward
 pass under ``cfg.remat``; and the f32 logits.
 
-What ``cfg.remat`` recomputes and keeps is the policy's to say (:mod:`seqshard.model.remat`):
+What ``cfg.remat`` recomputes and keeps is declared with the blocks (:mod:`seqshard.model.block`):
 
-    policy = remat_policy(cfg.remat)
-    policy.recomputes('softmax')                                               # per layer op
-    policy.saved_bytes(layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len))  # per layer
+    recomputes(cfg.remat, 'softmax')                                           # per layer op
+    saved_bytes(cfg, layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len))  # per layer
 
 Parameter counts are read off the weight types (:mod:`seqshard.model.weights`), not a formula.
 """
@@ -73,16 +72,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Collection, Mapping
+from typing import Literal
 
 import jax
 
-from seqshard.model.remat import remat_policy
+from seqshard.model.block import Block, Op, activation_bytes, kept, recomputed
+from seqshard.model.config import DTYPE_BYTES, ModelConfig
+from seqshard.model.transformer import EMBED, HEAD
+from seqshard.model.weights import LAYER_BLOCKS, check_mesh, param_count, weight_structs
 from seqshard.shardlib.notation import parse_op, parse_shape
-
-if TYPE_CHECKING:  # only its fields are read; importing seqshard.model.cost stays light
-    from seqshard.model.config import ModelConfig
+from seqshard.shardlib.tables import format_bytes
 
 __all__ = [
     "OPTIMIZER_FLOPS_PER_PARAM",
@@ -96,8 +96,6 @@ __all__ = [
     "Phase",
     "StepFlops",
     "flops_per_token",
-    "format_bytes",
-    "format_table",
     "hardware_flops_per_token",
     "layer_bytes",
     "matmul_flops_per_token",
@@ -105,10 +103,10 @@ __all__ = [
     "mfu",
     "param_bytes",
     "param_count",
+    "recomputes",
+    "saved_bytes",
     "step_flops",
 ]
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,94 +228,24 @@ class StepFlops:
 _TOKEN, _PAIR, _PARAM = "token", "pair", "parameter"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Formula:
-    """An operation's FLOPs per unit: per token, per (query, key, head) triple of attention,
-    or per parameter."""
-
-    name: str
-    kind: OpKind
-    per: str
-    forward: int
-    backward: int
-    spec: str
-    update: int = 0
-
-
-def _matmul(name: str, per: str, forward: int, spec: str) -> _Formula:
-    """A matmul: its backward is one matmul per operand, each the forward's size."""
-    return _Formula(name, "matmul", per, forward, 2 * forward, spec)
-
-
-def _elementwise(name: str, per: str, forward: int, backward: int, spec: str) -> _Formula:
-    return _Formula(name, "elementwise", per, forward, backward, spec)
-
-
-def _norm(cfg: ModelConfig, name: str, consumers: int) -> _Formula:
-    """RMSNorm of the gathered residual, ``x / rms(x) * gain`` over M, in f32.
-
-    Forward: x*x, their sum, / M, + eps, rsqrt, x * r, * gain: ``4 M + 3``. Backward, seed
-    004's fused LayerNorm form for RMS: the gain's gradient ``sum(dy * xhat)`` over the
-    tokens (2 M); ``v = dy * gain``, ``sum(v * xhat)``, ``r * (v - xhat * s / M)`` (6 M);
-    and, when its output feeds two matmuls, the sum of their cotangents (M)."""
-    m = cfg.d_model
-    return _elementwise(name, _TOKEN, 4 * m + 3, 8 * m + (consumers - 1) * m, "B/d L M")
-
-
-def _layer_ops(cfg: ModelConfig) -> tuple[_Formula, ...]:
-    """One layer's operations, in the order transformer.py runs them. The names are what
-    :meth:`seqshard.model.remat.RematPolicy.recomputes` is asked about."""
-    m, f, h, k, dh = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv, cfg.d_head
-    return (
-        _norm(cfg, "attn_norm", consumers=2),  # feeds the q and the k, v einsums
-        _matmul("q", _TOKEN, 2 * m * h * dh, "B/d L M, M Q K/t D -> B/d L Q K/t D"),
-        _matmul("k", _TOKEN, 2 * m * k * dh, "B/d L M, M K/t D -> B/d L K/t D"),
-        _matmul("v", _TOKEN, 2 * m * k * dh, "B/d L M, M K/t D -> B/d L K/t D"),
-        # q and k: each pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), 6 per 2 elements;
-        # the backward rotates back, the same 6.
-        _elementwise("rope", _TOKEN, 3 * (h + k) * dh, 3 * (h + k) * dh, "B/d L Q K/t D"),
-        _matmul("scores", _PAIR, 2 * dh, "B/d Lq Q K/t D, B/d Lk K/t D -> B/d Lq Lk Q K/t"),
-        # Scale by 1/sqrt(D), select the masked out; the backward does both to the cotangent.
-        _elementwise("mask", _PAIR, 2, 2, "B/d Lq Lk Q K/t"),
-        # max, subtract, exp, sum, divide; backward p * (g - sum(p * g)): seed 004's 4.
-        _elementwise("softmax", _PAIR, 5, 4, "B/d Lq Lk Q K/t"),
-        _matmul("values", _PAIR, 2 * dh, "B/d Lq Lk Q K/t, B/d Lk K/t D -> B/d Lq Q K/t D"),
-        _matmul("o", _TOKEN, 2 * h * dh * m, "B/d L Q K/t D, M Q K/t D -> B/d L M"),
-        # x + out; the backward sums the cotangents of the residual path and the block's.
-        _elementwise("attn_residual", _TOKEN, m, m, "B/d L M/t"),
-        _norm(cfg, "ffn_norm", consumers=2),  # feeds gate and up
-        _matmul("gate", _TOKEN, 2 * m * f, "B/d L M, M F/t -> B/d L F/t"),
-        _matmul("up", _TOKEN, 2 * m * f, "B/d L M, M F/t -> B/d L F/t"),
-        # s = sigmoid(gate), gate * s, * up. Backward: d up = g * gate * s (1); d gate =
-        # g * up * s * (1 + gate * (1 - s)) (6).
-        _elementwise("swiglu", _TOKEN, 3 * f, 7 * f, "B/d L F/t"),
-        _matmul("down", _TOKEN, 2 * f * m, "B/d L F/t, M F/t -> B/d L M"),
-        _elementwise("ffn_residual", _TOKEN, m, m, "B/d L M/t"),
-    )
-
-
-def _outer_ops(cfg: ModelConfig, microbatches: int) -> tuple[tuple[_Formula, ...], ...]:
-    """The operations before the layers, and after them."""
-    m, v, dh = cfg.d_model, cfg.vocab, cfg.d_head
+def _optimizer_op(microbatches: int) -> Op:
+    """The update, per parameter: every weight (and its moments) is split over both d and t."""
     update = OPTIMIZER_FLOPS_PER_PARAM + (microbatches if microbatches > 1 else 0)
-    before = (
-        # A lookup (each t shard selecting the rows of its vocab block is not counted); the
-        # backward scatter-adds each token's cotangent into its row.
-        _elementwise("embed", _TOKEN, 0, m, "B/d L M"),
-        # angle = position * frequency, cos, sin, on D/2. Positions and masks (integer and
-        # boolean work, once per step) are not counted.
-        _elementwise("rope_tables", _TOKEN, 3 * dh // 2, 0, "B/d L D"),
+    return Op(
+        "optimizer",
+        "elementwise",
+        _PARAM,
+        "d_model/d d_ff/t",
+        lambda m: 0,
+        lambda m: 0,
+        update=lambda m: update,
     )
-    after = (
-        _norm(cfg, "final_norm", consumers=1),
-        _matmul("logits", _TOKEN, 2 * m * v, "B/d L M, V/t M -> B/d L V/t"),
-        # logsumexp over the vocabulary: max, subtract, exp, sum (the per-position scalars
-        # after it are not counted); backward softmax(logits) - onehot(target): 2 per logit.
-        _elementwise("loss", _TOKEN, 4 * v, 2 * v, "B/d L V/t"),
-        # Every weight (and its moments) is split over both d and t.
-        _Formula("optimizer", "elementwise", _PARAM, 0, 0, "d_model/d d_ff/t", update),
-    )
-    return before, after
+
+
+def recomputes(remat: str, op: str) -> bool:
+    """Whether one layer's backward under ``remat`` re-runs the layer operation ``op`` (its
+    declaration's ``recomputed_by``; ``op`` named as in :func:`step_flops`, or ``context``)."""
+    return op in recomputed(LAYER_BLOCKS, remat)
 
 
 def step_flops(
@@ -339,7 +267,6 @@ def step_flops(
 def _step_flops(
     cfg: ModelConfig, batch: int, seq_len: int, causal: bool, microbatches: int
 ) -> StepFlops:
-    policy = remat_policy(cfg.remat)
     pairs_per_row = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
     units = {
         _TOKEN: batch * seq_len,
@@ -347,27 +274,32 @@ def _step_flops(
         _PARAM: param_count(cfg),
     }
 
-    def row(f: _Formula, in_layer: bool) -> OpFlops:
+    def row(op: Op, in_layer: bool) -> OpFlops:
         runs = cfg.n_layers if in_layer else 1
-        n = runs * units[f.per]
+        n = runs * units[op.per]
+        forward = n * op.forward(cfg)
         return OpFlops(
-            name=f.name,
-            kind=f.kind,
-            spec=f.spec,
+            name=op.name,
+            kind=op.kind,
+            spec=op.spec,
             runs=runs,
             in_layer=in_layer,
-            per=f.per,
-            forward=n * f.forward,
-            backward=n * f.backward,
-            recompute=n * f.forward if in_layer and policy.recomputes(f.name) else 0,
-            update=n * f.update,
+            per=op.per,
+            forward=forward,
+            backward=n * op.backward(cfg),
+            recompute=forward if in_layer and cfg.remat in op.recomputed_by else 0,
+            update=n * op.update(cfg),
         )
 
-    before, after = _outer_ops(cfg, microbatches)
+    def rows(blocks: tuple[Block, ...], in_layer: bool) -> list[OpFlops]:
+        # A transfer moves data and computes nothing the table counts.
+        return [row(op, in_layer) for b in blocks for op in b.ops if op.kind != "transfer"]
+
     ops = (
-        *(row(f, in_layer=False) for f in before),
-        *(row(f, in_layer=True) for f in _layer_ops(cfg)),
-        *(row(f, in_layer=False) for f in after),
+        *rows((EMBED,), in_layer=False),
+        *rows(LAYER_BLOCKS, in_layer=True),
+        *rows((HEAD,), in_layer=False),
+        row(_optimizer_op(microbatches), in_layer=False),
     )
     return StepFlops(ops=ops, batch=batch, seq_len=seq_len, causal=causal)
 
@@ -410,7 +342,7 @@ class MatmulFlops:
 
     def recomputed(self, recomputes: Callable[[str], bool]) -> int:
         """The per-layer parts whose operations ``recomputes(name)`` says a policy re-runs
-        (:meth:`seqshard.model.remat.RematPolicy.recompute_flops`). ``qkv`` lumps q, k and v, so a
+        (``lambda op: recomputes(cfg.remat, op)``). ``qkv`` lumps q, k and v, so a
         policy must re-run all three or none of them."""
         total = 0
         for flops, names in (
@@ -511,32 +443,14 @@ def mfu(tokens_per_s: float, cfg: ModelConfig, peak_flops: float, *, seq_len: in
 # Parameters
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """Number of weight elements, read off the weight types (:class:`seqshard.model.Weights`):
-    embed, unembed, final norm and, per layer, w_q, w_kv, w_o, w_gate, w_up, w_down, ln1, ln2."""
-    return sum(math.prod(s.shape) for s in _weight_structs(cfg))
-
-
 def param_bytes(cfg: ModelConfig, dtype: str | None = None) -> int:
     """Bytes of all weights: in their declared dtypes (the f32 master copy) by default, or
     all in ``dtype`` (``'float32'``, ``'bfloat16'``)."""
     if dtype is not None:
-        return param_count(cfg) * _dtype_bytes(dtype)
-    return sum(math.prod(s.shape) * s.dtype.itemsize for s in _weight_structs(cfg))
-
-
-def _weight_structs(cfg: ModelConfig) -> list[jax.ShapeDtypeStruct]:
-    """Every weight's global ``jax.ShapeDtypeStruct``, from the types."""
-    # Imported here: seqshard.model loads the whole model (attention, generation, data).
-    from seqshard.model.weights import weight_structs
-
-    return jax.tree.leaves(weight_structs(cfg))
-
-
-def _dtype_bytes(dtype: str) -> int:
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}.")
-    return _DTYPE_BYTES[dtype]
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}.")
+        return param_count(cfg) * DTYPE_BYTES[dtype]
+    return sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(weight_structs(cfg)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,80 +478,28 @@ class MemoryEstimate:
         return f"{format_bytes(self.total)} per device ({body})"
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerBytes:
-    """Bytes on one device of each array one layer's forward pass makes, for a remat policy
-    to choose from (:meth:`seqshard.model.remat.RematPolicy.saved_bytes`).
-
-    Per device: the batch split over d (b = batch/d rows), heads / d_ff / d_model over t;
-    c = bytes of ``cfg.compute_dtype``. See :func:`layer_bytes`."""
-
-    # What the layer marks with save_for_backward, and its input; all in c.
-    x: int  # the layer input 'b L M/t'
-    q: int  # after RoPE 'b L Q K/t D'
-    k: int  # after RoPE 'b L K/t D'
-    v: int  # 'b L K/t D'
-    attn: int  # the attention output before w_o 'b L Q K/t D'
-    h: int  # the post-attention residual 'b L M/t'
-    gate: int  # 'b L F/t'
-    up: int  # 'b L F/t'
-    # Unmarked: an upper estimate of what autodiff keeps of the rest without remat.
-    # The gathered w_q, w_kv, w_o 'M Q|2 K/t D' and w_gate, w_up, w_down 'M F/t' in c;
-    # ln1, ln2 'M' in f32.
-    weights: int
-    block_inputs: int  # gathered and normalized input of both blocks: 4 x 'b L M' in c
-    q_k_before_rope: int  # 'b L Q K/t D' + 'b L K/t D' in c
-    probs: int  # 'b L L Q K/t' in f32, plus its c copy (the probs . v operand) when c is not f32
-    swiglu: int  # swish(gate) and swish(gate) * up: 2 x 'b L F/t' in c
-    # With the sequence split over the context axis: allgather's gathered k and v
-    # 'b L K/t D' (2 x, in c), or the ring's visiting block; 0 when the axis has size 1.
-    context_kv: int = 0
+LayerBytes = Mapping[str, int]
+"""Bytes on one device of each activation one layer's forward makes (:func:`layer_bytes`)."""
 
 
 def layer_bytes(
     cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1
 ) -> LayerBytes:
-    """The per-device arrays of one layer on a ``d x c x t`` mesh, global batch ``batch`` of
-    ``seq_len`` tokens (raises ValueError if the mesh cannot split the model or the batch).
-
-    With the sequence split over c each device holds ``L/c`` positions of its rows: every
-    activation shrinks by c. Its attention: ``allgather`` holds every key and value of the
-    row ('b L K/t D' twice, :attr:`LayerBytes.context_kv`) and probabilities 'b L/c L Q K/t'
-    (1/c of c = 1's); the ring holds one visiting block of k and v (as large as its own) and
-    the scores of one pair of chunks at a time, 'b L/2c L/2c Q K/t' in f32 (1/c^2)."""
+    """Each activation of one layer, its bytes on one device of a ``d x c x t`` mesh, global
+    batch ``batch`` of ``seq_len`` tokens (raises ValueError if the mesh cannot split the model
+    or the batch): read off the blocks' declarations (:func:`seqshard.model.block.activation_bytes`),
+    the activations the layer makes on that mesh (probabilities only for einsum attention over
+    gathered keys, a logsumexp only for the ring, keys gathered over c only for allgather)."""
     _check_step(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c)
-    cb = _dtype_bytes(cfg.compute_dtype)
-    b, L, Lc = batch // d, seq_len, seq_len // c
-    m, f, q, k_t, dh = cfg.d_model, cfg.d_ff, cfg.n_q_per_kv, cfg.n_kv // t, cfg.d_head
-    ring = cfg.ring_over(c)
-
-    # Elements of one per-device activation of each shape.
-    x_el = b * Lc * (m // t)  # 'b L/c M/t' (or 'b L/c/t M': the same size)
-    q_el = b * Lc * q * k_t * dh  # 'b L/c Q K/t D'
-    kv_el = b * Lc * k_t * dh  # 'b L/c K/t D'
-    ff_el = b * Lc * (f // t)  # 'b L/c F/t'
-    if ring:
-        probs = 4 * b * (Lc // 2) ** 2 * q * k_t  # one chunk pair's f32 scores
-        context_kv = cb * 2 * kv_el  # the visiting k and v block
-    else:
-        probs = (4 + (cb if cb != 4 else 0)) * b * Lc * L * q * k_t
-        context_kv = cb * 2 * b * L * k_t * dh if c > 1 else 0  # gathered over c
-    return LayerBytes(
-        x=cb * x_el,
-        q=cb * q_el,
-        k=cb * kv_el,
-        v=cb * kv_el,
-        attn=cb * q_el,
-        h=cb * x_el,
-        gate=cb * ff_el,
-        up=cb * ff_el,
-        weights=cb * (2 * m * q * k_t * dh + 2 * m * k_t * dh + 3 * m * (f // t)) + 4 * 2 * m,
-        block_inputs=cb * 4 * b * Lc * m,
-        q_k_before_rope=cb * (q_el + kv_el),
-        probs=probs,
-        swiglu=cb * 2 * ff_el,
-        context_kv=context_kv,
+    return activation_bytes(
+        LAYER_BLOCKS, cfg, {"d": d, "c": c, "t": t}, batch=batch, seq_len=seq_len
     )
+
+
+def saved_bytes(cfg: ModelConfig, layer: LayerBytes, c: int = 1) -> int:
+    """Bytes on one device one layer keeps for its backward under ``cfg.remat``: what the
+    blocks declare it keeps (:func:`seqshard.model.block.kept`)."""
+    return sum(layer[name] for name in kept(LAYER_BLOCKS, cfg, c))
 
 
 def memory_per_device(
@@ -661,9 +523,7 @@ def memory_per_device(
     scores on the einsum path, and its gathered weights), gradients in flight, collective
     buffers, XLA temporaries and allocator fragmentation: leave headroom.
     """
-    per_layer = remat_policy(cfg.remat).saved_bytes(
-        layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c)
-    )
+    per_layer = saved_bytes(cfg, layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c), c)
     weights = -(-param_bytes(cfg) // (d * c * t))  # ceil: exact whenever check_mesh passes
     return MemoryEstimate(
         weights=weights,
@@ -679,7 +539,7 @@ def _check_step(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c
     for name, value in (("d", d), ("c", c), ("t", t), ("batch", batch), ("seq_len", seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    cfg.check_mesh({"d": d, "c": c, "t": t})
+    check_mesh(cfg, {"d": d, "c": c, "t": t})
     if c > 1 and seq_len % (2 * c):
         raise ValueError(
             f"seq_len={seq_len} is not divisible by 2c = {2 * c} (the zigzag layout over c "
@@ -690,37 +550,3 @@ def _check_step(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c
             f"batch={batch} is not divisible by mesh axis d={d} (the batch "
             f"is split 'B/d'). Choose a batch divisible by {d}."
         )
-
-
-def format_table(
-    rows: Sequence[Sequence[str]], header: Sequence[str], right: Collection[int] = ()
-) -> str:
-    """A text table: columns padded to their widest cell, two spaces apart, a dashed line under
-    the header; the columns numbered in ``right`` (numbers) aligned right, the others left."""
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-
-    def line(r: Sequence[str]) -> str:
-        cells = (
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        return "  ".join(cells).rstrip()
-
-    lines = [line(r) for r in (header, *rows)]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``: binary units, two decimals; ``'512 B'`` below 1 KiB."""
-    if n < 0:
-        return "-" + format_bytes(-n)
-    if n < 1024:
-        return f"{int(n)} B"
-    units = ("KiB", "MiB", "GiB", "TiB", "PiB")
-    i = 0
-    n /= 1024
-    while n >= 1024 and i < len(units) - 1:
-        n /= 1024
-        i += 1
-    return f"{n:.2f} {units[i]}"

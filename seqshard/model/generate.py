@@ -63,7 +63,7 @@ from seqshard.model.transformer import (
     final_norm,
     unembed,
 )
-from seqshard.model.weights import Layer, Weights
+from seqshard.model.weights import Layer, Weights, check_mesh
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shapecheck import shape_scope
 from seqshard.shardlib.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
@@ -152,7 +152,7 @@ class DecodeSpec:
 
 def _fits(cfg: ModelConfig, d: int, t: int) -> bool:
     try:
-        cfg.check_mesh({"d": d, "t": t})
+        check_mesh(cfg, {"d": d, "t": t})
     except ValueError:
         return False
     return True
@@ -465,7 +465,7 @@ def _check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
             f"each row's cache whole on a device and needs c = 1. Make the mesh with "
             f"decode_mesh(batch, cfg) (axes d and t; weights trained with c > 1 load on it)."
         )
-    cfg.check_mesh(dict(mesh.shape))
+    check_mesh(cfg, dict(mesh.shape))
 
 
 def _check_vocab(sampling: Sampling, vocab: int) -> None:

@@ -4,15 +4,10 @@
     body = explicit_activation_checkpointing(layer, 'saved')   # or remat_policy('saved')
 
 A remat policy is a small typed object, one per value of the config key
-``model.remat: saved | full | none``. Besides the ``jax.checkpoint`` policy it wraps the layer
-with, it owns what that choice costs, so the accounting in :mod:`seqshard.model.cost` asks it
-instead of matching strings:
-
-    policy = remat_policy(cfg.remat)               # SavedRemat(), FullRemat() or NoRemat()
-    policy.checkpoint_policy                       # for jax.checkpoint; None: no checkpointing
-    policy.recomputes('softmax')                   # does the backward re-run this layer op?
-    policy.recompute_flops(matmul_flops_per_token(cfg, seq_len))   # per layer, per token
-    policy.saved_bytes(layer_bytes(cfg, d=2, t=4, batch=8, seq_len=1024))  # per layer, device
+``model.remat: saved | full | none``: the ``jax.checkpoint`` policy it wraps the layer with.
+What each keeps and re-runs is declared with the blocks (:mod:`seqshard.model.block`: each
+activation's ``saved``, each operation's ``recomputed_by``), where the forward marks it and the
+cost model (:mod:`seqshard.model.cost`) and the collective prediction read it.
 
 :class:`SavedRemat` keeps exactly the values wrapped in :func:`save_for_backward` (and the
 body's inputs); :class:`FullRemat` keeps only the inputs; :class:`NoRemat` applies no
@@ -24,13 +19,10 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+from typing import ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
-
-if TYPE_CHECKING:  # the accounting types; seqshard.model.cost imports this module
-    from seqshard.model.cost import LayerBytes, MatmulFlops
 
 __all__ = [
     "REMAT_POLICIES",
@@ -61,7 +53,7 @@ def save_for_backward(x: T) -> T:
 
 @runtime_checkable
 class RematPolicy(Protocol):
-    """What a scanned layer keeps for the backward pass, and what that costs per layer."""
+    """What a scanned layer keeps for the backward pass: the ``jax.checkpoint`` policy."""
 
     name: ClassVar[str]
     """Its value of ``model.remat``."""
@@ -69,21 +61,6 @@ class RematPolicy(Protocol):
     @property
     def checkpoint_policy(self) -> Callable[..., bool] | None:
         """The ``jax.checkpoint`` policy the layer body is wrapped with; None: not wrapped."""
-        ...
-
-    def recomputes(self, op: str) -> bool:
-        """Whether one layer's backward pass re-runs the layer's forward operation ``op``,
-        named as in :func:`seqshard.model.cost.step_flops` (``'attn_norm'``, ``'q'``, ...,
-        ``'ffn_residual'``). The FLOP accounting asks this of every layer operation."""
-        ...
-
-    def recompute_flops(self, parts: MatmulFlops) -> int:
-        """Matmul FLOPs per token that one layer's backward pass re-runs of its forward
-        (``parts.recomputed(self.recomputes)``)."""
-        ...
-
-    def saved_bytes(self, layer: LayerBytes) -> int:
-        """Bytes on one device that one layer keeps from its forward pass for its backward."""
         ...
 
 
@@ -102,12 +79,13 @@ class SavedRemat:
     all-gathered again in the backward pass, as FSDP does, so no layer's gathered weights
     outlive its step.
 
-    Recomputed (:attr:`RECOMPUTED`): what the backward pass needs and nothing marks. The
+    Recomputed (the operations whose ``recomputed_by`` names ``saved``): what the backward
+    pass needs and nothing marks. The
     normalized block inputs (``attn_norm``, ``ffn_norm``), operands of the projections'
     weight gradients; ``q . k^T`` with its scale, mask and softmax (``scores``, ``mask``,
     ``softmax``), for the probabilities that the softmax's and ``probs . v``'s backward need;
     ``swish(gate) * up`` (``swiglu``), the down projection's weight-gradient operand; and with
-    the sequence split over c, attention across it (``context``, :attr:`RECOMPUTED_TRANSFERS`:
+    the sequence split over c, attention across it (``context``, a transfer:
     it moves data and computes nothing the FLOP table counts): allgather's k and v gathered
     over c, or, under autodiff, the ring's forward (its custom VJP's residuals are not marked;
     the hand-written backward keeps the ring's output and logsumexp instead). The
@@ -117,24 +95,10 @@ class SavedRemat:
     """
 
     name: ClassVar[str] = "saved"
-    RECOMPUTED: ClassVar[frozenset[str]] = frozenset(
-        {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu"}
-    )
-    # Parts that move data and compute nothing (no row of seqshard.model.cost's table).
-    RECOMPUTED_TRANSFERS: ClassVar[frozenset[str]] = frozenset({"context"})
 
     @property
     def checkpoint_policy(self) -> Callable[..., bool]:
         return _SAVE_MARKED
-
-    def recomputes(self, op: str) -> bool:
-        return op in self.RECOMPUTED or op in self.RECOMPUTED_TRANSFERS
-
-    def recompute_flops(self, parts: MatmulFlops) -> int:
-        return parts.recomputed(self.recomputes)
-
-    def saved_bytes(self, layer: LayerBytes) -> int:
-        return layer.x + layer.q + layer.k + layer.v + layer.attn + layer.h + layer.gate + layer.up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,27 +106,17 @@ class FullRemat:
     """``full``: keep only the layer input; the backward pass re-runs the layer's forward.
 
     The least memory (one ``'B/d L M/t'`` residual per layer) for the most recomputation:
-    every operation of the layer but the last two (:attr:`NOT_RECOMPUTED`). Nothing in the
+    every operation of the layer but the last two (``down``, ``ffn_residual``). Nothing in the
     backward pass needs the down projection's output (only its input and weight), nor the
     layer's output, so JAX / XLA drop both from the recomputation (checked against XLA's
     count in tests/test_flops.py).
     """
 
     name: ClassVar[str] = "full"
-    NOT_RECOMPUTED: ClassVar[frozenset[str]] = frozenset({"down", "ffn_residual"})
 
     @property
     def checkpoint_policy(self) -> Callable[..., bool]:
         return jax.checkpoint_policies.nothing_saveable
-
-    def recomputes(self, op: str) -> bool:
-        return op not in self.NOT_RECOMPUTED
-
-    def recompute_flops(self, parts: MatmulFlops) -> int:
-        return parts.recomputed(self.recomputes)
-
-    def saved_bytes(self, layer: LayerBytes) -> int:
-        return layer.x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,16 +134,6 @@ class NoRemat:
     @property
     def checkpoint_policy(self) -> None:
         return None
-
-    def recomputes(self, op: str) -> bool:
-        return False
-
-    def recompute_flops(self, parts: MatmulFlops) -> int:
-        return parts.recomputed(self.recomputes)
-
-    def saved_bytes(self, layer: LayerBytes) -> int:
-        # Every array the layer makes: an array added to LayerBytes is kept here too.
-        return sum(getattr(layer, f.name) for f in dataclasses.fields(layer))
 
 
 REMAT_POLICIES: Mapping[str, RematPolicy] = types.MappingProxyType(

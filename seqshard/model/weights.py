@@ -2,8 +2,14 @@
 
 Weights at rest are fully sharded: rows (``d_model``) over d and c (FSDP groups over both:
 ``d_model/d/c``), heads / ``d_ff`` / ``vocab`` over t (Megatron). Norm weights are split over
-all three, t major: ``'d_model/t/d/c'``,
-the same order for all three (the seed mixes ``d/t`` and ``t/d``).
+all three, t major: ``'d_model/t/d/c'``, the same order for all three (the seed mixes ``d/t``
+and ``t/d``).
+
+A layer's weights are its blocks' (:data:`LAYER_BLOCKS`): each block module declares its
+fields, with their init, decay, gather dtype and Hugging Face names beside its math
+(:mod:`seqshard.model.attention_block`, :mod:`seqshard.model.swiglu`); :class:`Layer` is their
+fields side by side, flat (``layers.w_q``, the checkpoints' paths). The weights outside the
+layers are declared here, the same way.
 
 Initial values (std of a normal, zero mean), chosen so every residual-stream contribution
 starts at unit scale and the residual stream grows like sqrt(layers), as in GPT-2 / Llama:
@@ -18,8 +24,10 @@ starts at unit scale and the residual stream grows like sqrt(layers), as in GPT-
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import typing
 from collections.abc import Mapping
 
 import jax
@@ -27,7 +35,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from seqshard.mesh import axis_sizes, describe_sizes
+from seqshard.model.attention_block import ATTENTION, AttentionWeights
+from seqshard.model.block import Block, Weight, gain, weight, weight_info
 from seqshard.model.config import ModelConfig
+from seqshard.model.swiglu import SWIGLU, SwigluWeights
 from seqshard.shardlib.shardtypes import (
     Array,
     ArrayType,
@@ -38,49 +49,81 @@ from seqshard.shardlib.shardtypes import (
 )
 
 __all__ = [
+    "LAYER_BLOCKS",
     "Layer",
     "Weights",
-    "check_weights_split",
+    "check_mesh",
     "init_weights",
     "param_count",
+    "weight_info_by_path",
     "weight_structs",
 ]
 
 
-@pytree_dataclass
-class Layer:
-    """One transformer layer (pre-norm attention, then pre-norm SwiGLU FFN)."""
+def layer_type(name: str, *parts: type) -> type:
+    """A flat pytree dataclass holding the fields of ``parts`` (block weight dataclasses), in
+    order, each with its type and declaration."""
+    annotations, namespace = {}, {"__module__": __name__}
+    for part in parts:
+        hints = typing.get_type_hints(part)
+        for f in dataclasses.fields(part):
+            annotations[f.name] = hints[f.name]
+            namespace[f.name] = dataclasses.field(metadata=f.metadata)
+    namespace["__annotations__"] = annotations
+    namespace["__doc__"] = (
+        f"One layer's weights: the fields of {', '.join(p.__name__ for p in parts)}."
+    )
+    return pytree_dataclass(type(name, (), namespace))
 
-    ln1: f32["d_model/t/d/c"]  # pre-attention RMSNorm gain
-    w_q: f32["d_model/d/c n_q_per_kv n_kv/t d_head"]
-    w_kv: f32["2 d_model/d/c n_kv/t d_head"]  # [0] makes k, [1] makes v
-    w_o: f32["d_model/d/c n_q_per_kv n_kv/t d_head"]
-    ln2: f32["d_model/t/d/c"]  # pre-FFN RMSNorm gain
-    w_gate: f32["d_model/d/c d_ff/t"]
-    w_up: f32["d_model/d/c d_ff/t"]
-    w_down: f32["d_model/d/c d_ff/t"]
+
+LAYER_BLOCKS: tuple[Block, ...] = (ATTENTION, SWIGLU)
+"""The blocks of one layer, in the order the layer runs them."""
+
+Layer = layer_type("Layer", AttentionWeights, SwigluWeights)
+
+
+def _fan_in(cfg: ModelConfig) -> float:
+    return 1 / math.sqrt(cfg.d_model)
 
 
 @pytree_dataclass
 class Weights:
     """All weights; ``layers`` holds every Layer field with a leading ``layers`` dimension."""
 
-    embed: f32["vocab/t d_model/d/c"]
-    layers: Array["layers/p", Layer]  # stage s of p holds the s-th block of layers
-    final_norm: f32["d_model/t/d/c"]
-    unembed: f32["vocab/t d_model/d/c"]
+    embed: f32["vocab/t d_model/d/c"] = weight(
+        1.0, hf="model.embed_tokens.weight", layout="vocab d_model"
+    )
+    layers: Array["layers/p", Layer] = dataclasses.field()  # stage s of p: the s-th block
+    final_norm: f32["d_model/t/d/c"] = gain("model.norm.weight")
+    unembed: f32["vocab/t d_model/d/c"] = weight(
+        _fan_in, hf="lm_head.weight", layout="vocab d_model"
+    )
+
+
+def weight_info_by_path() -> dict[str, Weight]:
+    """``'embed'``, ``'layers.w_q'``, ... -> each weight's declaration, in Hugging Face's file
+    order (the fields' order)."""
+    out = {}
+    outer = weight_info(Weights)
+    for f in dataclasses.fields(Weights):
+        if f.name == "layers":
+            out.update({f"layers.{k}": v for k, v in weight_info(Layer).items()})
+        else:
+            out[f.name] = outer[f.name]
+    return out
 
 
 def weight_structs(cfg: ModelConfig, mesh: Mesh | None = None) -> Weights:
     """``jax.ShapeDtypeStruct`` per weight, sharded on ``mesh`` when given (orbax restore, eval_shape)."""
     if mesh is not None:
-        cfg.check_mesh(dict(mesh.shape))
+        check_mesh(cfg, dict(mesh.shape))
     return shape_dtype_structs(Weights, cfg.dim_sizes(), mesh)
 
 
-def check_weights_split(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
-    """Raise ValueError if a weight dimension is not divisible by the mesh axes its type splits
-    it over: ``embed: 'vocab/t d_model/d/c'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
+def check_mesh(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
+    """Raise ValueError, before anything compiles, if a mesh of these axis sizes (e.g.
+    ``{'d': 4, 't': 2}``, missing axes 1) cannot split the model's weights: a weight dimension
+    not divisible by the mesh axes its type splits it over: ``embed: 'vocab/t d_model/d/c'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
 
     Dimensions are named after config fields, so the message names the field to change."""
     sizes, mesh = cfg.dim_sizes(), axis_sizes(mesh_sizes)
@@ -102,20 +145,10 @@ def check_weights_split(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None
 
 
 def _init_stds(cfg: ModelConfig) -> Weights:
-    """The std of each weight's normal init, or "ones" for the norm gains."""
-    depth = 1 / math.sqrt(2 * cfg.n_layers)
-    fan_in = 1 / math.sqrt(cfg.d_model)
-    layer = Layer(
-        ln1="ones",
-        w_q=fan_in,
-        w_kv=fan_in,
-        w_o=depth / math.sqrt(cfg.n_heads * cfg.d_head),
-        ln2="ones",
-        w_gate=fan_in,
-        w_up=fan_in,
-        w_down=depth / math.sqrt(cfg.d_ff),
-    )
-    return Weights(embed=1.0, layers=layer, final_norm="ones", unembed=fan_in)
+    """The std of each weight's normal init, or "ones" for the norm gains (their declarations)."""
+    layer = Layer(**{k: w.std(cfg) for k, w in weight_info(Layer).items()})
+    outer = {k: w.std(cfg) for k, w in weight_info(Weights).items()}
+    return Weights(layers=layer, **outer)
 
 
 def init_weights(cfg: ModelConfig, mesh: Mesh, key: jax.Array) -> Weights:

@@ -33,12 +33,13 @@ from jax.sharding import AbstractMesh, AxisType
 
 from seqshard.batch import batch_structs
 from seqshard.config import Config
-from seqshard.model.cost import format_bytes, format_table
+from seqshard.model.cost import recomputes
 from seqshard.model.remat import remat_policy
 from seqshard.model.weights import weight_structs
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.collective_log import LoggedCollective
 from seqshard.shardlib.comms import ring_bytes_sent
+from seqshard.shardlib.tables import format_bytes, format_table
 
 __all__ = [
     "PHASES",
@@ -113,13 +114,13 @@ def recomputed(c: LoggedCollective, remat: str) -> bool:
     Only the scanned layer body is checkpointed. No policy keeps a gathered weight (the
     ``saved`` policy keeps what the model marks, and it marks no weight), so under ``saved``
     and ``full`` every layer weight is gathered again; an activation collective is re-run when
-    the policy re-runs the operation it belongs to (:meth:`seqshard.model.remat.RematPolicy.recomputes`:
-    the norms' gathers under both, the attention output's reduce-scatter under ``full``, the
-    FFN output's never, since nothing in the backward pass reads it)."""
-    policy = remat_policy(remat)
-    if not c.in_loop("layers") or policy.checkpoint_policy is None:
+    the policy re-runs the operation it belongs to (its declaration's ``recomputed_by``,
+    :func:`seqshard.model.cost.recomputes`: the norms' gathers under both, the attention
+    output's reduce-scatter under ``full``, the FFN output's never, since nothing in the
+    backward pass reads it)."""
+    if not c.in_loop("layers") or remat_policy(remat).checkpoint_policy is None:
         return False
-    return c.weight or policy.recomputes(c.part or "")
+    return c.weight or recomputes(remat, c.part or "")
 
 
 def collectives_per_step(cfg: Config) -> list[PlannedCollective]:

@@ -22,7 +22,7 @@ import re
 
 import numpy as np
 
-from seqshard.model.cost import format_bytes, format_table
+from seqshard.shardlib.tables import format_bytes, format_table
 
 __all__ = [
     "Collective",

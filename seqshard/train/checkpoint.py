@@ -69,10 +69,10 @@ from jax.sharding import Mesh
 
 from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yaml
 from seqshard.model.config import DIM_FIELDS
+from seqshard.shardlib.tables import format_bytes
 from seqshard.train.checksums import state_digest
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.orbax_quiet import ORBAX_LOGGERS, OrbaxQuiet, join_orbax_threads, settle
-from seqshard.train.run_files import format_bytes
 from seqshard.train.state import TrainState, layer_order, relayered, train_state_structs
 from seqshard.train.step_dirs import (
     checkpoint_steps,

@@ -1,15 +1,16 @@
 """The optimizer: global-norm clipping, then AdamW on a warmup + cosine or WSD schedule.
 
-Weight decay skips the norm gains (``ln1``, ``ln2``, ``final_norm``): decaying a gain towards
-zero fights the normalization it scales.
+Weight decay applies where each weight's declaration says (``decay``; the blocks declare their
+weights beside their math): not to the norm gains (``ln1``, ``ln2``, ``final_norm``), since
+decaying a gain towards zero fights the normalization it scales.
 """
 
 from __future__ import annotations
 
-import jax
 import optax
 
 from seqshard.config import TrainConfig
+from seqshard.model.block import weight_info
 from seqshard.model.weights import Layer, Weights
 
 __all__ = ["decay_mask", "lr_schedule", "make_optimizer"]
@@ -40,10 +41,10 @@ def lr_schedule(train_cfg: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(weights: Weights) -> Weights:
-    """True where weight decay applies: every weight but the norm gains."""
-    mask = jax.tree.map(lambda _: True, weights)
-    layers = Layer(**{**vars(mask.layers), "ln1": False, "ln2": False})
-    return Weights(embed=mask.embed, layers=layers, final_norm=False, unembed=mask.unembed)
+    """True where weight decay applies: each weight's declared ``decay``."""
+    del weights  # the mask is the declarations'; optax passes the tree it masks
+    layer = Layer(**{name: w.decay for name, w in weight_info(Layer).items()})
+    return Weights(layers=layer, **{name: w.decay for name, w in weight_info(Weights).items()})
 
 
 def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:

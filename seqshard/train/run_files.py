@@ -17,16 +17,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["RunWriteError", "append_whole", "atomic_write_text", "format_bytes"]
+from seqshard.shardlib.tables import format_bytes
 
-
-def format_bytes(n: float) -> str:
-    """``532 B``, ``1.2 KB``, ``60.0 MB`` (powers of 1000)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError  # unreachable
+__all__ = ["RunWriteError", "append_whole", "atomic_write_text"]
 
 
 def _free(path: Path) -> str:

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from seqshard.batch import TokenBatch, split_microbatches
 from seqshard.config import Config
-from seqshard.model.transformer import batch_loss_terms
+from seqshard.model.sharded import batch_loss_terms
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.shardtypes import shardings

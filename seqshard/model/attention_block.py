@@ -1,0 +1,306 @@
+"""The attention block: pre-norm, q/k/v projections with RoPE, attention across the row, the
+output projection and the residual add. Its weights, activations and operations are declared
+once here (:data:`ATTENTION`, :class:`AttentionWeights`); its math is :func:`attention_inputs`,
+:func:`attention_core` and :func:`attention_output`, written through an
+:class:`~seqshard.model.block.Activations` recorder that the forward, generation and the
+hand-written backward (rebuilding what it did not keep) all use.
+
+Per device, forward (``model.residual`` gives the residual's layout; c > 1 splits the row):
+
+    all_gather over t,d,c  ln1                        (the norm gain)
+    all_gather over t      the residual, around the norm
+    all_gather over d,c    w_q, w_kv, w_o
+    all_gather over c      k, v (allgather), or c-1 ring_shifts of each (ring)
+    psum_scatter over t    the output projection (it contracts the K/t heads)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from seqshard.model.attention import (
+    apply_rope,
+    attention,
+    einsum_probabilities,
+    einsum_values,
+    resolve_impl,
+)
+from seqshard.model.block import Activation, Activations, Block, Op, gain, weight
+from seqshard.model.config import ModelConfig
+from seqshard.model.context import SequenceRows, gathered_kv, ring_attention, ring_forward
+from seqshard.model.norm import norm_input, normed
+from seqshard.shardlib import shardops
+from seqshard.shardlib.shardtypes import f32, pytree_dataclass
+
+__all__ = [
+    "ATTENTION",
+    "AttentionWeights",
+    "attention_core",
+    "attention_inputs",
+    "attention_output",
+]
+
+_LAYER = "model.layers.{i}."
+
+
+def _fan_in(cfg: ModelConfig) -> float:
+    return 1 / math.sqrt(cfg.d_model)
+
+
+def _w_o_std(cfg: ModelConfig) -> float:
+    """Each residual-stream contribution at unit scale, the stream growing like sqrt(layers)."""
+    return 1 / math.sqrt(cfg.n_heads * cfg.d_head) / math.sqrt(2 * cfg.n_layers)
+
+
+@pytree_dataclass
+class AttentionWeights:
+    """The attention block's weights (one layer's)."""
+
+    ln1: f32["d_model/t/d/c"] = gain(_LAYER + "input_layernorm.weight")
+    w_q: f32["d_model/d/c n_q_per_kv n_kv/t d_head"] = weight(
+        _fan_in, hf=_LAYER + "self_attn.q_proj.weight", layout="(n_kv n_q_per_kv d_head) d_model"
+    )
+    w_kv: f32["2 d_model/d/c n_kv/t d_head"] = weight(  # [0] makes k, [1] makes v
+        _fan_in,
+        hf=(
+            (_LAYER + "self_attn.k_proj.weight", "(n_kv d_head) d_model"),
+            (_LAYER + "self_attn.v_proj.weight", "(n_kv d_head) d_model"),
+        ),
+    )
+    w_o: f32["d_model/d/c n_q_per_kv n_kv/t d_head"] = weight(
+        _w_o_std, hf=_LAYER + "self_attn.o_proj.weight", layout="d_model (n_kv n_q_per_kv d_head)"
+    )
+
+
+def _einsum(cfg: ModelConfig, c: int) -> bool:
+    """Einsum attention over gathered keys: the one path that holds the probabilities."""
+    return not cfg.ring_over(c) and resolve_impl(cfg.attention_impl) == "einsum"
+
+
+def _gathered(cfg: ModelConfig, c: int) -> bool:
+    """k and v gathered over c (allgather attention; k itself when c = 1)."""
+    return c > 1 and not cfg.ring_over(c)
+
+
+_R = "B/d L/c M/t"  # the residual's size per device (either layout of model.residual)
+_SAVED_FULL = frozenset({"saved", "full"})
+_FULL = frozenset({"full"})
+
+
+ATTENTION = Block(
+    name="attention",
+    activations=(
+        Activation("x", _R, "compute", "x", saved=True),  # the layer input, the residual
+        Activation("ln1", "M", "f32", "attn_norm"),  # the norm gain, gathered
+        Activation("gx", "B/d L/c M", "compute", "attn_norm"),  # norm_input: x with all of M
+        Activation("nx", "B/d L/c M", "compute", "attn_norm"),  # the normed input of q, k, v
+        Activation("w_q", "M Q K/t D", "compute", "q"),  # gathered over d, c
+        Activation("w_kv", "2 M K/t D", "compute", "kv"),
+        Activation("q", "B/d L/c Q K/t D", "compute", "q", saved=True),  # after RoPE
+        Activation("k", "B/d L/c K/t D", "compute", "kv", saved=True),  # after RoPE
+        Activation("v", "B/d L/c K/t D", "compute", "kv", saved=True),
+        # k and v gathered over c: every key of the row (allgather attention, c > 1).
+        Activation("keys", "B/d L K/t D", "compute", "context", present=_gathered),
+        Activation("values", "B/d L K/t D", "compute", "context", present=_gathered),
+        Activation("probs", "B/d K/t Q L/c Lk", "f32", "attn", present=_einsum),
+        Activation("attn", "B/d L/c Q K/t D", "compute", "attn", saved=True),
+        # The ring's softmax logsumexp per query (ring attention over c > 1 only).
+        Activation(
+            "lse",
+            "B/d L/c Q K/t",
+            "f32",
+            "context",
+            saved=True,
+            present=lambda m, c: m.ring_over(c),
+        ),
+        Activation("w_o", "M Q K/t D", "compute", "o"),
+        # Kept, so that only remat=full repeats the output projection's psum_scatter.
+        Activation("h", _R, "compute", "o", saved=True),
+    ),
+    ops=(
+        # RMSNorm of the gathered residual: x*x, sum, / M, + eps, rsqrt, x * r, * gain (4 M + 3);
+        # backward: the gain's gradient (2 M), the input's (6 M), and the sum of the two
+        # matmuls' cotangents it feeds (M).
+        Op(
+            "attn_norm",
+            "elementwise",
+            "token",
+            "B/d L M",
+            lambda m: 4 * m.d_model + 3,
+            lambda m: 9 * m.d_model,
+            _SAVED_FULL,
+        ),
+        Op(
+            "q",
+            "matmul",
+            "token",
+            "B/d L M, M Q K/t D -> B/d L Q K/t D",
+            lambda m: 2 * m.d_model * m.n_heads * m.d_head,
+            lambda m: 4 * m.d_model * m.n_heads * m.d_head,
+            _FULL,
+        ),
+        Op(
+            "k",
+            "matmul",
+            "token",
+            "B/d L M, M K/t D -> B/d L K/t D",
+            lambda m: 2 * m.d_model * m.n_kv * m.d_head,
+            lambda m: 4 * m.d_model * m.n_kv * m.d_head,
+            _FULL,
+        ),
+        Op(
+            "v",
+            "matmul",
+            "token",
+            "B/d L M, M K/t D -> B/d L K/t D",
+            lambda m: 2 * m.d_model * m.n_kv * m.d_head,
+            lambda m: 4 * m.d_model * m.n_kv * m.d_head,
+            _FULL,
+        ),
+        # q and k: each pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), 6 per 2 elements;
+        # the backward rotates back, the same 6.
+        Op(
+            "rope",
+            "elementwise",
+            "token",
+            "B/d L Q K/t D",
+            lambda m: 3 * (m.n_heads + m.n_kv) * m.d_head,
+            lambda m: 3 * (m.n_heads + m.n_kv) * m.d_head,
+            _FULL,
+        ),
+        # With the row split over c: k and v gathered over c again, or the ring's forward.
+        Op("context", "transfer", "token", "B/d L K/t D", lambda m: 0, lambda m: 0, _SAVED_FULL),
+        Op(
+            "scores",
+            "matmul",
+            "pair",
+            "B/d Lq Q K/t D, B/d Lk K/t D -> B/d Lq Lk Q K/t",
+            lambda m: 2 * m.d_head,
+            lambda m: 4 * m.d_head,
+            _SAVED_FULL,
+        ),
+        # Scale by 1/sqrt(D), select the masked out; the backward does both to the cotangent.
+        Op("mask", "elementwise", "pair", "B/d Lq Lk Q K/t", lambda m: 2, lambda m: 2, _SAVED_FULL),
+        # max, subtract, exp, sum, divide; backward p * (g - sum(p * g)): seed 004's 4.
+        Op(
+            "softmax",
+            "elementwise",
+            "pair",
+            "B/d Lq Lk Q K/t",
+            lambda m: 5,
+            lambda m: 4,
+            _SAVED_FULL,
+        ),
+        Op(
+            "values",
+            "matmul",
+            "pair",
+            "B/d Lq Lk Q K/t, B/d Lk K/t D -> B/d Lq Q K/t D",
+            lambda m: 2 * m.d_head,
+            lambda m: 4 * m.d_head,
+            _FULL,
+        ),
+        Op(
+            "o",
+            "matmul",
+            "token",
+            "B/d L Q K/t D, M Q K/t D -> B/d L M",
+            lambda m: 2 * m.n_heads * m.d_head * m.d_model,
+            lambda m: 4 * m.n_heads * m.d_head * m.d_model,
+            _FULL,
+        ),
+        # x + out; the backward sums the cotangents of the residual path and the block's.
+        Op(
+            "attn_residual",
+            "elementwise",
+            "token",
+            "B/d L M/t",
+            lambda m: m.d_model,
+            lambda m: m.d_model,
+            _FULL,
+        ),
+    ),
+)
+"""The attention block's declarations. ``saved`` marks what remat=saved keeps: the operands
+whose recomputation would cost a matmul (q, k, v after RoPE, the attention output) and h."""
+
+
+def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ...]:
+    """Pre-norm, then q 'B/d L@zigzag/c Q K/t D' and k, v 'B/d L@zigzag/c K/t D', q and k
+    rotated by RoPE. ``a`` holds the layer input ``x``."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    cos, sin = rope
+    x = a["x"]
+    # The norm needs all of M, the projections every row: gather the gain, and the residual
+    # over t (before the norm for M/t, its output after it for L/t).
+    ln1 = a("ln1", lambda: shardops.all_gather("M/t/d/c -> M", w.ln1))
+    gx = a("gx", lambda: norm_input(cfg, x))
+    nx = a("nx", lambda: normed(cfg, gx, ln1))
+    # FSDP: each matrix is gathered over d and c just before use (in the backward pass again:
+    # only remat=none keeps gathered weights).
+    w_q = a("w_q", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
+    q = a(
+        "q",
+        lambda: apply_rope(
+            shardops.einsum_unreduced(
+                "B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", nx, w_q
+            ),
+            cos,
+            sin,
+        ),
+    )
+
+    w_kv = a("w_kv", lambda: shardops.all_gather("2 M/d/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
+
+    def k_and_v():
+        k, v = shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, 2 M K/t D -> 2 B/d L@zigzag/c K/t D", nx, w_kv
+        )
+        return apply_rope(k, cos, sin), v
+
+    k, v = a.several(("k", "v"), k_and_v)
+    return q, k, v
+
+
+def attention_core(
+    cfg: ModelConfig, a: Activations, rows: SequenceRows, mask: jax.Array | None
+) -> jax.Array:
+    """This device's queries over the whole row: 'B/d L@zigzag/c Q K/t D'. With the row split
+    over c, the ring passes k and v blocks around (its own backward), or allgather gathers
+    them; einsum attention keeps its probabilities as an activation, fused kernels do not."""
+    q, k, v = a["q"], a["k"], a["v"]
+    c, causal_only = shardops.axis_size("c"), cfg.attention_mask == "causal"
+    if cfg.ring_over(c):
+        # Under autodiff the ring with its own VJP; in the hand-written backward's forward
+        # (itself inside a custom VJP) the ring's plain forward.
+        ring = ring_forward if a.explicit else ring_attention
+        attn, _ = a.several(
+            ("attn", "lse"), lambda: ring(q, k, v, rows.segments, causal_only), "context"
+        )
+        return attn
+    keys, values = a.several(("keys", "values"), lambda: gathered_kv(k, v))
+    if _einsum(cfg, c):
+        probs = a("probs", lambda: einsum_probabilities(q, keys, mask))
+        return a("attn", lambda: einsum_values(probs.astype(v.dtype), values))
+    impl, causal_only = cfg.attention_impl, causal_only and c == 1
+    return a("attn", lambda: attention(q, keys, values, mask, impl, causal_only))
+
+
+def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
+    """The output projection of ``attn`` plus the residual ``x``: h, a residual."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x, attn = a["x"], a["attn"]
+    w_o = a("w_o", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
+
+    def residual() -> jax.Array:
+        out = shardops.einsum_unreduced(
+            "B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M", attn, w_o
+        )
+        # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
+        # residual's layout.
+        return x + shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
+
+    return a("h", residual)

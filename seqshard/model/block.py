@@ -1,0 +1,274 @@
+"""How a block of the model is declared, once, beside its math.
+
+A block kind (the attention block, the SwiGLU FFN, the embedding and head around the layers)
+is one module holding its math and a :class:`Block`: plain data that every consumer reads.
+
+    Block.activations  each value its forward makes, by name: its per-device spec, its dtype,
+                       the operation it belongs to, whether remat=saved keeps it
+    Block.ops          each operation: FLOPs per token (or per attention pair) forward and
+                       backward, the spec its work is split by, which remat policies re-run it
+    weight fields      each weight's type (shape and layout) is its field's annotation in the
+                       block's pytree dataclass; :func:`weight` adds the rest: init, decay, the
+                       dtype it is gathered in, its Hugging Face tensor(s)
+
+The readers are plain functions over these tables:
+
+    the forward     writes each activation through an :class:`Activations` recorder, which
+                    names its collective-log part, marks what remat keeps, and, in the
+                    hand-written backward, hands back what the forward kept instead of
+                    computing it again (the backward never writes the forward a second time)
+    remat           :func:`kept` / :func:`recomputed`: what each policy keeps and re-runs
+    cost            :func:`activation_bytes` and the ops' FLOP rows (seqshard.model.cost)
+    optimizer, planner, Hugging Face table: :func:`weight_info` of each weight field
+
+Adding a block kind is one new module: its weights' dataclass, its math written through an
+:class:`Activations`, and its :class:`Block`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from seqshard.model.config import ModelConfig
+from seqshard.model.remat import RematName, save_for_backward
+from seqshard.shardlib import collective_log
+from seqshard.shardlib.notation import parse_shape
+
+__all__ = [
+    "Activation",
+    "Activations",
+    "Block",
+    "Op",
+    "Weight",
+    "activation_bytes",
+    "kept",
+    "recomputed",
+    "weight",
+    "weight_info",
+]
+
+Dtype = Literal["compute", "f32"]
+OpKind = Literal["matmul", "elementwise", "transfer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """What a weight's type does not say. ``init``: the std of its normal init (a number, or
+    a function of the config), or ``'ones'``. ``hf``: its Hugging Face tensors, ``(name,
+    layout)`` per part along its leading literal dim (``w_kv``: k then v); ``{i}`` is the
+    layer, the layout is in seqshard's dim names (:mod:`seqshard.hf.table`)."""
+
+    init: float | str | Callable[[ModelConfig], float]
+    decay: bool = True  # AdamW's weight decay applies (not to norm gains)
+    gathered_in: Dtype = "compute"  # the dtype the forward all-gathers it in
+    hf: tuple[tuple[str, str], ...] = ()
+
+    def std(self, cfg: ModelConfig) -> float | str:
+        return self.init(cfg) if callable(self.init) else self.init
+
+
+def weight(
+    init: float | str | Callable[[ModelConfig], float],
+    *,
+    hf: tuple[tuple[str, str], ...] | str = (),
+    decay: bool = True,
+    gathered_in: Dtype = "compute",
+    layout: str | None = None,
+) -> Any:
+    """A weight field's declaration: ``w_up: f32['d_model/d/c d_ff/t'] = weight(fan_in,
+    hf='model.layers.{i}.mlp.up_proj.weight', layout='d_ff d_model')``."""
+    if isinstance(hf, str):
+        hf = ((hf, layout or ""),)
+    info = Weight(init, decay=decay, gathered_in=gathered_in, hf=tuple(hf))
+    return dataclasses.field(metadata={"seqshard": info})
+
+
+def gain(hf: str) -> Any:
+    """A norm gain: ones at init, no decay, gathered in f32 (``rms_norm`` takes f32 gains)."""
+    return weight("ones", hf=hf, layout="d_model", decay=False, gathered_in="f32")
+
+
+def weight_info(cls: type) -> dict[str, Weight]:
+    """Field name -> :class:`Weight` of a weights dataclass (``Layer``, ``Weights``)."""
+    return {
+        f.name: f.metadata["seqshard"] for f in dataclasses.fields(cls) if "seqshard" in f.metadata
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """A value a block's forward makes. ``spec``: per device, in the op letters (B batch, L
+    sequence (``L`` the device's positions, ``Lk`` every key of the row), M, F, Q, K, D);
+    ``op``: the operation it belongs to (its collective-log part and FLOP row); ``saved``:
+    kept under ``remat=saved`` (marked ``save_for_backward``); ``needed``: read by the
+    hand-written backward (the ones it does not read are never recomputed there);
+    ``present``: whether it exists for a config on a mesh whose context axis has size c."""
+
+    name: str
+    spec: str
+    dtype: Dtype
+    op: str
+    saved: bool = False
+    needed: bool = True
+    present: Callable[[ModelConfig, int], bool] = lambda cfg, c: True
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One operation's FLOPs: per ``per`` unit (``'token'``, ``'pair'``: one (query, key,
+    head) triple of attention, or ``'parameter'``), forward and backward, as functions of the
+    config. ``spec``:
+    what splits its work per device. ``recomputed_by``: the remat policies whose backward
+    re-runs its forward (a ``transfer`` moves data and computes nothing the table counts)."""
+
+    name: str
+    kind: OpKind
+    per: Literal["token", "pair", "parameter"]
+    spec: str
+    forward: Callable[[ModelConfig], int]
+    backward: Callable[[ModelConfig], int]
+    recomputed_by: frozenset[RematName] = frozenset()
+    update: Callable[[ModelConfig], int] = lambda m: 0  # the optimizer step's, per parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A block kind's declarations (see the module docstring)."""
+
+    name: str
+    activations: tuple[Activation, ...]
+    ops: tuple[Op, ...]
+
+    def activation(self, name: str) -> Activation:
+        for a in self.activations:
+            if a.name == name:
+                return a
+        raise KeyError(f"{self.name} makes no activation {name!r}")
+
+
+# -- readers ----------------------------------------------------------------------------------
+
+
+def _activations(blocks: Iterable[Block], cfg: ModelConfig, c: int) -> list[Activation]:
+    return [a for b in blocks for a in b.activations if a.present(cfg, c)]
+
+
+def kept(blocks: Iterable[Block], cfg: ModelConfig, c: int = 1) -> tuple[str, ...]:
+    """The activations a layer made of ``blocks`` keeps for its backward under ``cfg.remat``
+    on a mesh whose context axis has size ``c``: ``saved`` the ones marked saved (the layer
+    input among them), ``full`` the input alone, ``none`` every one the backward reads."""
+    acts = _activations(blocks, cfg, c)
+    if cfg.remat == "none":
+        return tuple(a.name for a in acts if a.needed)
+    if cfg.remat == "full":
+        return (acts[0].name,)
+    return tuple(a.name for a in acts if a.saved)
+
+
+def recomputed(blocks: Iterable[Block], policy: RematName) -> frozenset[str]:
+    """The operations of ``blocks`` the backward re-runs under ``policy``."""
+    return frozenset(op.name for b in blocks for op in b.ops if policy in op.recomputed_by)
+
+
+def activation_bytes(
+    blocks: Iterable[Block],
+    cfg: ModelConfig,
+    mesh: Mapping[str, int],
+    *,
+    batch: int,
+    seq_len: int,
+) -> dict[str, int]:
+    """Bytes on one device of each activation of ``blocks`` present on ``mesh``: its spec's
+    sizes (B = batch, L = seq_len, Lk = the keys one device's queries see, C a ring chunk)
+    divided by the mesh axes it names, times its dtype's bytes."""
+    c = mesh.get("c", 1)
+    sizes = {
+        "B": batch,
+        "L": seq_len,
+        "Lk": seq_len // c if cfg.ring_over(c) else seq_len,
+        "C": seq_len // (2 * c),
+        **{k: v for k, v in _letter_sizes(cfg).items()},
+    }
+    compute = jnp.dtype(cfg.compute_dtype).itemsize
+    out = {}
+    for a in _activations(blocks, cfg, c):
+        n = 1
+        for dim in parse_shape(a.spec).dims:
+            size = sizes[dim.label] if dim.label in sizes else int(dim.label)
+            n *= size // math.prod(mesh.get(axis, 1) for axis in dim.axes)
+        out[a.name] = n * (4 if a.dtype == "f32" else compute)
+    return out
+
+
+def _letter_sizes(cfg: ModelConfig) -> dict[str, int]:
+    return {
+        "M": cfg.d_model,
+        "F": cfg.d_ff,
+        "Q": cfg.n_q_per_kv,
+        "K": cfg.n_kv,
+        "D": cfg.d_head,
+        "V": cfg.vocab,
+    }
+
+
+# -- the recorder the forward writes through --------------------------------------------------
+
+
+class Activations:
+    """The named values of one layer's forward, written as ``x = a('q', lambda: ...)``.
+
+    ``a(name, compute)`` returns the value of activation ``name``: the one given in ``kept``
+    (the hand-written backward rebuilding a layer from what its forward kept), or else
+    ``compute()``, run inside the collective-log part of the activation's operation and, when
+    ``mark`` is set (the forward under autodiff), marked ``save_for_backward`` if its
+    declaration says remat=saved keeps it. With ``only_needed`` (rebuilding for the
+    backward) an activation the backward never reads is not computed: ``None``.
+
+    ``explicit``: the forward of the hand-written backward (inside its custom VJP), where some
+    operations run their plain forward (the ring's, which returns its logsumexp too)."""
+
+    def __init__(
+        self,
+        blocks: Iterable[Block],
+        kept: Mapping[str, jax.Array] | None = None,
+        *,
+        mark: bool = False,
+        explicit: bool = False,
+        only_needed: bool = False,
+    ):
+        self.declared = {a.name: a for b in blocks for a in b.activations}
+        self.values: dict[str, jax.Array] = dict(kept or {})
+        self.mark, self.explicit, self.only_needed = mark, explicit, only_needed
+
+    def __call__(self, name: str, compute: Callable[[], Any]) -> Any:
+        if name in self.values:
+            return self.values[name]
+        declared = self.declared[name]
+        if self.only_needed and not declared.needed:
+            return None
+        with collective_log.part(declared.op):
+            value = compute()
+        if self.mark and declared.saved:
+            value = save_for_backward(value)
+        self.values[name] = value
+        return value
+
+    def several(
+        self, names: tuple[str, ...], compute: Callable[[], tuple[Any, ...]], op: str | None = None
+    ):
+        """Activations made together (``k, v = a.several(('k', 'v'), ...)``), inside the part
+        of the first one's operation, or of ``op``."""
+        if all(n in self.values for n in names):
+            return tuple(self.values[n] for n in names)
+        with collective_log.part(op or self.declared[names[0]].op):
+            values = compute()
+        return tuple(self(n, lambda v=v: v) for n, v in zip(names, values, strict=True))
+
+    def __getitem__(self, name: str) -> jax.Array:
+        return self.values[name]

@@ -1,0 +1,40 @@
+"""RMSNorm on the residual, in whichever layout ``model.residual`` gives it (transformer.py's
+docstring): the norm needs all of M per row, the projections after it every row."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqshard.model.config import ModelConfig
+from seqshard.shardlib import shardops
+
+__all__ = ["norm_input", "normed", "rms_norm"]
+
+
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * gain over the last dimension, in f32."""
+    x = x.astype(jnp.float32)
+    gain = gain.reshape((1,) * (x.ndim - 1) + gain.shape)
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def norm_input(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """What the pre-norm normalizes: the residual with all of M. A residual split over M
+    (``'B/d L@zigzag/c M/t'``) is gathered over t; one split over L (``'B/d L@zigzag/c/t M'``)
+    already holds all of M for its rows and is normalized as it is (:func:`normed`)."""
+    if cfg.residual == "M/t":
+        return shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", x)
+    return x
+
+
+def normed(cfg: ModelConfig, x: jax.Array, gain: jax.Array) -> jax.Array:
+    """RMSNorm of :func:`norm_input`'s ``x`` with the gathered ``gain`` 'M', as
+    'B/d L@zigzag/c M' in compute dtype: the projections need every row. Under
+    ``model.residual=L/t`` each device normalizes its own rows (t times less work than on
+    gathered rows), then the rows are gathered over t (Megatron's sequence parallelism)."""
+    n = rms_norm(x, gain, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
+    if cfg.residual == "M/t":
+        return n
+    return shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", n)

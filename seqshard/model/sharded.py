@@ -1,0 +1,114 @@
+"""The model in its one shard_map: the loss (and, by ``jax.grad``, its gradients) and the
+logits of a batch, on any mesh.
+
+    loss_fn(weights, tokens, is_seq_start, cfg, mesh)             mean next-token loss
+    batch_loss_terms(weights, batch, cfg, mesh, pipeline)         (summed loss, positions counted)
+    logits_fn(weights, tokens, is_seq_start, cfg, mesh)           'B/d L/c V/t' logits
+
+Which program runs inside the shard_map: on a mesh with p > 1 the pipelined layers
+(:mod:`seqshard.model.pipeline.pipelined`); else transformer.py's forward, whose gradient is
+the hand-written backward (:mod:`seqshard.model.backward`, ``model.backward=explicit``) or
+autodiff's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from seqshard.batch import TokenBatch, token_batch
+from seqshard.model.backward import explicit_loss_terms
+from seqshard.model.config import ModelConfig
+from seqshard.model.context import sequence_rows
+from seqshard.model.pipeline.pipelined import pipelined_loss_terms
+from seqshard.model.pipeline.schedule import Pipeline
+from seqshard.model.transformer import final_hidden, forward_loss_terms, unembed
+from seqshard.model.weights import Weights, check_mesh
+from seqshard.shardlib import shardops
+from seqshard.shardlib.shardtypes import f32, typed_shard_map
+
+__all__ = ["batch_loss_terms", "logits_fn", "loss_fn", "loss_sum_and_count"]
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
+    check_mesh(cfg, dict(mesh.shape))
+
+    @functools.partial(typed_shard_map, mesh=mesh)
+    def loss_terms(w: Weights, batch: TokenBatch) -> f32["2"]:
+        if mesh.shape["p"] > 1:
+            return pipelined_loss_terms(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
+        if cfg.backward == "explicit":
+            # The same forward value; jax.grad runs backward.py's hand-written backward.
+            return explicit_loss_terms(cfg, w, batch.tokens, batch.is_seq_start)
+        return forward_loss_terms(cfg, w, batch.tokens, batch.is_seq_start)
+
+    @functools.partial(typed_shard_map, mesh=mesh)
+    def logits(w: Weights, batch: TokenBatch) -> f32[b"B/d L/c V/t"]:
+        rows = sequence_rows(batch.tokens, batch.is_seq_start)
+        out = unembed(cfg, w, final_hidden(cfg, w, rows))
+        # Back to the natural order of the batch: gathered over c, reordered, split (all the
+        # identity when c = 1). For tests and evaluation: training never gathers logits.
+        out = shardops.all_gather("B/d L@zigzag/c V/t -> B/d L@zigzag V/t", out)
+        out = shardops.reorder("B/d L@zigzag V/t -> B/d L V/t", out)
+        return shardops.split("B/d L V/t -> B/d L/c V/t", out)
+
+    return {"loss_terms": loss_terms, "logits": logits}[output]
+
+
+def batch_loss_terms(
+    weights: Weights,
+    batch: TokenBatch,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    pipeline: Pipeline | None = None,
+) -> jax.Array:
+    """f32[2]: the summed next-token loss over ``batch`` and the number of positions counted.
+
+    Gradient accumulation adds these over microbatches and divides once, which gives exactly
+    the full-batch mean even when packed documents make counts differ between microbatches.
+    On a mesh with p > 1 the layers are pipelined (:mod:`seqshard.model.pipeline.pipelined`): the
+    batch runs as ``pipeline.microbatches`` microbatches through the stages by
+    ``pipeline.schedule``; ``pipeline`` is ignored at p = 1.
+    """
+    if pipeline is None or mesh.shape["p"] == 1:
+        pipeline = Pipeline()  # one compiled program whatever the (unused) pipeline says
+    return _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)
+
+
+def loss_sum_and_count(
+    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
+) -> jax.Array:
+    """:func:`batch_loss_terms` of ``token_batch(tokens, is_seq_start)``: f32[2]."""
+    return batch_loss_terms(weights, token_batch(tokens, is_seq_start), cfg, mesh)
+
+
+def loss_fn(
+    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
+) -> jax.Array:
+    """f32[]: mean next-token cross-entropy over positions whose next token is in the same document.
+
+    ``tokens: i32['B L']`` and ``is_seq_start: bool['B L']`` are global arrays in any sharding;
+    B must be divisible by the mesh's d axis.
+    """
+    total, count = loss_sum_and_count(weights, tokens, is_seq_start, cfg, mesh)
+    return total / jnp.maximum(count, 1.0)
+
+
+def logits_fn(
+    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
+) -> jax.Array:
+    """f32['B L V']: next-token logits, sharded 'B/d L/c V/t' as they come out of the shard_map.
+
+    On a mesh with p = 1: each device runs every layer (a stage's block alone would give
+    another model's logits)."""
+    if mesh.shape["p"] != 1:
+        raise ValueError(
+            f"logits_fn runs every layer on each device and needs mesh axis p = 1, got "
+            f"p={mesh.shape['p']}. Restore or place the weights on a mesh with p = 1 "
+            f"(checkpoints restore on any mesh), or use batch_loss_terms, which pipelines."
+        )
+    return _sharded(cfg, mesh, "logits", Pipeline())(weights, token_batch(tokens, is_seq_start))

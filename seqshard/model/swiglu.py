@@ -1,0 +1,172 @@
+"""The SwiGLU feed-forward block: pre-norm, gate and up projections, ``silu(gate) * up``, the
+down projection and the residual add. Its weights, activations and operations are declared
+once here (:data:`SWIGLU`, :class:`SwigluWeights`); its math is :func:`ffn`, written through an
+:class:`~seqshard.model.block.Activations` recorder.
+
+Per device, forward:
+
+    all_gather over t,d,c  ln2                        (the norm gain)
+    all_gather over t      the residual, around the norm
+    all_gather over d,c    w_gate, w_up, w_down
+    psum_scatter over t    the down projection (it contracts F/t)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from seqshard.model.block import Activation, Activations, Block, Op, gain, weight
+from seqshard.model.config import ModelConfig
+from seqshard.model.norm import norm_input, normed
+from seqshard.shardlib import shardops
+from seqshard.shardlib.shardtypes import f32, pytree_dataclass
+
+__all__ = ["SWIGLU", "SwigluWeights", "ffn"]
+
+_LAYER = "model.layers.{i}."
+
+
+def _fan_in(cfg: ModelConfig) -> float:
+    return 1 / math.sqrt(cfg.d_model)
+
+
+def _w_down_std(cfg: ModelConfig) -> float:
+    """Each residual-stream contribution at unit scale, the stream growing like sqrt(layers)."""
+    return 1 / math.sqrt(cfg.d_ff) / math.sqrt(2 * cfg.n_layers)
+
+
+@pytree_dataclass
+class SwigluWeights:
+    """The SwiGLU block's weights (one layer's)."""
+
+    ln2: f32["d_model/t/d/c"] = gain(_LAYER + "post_attention_layernorm.weight")
+    w_gate: f32["d_model/d/c d_ff/t"] = weight(
+        _fan_in, hf=_LAYER + "mlp.gate_proj.weight", layout="d_ff d_model"
+    )
+    w_up: f32["d_model/d/c d_ff/t"] = weight(
+        _fan_in, hf=_LAYER + "mlp.up_proj.weight", layout="d_ff d_model"
+    )
+    w_down: f32["d_model/d/c d_ff/t"] = weight(
+        _w_down_std, hf=_LAYER + "mlp.down_proj.weight", layout="d_model d_ff"
+    )
+
+
+_R = "B/d L/c M/t"
+_SAVED_FULL = frozenset({"saved", "full"})
+_FULL = frozenset({"full"})
+
+SWIGLU = Block(
+    name="swiglu",
+    activations=(
+        Activation("ln2", "M", "f32", "ffn_norm"),
+        Activation("gh", "B/d L/c M", "compute", "ffn_norm"),  # h with all of M
+        Activation("nh", "B/d L/c M", "compute", "ffn_norm"),  # the normed input of gate, up
+        Activation("w_gate", "M F/t", "compute", "gate"),  # gathered over d, c
+        Activation("w_up", "M F/t", "compute", "up"),
+        Activation("w_down", "M F/t", "compute", "down"),
+        Activation("gate", "B/d L/c F/t", "compute", "gate", saved=True),
+        Activation("up", "B/d L/c F/t", "compute", "up", saved=True),
+        Activation("y", "B/d L/c F/t", "compute", "swiglu"),  # silu(gate) * up
+        # The down projection, into the residual: read by no backward.
+        Activation("down", _R, "compute", "down", needed=False),
+        Activation("out", _R, "compute", "ffn_residual", needed=False),
+    ),
+    ops=(
+        Op(
+            "ffn_norm",
+            "elementwise",
+            "token",
+            "B/d L M",
+            lambda m: 4 * m.d_model + 3,
+            lambda m: 9 * m.d_model,
+            _SAVED_FULL,
+        ),
+        Op(
+            "gate",
+            "matmul",
+            "token",
+            "B/d L M, M F/t -> B/d L F/t",
+            lambda m: 2 * m.d_model * m.d_ff,
+            lambda m: 4 * m.d_model * m.d_ff,
+            _FULL,
+        ),
+        Op(
+            "up",
+            "matmul",
+            "token",
+            "B/d L M, M F/t -> B/d L F/t",
+            lambda m: 2 * m.d_model * m.d_ff,
+            lambda m: 4 * m.d_model * m.d_ff,
+            _FULL,
+        ),
+        # s = sigmoid(gate), gate * s, * up. Backward: d up = g * gate * s (1); d gate =
+        # g * up * s * (1 + gate * (1 - s)) (6).
+        Op(
+            "swiglu",
+            "elementwise",
+            "token",
+            "B/d L F/t",
+            lambda m: 3 * m.d_ff,
+            lambda m: 7 * m.d_ff,
+            _SAVED_FULL,
+        ),
+        # Nothing in the backward needs the down projection's output nor the layer's: no
+        # policy re-runs them (XLA drops them from remat=full's recomputation too).
+        Op(
+            "down",
+            "matmul",
+            "token",
+            "B/d L F/t, M F/t -> B/d L M",
+            lambda m: 2 * m.d_ff * m.d_model,
+            lambda m: 4 * m.d_ff * m.d_model,
+        ),
+        Op(
+            "ffn_residual",
+            "elementwise",
+            "token",
+            "B/d L M/t",
+            lambda m: m.d_model,
+            lambda m: m.d_model,
+        ),
+    ),
+)
+"""The SwiGLU block's declarations: remat=saved keeps the gate and up projections."""
+
+
+def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
+    """The pre-norm SwiGLU FFN plus the residual ``h``: a residual in compute dtype (None when
+    ``a`` rebuilds a layer for its backward, which never reads it)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    h = a["h"]
+    ln2 = a("ln2", lambda: shardops.all_gather("M/t/d/c -> M", w.ln2))
+    gh = a("gh", lambda: norm_input(cfg, h))
+    nh = a("nh", lambda: normed(cfg, gh, ln2))
+    # FSDP: each matrix is gathered over d and c just before use.
+    w_gate = a("w_gate", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_gate.astype(dt)))
+    gate = a(
+        "gate",
+        lambda: shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_gate
+        ),
+    )
+    w_up = a("w_up", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_up.astype(dt)))
+    up = a(
+        "up",
+        lambda: shardops.einsum_unreduced(
+            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_up
+        ),
+    )
+    y = a("y", lambda: jax.nn.silu(gate) * up)
+    w_down = a("w_down", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_down.astype(dt)))
+
+    def down() -> jax.Array:
+        out = shardops.einsum_unreduced("B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M", y, w_down)
+        # Each t shard contracted only its own slice of F (F/t): sum the shards, scattered into
+        # the residual's layout.
+        return shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
+
+    out = a("down", down)
+    return a("out", lambda: (h + out).astype(dt))
