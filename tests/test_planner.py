@@ -28,6 +28,7 @@ from seqshard.plan.planner import (
     memory_plan,
     plan,
 )
+from seqshard.plan.show import format_plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,7 +94,7 @@ def test_slices_and_nodes_are_counted_in_chips():
     assert CHIPS["v5e"].describe_count(16) == "16 chips (a v5e-16 slice)"
     assert CHIPS["h100"].describe_count(16) == "16 H100 GPUs (2 nodes of 8)"
     assert CHIPS["h100"].describe_count(8) == "8 H100 GPUs (one node)"
-    text = plan(one_b("mesh.d=-1", "train.batch_size=32"), 32, "v5p").format()
+    text = format_plan(plan(one_b("mesh.d=-1", "train.batch_size=32"), 32, "v5p"))
     assert text.startswith("plan for 32 chips (a v5p-64 slice), mesh d=32 x c=1 x t=1")
 
 
@@ -241,7 +242,7 @@ def test_a_plan_that_fits():
     p = plan(shipped("h100-1b.yaml"), 1, "h100")
     assert p.fits and p.excess_bytes == 0 and p.suggestion is None
     assert p.bytes_per_device == p.memory.total <= 0.75 * 80e9
-    text = p.format()
+    text = format_plan(p)
     verdict = [line for line in text.splitlines() if line.startswith("verdict:")]
     assert len(verdict) == 1 and verdict[0].startswith("verdict: fits: ")
     assert "does not fit" not in text
@@ -255,7 +256,7 @@ def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_would():
     gib = (p.bytes_per_device - 0.75 * 80e9) / 2**30
     assert (
         f"verdict: does not fit: {format_bytes(p.bytes_per_device)} per device, {gib:.2f} GiB more"
-        in p.format()
+        in format_plan(p)
     )
     s = p.suggestion
     assert s is not None and s.plan.fits
@@ -271,7 +272,7 @@ def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_would():
     # The overrides, applied as a user would, give the same plan.
     again = plan(shipped("h100-1b.yaml", "train.batch_size=32", *s.overrides), 1, "h100")
     assert again.fits and again.bytes_per_device == s.plan.bytes_per_device
-    line = next(x for x in p.format().splitlines() if x.startswith("cheapest change"))
+    line = next(x for x in format_plan(p).splitlines() if x.startswith("cheapest change"))
     assert change in line and "fits" not in line
 
 
@@ -298,14 +299,14 @@ def test_when_nothing_fits_the_plan_names_the_devices_that_would():
     """70B on one node of 8 H100s: no change fits; the planner tries more devices (more d)."""
     p = plan(shipped("v5p-70b.yaml", "train.batch_size=256"), 8, "h100")
     assert not p.fits and p.suggestion is None
-    found = re.search(r"; (\d+) devices would: --devices \d+ (.*)$", p.format(), re.M)
-    assert found, p.format()
+    found = re.search(r"; (\d+) devices would: --devices \d+ (.*)$", format_plan(p), re.M)
+    assert found, format_plan(p)
     n, overrides = int(found[1]), found[2].split()
     again = plan(shipped("v5p-70b.yaml", "train.batch_size=256", *overrides), n, "h100")
     assert again.fits and n > 8
     # A batch of 8 does not split over more than 8 devices: nothing to offer.
     p = plan(shipped("v5p-70b.yaml", "train.batch_size=8"), 8, "h100")
-    assert "nor would more devices" in p.format()
+    assert "nor would more devices" in format_plan(p)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
     p = plan(cfg, 32, "v5p")        # nothing compiles, nothing is allocated, no device needed
     p.fits, p.bytes_per_device, p.step_time_s, p.mfu, p.comm_bytes_by_axis
-    print(p.format())               # `seqshard show CONFIG --devices 32 --chip v5p`
+    print(show.format_plan(p))      # `seqshard show CONFIG --devices 32 --chip v5p`
 
 A mesh size of -1 resolves against ``n_devices``; the chip's figures come from
 :data:`seqshard.hardware.CHIPS`. Every number is per device and per training step (all
@@ -454,106 +454,6 @@ class Plan:
             return f"fits: {need} per device of {usable}"
         gib = self.excess_bytes / 2**30
         return f"does not fit: {need} per device, {gib:.2f} GiB more than the {usable}"
-
-    def format(self) -> str:
-        """The plan as text: the target, memory, FLOPs, communication, roofline, verdict."""
-        cfg, ch = self.config, self.chip
-        train = cfg.train
-        micro = _microbatch_rows(cfg)
-        lines = [
-            f"plan for {ch.describe_count(self.n_devices)}, mesh {cfg.mesh.describe()}"
-            + (" -- nominal CPU figures, not a measurement" if ch.nominal else ""),
-            f"  chip {ch.name}: {ch.peak_flops / 1e12:g} TFLOP/s dense bf16, "
-            f"{ch.hbm_bytes / 1e9:.4g} GB ({format_bytes(ch.hbm_bytes)}) memory; {ch.fast_link} "
-            f"{ch.fast_bytes_per_s / 1e9:g} GB/s per chip within "
-            f"{ch.fast_domain_chips if ch.fast_domain_chips < 1 << 20 else 'any number of'} "
-            f"chips"
-            + (
-                f", {ch.slow_link} {ch.slow_bytes_per_s / 1e9:g} GB/s across"
-                if ch.slow_bytes_per_s
-                else ""
-            ),
-            f"  attention_impl={cfg.model.attention_impl} runs as {self.attention_impl}; "
-            f"remat={cfg.model.remat}; {train.microbatches} microbatch"
-            f"{'es' * (train.microbatches != 1)} of {micro} x {train.seq_len} tokens "
-            f"({micro // cfg.mesh.d} rows per device)",
-            "",
-            "memory per device (peak of a step):",
-        ]
-        p = cfg.mesh.sizes()["p"]
-        if p > 1:
-            schedule = train.pipeline().on(p)
-            lines.insert(
-                3,
-                f"  pipeline: train.pipeline_schedule={schedule.name} over p={p} stages of "
-                f"{cfg.model.n_layers // p} layers, bubble {schedule.bubble_fraction:.3f}",
-            )
-        accumulated = train.microbatches > 1 and p == 1
-        notes = {
-            "weights": "f32 master weights" + (", this stage's layers" if p > 1 else ""),
-            "grads": "f32" + (", and their accumulation buffer" if accumulated else ""),
-            "optimizer": "AdamW moments, f32",
-            "activations": f"kept for the backward pass by remat={cfg.model.remat}, "
-            + ("the stage's layers in flight, gathered stage weights" if p > 1 else "all layers"),
-            "logits": "f32 logits and their gradient",
-            "transient": "the LM head's or one layer's backward working set",
-        }
-        for name, value in self.memory.as_dict().items():
-            lines.append(f"  {name:<12}{format_bytes(value):>12}  {notes[name]}")
-        lines.append(f"  {'total':<12}{format_bytes(self.bytes_per_device):>12}")
-        lines += [
-            "",
-            f"FLOPs per step: {_flops(self.model_flops)} model, {_flops(self.hardware_flops)} "
-            f"with remat's recompute ({_flops(self.hardware_flops / self.n_devices)} per device)",
-            "",
-            "communication per step, bytes each device sends (ring algorithms):",
-        ]
-        times = self.comm_time_by_axis
-        for axis, sent in sorted(self.comm_bytes_by_axis.items()):
-            lines.append(
-                f"  over {axis:<4}{format_bytes(sent):>12}  {self.link_by_axis[axis]} "
-                f"{self.bandwidth_by_axis[axis] / 1e9:g} GB/s: {times[axis] * 1e3:,.2f} ms"
-            )
-        if not self.collectives:
-            lines.append("  none (one device, or every axis of size 1)")
-        overlap = cfg.runtime.overlap_collectives
-        lines += [
-            "",
-            "roofline: step = "
-            + (
-                "max(compute + activation collectives, weight collectives)"
-                if overlap
-                else "compute + all collectives (runtime.overlap_collectives is off)"
-            ),
-            f"  compute {self.compute_s * 1e3:,.2f} ms, activation collectives "
-            f"{self.exposed_comm_s * 1e3:,.2f} ms, weight collectives "
-            f"{self.overlapped_comm_s * 1e3:,.2f} ms",
-            f"  estimated step time {self.step_time_s * 1e3:,.2f} ms, "
-            f"{self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}; bound: {self.bound}",
-            "  (a roofline: every matmul at peak, no kernel or launch overhead, so a floor on the "
-            "step time; a plain-jit 1B Llama was measured at 48% MFU on one H100, 125M at 35%: "
-            "scripts/bench_gpu.py prints this estimate beside its measurement)",
-            "",
-            f"verdict: {self.verdict()}",
-        ]
-        if self.suggestion is not None:
-            s = self.suggestion.plan
-            lines.append(
-                f"cheapest change that would fit: {' '.join(self.suggestion.overrides)} "
-                f"({format_bytes(s.bytes_per_device)} per device, step {s.step_time_s * 1e3:,.2f} "
-                f"ms, MFU {s.mfu:.1%})"
-            )
-        elif self.suggestion_note:
-            lines.append(self.suggestion_note)
-        return "\n".join(lines)
-
-
-def _flops(n: float) -> str:
-    """``3.2e15 -> '3.20 PFLOP'``."""
-    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n / 1e6:,.2f} MFLOP"
 
 
 def _pipelined_compute_s(cfg: Config, n_devices: int, peak: float) -> float | None:
