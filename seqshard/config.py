@@ -27,7 +27,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from seqshard.mesh import axis_sizes, describe_sizes
+from seqshard.mesh import MESH_AXES, axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.model.pipeline.schedule import Pipeline, make_schedule
 from seqshard.model.weights import check_mesh
@@ -56,20 +56,8 @@ class ConfigError(ValueError):
     """A config file or override is malformed, or its values do not fit together."""
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """The size of each mesh axis (``seqshard.mesh.MESH_AXES``); an axis left out has size 1.
-
-    p: pipeline (stages of the layer stack); d: data / FSDP (batch rows, weight rows); c: context (the sequence, split in zigzag
-    order; weight rows as d); t: tensor (heads, d_ff, vocab). The product of
-    the sizes is the number of devices used. One axis may be ``-1``: "the remaining devices"
-    (``{d: -1, t: 8}`` on 64 devices is d=8 x t=8), fixed by :meth:`resolved` once the device
-    count is known (:func:`resolve_mesh`)."""
-
-    p: int = 1
-    d: int = 1
-    c: int = 1
-    t: int = 1
+class _MeshSizes:
+    """The methods of :class:`MeshConfig` (its fields come from the axis table)."""
 
     def given(self) -> dict[str, int]:
         """The sizes as written, ``-1`` included."""
@@ -111,6 +99,23 @@ class MeshConfig:
         """``'d=4 x t=2'`` (``'d=-1 x t=2'`` before resolving)."""
         sizes = self.sizes() if self.is_resolved else self.given()
         return describe_sizes(sizes)
+
+
+MeshConfig = dataclasses.make_dataclass(
+    "MeshConfig",
+    [(axis.name, int, dataclasses.field(default=1)) for axis in MESH_AXES],
+    bases=(_MeshSizes,),
+    frozen=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": """The size of each mesh axis, one field per row of the axis table
+    (:data:`seqshard.shardlib.axes.MESH_AXES`: p pipeline, d data / FSDP, c context, t tensor);
+    an axis left out has size 1. The product of the sizes is the number of devices used. One
+    axis may be ``-1``: "the remaining devices" (``{d: -1, t: 8}`` on 64 devices is
+    d=8 x t=8), fixed by :meth:`resolved` once the device count is known
+    (:func:`resolve_mesh`).""",
+    },
+)
 
 
 REMAINING = -1

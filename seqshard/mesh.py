@@ -1,6 +1,7 @@
 """The mesh axes seqshard knows, as data, and meshes built from their sizes (Auto axes).
 
-One ordered table, :data:`MESH_AXES`, names every mesh axis a spec may use and what it means.
+One ordered table, :data:`MESH_AXES` (:mod:`seqshard.shardlib.axes`), names every mesh axis a
+spec may use, what it means and the link it crosses.
 A run gives sizes for any subset (``{'d': 4, 't': 2}``); the others have size 1. Every mesh
 seqshard builds has all the table's axes, in table order, so one model text (its specs name
 ``p``, ``d``, ``c`` and ``t``) runs on any of them: an axis of size 1 moves nothing
@@ -13,42 +14,25 @@ Auto axes a jitted shard_map reshards its inputs itself.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
 
+from seqshard.shardlib.axes import AXES, MESH_AXES, MeshAxis, full_axis_sizes
+
 __all__ = [
     "AXES",
     "MESH_AXES",
     "MeshAxis",
+    "axis_size",
     "axis_sizes",
     "describe_sizes",
     "mesh_from_devices",
     "mesh_of_sizes",
     "training_mesh",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshAxis:
-    """One mesh axis: its name in specs (``'B/d'``) and what splitting over it means."""
-
-    name: str
-    meaning: str
-
-
-MESH_AXES: tuple[MeshAxis, ...] = (
-    MeshAxis("p", "pipeline: stages of the layer stack (layers/p); microbatches flow between them"),
-    MeshAxis("d", "data / FSDP: batch rows, and weight rows (d_model) at rest"),
-    MeshAxis("c", "context: the sequence, in zigzag order (L@zigzag/c); weight rows as d"),
-    MeshAxis("t", "tensor (Megatron): heads, d_ff, vocab, and the residual's d_model or rows"),
-)
-"""Every mesh axis seqshard knows, outermost first (the order of a mesh's devices)."""
-
-AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXES)
 
 
 def axis_sizes(sizes: Mapping[str, int] | None = None, **named: int) -> dict[str, int]:
@@ -71,6 +55,11 @@ def axis_sizes(sizes: Mapping[str, int] | None = None, **named: int) -> dict[str
             raise ValueError(f"mesh axis {name} must have an integer size >= 1, got {size!r}.")
         out[name] = size
     return out
+
+
+def axis_size(mesh: Mesh, name: str) -> int:
+    """The size of axis ``name`` on ``mesh``: 1 if a mesh built by hand lacks it."""
+    return full_axis_sizes(dict(mesh.shape))[name]
 
 
 def describe_sizes(sizes: Mapping[str, int]) -> str:

@@ -6,6 +6,7 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
+from seqshard import f32, shardops, typed_shard_map
 from seqshard.config import ConfigError, MeshConfig, load_config, resolve_mesh
 from seqshard.mesh import (
     AXES,
@@ -17,17 +18,15 @@ from seqshard.mesh import (
 )
 
 
-def test_the_table_names_every_axis_once_with_a_meaning():
-    assert AXES == tuple(a.name for a in MESH_AXES) == ("p", "d", "c", "t")
-    assert all(a.meaning for a in MESH_AXES)
-    assert len(set(AXES)) == len(AXES)
-
-
-def test_mesh_config_has_a_field_per_axis_in_table_order():
-    """MeshConfig is the config side of the table: one size per known axis."""
+def test_the_config_mesh_section_has_a_size_per_axis_of_the_table(monkeypatch):
+    """MeshConfig is built from the table: one field per axis, default 1, so a config names
+    every axis the specs may use (a row added to the table is a config key)."""
     import dataclasses
 
     assert tuple(f.name for f in dataclasses.fields(MeshConfig)) == AXES
+    assert all(f.default == 1 for f in dataclasses.fields(MeshConfig))
+    cfg = load_config(None, ["mesh.c=2", "mesh.t=2", "model.d_model=64"])
+    assert cfg.mesh.sizes() == {"p": 1, "d": 1, "c": 2, "t": 2}
 
 
 @pytest.mark.parametrize(
@@ -122,3 +121,54 @@ def test_the_training_mesh_must_use_every_device_of_an_accelerator_or_multi_proc
         training_mesh({"d": 3, "t": 2}, devices=[Device(i, i // 3) for i in range(6)])
     with pytest.raises(RuntimeError, match="needs 16 devices, but the run has 8 CPU devices"):
         training_mesh({"d": 16})
+
+
+# -- a mesh built by hand -----------------------------------------------------------------------
+
+
+def test_a_mesh_built_by_hand_behaves_as_if_its_missing_axes_had_size_one():
+    """``jax.make_mesh((2, 2), ('d', 't'))`` lacks p and c: init_weights, loss_fn, logits_fn,
+    the train step and typed_shard_map run on it as on seqshard's own d=2 x t=2 mesh (equal
+    values); a mesh axis seqshard does not know is an error naming the known ones."""
+    import functools
+
+    import numpy as np
+    from model_weights import packed_batch, tiny_model
+
+    from seqshard.batch import TokenBatch
+    from seqshard.config import Config, TrainConfig
+    from seqshard.model import init_weights, logits_fn, loss_fn
+    from seqshard.train.optimizer import make_optimizer
+    from seqshard.train.state import init_train_state
+    from seqshard.train.step import make_train_step
+
+    auto = (AxisType.Auto,) * 2
+    by_hand = jax.make_mesh((2, 2), ("d", "t"), axis_types=auto, devices=jax.devices()[:4])
+    ours = mesh_of_sizes({"d": 2, "t": 2})
+    cfg = tiny_model()
+    tokens, starts = packed_batch(cfg.vocab, 4, 16)
+    results = []
+    for mesh in (by_hand, ours):
+        w = init_weights(cfg, mesh, jax.random.key(0))
+        run = Config(model=cfg, mesh=MeshConfig(d=2, t=2), train=TrainConfig(batch_size=4))
+        opt = make_optimizer(run.train)
+        state = init_train_state(cfg, mesh, opt, jax.random.key(0))
+        _, metrics = make_train_step(run, mesh, opt)(state, TokenBatch(tokens, starts))
+
+        @functools.partial(typed_shard_map, mesh=mesh)
+        def gathered(x: f32[b"B/d/c M/t"]) -> f32[b"B/d/c M"]:
+            return shardops.all_gather("B/d/c M/t -> B/d/c M", x, to="invarying")
+
+        results.append(
+            [
+                loss_fn(w, tokens, starts, cfg, mesh),
+                logits_fn(w, tokens, starts, cfg, mesh),
+                metrics["loss"],
+                gathered(np.arange(32, dtype=np.float32).reshape(4, 8)),
+            ]
+        )
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    unknown = jax.make_mesh((2, 2), ("data", "t"), axis_types=auto, devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"unknown mesh axes \['data'\].*p \(pipeline"):
+        init_weights(cfg, unknown, jax.random.key(0))

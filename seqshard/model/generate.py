@@ -51,7 +51,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from seqshard.mesh import AXES, mesh_of_sizes
+from seqshard.mesh import AXES, axis_size, mesh_of_sizes
 from seqshard.model.attention import attention, rope_frequencies, rope_tables
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import gathered_kv
@@ -453,15 +453,15 @@ def _check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
             f"generate: mesh must be a jax.sharding.Mesh with axes {AXES}, got "
             f"{getattr(mesh, 'shape', mesh)!r}. Make one with decode_mesh(batch, cfg)."
         )
-    if mesh.shape["p"] != 1:
+    if axis_size(mesh, "p") != 1:
         raise ValueError(
-            f"generate: mesh axis p (pipeline) has size {mesh.shape['p']}, but generation runs "
+            f"generate: mesh axis p (pipeline) has size {axis_size(mesh, 'p')}, but generation runs "
             f"every layer on each device's rows and needs p = 1. Make the mesh with "
             f"decode_mesh(batch, cfg) (weights trained with p > 1 load on it)."
         )
-    if mesh.shape["c"] != 1:
+    if axis_size(mesh, "c") != 1:
         raise ValueError(
-            f"generate: mesh axis c (context) has size {mesh.shape['c']}, but generation keeps "
+            f"generate: mesh axis c (context) has size {axis_size(mesh, 'c')}, but generation keeps "
             f"each row's cache whole on a device and needs c = 1. Make the mesh with "
             f"decode_mesh(batch, cfg) (axes d and t; weights trained with c > 1 load on it)."
         )
@@ -510,7 +510,7 @@ def _checked(
     if not isinstance(sampling, Sampling):
         raise TypeError(f"generate: sampling must be a Sampling, got {type(sampling).__name__}.")
     _check_vocab(sampling, cfg.vocab)
-    prompt, start = _check_prompt(prompt_tokens, prompt_lengths, cfg, mesh.shape["d"])
+    prompt, start = _check_prompt(prompt_tokens, prompt_lengths, cfg, axis_size(mesh, "d"))
     spec = DecodeSpec(
         # A decode step feeds one token per row: nothing to split over t in L. Whatever the
         # training layout, the residual is 'B/d L@zigzag/c M/t' here (the same model and weights).

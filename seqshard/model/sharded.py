@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from seqshard.batch import TokenBatch, token_batch
+from seqshard.mesh import axis_size
 from seqshard.model.backward import explicit_loss_terms
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import sequence_rows
@@ -39,7 +40,7 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def loss_terms(w: Weights, batch: TokenBatch) -> f32["2"]:
-        if mesh.shape["p"] > 1:
+        if axis_size(mesh, "p") > 1:
             return pipelined_loss_terms(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
         if cfg.backward == "explicit":
             # The same forward value; jax.grad runs backward.py's hand-written backward.
@@ -74,7 +75,7 @@ def batch_loss_terms(
     batch runs as ``pipeline.microbatches`` microbatches through the stages by
     ``pipeline.schedule``; ``pipeline`` is ignored at p = 1.
     """
-    if pipeline is None or mesh.shape["p"] == 1:
+    if pipeline is None or axis_size(mesh, "p") == 1:
         pipeline = Pipeline()  # one compiled program whatever the (unused) pipeline says
     return _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)
 
@@ -105,10 +106,10 @@ def logits_fn(
 
     On a mesh with p = 1: each device runs every layer (a stage's block alone would give
     another model's logits)."""
-    if mesh.shape["p"] != 1:
+    if axis_size(mesh, "p") != 1:
         raise ValueError(
             f"logits_fn runs every layer on each device and needs mesh axis p = 1, got "
-            f"p={mesh.shape['p']}. Restore or place the weights on a mesh with p = 1 "
+            f"p={axis_size(mesh, 'p')}. Restore or place the weights on a mesh with p = 1 "
             f"(checkpoints restore on any mesh), or use batch_loss_terms, which pipelines."
         )
     return _sharded(cfg, mesh, "logits", Pipeline())(weights, token_batch(tokens, is_seq_start))

@@ -19,7 +19,7 @@ gradient. Transient: the largest short-lived working set, either
   gradient before the reduce-scatter, and one transposed copy (the gather runs along M, not
   the major dimension); or
 * one layer's backward: what the policy did not keep and the backward rebuilds (gathered
-  weights, normalized inputs, attention probabilities: :class:`seqshard.model.cost.LayerBytes`),
+  weights, normalized inputs, attention probabilities: :func:`seqshard.model.cost.layer_bytes`),
   the gathered weights' gradients, and, on the einsum path, the f32 ``'b L L Q K/t'``
   gradients of the scores (fused kernels, cudnn and splash, never hold them).
 
@@ -68,26 +68,26 @@ import math
 from collections.abc import Iterable, Mapping
 
 import jax
-import jax.numpy as jnp
 
 from seqshard import hardware
 from seqshard.config import Config, ConfigError, check_config, resolve_mesh
+from seqshard.mesh import MESH_AXES
+from seqshard.model.block import weight_info
 from seqshard.model.cost import (
     flops_per_token,
-    format_bytes,
     hardware_flops_per_token,
     layer_bytes,
     matmul_flops_per_token,
     memory_per_device,
+    saved_bytes,
 )
-from seqshard.model.remat import NoRemat, remat_policy
 from seqshard.model.weights import Layer, Weights
 from seqshard.plan.step_comms import PlannedCollective, collectives_per_step
 from seqshard.shardlib.shardtypes import ArrayType, block_shape, type_tree
+from seqshard.shardlib.tables import format_bytes
 
 __all__ = [
     "FUSED_ATTENTION",
-    "NORM_GAINS",
     "MemoryPlan",
     "Plan",
     "PlannedCollective",
@@ -99,10 +99,6 @@ __all__ = [
     "plan",
     "target_config",
 ]
-
-NORM_GAINS = ("ln1", "ln2", "final_norm")
-"""Weights transformer.py gathers in f32 (``rms_norm`` takes f32 gains); every other weight is
-cast to ``compute_dtype`` before its gather."""
 
 FUSED_ATTENTION = ("cudnn", "splash")
 """Attention kernels that never hold the ``'b L L Q K/t'`` scores (flash attention)."""
@@ -123,13 +119,6 @@ def target_config(cfg: Config, n_devices: int) -> Config:
     if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
         raise ConfigError(f"the device count must be a positive integer, got {n_devices!r}.")
     cfg = resolve_mesh(cfg, n_devices)
-    modelled = {"p", "d", "c", "t"}  # the axes whose collectives and memory this module models
-    other = {a: n for a, n in cfg.mesh.sizes().items() if a not in modelled and n > 1}
-    if other:
-        raise ConfigError(
-            f"the planner models mesh axes p, d, c and t only; mesh {cfg.mesh.describe()} also "
-            f"splits over {sorted(other)}."
-        )
     if cfg.mesh.n_devices != n_devices:
         raise ConfigError(
             f"mesh {cfg.mesh.describe()} uses {cfg.mesh.n_devices} devices, not the "
@@ -173,15 +162,15 @@ class _Gather:
     minor: bool  # gathered along a dimension that is not the major one: a transposed copy
 
 
-def _dtype_bytes(dtype: str) -> int:
-    return jnp.dtype(dtype).itemsize
-
-
-def _gathers(cfg: Config, types: Iterable[tuple[str, ArrayType]]) -> list[_Gather]:
+def _gathers(cfg: Config, weights: type, names: Iterable[str]) -> list[_Gather]:
+    """The gathers of weights ``names`` of the weights dataclass ``weights``, each in the
+    dtype its declaration says it is gathered in (norm gains in f32, every other weight cast
+    to ``compute_dtype`` first)."""
     sizes, mesh = cfg.model.dim_sizes(), cfg.mesh.sizes()
-    c = _dtype_bytes(cfg.model.compute_dtype)
+    types, info = type_tree(weights), weight_info(weights)
     out = []
-    for name, t in types:
+    for name in names:
+        t = getattr(types, name)
         where = [i for i, dim in enumerate(t.shape.dims) if dim.label == "d_model"]
         if len(where) != 1:
             raise TypeError(
@@ -195,7 +184,8 @@ def _gathers(cfg: Config, types: Iterable[tuple[str, ArrayType]]) -> list[_Gathe
         out.append(
             _Gather(
                 name=name,
-                gathered_bytes=elements * (4 if name in NORM_GAINS else c),
+                gathered_bytes=elements
+                * (4 if info[name].gathered_in == "f32" else cfg.model.compute_bytes),
                 minor=pos > 0,
             )
         )
@@ -203,14 +193,11 @@ def _gathers(cfg: Config, types: Iterable[tuple[str, ArrayType]]) -> list[_Gathe
 
 
 def _layer_gathers(cfg: Config) -> list[_Gather]:
-    layer = type_tree(Layer)
-    return _gathers(cfg, ((f.name, getattr(layer, f.name)) for f in dataclasses.fields(Layer)))
+    return _gathers(cfg, Layer, (f.name for f in dataclasses.fields(Layer)))
 
 
 def _outer_gathers(cfg: Config) -> dict[str, _Gather]:
-    w = type_tree(Weights)
-    names = ("embed", "final_norm", "unembed")
-    return {g.name: g for g in _gathers(cfg, ((n, getattr(w, n)) for n in names))}
+    return {g.name: g for g in _gathers(cfg, Weights, ("embed", "final_norm", "unembed"))}
 
 
 def _microbatch_rows(cfg: Config) -> int:
@@ -255,21 +242,21 @@ def _head_table(cfg: Config) -> tuple[int, int]:
 
 def _layer_memory(cfg: Config, attention_impl: str, lb, activations: int) -> tuple[int, int]:
     """(``activations`` less the probabilities fused attention never keeps, one layer's
-    backward working set), for layers of :class:`~seqshard.model.cost.LayerBytes` ``lb``."""
+    backward working set), for layers of activations ``lb`` (:func:`~seqshard.model.cost.layer_bytes`)."""
     m, c = cfg.model, cfg.mesh.sizes()["c"]
     gathered = _layer_gathers(cfg)
     weight_grads = sum(g.gathered_bytes for g in gathered)  # before their reduce-scatters
     copies = sum(g.gathered_bytes for g in gathered if g.minor)
-    everything = NoRemat().saved_bytes(lb)
-    rebuilt = everything - remat_policy(m.remat).saved_bytes(lb)  # re-run in the backward
+    everything = saved_bytes(dataclasses.replace(m, remat="none"), lb, c)
+    rebuilt = everything - saved_bytes(m, lb, c)  # re-run in the backward
     # Flash kernels and the ring (c > 1) never hold the probabilities, to keep or to rebuild.
+    probs = lb.get("probs", 0)  # f32 'b K/t Q L L' (einsum attention only)
     fused = attention_impl in FUSED_ATTENTION or m.ring_over(c)
     if fused:  # flash attention never holds the probabilities, to keep or to rebuild
-        rebuilt -= min(rebuilt, lb.probs)
+        rebuilt -= min(rebuilt, probs)
         if m.remat == "none":
-            activations -= m.n_layers * lb.probs
-    cb = _dtype_bytes(m.compute_dtype)
-    probs_elements = lb.probs // (4 + (cb if cb != 4 else 0))  # f32, and a compute-dtype copy
+            activations -= m.n_layers * probs
+    probs_elements = probs // 4
     # One f32 gradient of the scores at a time: softmax's backward turns d probs into
     # d scores elementwise.
     score_grads = 0 if fused else 4 * probs_elements
@@ -303,11 +290,9 @@ def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     micro = train.batch_size // k
     lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c)
     one_layer = dataclasses.replace(cfg, model=dataclasses.replace(m, n_layers=1))
-    per_layer, layer = _layer_memory(
-        one_layer, attention_impl, lb, remat_policy(m.remat).saved_bytes(lb)
-    )
+    per_layer, layer = _layer_memory(one_layer, attention_impl, lb, saved_bytes(m, lb, c))
     rows = micro // d
-    block = rows * (train.seq_len // c) * m.d_model // t * _dtype_bytes(m.compute_dtype)
+    block = rows * (train.seq_len // c) * m.d_model // t * m.compute_bytes
     stage_layers = m.n_layers // p
     # The stage's weights do not change from tick to tick: differentiating GPipe's tick scan,
     # JAX computes what depends on them alone (their gathers) once, before the loop, so the
@@ -492,17 +477,19 @@ def _pipelined_compute_s(cfg: Config, n_devices: int, peak: float) -> float | No
 def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
     """The link each axis key crosses and its bandwidth per device."""
     mesh = cfg.mesh.sizes()
+    link = {a.name: a.link for a in MESH_AXES}
+    inner_axes = [
+        a for a in mesh if link[a] == "inner"
+    ]  # innermost last, as training_mesh lays them
     links, bandwidths = {}, {}
     for key in keys:
         axes = key.split("/")
-        # c and t stay inside a fast domain when they fit one (training_mesh lays them out
-        # so); d spans all devices' domains.
-        inner = mesh["c"] * mesh["t"] if "c" in axes else mesh["t"]
-        # p, outermost, crosses the slow links as d does (training_mesh keeps t and c inside).
-        spans = "d" in axes or "p" in axes
-        crosses = (spans and n_devices > ch.fast_domain_chips) or (
-            ("t" in axes or "c" in axes) and inner > ch.fast_domain_chips
-        )
+        # An outer axis (p, d) spans every device's domain; inner ones (c, t) stay inside a
+        # fast domain while the inner axes from this key's outermost one inward fit one.
+        spans = any(link[a] == "outer" for a in axes)
+        mine = [inner_axes.index(a) for a in axes if link[a] == "inner"]
+        inner = math.prod(mesh[a] for a in inner_axes[min(mine) :]) if mine else 1
+        crosses = (spans and n_devices > ch.fast_domain_chips) or inner > ch.fast_domain_chips
         if crosses:
             if ch.slow_bytes_per_s is None:
                 raise ValueError(

@@ -18,19 +18,13 @@ import jax
 
 from seqshard.batch import batch_structs
 from seqshard.config import Config, config_to_yaml
-from seqshard.model.cost import (
-    PHASES,
-    flops_per_token,
-    format_bytes,
-    format_table,
-    hardware_flops_per_token,
-    step_flops,
-)
+from seqshard.model.cost import PHASES, flops_per_token, hardware_flops_per_token, step_flops
 from seqshard.model.weights import Weights, param_count
 from seqshard.plan.planner import FUSED_ATTENTION, Plan, describe_memory, memory_plan, plan
 from seqshard.plan.step_comms import PlannedCollective, collectives_per_step, format_planned_table
 from seqshard.shardlib.comms import Collective, collectives, format_comm_table
 from seqshard.shardlib.shardtypes import block_shape, type_tree
+from seqshard.shardlib.tables import format_bytes, format_table
 
 __all__ = [
     "context_report",

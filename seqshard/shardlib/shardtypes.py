@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from seqshard.shardlib.axes import AXES, full_axis_sizes
 from seqshard.shardlib.notation import Shape, parse_shape
 from seqshard.shardlib.shapecheck import (
     ShapeError,
@@ -224,17 +225,28 @@ def partition_specs(annotation: Any) -> Any:
 
 
 def shardings(annotation: Any, mesh: Mesh) -> Any:
-    """The tree of ``NamedSharding`` on ``mesh``; every mesh axis named must exist."""
+    """The tree of ``NamedSharding`` on ``mesh``. A mesh built by hand may lack some of
+    seqshard's axes (:mod:`seqshard.shardlib.axes`): they have size 1, and split nothing."""
+    full_axis_sizes(dict(mesh.shape))  # an unknown axis name is an error
+    return _map_types(lambda t: _named_sharding(t, mesh), annotation)
 
-    def sharding(t: ArrayType) -> NamedSharding:
-        for axis in t.shape.split_axes:
-            if axis not in mesh.shape:
-                raise ShapeError(
-                    f"{t!r} names mesh axis {axis!r}, but the mesh has axes {dict(mesh.shape)}."
-                )
+
+def _named_sharding(t: ArrayType, mesh: Mesh) -> NamedSharding:
+    """``t``'s sharding on ``mesh``, the axes the mesh lacks (size 1) left out."""
+    for axis in t.shape.split_axes:
+        if axis not in AXES:
+            raise ShapeError(
+                f"{t!r} names mesh axis {axis!r}, which seqshard does not know (its axes: "
+                f"{', '.join(AXES)}); the mesh has axes {dict(mesh.shape)}."
+            )
+    if all(axis in mesh.shape for axis in t.shape.split_axes):
         return NamedSharding(mesh, t.partition_spec)
-
-    return _map_types(sharding, annotation)
+    return NamedSharding(
+        mesh,
+        PartitionSpec(
+            *(_axes_entry(tuple(a for a in d.axes if a in mesh.shape)) for d in t.shape.dims)
+        ),
+    )
 
 
 def shape_dtype_structs(annotation: Any, sizes: Mapping[str, int], mesh: Mesh | None = None) -> Any:
@@ -249,8 +261,8 @@ def shape_dtype_structs(annotation: Any, sizes: Mapping[str, int], mesh: Mesh | 
         shape = t.global_shape(sizes, where)
         if mesh is None:
             return jax.ShapeDtypeStruct(shape, t.dtype)
-        check_global(t.shape, shape, mesh.shape, where, scope=ShapeScope())
-        return jax.ShapeDtypeStruct(shape, t.dtype, sharding=NamedSharding(mesh, t.partition_spec))
+        check_global(t.shape, shape, full_axis_sizes(dict(mesh.shape)), where, scope=ShapeScope())
+        return jax.ShapeDtypeStruct(shape, t.dtype, sharding=_named_sharding(t, mesh))
 
     return jax.tree_util.tree_map_with_path(struct, type_tree(annotation), is_leaf=_is_type_leaf)
 
@@ -359,7 +371,7 @@ def typed_shard_map(
     if f is None:
         return functools.partial(typed_shard_map, mesh=mesh, check_vma=check_vma)
     names, in_types, out_type = _signature_types(f)
-    sizes = dict(mesh.shape)
+    sizes = full_axis_sizes(dict(mesh.shape))  # a mesh built by hand: missing axes have size 1
     manual = frozenset(a for a, n in sizes.items() if n > 1)
     block_spec = functools.partial(_block_spec, sizes=sizes)
     in_specs = tuple(_map_types(block_spec, annotation) for annotation in in_types)
@@ -370,14 +382,14 @@ def typed_shard_map(
         with shape_scope() as scope, block_axes_scope(sizes, manual):
             for name, block, t in zip(names, blocks, in_types, strict=True):
                 for where, leaf, lt in _leaves_with_types(block, t, f"{fname} argument {name!r}"):
-                    check_block(lt.shape, leaf.shape, mesh.shape, where, scope)
+                    check_block(lt.shape, leaf.shape, sizes, where, scope)
                     scope.remember_layout(leaf, lt.shape)
             out = f(*blocks)
             checked = replication_checked()
             for where, leaf, lt in _leaves_with_types(out, out_type, f"{fname} output"):
                 leaf = jnp.asarray(leaf)
                 _check_dtype(where, leaf, lt)
-                check_block(lt.shape, leaf.shape, mesh.shape, where, scope)
+                check_block(lt.shape, leaf.shape, sizes, where, scope)
                 extra = varying_axes(leaf) - set(lt.shape.split_axes) if checked else set()
                 if extra:
                     raise TypeError(
@@ -415,7 +427,7 @@ def typed_shard_map(
                     if not hasattr(leaf, "shape"):
                         leaf = jnp.asarray(leaf)
                     _check_dtype(where, leaf, lt)
-                    check_global(lt.shape, leaf.shape, mesh.shape, where, scope)
+                    check_global(lt.shape, leaf.shape, sizes, where, scope)
                     _check_explicit_sharding(where, leaf, lt, mesh)
         return mapped(*args)
 
