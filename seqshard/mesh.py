@@ -40,20 +40,10 @@ def axis_sizes(sizes: Mapping[str, int] | None = None, **named: int) -> dict[str
 
     ``axis_sizes({'t': 2})`` -> ``{'p': 1, 'd': 1, 'c': 1, 't': 2}``. An unknown name or a size < 1 is an error.
     """
-    given = {**(sizes or {}), **named}
-    unknown = sorted(set(given) - set(AXES))
-    if unknown:
-        raise ValueError(
-            f"unknown mesh axes {unknown}: seqshard's mesh axes are "
-            + ", ".join(f"{a.name} ({a.meaning})" for a in MESH_AXES)
-            + "."
-        )
-    out = {}
-    for name in AXES:
-        size = given.get(name, 1)
+    out = full_axis_sizes({**(sizes or {}), **named}, "the mesh sizes")
+    for name, size in out.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"mesh axis {name} must have an integer size >= 1, got {size!r}.")
-        out[name] = size
     return out
 
 

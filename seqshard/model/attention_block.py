@@ -28,10 +28,19 @@ from seqshard.model.attention import (
     einsum_values,
     resolve_impl,
 )
-from seqshard.model.block import Activation, Activations, Block, Op, gain, weight
+from seqshard.model.block import (
+    Activation,
+    Activations,
+    Block,
+    Op,
+    elementwise,
+    gain,
+    matmul,
+    weight,
+)
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, gathered_kv, ring_attention, ring_forward
-from seqshard.model.norm import norm_input, normed
+from seqshard.model.norm import norm_input, norm_op, normed
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
@@ -121,50 +130,32 @@ ATTENTION = Block(
         Activation("h", _R, "compute", "o", saved=True),
     ),
     ops=(
-        # RMSNorm of the gathered residual: x*x, sum, / M, + eps, rsqrt, x * r, * gain (4 M + 3);
-        # backward: the gain's gradient (2 M), the input's (6 M), and the sum of the two
-        # matmuls' cotangents it feeds (M).
-        Op(
-            "attn_norm",
-            "elementwise",
-            "token",
-            "B/d L M",
-            lambda m: 4 * m.d_model + 3,
-            lambda m: 9 * m.d_model,
-            _SAVED_FULL,
-        ),
-        Op(
+        norm_op("attn_norm", consumers=2, recomputed_by=_SAVED_FULL),  # feeds q and k, v
+        matmul(
             "q",
-            "matmul",
             "token",
             "B/d L M, M Q K/t D -> B/d L Q K/t D",
             lambda m: 2 * m.d_model * m.n_heads * m.d_head,
-            lambda m: 4 * m.d_model * m.n_heads * m.d_head,
             _FULL,
         ),
-        Op(
+        matmul(
             "k",
-            "matmul",
             "token",
             "B/d L M, M K/t D -> B/d L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
-            lambda m: 4 * m.d_model * m.n_kv * m.d_head,
             _FULL,
         ),
-        Op(
+        matmul(
             "v",
-            "matmul",
             "token",
             "B/d L M, M K/t D -> B/d L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
-            lambda m: 4 * m.d_model * m.n_kv * m.d_head,
             _FULL,
         ),
         # q and k: each pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), 6 per 2 elements;
         # the backward rotates back, the same 6.
-        Op(
+        elementwise(
             "rope",
-            "elementwise",
             "token",
             "B/d L Q K/t D",
             lambda m: 3 * (m.n_heads + m.n_kv) * m.d_head,
@@ -173,54 +164,34 @@ ATTENTION = Block(
         ),
         # With the row split over c: k and v gathered over c again, or the ring's forward.
         Op("context", "transfer", "token", "B/d L K/t D", lambda m: 0, lambda m: 0, _SAVED_FULL),
-        Op(
+        matmul(
             "scores",
-            "matmul",
             "pair",
             "B/d Lq Q K/t D, B/d Lk K/t D -> B/d Lq Lk Q K/t",
             lambda m: 2 * m.d_head,
-            lambda m: 4 * m.d_head,
             _SAVED_FULL,
         ),
         # Scale by 1/sqrt(D), select the masked out; the backward does both to the cotangent.
-        Op("mask", "elementwise", "pair", "B/d Lq Lk Q K/t", lambda m: 2, lambda m: 2, _SAVED_FULL),
+        elementwise("mask", "pair", "B/d Lq Lk Q K/t", lambda m: 2, lambda m: 2, _SAVED_FULL),
         # max, subtract, exp, sum, divide; backward p * (g - sum(p * g)): seed 004's 4.
-        Op(
-            "softmax",
-            "elementwise",
-            "pair",
-            "B/d Lq Lk Q K/t",
-            lambda m: 5,
-            lambda m: 4,
-            _SAVED_FULL,
-        ),
-        Op(
+        elementwise("softmax", "pair", "B/d Lq Lk Q K/t", lambda m: 5, lambda m: 4, _SAVED_FULL),
+        matmul(
             "values",
-            "matmul",
             "pair",
             "B/d Lq Lk Q K/t, B/d Lk K/t D -> B/d Lq Q K/t D",
             lambda m: 2 * m.d_head,
-            lambda m: 4 * m.d_head,
             _FULL,
         ),
-        Op(
+        matmul(
             "o",
-            "matmul",
             "token",
             "B/d L Q K/t D, M Q K/t D -> B/d L M",
             lambda m: 2 * m.n_heads * m.d_head * m.d_model,
-            lambda m: 4 * m.n_heads * m.d_head * m.d_model,
             _FULL,
         ),
         # x + out; the backward sums the cotangents of the residual path and the block's.
-        Op(
-            "attn_residual",
-            "elementwise",
-            "token",
-            "B/d L M/t",
-            lambda m: m.d_model,
-            lambda m: m.d_model,
-            _FULL,
+        elementwise(
+            "attn_residual", "token", "B/d L M/t", lambda m: m.d_model, lambda m: m.d_model, _FULL
         ),
     ),
 )

@@ -85,7 +85,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+import operator
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,7 @@ __all__ = [
     "layer_activations",
     "layer_backward",
     "norm_backward",
+    "projections_backward",
     "rms_norm_backward",
 ]
 
@@ -277,6 +279,41 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
     return dq, dk, dv
 
 
+def projections_backward(
+    x: jax.Array,
+    projections: Sequence[tuple[str, str, jax.Array, jax.Array]],
+    part_name: str,
+) -> tuple[jax.Array, list[jax.Array]]:
+    """The backward of projections ``y_i = x . w_i`` of one normed input ``x``
+    'B/d L@zigzag/c M', each given as (y's spec, the gathered weight's spec, dL/dy_i, w_i):
+    dL/dx, which owes the sum over t of the contracted t-split dims, and each weight's
+    gradient in its FSDP layout 'M/d/c ...'::
+
+        dx  = sum_i einsum_unreduced('Y_i, W_i -> B/d L@zigzag/c M{U_t}', dy_i, w_i)
+        dw_i = einsum_unreduced('B/d L@zigzag/c M, Y_i -> W_i{U_d,c}', x, dy_i)
+        dw_i = psum_scatter('W_i{U_d,c} -> W_i with M/d/c', dw_i)
+    """
+    rows = "B/d L@zigzag/c M"
+    d_x = functools.reduce(
+        operator.add,
+        (
+            shardops.einsum_unreduced(f"{y}, {w} -> {rows}{{U_t}}", dy, weight)
+            for y, w, dy, weight in projections
+        ),
+    )
+    d_ws = [
+        shardops.einsum_unreduced(f"{rows}, {y} -> {w}{{U_d,c}}", x, dy)
+        for y, w, dy, _ in projections
+    ]
+    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
+    with part(part_name):
+        d_ws = [
+            shardops.psum_scatter(f"{w}{{U_d,c}} -> {w.replace('M', 'M/d/c', 1)}", dw)
+            for (_, w, _, _), dw in zip(projections, d_ws, strict=True)
+        ]
+    return d_x, d_ws
+
+
 def layer_backward(
     cfg: ModelConfig,
     rows: SequenceRows,
@@ -308,22 +345,14 @@ def layer_backward(
     sig = jax.nn.sigmoid(gate)
     d_up = d_y * (gate * sig)
     d_gate = d_y * up * (sig * (1 + gate * (1 - sig)))
-    nh = a["nh"]
-    d_nh = shardops.einsum_unreduced(
-        "B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M{U_t}", d_gate, a["w_gate"]
-    ) + shardops.einsum_unreduced(
-        "B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M{U_t}", d_up, a["w_up"]
+    d_nh, (d_w_gate, d_w_up) = projections_backward(
+        a["nh"],
+        [
+            ("B/d L@zigzag/c F/t", "M F/t", d_gate, a["w_gate"]),
+            ("B/d L@zigzag/c F/t", "M F/t", d_up, a["w_up"]),
+        ],
+        "gate_up",
     )
-    d_w_gate = shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}", nh, d_gate
-    )
-    d_w_up = shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}", nh, d_up
-    )
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
-    with part("gate_up"):
-        d_w_gate = shardops.psum_scatter("M F/t{U_d,c} -> M/d/c F/t", d_w_gate)
-        d_w_up = shardops.psum_scatter("M F/t{U_d,c} -> M/d/c F/t", d_w_up)
     # d_nh still owes the sum over the F/t shards.
     with part("ffn_norm"):
         d_gh, d_ln2 = norm_backward(cfg, a["gh"], a["ln2"], d_nh)
@@ -345,22 +374,14 @@ def layer_backward(
     # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
     d_q = apply_rope(d_q, cos, -sin)
     d_kv = jnp.stack([apply_rope(d_k, cos, -sin), d_v])
-    nx = a["nx"]
-    d_nx = shardops.einsum_unreduced(
-        "B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M{U_t}", d_q, a["w_q"]
-    ) + shardops.einsum_unreduced(
-        "2 B/d L@zigzag/c K/t D, 2 M K/t D -> B/d L@zigzag/c M{U_t}", d_kv, a["w_kv"]
+    d_nx, (d_w_q, d_w_kv) = projections_backward(
+        a["nx"],
+        [
+            ("B/d L@zigzag/c Q K/t D", "M Q K/t D", d_q, a["w_q"]),
+            ("2 B/d L@zigzag/c K/t D", "2 M K/t D", d_kv, a["w_kv"]),
+        ],
+        "q_kv",
     )
-    d_w_q = shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, B/d L@zigzag/c Q K/t D -> M Q K/t D{U_d,c}", nx, d_q
-    )
-    d_w_kv = shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, 2 B/d L@zigzag/c K/t D -> 2 M K/t D{U_d,c}", nx, d_kv
-    )
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
-    with part("q_kv"):
-        d_w_q = shardops.psum_scatter("M Q K/t D{U_d,c} -> M/d/c Q K/t D", d_w_q)
-        d_w_kv = shardops.psum_scatter("2 M K/t D{U_d,c} -> 2 M/d/c K/t D", d_w_kv)
     # d_nx owes the sum over the K/t shards (heads).
     with part("attn_norm"):
         d_gx, d_ln1 = norm_backward(cfg, a["gx"], a["ln1"], d_nx)

@@ -47,7 +47,9 @@ __all__ = [
     "Op",
     "Weight",
     "activation_bytes",
+    "elementwise",
     "kept",
+    "matmul",
     "recomputed",
     "weight",
     "weight_info",
@@ -135,6 +137,32 @@ class Op:
     backward: Callable[[ModelConfig], int]
     recomputed_by: frozenset[RematName] = frozenset()
     update: Callable[[ModelConfig], int] = lambda m: 0  # the optimizer step's, per parameter
+
+
+def matmul(
+    name: str,
+    per: Literal["token", "pair"],
+    spec: str,
+    forward: Callable[[ModelConfig], int],
+    recomputed_by: Iterable[RematName] = (),
+) -> Op:
+    """A matmul (2 FLOPs per multiply-add): its backward is one matmul per operand, each the
+    forward's size."""
+    return Op(
+        name, "matmul", per, spec, forward, lambda m: 2 * forward(m), frozenset(recomputed_by)
+    )
+
+
+def elementwise(
+    name: str,
+    per: Literal["token", "pair"],
+    spec: str,
+    forward: Callable[[ModelConfig], int],
+    backward: Callable[[ModelConfig], int],
+    recomputed_by: Iterable[RematName] = (),
+) -> Op:
+    """Elementwise work (1 FLOP per add, multiply, exp, ...; seed 004's convention)."""
+    return Op(name, "elementwise", per, spec, forward, backward, frozenset(recomputed_by))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,10 +7,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqshard.model.block import Op, elementwise
 from seqshard.model.config import ModelConfig
+from seqshard.model.remat import RematName
 from seqshard.shardlib import shardops
 
-__all__ = ["norm_input", "normed", "rms_norm"]
+__all__ = ["norm_input", "norm_op", "normed", "rms_norm"]
+
+
+def norm_op(name: str, consumers: int, recomputed_by: tuple[RematName, ...] = ()) -> Op:
+    """RMSNorm's FLOPs on the gathered residual 'B/d L M' (its work is repeated on each t
+    shard): forward x*x, sum, / M, + eps, rsqrt, x * r, * gain (4 M + 3); backward, seed 004's
+    fused form for RMS: the gain's gradient (2 M), the input's (6 M), and when its output feeds
+    several matmuls the sum of their cotangents ((consumers - 1) M)."""
+    return elementwise(
+        name,
+        "token",
+        "B/d L M",
+        lambda m: 4 * m.d_model + 3,
+        lambda m: 8 * m.d_model + (consumers - 1) * m.d_model,
+        recomputed_by,
+    )
 
 
 def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:

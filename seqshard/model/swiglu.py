@@ -18,9 +18,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from seqshard.model.block import Activation, Activations, Block, Op, gain, weight
+from seqshard.model.block import Activation, Activations, Block, elementwise, gain, matmul, weight
 from seqshard.model.config import ModelConfig
-from seqshard.model.norm import norm_input, normed
+from seqshard.model.norm import norm_input, norm_op, normed
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
@@ -75,62 +75,22 @@ SWIGLU = Block(
         Activation("out", _R, "compute", "ffn_residual", needed=False),
     ),
     ops=(
-        Op(
-            "ffn_norm",
-            "elementwise",
-            "token",
-            "B/d L M",
-            lambda m: 4 * m.d_model + 3,
-            lambda m: 9 * m.d_model,
-            _SAVED_FULL,
+        norm_op("ffn_norm", consumers=2, recomputed_by=_SAVED_FULL),  # feeds gate and up
+        matmul(
+            "gate", "token", "B/d L M, M F/t -> B/d L F/t", lambda m: 2 * m.d_model * m.d_ff, _FULL
         ),
-        Op(
-            "gate",
-            "matmul",
-            "token",
-            "B/d L M, M F/t -> B/d L F/t",
-            lambda m: 2 * m.d_model * m.d_ff,
-            lambda m: 4 * m.d_model * m.d_ff,
-            _FULL,
-        ),
-        Op(
-            "up",
-            "matmul",
-            "token",
-            "B/d L M, M F/t -> B/d L F/t",
-            lambda m: 2 * m.d_model * m.d_ff,
-            lambda m: 4 * m.d_model * m.d_ff,
-            _FULL,
+        matmul(
+            "up", "token", "B/d L M, M F/t -> B/d L F/t", lambda m: 2 * m.d_model * m.d_ff, _FULL
         ),
         # s = sigmoid(gate), gate * s, * up. Backward: d up = g * gate * s (1); d gate =
         # g * up * s * (1 + gate * (1 - s)) (6).
-        Op(
-            "swiglu",
-            "elementwise",
-            "token",
-            "B/d L F/t",
-            lambda m: 3 * m.d_ff,
-            lambda m: 7 * m.d_ff,
-            _SAVED_FULL,
+        elementwise(
+            "swiglu", "token", "B/d L F/t", lambda m: 3 * m.d_ff, lambda m: 7 * m.d_ff, _SAVED_FULL
         ),
         # Nothing in the backward needs the down projection's output nor the layer's: no
         # policy re-runs them (XLA drops them from remat=full's recomputation too).
-        Op(
-            "down",
-            "matmul",
-            "token",
-            "B/d L F/t, M F/t -> B/d L M",
-            lambda m: 2 * m.d_ff * m.d_model,
-            lambda m: 4 * m.d_ff * m.d_model,
-        ),
-        Op(
-            "ffn_residual",
-            "elementwise",
-            "token",
-            "B/d L M/t",
-            lambda m: m.d_model,
-            lambda m: m.d_model,
-        ),
+        matmul("down", "token", "B/d L F/t, M F/t -> B/d L M", lambda m: 2 * m.d_ff * m.d_model),
+        elementwise("ffn_residual", "token", "B/d L M/t", lambda m: m.d_model, lambda m: m.d_model),
     ),
 )
 """The SwiGLU block's declarations: remat=saved keeps the gate and up projections."""

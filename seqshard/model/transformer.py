@@ -44,10 +44,10 @@ from jax import lax
 
 from seqshard.model import attention_block, swiglu
 from seqshard.model.attention import attention_mask, rope_frequencies, rope_tables
-from seqshard.model.block import Activation, Activations, Block, Op
+from seqshard.model.block import Activation, Activations, Block, elementwise, matmul
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, context_mask, sequence_rows
-from seqshard.model.norm import norm_input, normed, rms_norm
+from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
 from seqshard.model.remat import explicit_activation_checkpointing
 from seqshard.model.weights import LAYER_BLOCKS, Layer, Weights
 from seqshard.shardlib import collective_log, shardops
@@ -81,17 +81,10 @@ EMBED = Block(
     ops=(
         # A lookup (each t shard selecting the rows of its vocab block is not counted); the
         # backward scatter-adds each token's cotangent into its row.
-        Op("embed", "elementwise", "token", "B/d L M", lambda m: 0, lambda m: m.d_model),
+        elementwise("embed", "token", "B/d L M", lambda m: 0, lambda m: m.d_model),
         # angle = position * frequency, cos, sin, on D/2. Positions and masks (integer and
         # boolean work, once per step) are not counted.
-        Op(
-            "rope_tables",
-            "elementwise",
-            "token",
-            "B/d L D",
-            lambda m: 3 * m.d_head // 2,
-            lambda m: 0,
-        ),
+        elementwise("rope_tables", "token", "B/d L D", lambda m: 3 * m.d_head // 2, lambda m: 0),
     ),
 )
 """The operations before the layers (outside the checkpointed layer scan: never re-run)."""
@@ -105,32 +98,11 @@ HEAD = Block(
         Activation("table", "V/t M", "compute", "logits"),  # the unembedding, gathered over d, c
     ),
     ops=(
-        Op(
-            "final_norm",
-            "elementwise",
-            "token",
-            "B/d L M",
-            lambda m: 4 * m.d_model + 3,
-            lambda m: 8 * m.d_model,
-        ),
-        Op(
-            "logits",
-            "matmul",
-            "token",
-            "B/d L M, V/t M -> B/d L V/t",
-            lambda m: 2 * m.d_model * m.vocab,
-            lambda m: 4 * m.d_model * m.vocab,
-        ),
+        norm_op("final_norm", consumers=1),
+        matmul("logits", "token", "B/d L M, V/t M -> B/d L V/t", lambda m: 2 * m.d_model * m.vocab),
         # logsumexp over the vocabulary: max, subtract, exp, sum (the per-position scalars
         # after it are not counted); backward softmax(logits) - onehot(target): 2 per logit.
-        Op(
-            "loss",
-            "elementwise",
-            "token",
-            "B/d L V/t",
-            lambda m: 4 * m.vocab,
-            lambda m: 2 * m.vocab,
-        ),
+        elementwise("loss", "token", "B/d L V/t", lambda m: 4 * m.vocab, lambda m: 2 * m.vocab),
     ),
 )
 """The final norm, the unembedding and the loss, after the layers (never re-run)."""

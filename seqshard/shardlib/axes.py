@@ -56,8 +56,8 @@ def full_axis_sizes(shape: Mapping[str, int], what: str = "the mesh") -> dict[st
     unknown = sorted(set(shape) - set(AXES))
     if unknown:
         raise ValueError(
-            f"{what} has axes {unknown} that seqshard does not know; its mesh axes are "
+            f"unknown mesh axes {unknown} in {what}: seqshard's mesh axes are "
             + ", ".join(f"{a.name} ({a.meaning})" for a in MESH_AXES)
-            + ". Name the mesh's axes after them (a missing one has size 1)."
+            + " (an axis left out has size 1)."
         )
-    return {name: int(shape.get(name, 1)) for name in AXES}
+    return {name: shape.get(name, 1) for name in AXES}

@@ -425,6 +425,15 @@ def _reduce_plan(call: _Call) -> list[str]:
     return [a for a in call.src.unreduced if a not in call.dst.unreduced]
 
 
+def _all_reduce_axes(call: _Call, x: jax.Array, what: str) -> list[str]:
+    """The axes an all-reduce (psum, pmax) of ``x`` runs over: those its spec reduces, but
+    the ones of size 1, except those x still varies over (see _Call.stuck): only an
+    all-reduce makes it invariant there, as the caller's replicated result must be."""
+    reduced = _reduce_plan(call)
+    call.require_varying(x, reduced, what)
+    return [a for a in reduced if a in call.over(reduced) or a in call.stuck(x, reduced)]
+
+
 def psum(spec: str, x: jax.Array) -> jax.Array:
     """All-reduce a partial sum: ``psum('B/d L{U_t} -> B/d L', s)`` is one all-reduce over t.
 
@@ -433,11 +442,7 @@ def psum(spec: str, x: jax.Array) -> jax.Array:
     Over axes of size 1 the sum is the value itself: no collective is emitted.
     """
     call = _Call("psum", spec, [x], 1)
-    reduced = _reduce_plan(call)
-    call.require_varying(x, reduced, "a partial sum")
-    # Axes of size 1 drop out, except those x still varies over (see _Call.stuck): only an
-    # all-reduce makes it invariant there, as the caller's replicated result must be.
-    axes = [a for a in reduced if a in call.over(reduced) or a in call.stuck(x, reduced)]
+    axes = _all_reduce_axes(call, x, "a partial sum")
     if not axes:
         return call.finish(x)
     wide = _cpu_reduce_dtype(x)
@@ -473,10 +478,7 @@ def pmax(spec: str, x: jax.Array) -> jax.Array:
     differentiating through it raises a ValueError that says so.
     """
     call = _Call("pmax", spec, [x], 1)
-    reduced = _reduce_plan(call)
-    call.require_varying(x, reduced, "a partial max")
-    # As in psum: axes of size 1 drop out unless x varies over them.
-    axes = [a for a in reduced if a in call.over(reduced) or a in call.stuck(x, reduced)]
+    axes = _all_reduce_axes(call, x, "a partial max")
     if not axes:
         return call.finish(x)
     y = _pmax_no_tangent(x, _axis_arg(axes))
