@@ -1,28 +1,26 @@
 #!/usr/bin/env python
-"""Correctness and matmul-path checks of seqshard on one GPU (the model on a 1-device mesh).
+"""Every GPU check of seqshard in one command: ``python scripts/gpu_check.py --out DIR``.
 
-    python scripts/gpu_check.py [--out results.json]
+Stages, most valuable first, within ``--budget`` seconds (default 480: each stage's limit is
+cut to what is left; a stage that fails or runs out of time is recorded and the next runs):
 
-Prints one line per check and what it measured, then ``gpu_check passed=N failed=M``. Each
-check compares seqshard's sharded model (``loss_fn``, ``logits_fn`` and the gradients through
-the hand-written backward or autodiff's, on a mesh of the first device) with the single-device
-plain-JAX reference (``seqshard.model.reference``) on the tests' tiny model shapes scaled up
-(vocab 512, d_model 256, 2 layers, GQA 4 x 2 heads of 64, d_ff 512; batch 4 x 256, packed
-documents):
+    model   the model on a 1-device mesh against the single-device reference: f32 at precision
+            highest (loss 1e-5 relative, logits 1e-4, gradients 1e-4 of each leaf's largest)
+            and at the default precision (TF32 on Hopper; reported, bounds 2e-2 / 0.5 / 0.1),
+            bf16 with cuDNN attention (``attention_impl=cudnn``) against the bf16 einsum
+            reference for the document and causal masks (loss 1e-2, logits 0.25, gradients
+            10%), and the hand-written backward against autodiff's (f32, 1e-4)
+    matmul  the bf16 matmul paths (bf16 out, f32 out, f32 accumulation cast to bf16, f32) on an
+            n^3 product and the 1B's projection shapes, TFLOP/s and max error
+    train   ``seqshard train configs/h100-125m.yaml`` for 30 steps on the bundled data, a
+            checkpoint, then ``seqshard eval`` of it (its final lines and exit codes)
+    bench   ``scripts/bench_gpu.py`` (h100-1b, -125m, -350m, causal mask, 6 timed steps)
 
-* ``f32-einsum-highest``: f32, einsum attention, matmuls at ``precision=highest`` (no TF32):
-  loss to 1e-5 relative, logits to 1e-4, gradients to 1e-4 of each leaf's largest entry.
-* ``f32-einsum-default``: the same at the backend's default precision (TF32 on Hopper):
-  reported, held only to 2e-2 (TF32 keeps 10 mantissa bits).
-* ``bf16-cudnn-<mask>``: bf16 compute, ``attention_impl=cudnn`` (cuDNN flash attention)
-  against the reference in bf16 with einsum attention: loss within 1e-2, logits within 0.25,
-  gradients within 10% of each leaf's largest entry (bf16 rounding; the CPU test holds the
-  same model in bf16 to similar bounds).
-* ``explicit-vs-autodiff``: ``model.backward`` explicit against autodiff on GPU, f32, highest.
-
-Then the matmul paths a bf16 model can take, on an n^3 product and on the 1B config's
-projection shapes: ``bf16 x bf16 -> bf16``, ``bf16 x bf16 -> f32`` (``preferred_element_type``),
-the same cast back to bf16 (what a model that keeps bf16 activations runs), and f32 x f32.
+It writes ``DIR/gpu_check.json`` (per stage: ok, seconds, what it measured, its output's last
+lines) and each stage's log; exits 1 if a check failed. ``--smoke`` runs the same stages on
+CPU with tiny shapes (tiny-cpu's model, 3 steps, a 256^3 matmul): what tests/test_gpu_check.py
+runs, so the GPU run cannot fail on a typo. Carry the two wheels the GPU machine lacks as
+../shared/gpu/README.md says.
 """
 
 from __future__ import annotations
@@ -30,6 +28,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,9 +61,14 @@ CFG = ModelConfig(
     attention_impl="einsum",
 )
 BATCH, LENGTH = 4, 256
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def random_inputs(cfg: ModelConfig, mesh, seed: int = 0):
+SMOKE_CFG = dataclasses.replace(CFG, vocab=128, d_model=64, n_q_per_kv=2, d_head=16, d_ff=128)
+SMOKE_BATCH, SMOKE_LENGTH = 2, 32
+
+
+def random_inputs(cfg: ModelConfig, mesh, seed: int = 0, shape=(BATCH, LENGTH)):
     rng = np.random.default_rng(seed)
 
     def draw(path, s):
@@ -72,8 +78,8 @@ def random_inputs(cfg: ModelConfig, mesh, seed: int = 0):
         return jax.device_put(x.astype(s.dtype), s.sharding)
 
     weights = jax.tree_util.tree_map_with_path(draw, weight_structs(cfg, mesh))
-    tokens = rng.integers(0, cfg.vocab, (BATCH, LENGTH)).astype(np.int32)
-    starts = rng.random((BATCH, LENGTH)) < 1 / 64
+    tokens = rng.integers(0, cfg.vocab, shape).astype(np.int32)
+    starts = rng.random(shape) < 1 / 16
     starts[:, 0] = True
     return weights, tokens, starts
 
@@ -131,11 +137,14 @@ def check(name: str, measured: dict, loss_rel: float, logits_abs: float, grad_re
     return {"check": name, "ok": ok, **measured}
 
 
-def model_checks(mesh, fused: str) -> list[dict]:
-    """``fused``: the fused attention to check, cudnn on GPU (xla for a CPU smoke run)."""
+def model_checks(mesh, fused: str, smoke: bool = False) -> list[dict]:
+    """``fused``: the fused attention to check, cudnn on GPU (xla for a CPU smoke run);
+    ``smoke``: tiny shapes."""
     rows = []
-    f32 = CFG
-    w, tokens, starts = random_inputs(f32, mesh)
+    base = SMOKE_CFG if smoke else CFG
+    shape = (SMOKE_BATCH, SMOKE_LENGTH) if smoke else (BATCH, LENGTH)
+    f32 = base
+    w, tokens, starts = random_inputs(f32, mesh, shape=shape)
     with jax.default_matmul_precision("highest"):
         want = outputs(f32, mesh, w, tokens, starts, reference=True)
         got = outputs(f32, mesh, w, tokens, starts, reference=False)
@@ -149,10 +158,10 @@ def model_checks(mesh, fused: str) -> list[dict]:
     rows.append(check("f32-einsum-default", compare(got, want), 2e-2, 0.5, 0.1))
     for mask in ("document", "causal"):
         cudnn = dataclasses.replace(
-            CFG, compute_dtype="bfloat16", attention_impl=fused, attention_mask=mask
+            base, compute_dtype="bfloat16", attention_impl=fused, attention_mask=mask
         )
         ref = dataclasses.replace(cudnn, attention_impl="einsum")
-        wb, tokens, starts = random_inputs(cudnn, mesh)
+        wb, tokens, starts = random_inputs(cudnn, mesh, shape=shape)
         with jax.default_matmul_precision("highest"):
             want = outputs(ref, mesh, wb, tokens, starts, reference=True)
         got = outputs(cudnn, mesh, wb, tokens, starts, reference=False)
@@ -209,19 +218,7 @@ def matmul_paths(m: int, k: int, n: int, label: str) -> dict:
     return row
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--skip-model", action="store_true")
-    p.add_argument("--matmul-n", type=int, default=8192)
-    args = p.parse_args(argv)
-    device = jax.devices()[0]
-    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind})", flush=True)
-    mesh = training_mesh({}, devices=[device])
-    rows = []
-    if not args.skip_model:
-        rows += model_checks(mesh, "cudnn" if device.platform == "gpu" else "xla")
-    n = args.matmul_n
+def matmul_stage(n: int) -> list[dict]:
     # The 1B's projections at 8 x 2048 tokens: q (M -> Q*K*D), gate/up (M -> F), down (F -> M).
     tokens = 16384 if n >= 4096 else 256
     scale = 1 if n >= 4096 else 16
@@ -232,12 +229,150 @@ def main(argv: list[str]) -> int:
         (tokens, 8192 // scale, 2048 // scale, "w_down"),
         (2048 // scale, tokens, 8192 // scale, "w_up_grad"),
     ]
-    matmuls = [matmul_paths(*s) for s in shapes]
-    failed = sum(not r["ok"] for r in rows)
-    print(f"gpu_check passed={len(rows) - failed} failed={failed}", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps({"checks": rows, "matmuls": matmuls}, indent=2) + "\n")
-    return 1 if failed else 0
+    return [matmul_paths(*shape) for shape in shapes]
+
+
+def _run(command: list[str], log: Path, limit: float, env: dict | None = None) -> dict:
+    """``command`` in a subprocess (the project root as cwd), its output to ``log``; its exit
+    code, seconds and last lines (``timeout`` when killed at ``limit`` seconds)."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            proc = subprocess.run(
+                command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=limit, env=env
+            )
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    tail = log.read_text().splitlines()[-12:]
+    print("\n".join(tail), flush=True)
+    return {"exit": code, "seconds": time.perf_counter() - start, "tail": tail}
+
+
+def train_stage(out: Path, smoke: bool, limit: float) -> dict:
+    """A short real run through the CLI, then its evaluation."""
+    runs = out / "runs"
+    shutil.rmtree(runs, ignore_errors=True)
+    cli = [sys.executable, "-m", "seqshard.cli"]
+    if smoke:
+        config, extra = (
+            "configs/tiny-cpu.yaml",
+            ["train.steps=3", "train.batch_size=8", "train.seq_len=64", "train.eval_batches=1"],
+        )
+    else:
+        config, extra = "configs/h100-125m.yaml", ["train.steps=30"]
+    args = [
+        *extra,
+        f"run.dir={runs}",
+        "run.name=check",
+        "train.log_every=5",
+        "train.eval_every=1000",
+        "train.checkpoint_every=1000",
+        "--sample-tokens",
+        "16",
+    ]
+    start = time.perf_counter()
+    trained = _run([*cli, "train", config, *args], out / "train.log", limit)
+    left = max(limit - (time.perf_counter() - start), 30)
+    evaluated = _run([*cli, "eval", str(runs / "check")], out / "eval.log", left)
+    shutil.rmtree(runs, ignore_errors=True)  # checkpoints: not worth carrying back
+    final = next((line for line in trained["tail"] if "train loss" in line), "")
+    return {
+        "ok": trained["exit"] == 0 and evaluated["exit"] == 0 and "val loss" in final,
+        "train": trained,
+        "eval": evaluated,
+        "final": final,
+    }
+
+
+def bench_stage(out: Path, smoke: bool, limit: float) -> dict:
+    command = [
+        sys.executable,
+        "scripts/bench_gpu.py",
+        "--masks",
+        "causal",
+        "--out",
+        str(out / "bench.json"),
+    ]
+    if smoke:
+        command += [
+            "--configs",
+            "configs/tiny-cpu.yaml",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--peak-repeats",
+            "1",
+            "mesh.d=1",
+            "mesh.t=1",
+            "train.batch_size=4",
+            "train.seq_len=64",
+        ]
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    else:
+        command += [
+            "--configs",
+            "configs/h100-1b.yaml,configs/h100-125m.yaml,configs/h100-350m.yaml",
+            "--steps",
+            "6",
+            "--warmup",
+            "1",
+            "--peak-repeats",
+            "10",
+        ]
+        env = None
+    ran = _run(command, out / "bench.log", limit, env)
+    summary = next((line for line in ran["tail"] if line.startswith("summary ")), "")
+    return {"ok": ran["exit"] == 0 and bool(summary), "bench": ran, "summary": summary}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p.add_argument("--out", type=Path, required=True, help="directory for the summary and logs")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, on CPU (the test)")
+    p.add_argument("--stages", default="model,matmul,train,bench", help="comma-separated")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for all stages")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind})", flush=True)
+    started = time.perf_counter()
+    summary: dict = {"jax": jax.__version__, "device": device.device_kind, "stages": {}}
+    for stage in [s for s in args.stages.split(",") if s]:
+        left = args.budget - (time.perf_counter() - started)
+        if left < 20:
+            summary["stages"][stage] = {"ok": False, "skipped": f"{left:.0f} s of the budget left"}
+            continue
+        print(f"=== {stage} ({left:.0f} s of the budget left)", flush=True)
+        t0 = time.perf_counter()
+        try:
+            if stage == "model":
+                mesh = training_mesh({}, devices=[device])
+                fused = "cudnn" if device.platform == "gpu" else "xla"
+                checks = model_checks(mesh, fused, args.smoke)
+                result = {"ok": all(c["ok"] for c in checks), "checks": checks}
+            elif stage == "matmul":
+                result = {"ok": True, "matmuls": matmul_stage(256 if args.smoke else 8192)}
+            elif stage == "train":
+                result = train_stage(args.out, args.smoke, left)
+            elif stage == "bench":
+                result = bench_stage(args.out, args.smoke, left)
+            else:
+                raise ValueError(f"unknown stage {stage!r} (model, matmul, train, bench)")
+        except Exception as e:  # one stage failing does not stop the others
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+        result["seconds"] = time.perf_counter() - t0
+        summary["stages"][stage] = result
+        print(f"=== {stage} ok={result['ok']} in {result['seconds']:.0f} s", flush=True)
+    summary["ok"] = all(s["ok"] for s in summary["stages"].values())
+    (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(
+        f"gpu_check ok={summary['ok']} "
+        + " ".join(f"{k}={v['ok']}" for k, v in summary["stages"].items()),
+        flush=True,
+    )
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":
