@@ -15,10 +15,10 @@ device, so ``-1`` means 1) needs more than one device is an error line, not a ru
 
 **Target**: seqshard at or above the plain-jit baseline (``ratio_vs_plain >= 1``) at every
 size and mask, and the 1B at >= 55% MFU of the 989 TFLOP/s dense-bf16 peak (judged on the
-``causal`` mask, the one the reference figures below used). For reference: a plain-jit 1B
-(d_model 2048, 16 layers, 32 q / 8 kv heads, d_head 64, d_ff 8192, vocab 32768, seq 2048,
-batch 8, causal cuDNN attention, ``dots_with_no_batch_dims_saveable`` remat) ran at about
-472 TFLOP/s, 48% MFU, on one H100 with JAX 0.11.2; a 350M at 39%, a 125M at 35%.
+``causal`` mask). Measured on one H200 (JAX 0.11.2, docs/benchmarks.md): the 1B (d_model
+2048, 16 layers, 32 q / 8 kv heads, d_head 64, d_ff 8192, vocab 32768, seq 2048, batch 8)
+at 493 TFLOP/s, 50% MFU, 1.06x the plain-jit baseline (47%); the 350M 1.05-1.06x, the 125M
+1.16x.
 
 For each config (default ``configs/h100-{125m,350m,1b}.yaml``) and each ``model.attention_mask``
 (``document``, ``causal``), in one process, on one device:

@@ -1,4 +1,4 @@
-"""The ``seqshard`` command: prepare, train, eval, generate, plot, show.
+"""The ``seqshard`` command: prepare, train, eval, generate, plot, show, export.
 
     seqshard prepare [--out DIR] [INPUTS ...]          text -> tokenizer + token files
     seqshard train CONFIG [key=value ...]              train or resume runs/<name>
@@ -6,6 +6,7 @@
     seqshard generate RUN_DIR --prompt TEXT            sample from the latest checkpoint
     seqshard plot RUN_DIR [RUN_DIR ...]                loss curves -> PNG
     seqshard show CONFIG [--devices N --chip NAME]     sizes, layouts, FLOPs, memory, a plan
+    seqshard export RUN_DIR OUT_DIR                    a checkpoint as a Hugging Face Llama
 
 ``train`` and ``eval`` join a multi-process run with ``--coordinator HOST:PORT
 --num-processes N --process-id I`` (or find it under SLURM and on Cloud TPU VMs:
@@ -553,6 +554,8 @@ def _plot(args) -> int:
 
 
 def _show_arguments(p: argparse.ArgumentParser) -> None:
+    from seqshard.hardware import CHIPS
+
     _config_arguments(p)
     skip = "skip compiling the train step (no communication table, no XLA memory figures)"
     p.add_argument("--no-compile", action="store_true", help=skip)
@@ -566,9 +569,9 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chip",
         metavar="NAME",
-        help="plan a training step on this chip (seqshard.hardware.CHIPS: h100, a100, v5e, "
-        "v5p, v6e, cpu, ...): memory, communication, roofline step time and MFU, and whether "
-        "it fits; needs no such device",
+        help="plan a training step on this chip (one of seqshard.hardware.CHIPS: "
+        f"{', '.join(CHIPS)}): memory, communication, roofline step time and MFU, and "
+        "whether it fits; needs no such device",
     )
 
 
@@ -676,7 +679,8 @@ def _top_parser() -> argparse.ArgumentParser:
         "in a checked notation.",
         epilog="`seqshard COMMAND --help` describes a command's arguments; `--debug` anywhere "
         "shows an error's full traceback. Exit status: 0 done (or stopped by SIGTERM / Ctrl-C "
-        "after saving), 2 an error, 3 training stopped on a non-finite loss.",
+        "after saving), 2 an error, 3 training stopped on a non-finite loss or gradient norm or "
+        "a zero gradient (train.nonfinite).",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

@@ -72,16 +72,16 @@ class ModelConfig:
     backward: how ``jax.grad`` of the loss is computed. ``explicit`` (default): the
         hand-written backward of ``seqshard/model/backward.py`` (a ``jax.custom_vjp`` over the
         whole model), keeping what ``remat`` says; same values as autodiff to f32 rounding,
-        the same collectives, less temporary memory, and faster on CPU: 1.21x to 1.51x on
-        ``scripts/bench_step.py``'s model, 1.07x on tiny-cpu's. ``autodiff``: JAX
+        the same collectives, less temporary memory, and faster on CPU (docs/benchmarks.md).
+        ``autodiff``: JAX
         differentiates the forward pass (transposing each collective).
     residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
         (default; Megatron's sequence parallelism): ``'B/d L@zigzag/c/t M'``, the sequence split over t
         (``train.seq_len`` divisible by c x t). ``M/t``: ``'B/d L@zigzag/c M/t'``, d_model split over t.
         Either way each block gathers over t to ``'B/d L@zigzag/c M'`` around its norm (M/t before it,
         L/t its normalized rows after it) and reduce-scatters its output back: the same model,
-        other spec strings. L/t ran 1.19x (4x2) and 1.34x (2x4) M/t's tokens/s on
-        ``scripts/bench_step.py``; with t = 1 they are the same layout.
+        other spec strings; L/t runs faster (docs/benchmarks.md); with t = 1 they are the
+        same layout.
     context_impl: attention across the sequence split over mesh axis c (``mesh.c > 1``; with
         c = 1 there is nothing to choose). ``allgather`` (default): k and v gathered over c in
         each layer, queries local. ``ring``: k and v blocks passed around the c ring with an

@@ -452,8 +452,8 @@ def _plan_roofline(p: Plan) -> list[str]:
         f"  estimated step time {p.step_time_s * 1e3:,.2f} ms, "
         f"{p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; bound: {p.bound}",
         "  (a roofline: every matmul at peak, no kernel or launch overhead, so a floor on the "
-        "step time; a plain-jit 1B Llama was measured at 48% MFU on one H100, 125M at 35%: "
-        "scripts/bench_gpu.py prints this estimate beside its measurement)",
+        "step time; on one H200 seqshard's 1B ran at 50% MFU, its 125M at 39% "
+        "(docs/benchmarks.md): scripts/bench_gpu.py prints this estimate beside its measurement)",
     ]
 
 
