@@ -3,7 +3,7 @@ non-finite policies, SIGTERM at start-up and during the first compile (mid-run: 
 kill -9 mid-run and at random moments (slow), paths that try to escape the run directory, and
 inputs that used to be accepted.
 
-Damaged checkpoints and full disks are in tests/test_checkpoint.py. Every subprocess here is
+Damaged checkpoints and full disks are in tests/train/test_checkpoint.py. Every subprocess here is
 killed on the test's own timeout (:func:`launch`)."""
 
 from __future__ import annotations
@@ -312,7 +312,9 @@ def test_a_disk_full_outside_a_save_stops_with_one_line(tmp_path, tiny_overrides
     assert "Traceback" not in err and "Exception ignored" not in err
     assert re.match(rf"seqshard train: error: could not write {re.escape(str(run_dir))}/", err)
     assert "[Errno 28] No space left on device" in err
-    assert re.search(r"The write needed [0-9.]+ [KMGTP]?i?B; \S+ has [0-9.]+ [KMGTP]?i?B free", err), err
+    assert re.search(
+        r"The write needed [0-9.]+ [KMGTP]?i?B; \S+ has [0-9.]+ [KMGTP]?i?B free", err
+    ), err
     assert f"newest intact checkpoint is {run_dir / 'checkpoints' / '2'} (step 2)" in err, err
     text = (run_dir / "metrics.jsonl").read_text()
     assert text.endswith("\n")

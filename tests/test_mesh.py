@@ -10,7 +10,6 @@ from seqshard import f32, shardops, typed_shard_map
 from seqshard.config import ConfigError, MeshConfig, load_config, resolve_mesh
 from seqshard.mesh import (
     AXES,
-    MESH_AXES,
     axis_sizes,
     mesh_from_devices,
     mesh_of_sizes,

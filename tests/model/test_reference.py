@@ -9,9 +9,9 @@
                equal reference_loss_fn's; the jitted train step of its gspmd-act variant (the
                residual constrained) reports reference_loss_fn's loss for its first step
 
-That remat changes no value is tested for every policy in tests/test_remat.py.
+That remat changes no value is tested for every policy in tests/model/test_remat.py.
 
-The sharded model itself is compared with the reference in tests/test_transformer.py.
+The sharded model itself is compared with the reference in tests/model/test_transformer.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ CFG = tiny_model(n_kv=2)
 BATCH, LENGTH = 8, 16
 MESH = {"d": 4, "t": 2}
 
-# f32 throughout; the tolerances of tests/test_transformer.py. The scan (one device) and GSPMD (4x2,
+# f32 throughout; the tolerances of tests/model/test_transformer.py. The scan (one device) and GSPMD (4x2,
 # d_model and vocab split) sum in other orders than the looped reference; measured: loss 1.0e-7
 # relative (4.70) for both, logits 9.5e-7 (|logit| < 4.4), gradients 2.0e-7 (scan) and 3.1e-7
 # (GSPMD) absolute (entries up to 0.29).
@@ -62,7 +62,7 @@ WEIGHTS = random_weights(CFG, seed=0)  # numpy: the reference's single-device in
 @functools.cache
 def bench():
     """scripts/bench_step.py as a module (scripts/ is not a package)."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_step.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
     spec = importlib.util.spec_from_file_location("bench_step", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name

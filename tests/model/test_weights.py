@@ -53,7 +53,7 @@ def weight_layout_table(cfg: ModelConfig, mesh) -> str:
     lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     header = (
         "# Weight layouts of ModelConfig() on a d=2 x t=2 mesh, from the types in weights.py.\n"
-        "# Rewrite: SEQSHARD_UPDATE_GOLDEN=1 pytest tests/test_weights.py -k golden\n"
+        "# Rewrite: SEQSHARD_UPDATE_GOLDEN=1 pytest tests/model/test_weights.py -k golden\n"
     )
     return header + "\n".join(lines) + "\n"
 
@@ -61,10 +61,10 @@ def weight_layout_table(cfg: ModelConfig, mesh) -> str:
 def test_weight_layouts_match_golden():
     """Every weight's global shape, dtype and PartitionSpec, for ModelConfig() on d=2 x t=2.
 
-    A layout change shows up as a diff of tests/golden/weights_default_d2_t2.txt in review.
+    A layout change shows up as a diff of tests/model/golden/weights_default_d2_t2.txt in review.
     After an intended change, rewrite the file and commit it with the change:
 
-        SEQSHARD_UPDATE_GOLDEN=1 pytest tests/test_weights.py -k golden
+        SEQSHARD_UPDATE_GOLDEN=1 pytest tests/model/test_weights.py -k golden
     """
     table = weight_layout_table(ModelConfig(), mesh_of((2, 2)))
     if os.environ.get("SEQSHARD_UPDATE_GOLDEN") == "1":

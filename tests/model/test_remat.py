@@ -10,7 +10,7 @@
              (>= 2 layers, so the scan stays rolled and keeps one layer's residuals per layer)
 
 The collectives each policy adds (the re-gathers of 'saved' and 'full') are audited in
-tests/test_transformer.py (COMM TABLE).
+tests/model/test_transformer.py (COMM TABLE).
 """
 
 from __future__ import annotations

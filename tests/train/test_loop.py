@@ -15,45 +15,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from run_helpers import FLAT, by_step, latest_state, quiet, run
 
 from seqshard.config import ConfigError, load_config
-from seqshard.mesh import training_mesh
 from seqshard.train import loop
 from seqshard.train.checkpoint import Checkpointer, CheckpointError
 from seqshard.train.loop import train
-from seqshard.train.metrics import MetricsLogger, read_metrics
-from seqshard.train.optimizer import make_optimizer
+from seqshard.train.metrics import MetricsLogger
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
-
-# train.steps changes the lr schedule (the cosine ends at train.steps), so "6 steps, then
-# resume to 12" only equals "12 steps" when the schedule does not depend on train.steps:
-# min_lr_ratio=1 makes it warmup, then constant.
-FLAT = {"min_lr_ratio": 1.0}
-
-
-def quiet(_msg: str) -> None:
-    pass
-
-
-def run(overrides: list[str]):
-    return train(load_config(None, overrides), log=quiet, tty=False)
-
-
-def by_step(run_dir: Path) -> dict[int, dict]:
-    records = read_metrics(run_dir)
-    steps = [r["step"] for r in records]
-    assert steps == sorted(set(steps)), f"steps repeat or go back: {steps}"
-    return {r["step"]: r for r in records}
-
-
-def latest_state(run_dir: Path, cfg):
-    ckpt = Checkpointer(run_dir / "checkpoints")
-    try:
-        return ckpt.restore(cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train)).state
-    finally:
-        ckpt.close()
 
 
 @pytest.fixture(scope="module")

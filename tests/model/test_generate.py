@@ -236,7 +236,7 @@ def test_importing_the_model_loads_no_data_pipeline_or_tokenizer():
 def test_generation_writes_no_layout_by_hand():
     # Every sharding comes from a type (seqshard.shardlib.shardtypes.shardings), none from a hand-built
     # PartitionSpec or NamedSharding.
-    root = pathlib.Path(__file__).resolve().parents[1] / "seqshard"
+    root = pathlib.Path(__file__).resolve().parents[2] / "seqshard"
     for path in (root / "model" / "generate.py", root / "sample.py"):
         text = path.read_text()
         for name in ("PartitionSpec", "NamedSharding"):

@@ -21,7 +21,7 @@ import pytest
 from seqshard.train import run_lock
 from seqshard.train.run_lock import LOCK_FILE, STALE_S, RunLock, RunLockedError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 

@@ -31,13 +31,13 @@ TOL = dict(rtol=1e-6, atol=1e-6)  # the loss
 GRAD_TOL = dict(rtol=2e-5, atol=3e-6)
 
 
-def layer(h, w):
+def tanh_layer(h, w):
     return jnp.tanh(h @ w), None
 
 
 def stack(ws, x, i=None):
     """The layers ``ws`` applied in turn (``i``, the microbatch, changes nothing here)."""
-    return lax.scan(layer, x, ws)[0]
+    return lax.scan(tanh_layer, x, ws)[0]
 
 
 def head(y, target):
@@ -176,7 +176,7 @@ def test_activations_move_only_by_collective_permutes_over_p():
 # -- the model's own layer as the stage ---------------------------------------------------------
 
 
-@pytest.mark.slow  # the whole model pipelined: tests/test_pipelined.py
+@pytest.mark.slow  # the whole model pipelined: tests/model/pipeline/test_pipelined.py
 def test_the_models_layers_pipeline_over_p_with_fsdp_and_tensor_parallel_inside():
     """Stage = the model's scanned layer (FSDP gathers over d and Megatron's reduce-scatters
     over t inside every tick, replication checked) on a (p, d, c, t) = (2, 2, 1, 2) mesh, over

@@ -661,5 +661,3 @@ def test_format_bytes():
     assert format_bytes(1023 * 2**20) == "1023.00 MiB"
     assert format_bytes(2**60) == "1024.00 PiB"
     assert format_bytes(-2048) == "-2.00 KiB"
-
-

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import pytest
 from model_weights import random_weights, tiny_model
-from test_loop import FLAT, by_step, run
+from run_helpers import FLAT, by_step, run
 
 from seqshard.batch import batch_structs
 from seqshard.config import Config, MeshConfig, TrainConfig
@@ -58,7 +58,7 @@ for row, starts in enumerate([(5, 16, 27), (0, 8, 13, 24), (0, 3, 19), (0,)]):
 TOKENS = np.random.default_rng(0).integers(0, CFG.vocab, (BATCH, LENGTH)).astype(np.int32)
 WEIGHTS = random_weights(CFG, seed=0)
 
-# As tests/test_transformer.py's f32 tolerances: the sharded model sums in another order.
+# As tests/model/test_transformer.py's f32 tolerances: the sharded model sums in another order.
 F32_LOSS = dict(rtol=1e-6, atol=0)
 F32_LOGITS = dict(rtol=1e-5, atol=1e-5)
 F32_GRADS = dict(rtol=1e-5, atol=1e-6)

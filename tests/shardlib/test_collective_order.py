@@ -1,5 +1,6 @@
 """seqshard.shardlib.collective_order: a collective that may overtake a loop's collectives, found in
-compiled HLO, and seqshard.model.pipeline.spmd.after, which orders it behind the loop.
+compiled HLO, and seqshard.model.pipeline.spmd.after, which orders it behind the loop. (Filed
+under collective_order.py, the main one; spmd.py's own tests: tests/model/pipeline/test_spmd.py.)
 
 hlo         hand-written modules: a loop of collectives then an independent collective is
             found; one that reads the loop's result (through other instructions), a loop

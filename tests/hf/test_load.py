@@ -1,4 +1,6 @@
 """Tests of seqshard/hf: the table, export, import (``init.from_hf``), against transformers.
+Filed under load.py (the import, most of what is here); export.py, table.py and hf_config.py
+are tested here too, mostly through round trips.
 
     table        every seqshard weight has one row; HF layouts round-trip through einops
     round trip   a trained run -> seqshard export -> import: bit-identical weights (1x1, 4x2)

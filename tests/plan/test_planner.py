@@ -30,7 +30,7 @@ from seqshard.plan.planner import (
 )
 from seqshard.plan.show import format_plan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # A 1B-like shape (Llama: GQA, SwiGLU 4x, vocab 32768) with 2 layers: compiles in seconds.
 ONE_B = [
@@ -162,7 +162,7 @@ def test_fused_attention_holds_no_scores():
 def test_collectives_follow_the_remat_policy():
     """saved and full re-gather every layer weight in the backward pass; none keeps them;
     full alone repeats the attention output's reduce-scatter (autodiff's backward, derived
-    from the policy; the hand-written one logs its own, tests/test_step_comms.py)."""
+    from the policy; the hand-written one logs its own, tests/plan/test_step_comms.py)."""
 
     def count(remat, phase, what):
         cfg = one_b("mesh.d=4", "mesh.t=2", f"model.remat={remat}", "model.backward=autodiff")
