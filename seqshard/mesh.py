@@ -53,9 +53,10 @@ def axis_size(mesh: Mesh, name: str) -> int:
 
 
 def describe_sizes(sizes: Mapping[str, int]) -> str:
-    """``'d=4 x c=1 x t=2'``: the axes in table order; ``p`` only when it pipelines (p != 1),
-    so that the meshes of runs without a pipeline read as they always have."""
-    return " x ".join(f"{a}={n}" for a, n in sizes.items() if a != "p" or n != 1)
+    """``'d=4 x c=1 x t=2'``: the axes in table order; ``p`` and ``e`` only when they split
+    (p != 1: a pipeline, e != 1: experts), so that the meshes of runs without them read as
+    they always have."""
+    return " x ".join(f"{a}={n}" for a, n in sizes.items() if a not in ("p", "e") or n != 1)
 
 
 def mesh_from_devices(shape: Sequence[int], axis_names: Sequence[str], devices: Sequence) -> Mesh:

@@ -156,7 +156,7 @@ def test_a_sequence_the_residual_cannot_split_is_rejected():
         and "model.residual=M/t" in msg
     )
     cfg = load("mesh.d=2", "mesh.t=4", "model.n_kv=4", "train.seq_len=130", "model.residual=M/t")
-    assert cfg.model.residual_spec == "B/d L@zigzag/c M/t"
+    assert cfg.model.residual_spec == "B/d/e L@zigzag/c M/t"
 
 
 def test_a_sequence_the_context_axis_cannot_cut_in_zigzag_chunks_is_rejected():
@@ -341,7 +341,7 @@ def test_bad_override_syntax(override):
         (["model.d_ff=100", "mesh.t=8", "model.n_kv=8"], ["model.d_ff=100", "= 8"]),
         (
             ["model.d_model=36", "mesh.d=4", "mesh.t=2"],
-            ["model.d_model=36", "t*d*c", "= 8", "d=4 x c=1 x t=2", "d_model/t/d/c"],
+            ["model.d_model=36", "t*d*c", "= 8", "d=4 x c=1 x t=2", "d_model/t/d/e/c"],
         ),
         (["data.vocab_size=4096"], ["data.vocab_size=4096", "model.vocab=256"]),
         (["mesh.d=0"], ["mesh.d=0", ">= 1, or -1 for the remaining devices"]),

@@ -1,7 +1,7 @@
-"""Global batches of packed tokens, sharded ``B/d L/c`` on the mesh, with a prefetch thread.
+"""Global batches of packed tokens, sharded ``B/d/e L/c`` on the mesh, with a prefetch thread.
 
     with Loader("data/tokens", "train", batch_size=32, seq_len=256, mesh=mesh) as loader:
-        for batch in loader:             # TokenBatch(tokens i32['B/d L/c'], is_seq_start bool['B/d L/c'])
+        for batch in loader:             # TokenBatch(tokens i32['B/d/e L/c'], is_seq_start bool['B/d/e L/c'])
             state = step_fn(state, batch)
             ckpt["data"] = loader.state()  # {'step': next step, 'seed': ..., ...}
     # resume: Loader(..., seed=ckpt["data"]["seed"], start_step=ckpt["data"]["step"])

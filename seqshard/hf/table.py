@@ -6,18 +6,18 @@ layout written in seqshard's dimension names, the names of the weight types
 axes left out (and the ``layers`` dimension, which is ``{i}``); einops moves between the two::
 
     seqshard weight  type                                     Hugging Face tensor                         its layout
-    embed            f32['vocab/t d_model/d/c']               model.embed_tokens.weight                   vocab d_model
-    layers.ln1       f32['d_model/t/d/c']                     model.layers.{i}.input_layernorm.weight     d_model
-    layers.w_q       f32['d_model/d/c n_q_per_kv n_kv/t d_head']  model.layers.{i}.self_attn.q_proj.weight  (n_kv n_q_per_kv d_head) d_model
-    layers.w_kv[0]   f32['2 d_model/d/c n_kv/t d_head'] [0]   model.layers.{i}.self_attn.k_proj.weight    (n_kv d_head) d_model
+    embed            f32['vocab/t d_model/d/e/c']               model.embed_tokens.weight                   vocab d_model
+    layers.ln1       f32['d_model/t/d/e/c']                     model.layers.{i}.input_layernorm.weight     d_model
+    layers.w_q       f32['d_model/d/e/c n_q_per_kv n_kv/t d_head']  model.layers.{i}.self_attn.q_proj.weight  (n_kv n_q_per_kv d_head) d_model
+    layers.w_kv[0]   f32['2 d_model/d/e/c n_kv/t d_head'] [0]   model.layers.{i}.self_attn.k_proj.weight    (n_kv d_head) d_model
     layers.w_kv[1]                                     [1]   model.layers.{i}.self_attn.v_proj.weight    (n_kv d_head) d_model
-    layers.w_o       f32['d_model/d/c n_q_per_kv n_kv/t d_head']  model.layers.{i}.self_attn.o_proj.weight  d_model (n_kv n_q_per_kv d_head)
-    layers.ln2       f32['d_model/t/d/c']                     model.layers.{i}.post_attention_layernorm.weight  d_model
-    layers.w_gate    f32['d_model/d/c d_ff/t']                model.layers.{i}.mlp.gate_proj.weight       d_ff d_model
-    layers.w_up      f32['d_model/d/c d_ff/t']                model.layers.{i}.mlp.up_proj.weight         d_ff d_model
-    layers.w_down    f32['d_model/d/c d_ff/t']                model.layers.{i}.mlp.down_proj.weight       d_model d_ff
-    final_norm       f32['d_model/t/d/c']                     model.norm.weight                           d_model
-    unembed          f32['vocab/t d_model/d/c']               lm_head.weight                              vocab d_model
+    layers.w_o       f32['d_model/d/e/c n_q_per_kv n_kv/t d_head']  model.layers.{i}.self_attn.o_proj.weight  d_model (n_kv n_q_per_kv d_head)
+    layers.ln2       f32['d_model/t/d/e/c']                     model.layers.{i}.post_attention_layernorm.weight  d_model
+    layers.w_gate    f32['d_model/d/e/c d_ff/t']                model.layers.{i}.mlp.gate_proj.weight       d_ff d_model
+    layers.w_up      f32['d_model/d/e/c d_ff/t']                model.layers.{i}.mlp.up_proj.weight         d_ff d_model
+    layers.w_down    f32['d_model/d/e/c d_ff/t']                model.layers.{i}.mlp.down_proj.weight       d_model d_ff
+    final_norm       f32['d_model/t/d/e/c']                     model.norm.weight                           d_model
+    unembed          f32['vocab/t d_model/d/e/c']               lm_head.weight                              vocab d_model
 
 Transpositions: Hugging Face linear weights are ``[out, in]`` (``y = x @ W.T``); seqshard's are
 ``[d_model, ...]`` for every projection, so q, k, v, gate and up are transposed and o and down
@@ -72,13 +72,13 @@ class TensorRow:
 
     @property
     def weight_type(self) -> ArrayType:
-        """The seqshard weight's type, for one layer if stacked: ``f32['d_model/d/c d_ff/t']``."""
+        """The seqshard weight's type, for one layer if stacked: ``f32['d_model/d/e/c d_ff/t']``."""
         return _types()[self.field]
 
     @property
     def block_type(self) -> ArrayType:
         """One Hugging Face tensor's block of the weight: the type with the part dim dropped
-        (``w_kv[0]``: ``f32['d_model/d/c n_kv/t d_head']``)."""
+        (``w_kv[0]``: ``f32['d_model/d/e/c n_kv/t d_head']``)."""
         t = self.weight_type
         return ArrayType(
             t.dtype, Shape(t.shape.dims[0 if self.part is None else 1 :]), t.dtype_name

@@ -68,18 +68,18 @@ def _w_o_std(cfg: ModelConfig) -> float:
 class AttentionWeights:
     """The attention block's weights (one layer's)."""
 
-    ln1: f32["d_model/t/d/c"] = gain(_LAYER + "input_layernorm.weight")
-    w_q: f32["d_model/d/c n_q_per_kv n_kv/t d_head"] = weight(
+    ln1: f32["d_model/t/d/e/c"] = gain(_LAYER + "input_layernorm.weight")
+    w_q: f32["d_model/d/e/c n_q_per_kv n_kv/t d_head"] = weight(
         _fan_in, hf=_LAYER + "self_attn.q_proj.weight", layout="(n_kv n_q_per_kv d_head) d_model"
     )
-    w_kv: f32["2 d_model/d/c n_kv/t d_head"] = weight(  # [0] makes k, [1] makes v
+    w_kv: f32["2 d_model/d/e/c n_kv/t d_head"] = weight(  # [0] makes k, [1] makes v
         _fan_in,
         hf=(
             (_LAYER + "self_attn.k_proj.weight", "(n_kv d_head) d_model"),
             (_LAYER + "self_attn.v_proj.weight", "(n_kv d_head) d_model"),
         ),
     )
-    w_o: f32["d_model/d/c n_q_per_kv n_kv/t d_head"] = weight(
+    w_o: f32["d_model/d/e/c n_q_per_kv n_kv/t d_head"] = weight(
         _w_o_std, hf=_LAYER + "self_attn.o_proj.weight", layout="d_model (n_kv n_q_per_kv d_head)"
     )
 
@@ -94,7 +94,7 @@ def _gathered(cfg: ModelConfig, c: int) -> bool:
     return c > 1 and not cfg.ring_over(c)
 
 
-_R = "B/d L/c M/t"  # the residual's size per device (either layout of model.residual)
+_R = "B/d/e L/c M/t"  # the residual's size per device (either layout of model.residual)
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
 
@@ -104,22 +104,22 @@ ATTENTION = Block(
     activations=(
         Activation("x", _R, "compute", "x", saved=True),  # the layer input, the residual
         Activation("ln1", "M", "f32", "attn_norm"),  # the norm gain, gathered
-        Activation("gx", "B/d L/c M", "compute", "attn_norm"),  # norm_input: x with all of M
-        Activation("nx", "B/d L/c M", "compute", "attn_norm"),  # the normed input of q, k, v
+        Activation("gx", "B/d/e L/c M", "compute", "attn_norm"),  # norm_input: x with all of M
+        Activation("nx", "B/d/e L/c M", "compute", "attn_norm"),  # the normed input of q, k, v
         Activation("w_q", "M Q K/t D", "compute", "q"),  # gathered over d, c
         Activation("w_kv", "2 M K/t D", "compute", "kv"),
-        Activation("q", "B/d L/c Q K/t D", "compute", "q", saved=True),  # after RoPE
-        Activation("k", "B/d L/c K/t D", "compute", "kv", saved=True),  # after RoPE
-        Activation("v", "B/d L/c K/t D", "compute", "kv", saved=True),
+        Activation("q", "B/d/e L/c Q K/t D", "compute", "q", saved=True),  # after RoPE
+        Activation("k", "B/d/e L/c K/t D", "compute", "kv", saved=True),  # after RoPE
+        Activation("v", "B/d/e L/c K/t D", "compute", "kv", saved=True),
         # k and v gathered over c: every key of the row (allgather attention, c > 1).
-        Activation("keys", "B/d L K/t D", "compute", "context", present=_gathered),
-        Activation("values", "B/d L K/t D", "compute", "context", present=_gathered),
-        Activation("probs", "B/d K/t Q L/c Lk", "f32", "attn", present=_einsum),
-        Activation("attn", "B/d L/c Q K/t D", "compute", "attn", saved=True),
+        Activation("keys", "B/d/e L K/t D", "compute", "context", present=_gathered),
+        Activation("values", "B/d/e L K/t D", "compute", "context", present=_gathered),
+        Activation("probs", "B/d/e K/t Q L/c Lk", "f32", "attn", present=_einsum),
+        Activation("attn", "B/d/e L/c Q K/t D", "compute", "attn", saved=True),
         # The ring's softmax logsumexp per query (ring attention over c > 1 only).
         Activation(
             "lse",
-            "B/d L/c Q K/t",
+            "B/d/e L/c Q K/t",
             "f32",
             "context",
             saved=True,
@@ -134,21 +134,21 @@ ATTENTION = Block(
         matmul(
             "q",
             "token",
-            "B/d L M, M Q K/t D -> B/d L Q K/t D",
+            "B/d/e L M, M Q K/t D -> B/d/e L Q K/t D",
             lambda m: 2 * m.d_model * m.n_heads * m.d_head,
             _FULL,
         ),
         matmul(
             "k",
             "token",
-            "B/d L M, M K/t D -> B/d L K/t D",
+            "B/d/e L M, M K/t D -> B/d/e L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
             _FULL,
         ),
         matmul(
             "v",
             "token",
-            "B/d L M, M K/t D -> B/d L K/t D",
+            "B/d/e L M, M K/t D -> B/d/e L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
             _FULL,
         ),
@@ -157,41 +157,41 @@ ATTENTION = Block(
         elementwise(
             "rope",
             "token",
-            "B/d L Q K/t D",
+            "B/d/e L Q K/t D",
             lambda m: 3 * (m.n_heads + m.n_kv) * m.d_head,
             lambda m: 3 * (m.n_heads + m.n_kv) * m.d_head,
             _FULL,
         ),
         # With the row split over c: k and v gathered over c again, or the ring's forward.
-        Op("context", "transfer", "token", "B/d L K/t D", lambda m: 0, lambda m: 0, _SAVED_FULL),
+        Op("context", "transfer", "token", "B/d/e L K/t D", lambda m: 0, lambda m: 0, _SAVED_FULL),
         matmul(
             "scores",
             "pair",
-            "B/d Lq Q K/t D, B/d Lk K/t D -> B/d Lq Lk Q K/t",
+            "B/d/e Lq Q K/t D, B/d/e Lk K/t D -> B/d/e Lq Lk Q K/t",
             lambda m: 2 * m.d_head,
             _SAVED_FULL,
         ),
         # Scale by 1/sqrt(D), select the masked out; the backward does both to the cotangent.
-        elementwise("mask", "pair", "B/d Lq Lk Q K/t", lambda m: 2, lambda m: 2, _SAVED_FULL),
+        elementwise("mask", "pair", "B/d/e Lq Lk Q K/t", lambda m: 2, lambda m: 2, _SAVED_FULL),
         # max, subtract, exp, sum, divide; backward p * (g - sum(p * g)): seed 004's 4.
-        elementwise("softmax", "pair", "B/d Lq Lk Q K/t", lambda m: 5, lambda m: 4, _SAVED_FULL),
+        elementwise("softmax", "pair", "B/d/e Lq Lk Q K/t", lambda m: 5, lambda m: 4, _SAVED_FULL),
         matmul(
             "values",
             "pair",
-            "B/d Lq Lk Q K/t, B/d Lk K/t D -> B/d Lq Q K/t D",
+            "B/d/e Lq Lk Q K/t, B/d/e Lk K/t D -> B/d/e Lq Q K/t D",
             lambda m: 2 * m.d_head,
             _FULL,
         ),
         matmul(
             "o",
             "token",
-            "B/d L Q K/t D, M Q K/t D -> B/d L M",
+            "B/d/e L Q K/t D, M Q K/t D -> B/d/e L M",
             lambda m: 2 * m.n_heads * m.d_head * m.d_model,
             _FULL,
         ),
         # x + out; the backward sums the cotangents of the residual path and the block's.
         elementwise(
-            "attn_residual", "token", "B/d L M/t", lambda m: m.d_model, lambda m: m.d_model, _FULL
+            "attn_residual", "token", "B/d/e L M/t", lambda m: m.d_model, lambda m: m.d_model, _FULL
         ),
     ),
 )
@@ -200,35 +200,35 @@ whose recomputation would cost a matmul (q, k, v after RoPE, the attention outpu
 
 
 def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ...]:
-    """Pre-norm, then q 'B/d L@zigzag/c Q K/t D' and k, v 'B/d L@zigzag/c K/t D', q and k
+    """Pre-norm, then q 'B/d/e L@zigzag/c Q K/t D' and k, v 'B/d/e L@zigzag/c K/t D', q and k
     rotated by RoPE. ``a`` holds the layer input ``x``."""
     dt = jnp.dtype(cfg.compute_dtype)
     cos, sin = rope
     x = a["x"]
     # The norm needs all of M, the projections every row: gather the gain, and the residual
     # over t (before the norm for M/t, its output after it for L/t).
-    ln1 = a("ln1", lambda: shardops.all_gather("M/t/d/c -> M", w.ln1))
+    ln1 = a("ln1", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln1))
     gx = a("gx", lambda: norm_input(cfg, x))
     nx = a("nx", lambda: normed(cfg, gx, ln1))
     # FSDP: each matrix is gathered over d and c just before use (in the backward pass again:
     # only remat=none keeps gathered weights).
-    w_q = a("w_q", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
+    w_q = a("w_q", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
     q = a(
         "q",
         lambda: apply_rope(
             shardops.einsum_unreduced(
-                "B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", nx, w_q
+                "B/d/e L@zigzag/c M, M Q K/t D -> B/d/e L@zigzag/c Q K/t D", nx, w_q
             ),
             cos,
             sin,
         ),
     )
 
-    w_kv = a("w_kv", lambda: shardops.all_gather("2 M/d/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
+    w_kv = a("w_kv", lambda: shardops.all_gather("2 M/d/e/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
 
     def k_and_v():
         k, v = shardops.einsum_unreduced(
-            "B/d L@zigzag/c M, 2 M K/t D -> 2 B/d L@zigzag/c K/t D", nx, w_kv
+            "B/d/e L@zigzag/c M, 2 M K/t D -> 2 B/d/e L@zigzag/c K/t D", nx, w_kv
         )
         return apply_rope(k, cos, sin), v
 
@@ -239,7 +239,7 @@ def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Arr
 def attention_core(
     cfg: ModelConfig, a: Activations, rows: SequenceRows, mask: jax.Array | None
 ) -> jax.Array:
-    """This device's queries over the whole row: 'B/d L@zigzag/c Q K/t D'. With the row split
+    """This device's queries over the whole row: 'B/d/e L@zigzag/c Q K/t D'. With the row split
     over c, the ring passes k and v blocks around (its own backward), or allgather gathers
     them; einsum attention keeps its probabilities as an activation, fused kernels do not."""
     q, k, v = a["q"], a["k"], a["v"]
@@ -264,14 +264,14 @@ def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
     """The output projection of ``attn`` plus the residual ``x``: h, a residual."""
     dt = jnp.dtype(cfg.compute_dtype)
     x, attn = a["x"], a["attn"]
-    w_o = a("w_o", lambda: shardops.all_gather("M/d/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
+    w_o = a("w_o", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
 
     def residual() -> jax.Array:
         out = shardops.einsum_unreduced(
-            "B/d L@zigzag/c Q K/t D, M Q K/t D -> B/d L@zigzag/c M", attn, w_o
+            "B/d/e L@zigzag/c Q K/t D, M Q K/t D -> B/d/e L@zigzag/c M", attn, w_o
         )
         # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
         # residual's layout.
-        return x + shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
+        return x + shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
 
     return a("h", residual)

@@ -14,9 +14,9 @@ Dimensions and mesh axes as in transformer.py: B, L (Qlen, Klen), M, F, V, Q, K,
 batch and weight rows), t (tensor). Every weight's gradient follows one pattern, the
 transpose of the forward's all_gather -> einsum:
 
-    w = all_gather('M/d/c F/t -> M F/t', w)                          # again, as FSDP does
-    dw = einsum_unreduced('B/d L@zigzag/c M, B/d L@zigzag/c F/t -> M F/t{U_d,c}', nx, dy)   # sums this B/d only
-    dw = psum_scatter('M F/t{U_d,c} -> M/d/c F/t', dw)                 # FSDP's reduce-scatter
+    w = all_gather('M/d/e/c F/t -> M F/t', w)                          # again, as FSDP does
+    dw = einsum_unreduced('B/d/e L@zigzag/c M, B/d/e L@zigzag/c F/t -> M F/t{U_d,e,c}', nx, dy)   # sums this B/d/e only
+    dw = psum_scatter('M F/t{U_d,e,c} -> M/d/e/c F/t', dw)                 # FSDP's reduce-scatter
 
 Communication per layer, backward pass (``remat=saved``; each line is the transpose of a
 forward collective, or the forward's own collective repeated to recompute what is not kept):
@@ -44,11 +44,11 @@ reduce-scatters its table over d. So the step holds exactly autodiff's collectiv
 
 How the seed's open questions are resolved:
 
-* **Residual 'B/d L@zigzag/c M' or 'B/d L@zigzag/c M/t'.** The forward's residual between blocks
-  (``model.residual``: 'B/d L@zigzag/c M/t', or 'B/d L/t M' under sequence parallelism; every spec
-  below that names the residual reads ``cfg.residual_spec``): the scan carries dL/dx split over t, and the seed's 'B/d L@zigzag/c M' gradient exists only
+* **Residual 'B/d/e L@zigzag/c M' or 'B/d/e L@zigzag/c M/t'.** The forward's residual between blocks
+  (``model.residual``: 'B/d/e L@zigzag/c M/t', or 'B/d/e L/t M' under sequence parallelism; every spec
+  below that names the residual reads ``cfg.residual_spec``): the scan carries dL/dx split over t, and the seed's 'B/d/e L@zigzag/c M' gradient exists only
   inside a block, gathered over t just before the output projections' backward (the
-  transposes of the forward's psum_scatters). Keeping 'B/d L@zigzag/c M' through the layer would need
+  transposes of the forward's psum_scatters). Keeping 'B/d/e L@zigzag/c M' through the layer would need
   an all-reduce over t where the norms' partial sums meet the residual (the same bytes as
   reduce-scatter + all-gather) and t times the memory for the carry.
 * **Where the sums over t happen.** Einsums that contract a t-split dimension (F/t into the
@@ -57,19 +57,19 @@ How the seed's open questions are resolved:
   also reads is whole), so it runs on the partial sums, and the one reduce-scatter that
   transposes the residual's all_gather does the sum over t and lands it split over t: no
   all-reduce, nowhere.
-* **Norm gains.** dL/dgain sums dy * x / rms(x) over this device's B/d rows of a dy that owes
-  a sum over t: 'M{U_t,d,c}', reduced by one psum_scatter over (t, d) straight into
-  'd_model/t/d/c', t major, the one order weights.py declares for all three norms (ln1, ln2,
+* **Norm gains.** dL/dgain sums dy * x / rms(x) over this device's B/d/e rows of a dy that owes
+  a sum over t: 'M{U_t,d,e,c}', reduced by one psum_scatter over (t, d) straight into
+  'd_model/t/d/e/c', t major, the one order weights.py declares for all three norms (ln1, ln2,
   final_norm) and their forward all_gathers read.
 * **Why gather a weight only to reduce-scatter its gradient (the seed's TODO at unembed).**
-  The table rests split 'V/t M/d/c' (FSDP); the logits contract all of M, so it is gathered
+  The table rests split 'V/t M/d/e/c' (FSDP); the logits contract all of M, so it is gathered
   over d. Each d shard then holds other batch rows, so its gradient of the whole gathered
   table is a partial sum over d: the psum_scatter adds the shards' partials and hands each
-  one its own M/d/c block, the layout the optimizer updates. It is the gather's transpose and
+  one its own M/d/e/c block, the layout the optimizer updates. It is the gather's transpose and
   the gradient's only communication (the same for every matrix).
 * **index_add.** :func:`seqshard.shardlib.shardops.index_add`, the transpose of ``index_unreduced``:
   each t shard scatter-adds the rows of its vocab block, owing the other d shards' rows, and
-  a psum_scatter over d lands the table gradient 'V/t M/d/c'.
+  a psum_scatter over d lands the table gradient 'V/t M/d/e/c'.
 * **Fused attention.** For ``attention_impl`` cudnn, xla and splash the backward calls the
   implementation's own VJP (``jax.vjp``) for the attention core only (softmax(q k^T) v); it
   re-runs the kernel's forward for its residuals, as those kernels do. Einsum attention
@@ -178,8 +178,8 @@ def norm_backward(
     cfg: ModelConfig, x: jax.Array, gain: jax.Array, d_n: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The transpose of ``normed(cfg, x, gain)`` and of the gather in ``norm_input``: dL/d(the
-    residual) in its layout (compute dtype) and the gain's gradient 'M/t/d/c' (f32), from
-    ``d_n``, dL/d(normed rows) 'B/d L@zigzag/c M' owing a sum over t (the projections contracted a
+    residual) in its layout (compute dtype) and the gain's gradient 'M/t/d/e/c' (f32), from
+    ``d_n``, dL/d(normed rows) 'B/d/e L@zigzag/c M' owing a sum over t (the projections contracted a
     t-split dimension). ``x`` is what :func:`~seqshard.model.transformer.norm_input` gave."""
     dt, residual = jnp.dtype(cfg.compute_dtype), cfg.residual_spec
     if cfg.residual == "M/t":
@@ -187,16 +187,16 @@ def norm_backward(
         # it runs on the partial sums; the transpose of the residual's gather over t sums them
         # as it scatters.
         d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
-        d_x = shardops.psum_scatter(f"B/d L@zigzag/c M{{U_t}} -> {residual}", d_x.astype(dt))
+        d_x = shardops.psum_scatter(f"B/d/e L@zigzag/c M{{U_t}} -> {residual}", d_x.astype(dt))
     else:
         # The transpose of the gather of the normed rows: summed over t, each shard its own
         # rows; then the norm's backward on them, local.
-        d_n = shardops.psum_scatter(f"B/d L@zigzag/c M{{U_t}} -> {residual}", d_n.astype(dt))
+        d_n = shardops.psum_scatter(f"B/d/e L@zigzag/c M{{U_t}} -> {residual}", d_n.astype(dt))
         d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
         d_x = d_x.astype(dt)
     # Summed over this device's rows, partial over t (partial sums, or other rows): one
-    # reduce-scatter over both, into the gain's 'M/t/d/c' (the transpose of its gather).
-    return d_x, shardops.psum_scatter("M{U_t,d,c} -> M/t/d/c", d_gain)
+    # reduce-scatter over both, into the gain's 'M/t/d/e/c' (the transpose of its gather).
+    return d_x, shardops.psum_scatter("M{U_t,d,e,c} -> M/t/d/e/c", d_gain)
 
 
 def rms_norm_backward(
@@ -221,7 +221,7 @@ def rms_norm_backward(
 def attention_backward(
     cfg: ModelConfig, rows: SequenceRows, mask: jax.Array | None, a: Activations, d_attn: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dL/dq 'B/d L@zigzag/c Q K/t D' and dL/dk, dL/dv 'B/d L@zigzag/c K/t D' from dL/dattn; per device (each t
+    """dL/dq 'B/d/e L@zigzag/c Q K/t D' and dL/dk, dL/dv 'B/d/e L@zigzag/c K/t D' from dL/dattn; per device (each t
     shard holds whole kv heads and their query heads), no communication.
 
     Einsum attention: written out. Fused kernels (cudnn, xla, splash): the implementation's
@@ -242,7 +242,7 @@ def attention_backward(
     # Each c shard's queries reached every key: the transposes of the gathers over c sum the
     # shards' partial gradients, each keeping its own positions (nothing moves when c = 1).
     with part("context"):
-        spec = "B/d L@zigzag K/t D{U_c} -> B/d L@zigzag/c K/t D"
+        spec = "B/d/e L@zigzag K/t D{U_c} -> B/d/e L@zigzag/c K/t D"
         return dq, shardops.psum_scatter(spec, dk), shardops.psum_scatter(spec, dv)
 
 
@@ -251,13 +251,13 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
     attention, from its probabilities."""
     # attn = probs . v
     d_probs = shardops.einsum_unreduced(
-        "B/d Qlen@zigzag/c Q K/t D, B/d Klen@zigzag K/t D -> B/d K/t Q Qlen@zigzag/c Klen@zigzag",
+        "B/d/e Qlen@zigzag/c Q K/t D, B/d/e Klen@zigzag K/t D -> B/d/e K/t Q Qlen@zigzag/c Klen@zigzag",
         d_attn,
         v,
         preferred_element_type=jnp.float32,
     )
     dv = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Qlen@zigzag/c Q K/t D -> B/d Klen@zigzag K/t D",
+        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",
         probs.astype(v.dtype),
         d_attn,
     )
@@ -267,12 +267,12 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
     d_scores = (d_scores * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
     # scores = q . k (each kv head's gradient sums over its Q query heads)
     dq = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Klen@zigzag K/t D -> B/d Qlen@zigzag/c Q K/t D",
+        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Klen@zigzag K/t D -> B/d/e Qlen@zigzag/c Q K/t D",
         d_scores,
         k,
     )
     dk = shardops.einsum_unreduced(
-        "B/d K/t Q Qlen@zigzag/c Klen@zigzag, B/d Qlen@zigzag/c Q K/t D -> B/d Klen@zigzag K/t D",
+        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",
         d_scores,
         q,
     )
@@ -285,15 +285,15 @@ def projections_backward(
     part_name: str,
 ) -> tuple[jax.Array, list[jax.Array]]:
     """The backward of projections ``y_i = x . w_i`` of one normed input ``x``
-    'B/d L@zigzag/c M', each given as (y's spec, the gathered weight's spec, dL/dy_i, w_i):
+    'B/d/e L@zigzag/c M', each given as (y's spec, the gathered weight's spec, dL/dy_i, w_i):
     dL/dx, which owes the sum over t of the contracted t-split dims, and each weight's
-    gradient in its FSDP layout 'M/d/c ...'::
+    gradient in its FSDP layout 'M/d/e/c ...'::
 
-        dx  = sum_i einsum_unreduced('Y_i, W_i -> B/d L@zigzag/c M{U_t}', dy_i, w_i)
-        dw_i = einsum_unreduced('B/d L@zigzag/c M, Y_i -> W_i{U_d,c}', x, dy_i)
-        dw_i = psum_scatter('W_i{U_d,c} -> W_i with M/d/c', dw_i)
+        dx  = sum_i einsum_unreduced('Y_i, W_i -> B/d/e L@zigzag/c M{U_t}', dy_i, w_i)
+        dw_i = einsum_unreduced('B/d/e L@zigzag/c M, Y_i -> W_i{U_d,e,c}', x, dy_i)
+        dw_i = psum_scatter('W_i{U_d,e,c} -> W_i with M/d/e/c', dw_i)
     """
-    rows = "B/d L@zigzag/c M"
+    rows = "B/d/e L@zigzag/c M"
     d_x = functools.reduce(
         operator.add,
         (
@@ -302,13 +302,13 @@ def projections_backward(
         ),
     )
     d_ws = [
-        shardops.einsum_unreduced(f"{rows}, {y} -> {w}{{U_d,c}}", x, dy)
+        shardops.einsum_unreduced(f"{rows}, {y} -> {w}{{U_d,e,c}}", x, dy)
         for y, w, dy, _ in projections
     ]
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
+    # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
     with part(part_name):
         d_ws = [
-            shardops.psum_scatter(f"{w}{{U_d,c}} -> {w.replace('M', 'M/d/c', 1)}", dw)
+            shardops.psum_scatter(f"{w}{{U_d,e,c}} -> {w.replace('M', 'M/d/e/c', 1)}", dw)
             for (_, w, _, _), dw in zip(projections, d_ws, strict=True)
         ]
     return d_x, d_ws
@@ -331,16 +331,16 @@ def layer_backward(
     # The forward reduce-scattered the down projection over t; its transpose gathers the
     # gradient over t, so each t shard has all of M against its slice of F.
     with part("down"):
-        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_out)
+        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d/e L@zigzag/c M", d_out)
         gate, up, y = a["gate"], a["up"], a["y"]
         d_y = shardops.einsum_unreduced(
-            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", g, a["w_down"]
+            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", g, a["w_down"]
         )
         d_w_down = shardops.einsum_unreduced(
-            "B/d L@zigzag/c F/t, B/d L@zigzag/c M -> M F/t{U_d,c}", y, g
+            "B/d/e L@zigzag/c F/t, B/d/e L@zigzag/c M -> M F/t{U_d,e,c}", y, g
         )
-        # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
-        d_w_down = shardops.psum_scatter("M F/t{U_d,c} -> M/d/c F/t", d_w_down)
+        # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
+        d_w_down = shardops.psum_scatter("M F/t{U_d,e,c} -> M/d/e/c F/t", d_w_down)
     # y = silu(gate) * up, silu(z) = z * sigmoid(z)
     sig = jax.nn.sigmoid(gate)
     d_up = d_y * (gate * sig)
@@ -348,8 +348,8 @@ def layer_backward(
     d_nh, (d_w_gate, d_w_up) = projections_backward(
         a["nh"],
         [
-            ("B/d L@zigzag/c F/t", "M F/t", d_gate, a["w_gate"]),
-            ("B/d L@zigzag/c F/t", "M F/t", d_up, a["w_up"]),
+            ("B/d/e L@zigzag/c F/t", "M F/t", d_gate, a["w_gate"]),
+            ("B/d/e L@zigzag/c F/t", "M F/t", d_up, a["w_up"]),
         ],
         "gate_up",
     )
@@ -361,15 +361,15 @@ def layer_backward(
     # --- attention: h = x + psum_scatter(attn . w_o) -------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
     with part("o"):
-        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_h)
+        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d/e L@zigzag/c M", d_h)
         d_attn = shardops.einsum_unreduced(
-            "B/d L@zigzag/c M, M Q K/t D -> B/d L@zigzag/c Q K/t D", g, a["w_o"]
+            "B/d/e L@zigzag/c M, M Q K/t D -> B/d/e L@zigzag/c Q K/t D", g, a["w_o"]
         )
         d_w_o = shardops.einsum_unreduced(
-            "B/d L@zigzag/c Q K/t D, B/d L@zigzag/c M -> M Q K/t D{U_d,c}", a["attn"], g
+            "B/d/e L@zigzag/c Q K/t D, B/d/e L@zigzag/c M -> M Q K/t D{U_d,e,c}", a["attn"], g
         )
-        # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
-        d_w_o = shardops.psum_scatter("M Q K/t D{U_d,c} -> M/d/c Q K/t D", d_w_o)
+        # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
+        d_w_o = shardops.psum_scatter("M Q K/t D{U_d,e,c} -> M/d/e/c Q K/t D", d_w_o)
     d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
     # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
     d_q = apply_rope(d_q, cos, -sin)
@@ -377,8 +377,8 @@ def layer_backward(
     d_nx, (d_w_q, d_w_kv) = projections_backward(
         a["nx"],
         [
-            ("B/d L@zigzag/c Q K/t D", "M Q K/t D", d_q, a["w_q"]),
-            ("2 B/d L@zigzag/c K/t D", "2 M K/t D", d_kv, a["w_kv"]),
+            ("B/d/e L@zigzag/c Q K/t D", "M Q K/t D", d_q, a["w_q"]),
+            ("2 B/d/e L@zigzag/c K/t D", "2 M K/t D", d_kv, a["w_kv"]),
         ],
         "q_kv",
     )
@@ -438,14 +438,14 @@ def head_backward(
     # unembed: logits = nx . table^T, the table gathered over d.
     ln, gx, nx, table = kept["ln"], kept["gx"], kept["nx"], kept["table"]
     d_nx = shardops.einsum_unreduced(
-        "B/d L@zigzag/c V/t, V/t M -> B/d L@zigzag/c M{U_t}", d_logits, table
+        "B/d/e L@zigzag/c V/t, V/t M -> B/d/e L@zigzag/c M{U_t}", d_logits, table
     )
     d_table = shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, B/d L@zigzag/c V/t -> V/t M{U_d,c}", nx, d_logits
+        "B/d/e L@zigzag/c M, B/d/e L@zigzag/c V/t -> V/t M{U_d,e,c}", nx, d_logits
     )
-    # Each d shard summed over its own B/d rows: sum the shards, keep FSDP's M/d/c.
+    # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
     with part("logits"):
-        d_unembed = shardops.psum_scatter("V/t M{U_d,c} -> V/t M/d/c", d_table).astype(f32)
+        d_unembed = shardops.psum_scatter("V/t M{U_d,e,c} -> V/t M/d/e/c", d_table).astype(f32)
     # final_norm, with d_nx owing the sum over the vocab blocks (as in layer_backward).
     with part("final_norm"):
         d_x, d_final_norm = norm_backward(cfg, gx, ln, d_nx)
@@ -454,18 +454,18 @@ def head_backward(
 
 @part("embed")
 def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.Array:
-    """The embedding table's gradient 'V/t M/d/c' (f32) from dL/dx of the first
+    """The embedding table's gradient 'V/t M/d/e/c' (f32) from dL/dx of the first
     residual: the transpose of transformer.py's ``embed``."""
     # The forward's psum_scatter summed the vocab shards' lookups over t; its transpose gives
     # every t shard the gradient of all of M.
-    g = shardops.all_gather(f"{cfg.residual_spec} -> B/d L@zigzag/c M", d_x)
+    g = shardops.all_gather(f"{cfg.residual_spec} -> B/d/e L@zigzag/c M", d_x)
     # index_unreduced's transpose: each t shard adds up the rows of its vocab block, over its
-    # own B/d rows only.
+    # own B/d/e rows only.
     d_table = shardops.index_add(
-        "B/d L@zigzag/c M, B/d L@zigzag/c -> V/t M{U_d,c}", g, tokens, vocab=cfg.vocab
+        "B/d/e L@zigzag/c M, B/d/e L@zigzag/c -> V/t M{U_d,e,c}", g, tokens, vocab=cfg.vocab
     )
-    # Each d shard summed its own rows: sum the shards, keep FSDP's M/d/c (the gather's transpose).
-    return shardops.psum_scatter("V/t M{U_d,c} -> V/t M/d/c", d_table).astype(jnp.float32)
+    # Each d shard summed its own rows: sum the shards, keep FSDP's M/d/e/c (the gather's transpose).
+    return shardops.psum_scatter("V/t M{U_d,e,c} -> V/t M/d/e/c", d_table).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------

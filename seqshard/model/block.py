@@ -83,7 +83,7 @@ def weight(
     gathered_in: Dtype = "compute",
     layout: str | None = None,
 ) -> Any:
-    """A weight field's declaration: ``w_up: f32['d_model/d/c d_ff/t'] = weight(fan_in,
+    """A weight field's declaration: ``w_up: f32['d_model/d/e/c d_ff/t'] = weight(fan_in,
     hf='model.layers.{i}.mlp.up_proj.weight', layout='d_ff d_model')``."""
     if isinstance(hf, str):
         hf = ((hf, layout or ""),)

@@ -1,6 +1,6 @@
 """ModelConfig: the sizes and numerics of the decoder; its field names name the weight dims.
 
-Weight types are written in these names (``w_up: f32['d_model/d/c d_ff/t']``), so a config gives
+Weight types are written in these names (``w_up: f32['d_model/d/e/c d_ff/t']``), so a config gives
 every weight's global shape through :meth:`ModelConfig.dim_sizes`.
 """
 
@@ -14,6 +14,8 @@ from seqshard.model.remat import RematName
 
 __all__ = [
     "DIM_FIELDS",
+    "DIM_KEYS",
+    "MoEConfig",
     "DTYPE_BYTES",
     "AttentionImpl",
     "AttentionMask",
@@ -33,7 +35,7 @@ Residual = Literal["M/t", "L/t"]
 ContextImpl = Literal["allgather", "ring"]
 RopeType = Literal["default", "llama3"]
 
-RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/d L@zigzag/c M/t", "L/t": "B/d L@zigzag/c/t M"}
+RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/d/e L@zigzag/c M/t", "L/t": "B/d/e L@zigzag/c/t M"}
 """``model.residual`` -> the residual stream's layout between blocks, per device."""
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2}
 """The compute dtypes (``model.compute_dtype``) and their bytes: the one table of them."""
@@ -50,6 +52,91 @@ DIM_FIELDS = {
     "d_ff": "d_ff",
 }
 """Each dimension name of the weight types -> the ModelConfig field that sizes it."""
+
+DIM_KEYS = {
+    **DIM_FIELDS,
+    "moe_layers": "n_layers",
+    "experts": "moe.n_experts",
+    "d_expert": "moe.d_ff",
+    "d_shared": "moe.n_shared",
+}
+"""Each dimension name -> the config key (under ``model.``) that sizes it, for messages."""
+
+
+Router = Literal["softmax", "sigmoid"]
+Balance = Literal["aux_loss", "bias", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The FFN as a mixture of experts (``model.moe``); ``n_experts=0`` (the default) is the
+    dense model. Layers ``n_dense_layers`` and up route each token to ``top_k`` of
+    ``n_experts`` SwiGLU experts of hidden size ``d_ff`` (and through ``n_shared`` shared ones
+    of that size), split over the mesh axis e (:mod:`seqshard.model.moe`).
+
+    router: ``softmax``: top-k of softmax(logits), the k weights renormalized to sum 1
+        (Mixtral, Qwen3-MoE); ``sigmoid``: top-k of sigmoid(logits), normalized to sum 1
+        (DeepSeek-V3).
+    balance: ``aux_loss``: ``aux_loss_weight`` x n_experts x sum_i f_i P_i (f_i the fraction
+        of routed token copies, P_i the mean router probability of expert i; Switch / GShard);
+        ``bias``: DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias added to the
+        scores for the top-k choice only, moved by ``bias_rate`` towards balance after each
+        optimizer step from the step's expert load; ``none``.
+    z_loss_weight: ``weight`` x mean of logsumexp(router logits)^2 (ST-MoE), 0: off.
+    capacity_factor: 0 (dropless: no token copy is ever dropped, the exchange buffers sized
+        for the worst case); > 0: each expert shard takes at most ``capacity_factor`` x its
+        even share of the token copies, the rest are dropped (their gate's output is 0).
+    """
+
+    n_experts: int = 0
+    top_k: int = 2
+    d_ff: int = 256
+    n_shared: int = 0
+    n_dense_layers: int = 0
+    router: Router = "softmax"
+    balance: Balance = "aux_loss"
+    aux_loss_weight: float = 0.01
+    bias_rate: float = 0.001
+    z_loss_weight: float = 0.0
+    capacity_factor: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_experts > 0
+
+    def check(self, n_layers: int) -> None:
+        """Raise ValueError naming the key, the values and the fix."""
+        if not self.enabled:
+            if self.n_experts < 0:
+                raise ValueError(f"model.moe.n_experts must be >= 0, got {self.n_experts}.")
+            return
+        for name in ("top_k", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.moe.{name} must be a positive integer, got {value!r}.")
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} is more than model.moe.n_experts="
+                f"{self.n_experts}: each token picks top_k distinct experts. Lower top_k or "
+                f"add experts."
+            )
+        if self.n_shared < 0:
+            raise ValueError(f"model.moe.n_shared must be >= 0, got {self.n_shared}.")
+        if not 0 <= self.n_dense_layers < n_layers:
+            raise ValueError(
+                f"model.moe.n_dense_layers={self.n_dense_layers} must be in 0 .. "
+                f"model.n_layers - 1 = {n_layers - 1}: at least one layer routes to experts "
+                f"(set model.moe.n_experts=0 for a dense model)."
+            )
+        _check_choice("moe.router", self.router, Router)
+        _check_choice("moe.balance", self.balance, Balance)
+        for name in ("aux_loss_weight", "bias_rate", "z_loss_weight", "capacity_factor"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(
+                    f"model.moe.{name} must be >= 0, got {value!r}"
+                    + (" (0 means dropless)." if name == "capacity_factor" else ".")
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +163,9 @@ class ModelConfig:
         ``autodiff``: JAX
         differentiates the forward pass (transposing each collective).
     residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
-        (default; Megatron's sequence parallelism): ``'B/d L@zigzag/c/t M'``, the sequence split over t
-        (``train.seq_len`` divisible by c x t). ``M/t``: ``'B/d L@zigzag/c M/t'``, d_model split over t.
-        Either way each block gathers over t to ``'B/d L@zigzag/c M'`` around its norm (M/t before it,
+        (default; Megatron's sequence parallelism): ``'B/d/e L@zigzag/c/t M'``, the sequence split over t
+        (``train.seq_len`` divisible by c x t). ``M/t``: ``'B/d/e L@zigzag/c M/t'``, d_model split over t.
+        Either way each block gathers over t to ``'B/d/e L@zigzag/c M'`` around its norm (M/t before it,
         L/t its normalized rows after it) and reduce-scatters its output back: the same model,
         other spec strings; L/t runs faster (docs/benchmarks.md); with t = 1 they are the
         same layout.
@@ -119,6 +206,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():
@@ -151,6 +239,7 @@ class ModelConfig:
                 f"{self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
                 f"{self.rope_original_max_position} (Llama 3.1: 8, 1, 4, 8192)."
             )
+        self.moe.check(self.n_layers)
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(
                 f"model.rope_theta and model.norm_eps must be positive, got "
@@ -158,12 +247,21 @@ class ModelConfig:
             )
 
     def dim_sizes(self) -> dict[str, int]:
-        """Global sizes of the dimension names used in the weight types: the model's shape."""
-        return {dim: getattr(self, field) for dim, field in DIM_FIELDS.items()}
+        """Global sizes of the dimension names used in the weight types: the model's shape.
+        With experts, ``layers`` counts the first, dense layers and ``moe_layers`` the rest."""
+        sizes = {dim: getattr(self, field) for dim, field in DIM_FIELDS.items()}
+        moe = self.moe
+        if moe.enabled:
+            sizes["layers"] = moe.n_dense_layers
+        sizes["moe_layers"] = self.n_layers - sizes["layers"]
+        sizes["experts"] = moe.n_experts
+        sizes["d_expert"] = moe.d_ff
+        sizes["d_shared"] = moe.n_shared * moe.d_ff
+        return sizes
 
     @property
     def residual_spec(self) -> str:
-        """The residual stream between blocks: ``'B/d L@zigzag/c M/t'`` or ``'B/d L@zigzag/c/t M'``
+        """The residual stream between blocks: ``'B/d/e L@zigzag/c M/t'`` or ``'B/d/e L@zigzag/c/t M'``
         (the sequence in zigzag order over the context axis c: :mod:`seqshard.model.context`)."""
         return RESIDUAL_SPECS[self.residual]
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from seqshard.model.attention import rope_frequencies
 from seqshard.model.config import AttentionMask, ModelConfig
-from seqshard.model.weights import Layer, Weights
+from seqshard.model.weights import Layer, MoELayer, Weights
 
 __all__ = [
     "Attend",
@@ -41,6 +41,7 @@ __all__ = [
     "reference_loss_fn",
     "reference_loss_terms",
     "reference_mask",
+    "reference_moe_layer",
     "reference_positions",
     "reference_unembed",
 ]
@@ -115,6 +116,16 @@ def reference_layer(
     ``attend`` replaces :func:`reference_attention` (the default) by another kernel of the same
     math, e.g. a fused one (``scripts/bench_gpu.py``'s cuDNN baseline).
     """
+    x = _attention_half(cfg, w, x, positions, mask, mark, constrain, attend)
+    dt = jnp.dtype(cfg.compute_dtype)
+    nx = _norm(x, w.ln2, cfg.norm_eps).astype(dt)
+    gate = mark(nx @ w.w_gate.astype(dt))
+    up = mark(nx @ w.w_up.astype(dt))
+    return constrain((x + (jax.nn.silu(gate) * up) @ w.w_down.astype(dt).T).astype(dt))
+
+
+def _attention_half(cfg, w, x, positions, mask, mark=_identity, constrain=_identity, attend=None):
+    """The residual after a layer's attention block."""
     dt = jnp.dtype(cfg.compute_dtype)
     nx = _norm(x, w.ln1, cfg.norm_eps).astype(dt)
     q = jnp.einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
@@ -123,11 +134,43 @@ def reference_layer(
     q = mark(_rope(q, positions, rope_frequencies(cfg)))
     k = mark(_rope(k, positions, rope_frequencies(cfg)))
     attn = mark((attend or reference_attention)(q, k, v, mask))
-    x = mark(constrain(x + jnp.einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
+    return mark(constrain(x + jnp.einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
+
+
+def reference_moe_layer(
+    cfg: ModelConfig, w: MoELayer, x: jax.Array, positions: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One mixture-of-experts layer, the routing written densely: every expert applied to
+    every token, weighted by the router's sparse gates (0 for the experts not chosen), no
+    dispatch. (residual [B, L, M], this layer's balancing terms f32[]: its aux and z losses
+    over the batch, as :mod:`seqshard.model.moe` defines them)."""
+    moe = cfg.moe
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = _attention_half(cfg, w, x, positions, mask)
     nx = _norm(x, w.ln2, cfg.norm_eps).astype(dt)
-    gate = mark(nx @ w.w_gate.astype(dt))
-    up = mark(nx @ w.w_up.astype(dt))
-    return constrain((x + (jax.nn.silu(gate) * up) @ w.w_down.astype(dt).T).astype(dt))
+    logits = jnp.einsum("blm,me->ble", nx.astype(jnp.float32), w.router)
+    if moe.router == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    _, ids = jax.lax.top_k(scores + jax.lax.stop_gradient(w.router_bias), moe.top_k)
+    chosen = jax.nn.one_hot(ids, moe.n_experts, dtype=jnp.float32).sum(axis=-2)  # [B, L, E]
+    gates = scores * chosen / jnp.sum(scores * chosen, axis=-1, keepdims=True)
+    gate = jnp.einsum("blm,emx->blex", nx, w.w_gate.astype(dt))
+    up = jnp.einsum("blm,emx->blex", nx, w.w_up.astype(dt))
+    experts = jnp.einsum("blex,emx->blem", jax.nn.silu(gate) * up, w.w_down.astype(dt))
+    y = jnp.einsum("blem,ble->blm", experts, gates.astype(dt))
+    if moe.n_shared:
+        shared = jax.nn.silu(nx @ w.s_gate.astype(dt)) * (nx @ w.s_up.astype(dt))
+        y = y + shared @ w.s_down.astype(dt).T
+    tokens = logits.shape[0] * logits.shape[1]
+    f = chosen.sum(axis=(0, 1)) / (tokens * moe.top_k)
+    weight = moe.aux_loss_weight if moe.balance == "aux_loss" else 0.0
+    aux = weight * moe.n_experts * jnp.sum(f * probs.mean(axis=(0, 1)))
+    z = moe.z_loss_weight * jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return (x + y).astype(dt), aux + z
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -149,17 +192,28 @@ def reference_unembed(cfg: ModelConfig, weights: Weights, x: jax.Array) -> jax.A
     )
 
 
-def reference_logits_fn(weights: Weights, tokens, is_seq_start, cfg: ModelConfig) -> jax.Array:
-    """f32[B, L, vocab] logits of the model, computed on one device."""
+def _logits_and_balancing(weights, tokens, is_seq_start, cfg: ModelConfig):
+    """(f32[B, L, vocab] logits, the MoE layers' balancing terms summed)."""
     tokens = jnp.asarray(tokens).astype(jnp.int32)
     is_seq_start = jnp.asarray(is_seq_start).astype(bool)
     positions = reference_positions(is_seq_start)
     mask = reference_mask(is_seq_start, cfg.attention_mask)
     x = reference_embed(cfg, weights, tokens)
-    for i in range(cfg.n_layers):
+    sizes = cfg.dim_sizes()
+    for i in range(sizes["layers"]):
         w = jax.tree.map(lambda a, i=i: a[i], weights.layers)
         x = reference_layer(cfg, w, x, positions, mask)
-    return reference_unembed(cfg, weights, x)
+    balancing = jnp.zeros((), jnp.float32)
+    for i in range(sizes["moe_layers"]):
+        w = jax.tree.map(lambda a, i=i: a[i], weights.moe_layers)
+        x, terms = reference_moe_layer(cfg, w, x, positions, mask)
+        balancing = balancing + terms
+    return reference_unembed(cfg, weights, x), balancing
+
+
+def reference_logits_fn(weights: Weights, tokens, is_seq_start, cfg: ModelConfig) -> jax.Array:
+    """f32[B, L, vocab] logits of the model, computed on one device."""
+    return _logits_and_balancing(weights, tokens, is_seq_start, cfg)[0]
 
 
 def reference_loss_terms(
@@ -175,9 +229,10 @@ def reference_loss_terms(
 
 
 def reference_loss_fn(weights: Weights, tokens, is_seq_start, cfg: ModelConfig) -> jax.Array:
-    """f32[]: mean next-token cross-entropy over positions whose next token is in the same document."""
+    """f32[]: mean next-token cross-entropy over positions whose next token is in the same
+    document, plus the MoE layers' balancing terms over the batch (with experts)."""
     tokens = jnp.asarray(tokens).astype(jnp.int32)
     is_seq_start = jnp.asarray(is_seq_start).astype(bool)
-    logits = reference_logits_fn(weights, tokens, is_seq_start, cfg)
+    logits, balancing = _logits_and_balancing(weights, tokens, is_seq_start, cfg)
     total, count = reference_loss_terms(logits, tokens, is_seq_start)
-    return total / jnp.maximum(count, 1.0)
+    return total / jnp.maximum(count, 1.0) + balancing

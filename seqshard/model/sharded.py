@@ -3,7 +3,7 @@ logits of a batch, on any mesh.
 
     loss_fn(weights, tokens, is_seq_start, cfg, mesh)             mean next-token loss
     batch_loss_terms(weights, batch, cfg, mesh, pipeline)         (summed loss, positions counted)
-    logits_fn(weights, tokens, is_seq_start, cfg, mesh)           'B/d L/c V/t' logits
+    logits_fn(weights, tokens, is_seq_start, cfg, mesh)           'B/d/e L/c V/t' logits
 
 Which program runs inside the shard_map: on a mesh with p > 1 the pipelined layers
 (:mod:`seqshard.model.pipeline.pipelined`); else transformer.py's forward, whose gradient is
@@ -24,40 +24,93 @@ from seqshard.mesh import axis_size
 from seqshard.model.backward import explicit_loss_terms
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import sequence_rows
+from seqshard.model.moe import RouterStats
 from seqshard.model.pipeline.pipelined import pipelined_loss_terms
 from seqshard.model.pipeline.schedule import Pipeline
-from seqshard.model.transformer import final_hidden, forward_loss_terms, unembed
-from seqshard.model.weights import Weights, check_mesh
+from seqshard.model.transformer import (
+    final_hidden,
+    forward_loss_terms,
+    forward_terms_and_stats,
+    unembed,
+)
+from seqshard.model.weights import Weights, check_mesh, weights_type
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shardtypes import f32, typed_shard_map
 
-__all__ = ["batch_loss_terms", "logits_fn", "loss_fn", "loss_sum_and_count"]
+__all__ = [
+    "batch_loss_terms",
+    "batch_terms_and_stats",
+    "logits_fn",
+    "loss_fn",
+    "loss_sum_and_count",
+]
+
+
+def _typed(body, weights: type, out):
+    """``body(w, batch)`` with the annotations typed_shard_map reads: ``w`` of the config's
+    weights class (:func:`~seqshard.model.weights.weights_type`), ``out`` its result's type."""
+
+    def fn(w, batch):
+        return body(w, batch)
+
+    fn.__annotations__ = {"w": weights, "batch": TokenBatch, "return": out}
+    fn.__qualname__ = body.__qualname__
+    return fn
 
 
 @functools.lru_cache(maxsize=64)
 def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
     check_mesh(cfg, dict(mesh.shape))
+    weights = weights_type(cfg)
+    moe = cfg.moe.enabled
+    if moe and axis_size(mesh, "p") > 1:
+        raise ValueError(
+            f"a model with experts (model.moe.n_experts={cfg.moe.n_experts}) does not pipeline "
+            f"yet: mesh axis p={axis_size(mesh, 'p')}. Use mesh.p=1 (split the layers' work "
+            f"over d, e, c and t instead)."
+        )
 
-    @functools.partial(typed_shard_map, mesh=mesh)
-    def loss_terms(w: Weights, batch: TokenBatch) -> f32["2"]:
+    def loss_terms(w, batch: TokenBatch):
         if axis_size(mesh, "p") > 1:
             return pipelined_loss_terms(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
+        if moe:
+            # The MoE layers' backward is autodiff's (the hand-written one covers dense layers).
+            return forward_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start)
         if cfg.backward == "explicit":
             # The same forward value; jax.grad runs backward.py's hand-written backward.
             return explicit_loss_terms(cfg, w, batch.tokens, batch.is_seq_start)
         return forward_loss_terms(cfg, w, batch.tokens, batch.is_seq_start)
 
-    @functools.partial(typed_shard_map, mesh=mesh)
-    def logits(w: Weights, batch: TokenBatch) -> f32[b"B/d L/c V/t"]:
+    def logits(w, batch: TokenBatch):
         rows = sequence_rows(batch.tokens, batch.is_seq_start)
         out = unembed(cfg, w, final_hidden(cfg, w, rows))
         # Back to the natural order of the batch: gathered over c, reordered, split (all the
         # identity when c = 1). For tests and evaluation: training never gathers logits.
-        out = shardops.all_gather("B/d L@zigzag/c V/t -> B/d L@zigzag V/t", out)
-        out = shardops.reorder("B/d L@zigzag V/t -> B/d L V/t", out)
-        return shardops.split("B/d L V/t -> B/d L/c V/t", out)
+        out = shardops.all_gather("B/d/e L@zigzag/c V/t -> B/d/e L@zigzag V/t", out)
+        out = shardops.reorder("B/d/e L@zigzag V/t -> B/d/e L V/t", out)
+        return shardops.split("B/d/e L V/t -> B/d/e L/c V/t", out)
 
-    return {"loss_terms": loss_terms, "logits": logits}[output]
+    terms_type = tuple[f32["2"], RouterStats] if moe else f32["2"]
+    body, out = {
+        "loss_terms": (loss_terms, terms_type),
+        "logits": (logits, f32[b"B/d/e L/c V/t"]),
+    }[output]
+    return typed_shard_map(_typed(body, weights, out), mesh=mesh)
+
+
+def batch_terms_and_stats(
+    weights: Weights,
+    batch: TokenBatch,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    pipeline: Pipeline | None = None,
+) -> tuple[jax.Array, RouterStats | None]:
+    """(:func:`batch_loss_terms`, the MoE layers' routing statistics of the batch, or None
+    without experts: :class:`~seqshard.model.moe.RouterStats`, stacked over the MoE layers)."""
+    if pipeline is None or axis_size(mesh, "p") == 1:
+        pipeline = Pipeline()  # one compiled program whatever the (unused) pipeline says
+    out = _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)
+    return out if cfg.moe.enabled else (out, None)
 
 
 def batch_loss_terms(
@@ -75,9 +128,7 @@ def batch_loss_terms(
     batch runs as ``pipeline.microbatches`` microbatches through the stages by
     ``pipeline.schedule``; ``pipeline`` is ignored at p = 1.
     """
-    if pipeline is None or axis_size(mesh, "p") == 1:
-        pipeline = Pipeline()  # one compiled program whatever the (unused) pipeline says
-    return _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)
+    return batch_terms_and_stats(weights, batch, cfg, mesh, pipeline)[0]
 
 
 def loss_sum_and_count(
@@ -102,7 +153,7 @@ def loss_fn(
 def logits_fn(
     weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
 ) -> jax.Array:
-    """f32['B L V']: next-token logits, sharded 'B/d L/c V/t' as they come out of the shard_map.
+    """f32['B L V']: next-token logits, sharded 'B/d/e L/c V/t' as they come out of the shard_map.
 
     On a mesh with p = 1: each device runs every layer (a stage's block alone would give
     another model's logits)."""

@@ -42,19 +42,19 @@ def _w_down_std(cfg: ModelConfig) -> float:
 class SwigluWeights:
     """The SwiGLU block's weights (one layer's)."""
 
-    ln2: f32["d_model/t/d/c"] = gain(_LAYER + "post_attention_layernorm.weight")
-    w_gate: f32["d_model/d/c d_ff/t"] = weight(
+    ln2: f32["d_model/t/d/e/c"] = gain(_LAYER + "post_attention_layernorm.weight")
+    w_gate: f32["d_model/d/e/c d_ff/t"] = weight(
         _fan_in, hf=_LAYER + "mlp.gate_proj.weight", layout="d_ff d_model"
     )
-    w_up: f32["d_model/d/c d_ff/t"] = weight(
+    w_up: f32["d_model/d/e/c d_ff/t"] = weight(
         _fan_in, hf=_LAYER + "mlp.up_proj.weight", layout="d_ff d_model"
     )
-    w_down: f32["d_model/d/c d_ff/t"] = weight(
+    w_down: f32["d_model/d/e/c d_ff/t"] = weight(
         _w_down_std, hf=_LAYER + "mlp.down_proj.weight", layout="d_model d_ff"
     )
 
 
-_R = "B/d L/c M/t"
+_R = "B/d/e L/c M/t"
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
 
@@ -62,14 +62,14 @@ SWIGLU = Block(
     name="swiglu",
     activations=(
         Activation("ln2", "M", "f32", "ffn_norm"),
-        Activation("gh", "B/d L/c M", "compute", "ffn_norm"),  # h with all of M
-        Activation("nh", "B/d L/c M", "compute", "ffn_norm"),  # the normed input of gate, up
+        Activation("gh", "B/d/e L/c M", "compute", "ffn_norm"),  # h with all of M
+        Activation("nh", "B/d/e L/c M", "compute", "ffn_norm"),  # the normed input of gate, up
         Activation("w_gate", "M F/t", "compute", "gate"),  # gathered over d, c
         Activation("w_up", "M F/t", "compute", "up"),
         Activation("w_down", "M F/t", "compute", "down"),
-        Activation("gate", "B/d L/c F/t", "compute", "gate", saved=True),
-        Activation("up", "B/d L/c F/t", "compute", "up", saved=True),
-        Activation("y", "B/d L/c F/t", "compute", "swiglu"),  # silu(gate) * up
+        Activation("gate", "B/d/e L/c F/t", "compute", "gate", saved=True),
+        Activation("up", "B/d/e L/c F/t", "compute", "up", saved=True),
+        Activation("y", "B/d/e L/c F/t", "compute", "swiglu"),  # silu(gate) * up
         # The down projection, into the residual: read by no backward.
         Activation("down", _R, "compute", "down", needed=False),
         Activation("out", _R, "compute", "ffn_residual", needed=False),
@@ -77,20 +77,20 @@ SWIGLU = Block(
     ops=(
         norm_op("ffn_norm", consumers=2, recomputed_by=_SAVED_FULL),  # feeds gate and up
         matmul(
-            "gate", "token", "B/d L M, M F/t -> B/d L F/t", lambda m: 2 * m.d_model * m.d_ff, _FULL
+            "gate", "token", "B/d/e L M, M F/t -> B/d/e L F/t", lambda m: 2 * m.d_model * m.d_ff, _FULL
         ),
         matmul(
-            "up", "token", "B/d L M, M F/t -> B/d L F/t", lambda m: 2 * m.d_model * m.d_ff, _FULL
+            "up", "token", "B/d/e L M, M F/t -> B/d/e L F/t", lambda m: 2 * m.d_model * m.d_ff, _FULL
         ),
         # s = sigmoid(gate), gate * s, * up. Backward: d up = g * gate * s (1); d gate =
         # g * up * s * (1 + gate * (1 - s)) (6).
         elementwise(
-            "swiglu", "token", "B/d L F/t", lambda m: 3 * m.d_ff, lambda m: 7 * m.d_ff, _SAVED_FULL
+            "swiglu", "token", "B/d/e L F/t", lambda m: 3 * m.d_ff, lambda m: 7 * m.d_ff, _SAVED_FULL
         ),
         # Nothing in the backward needs the down projection's output nor the layer's: no
         # policy re-runs them (XLA drops them from remat=full's recomputation too).
-        matmul("down", "token", "B/d L F/t, M F/t -> B/d L M", lambda m: 2 * m.d_ff * m.d_model),
-        elementwise("ffn_residual", "token", "B/d L M/t", lambda m: m.d_model, lambda m: m.d_model),
+        matmul("down", "token", "B/d/e L F/t, M F/t -> B/d/e L M", lambda m: 2 * m.d_ff * m.d_model),
+        elementwise("ffn_residual", "token", "B/d/e L M/t", lambda m: m.d_model, lambda m: m.d_model),
     ),
 )
 """The SwiGLU block's declarations: remat=saved keeps the gate and up projections."""
@@ -101,32 +101,32 @@ def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
     ``a`` rebuilds a layer for its backward, which never reads it)."""
     dt = jnp.dtype(cfg.compute_dtype)
     h = a["h"]
-    ln2 = a("ln2", lambda: shardops.all_gather("M/t/d/c -> M", w.ln2))
+    ln2 = a("ln2", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln2))
     gh = a("gh", lambda: norm_input(cfg, h))
     nh = a("nh", lambda: normed(cfg, gh, ln2))
     # FSDP: each matrix is gathered over d and c just before use.
-    w_gate = a("w_gate", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_gate.astype(dt)))
+    w_gate = a("w_gate", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_gate.astype(dt)))
     gate = a(
         "gate",
         lambda: shardops.einsum_unreduced(
-            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_gate
+            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", nh, w_gate
         ),
     )
-    w_up = a("w_up", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_up.astype(dt)))
+    w_up = a("w_up", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_up.astype(dt)))
     up = a(
         "up",
         lambda: shardops.einsum_unreduced(
-            "B/d L@zigzag/c M, M F/t -> B/d L@zigzag/c F/t", nh, w_up
+            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", nh, w_up
         ),
     )
     y = a("y", lambda: jax.nn.silu(gate) * up)
-    w_down = a("w_down", lambda: shardops.all_gather("M/d/c F/t -> M F/t", w.w_down.astype(dt)))
+    w_down = a("w_down", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_down.astype(dt)))
 
     def down() -> jax.Array:
-        out = shardops.einsum_unreduced("B/d L@zigzag/c F/t, M F/t -> B/d L@zigzag/c M", y, w_down)
+        out = shardops.einsum_unreduced("B/d/e L@zigzag/c F/t, M F/t -> B/d/e L@zigzag/c M", y, w_down)
         # Each t shard contracted only its own slice of F (F/t): sum the shards, scattered into
         # the residual's layout.
-        return shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", out)
+        return shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
 
     out = a("down", down)
     return a("out", lambda: (h + out).astype(dt))

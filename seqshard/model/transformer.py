@@ -12,8 +12,8 @@ context.py) and t (tensor: heads, d_ff, vocab, and the residual's M or L).
 
 Per device, a layer holds the residual ``x`` and, per weight, one all-gather over (d, c) just
 before use. The residual's layout is ``model.residual`` (``cfg.residual_spec``): Megatron's
-sequence parallelism ``'B/d L@zigzag/c/t M'`` (``L/t``, the default) or
-``'B/d L@zigzag/c M/t'`` (``M/t``). Each block gathers it over t to ``'B/d L@zigzag/c M'``
+sequence parallelism ``'B/d/e L@zigzag/c/t M'`` (``L/t``, the default) or
+``'B/d/e L@zigzag/c M/t'`` (``M/t``). Each block gathers it over t to ``'B/d/e L@zigzag/c M'``
 around its norm (after the norm for ``L/t``, which holds all of M per row; before it for
 ``M/t``) and reduce-scatters its output back: one model, other spec strings. Communication per
 layer, forward (``remat=saved`` repeats the gathers in the backward pass, whose transposes add
@@ -21,7 +21,7 @@ the reduce-scatters of FSDP; ``model.backward=explicit`` writes that backward pa
 backward.py):
 
     all_gather over t,d,c  ln1, ln2                       (norm gains, tiny)
-    all_gather over t      the residual around each norm (2) (activations: B/d L@zigzag/c M)
+    all_gather over t      the residual around each norm (2) (activations: B/d/e L@zigzag/c M)
     all_gather over d,c    w_q, w_kv, w_o, w_gate, w_up, w_down
     all_gather over c      k, v (allgather), or c-1 ring_shifts of each (ring)   (c > 1)
     psum_scatter over t    attention and FFN outputs (2)   (they contract a t-split dim)
@@ -42,14 +42,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard.model import attention_block, swiglu
+from seqshard.model import attention_block, moe, swiglu
 from seqshard.model.attention import attention_mask, rope_frequencies, rope_tables
 from seqshard.model.block import Activation, Activations, Block, elementwise, matmul
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, context_mask, sequence_rows
+from seqshard.model.moe import RouterStats
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
 from seqshard.model.remat import explicit_activation_checkpointing
-from seqshard.model.weights import LAYER_BLOCKS, Layer, Weights
+from seqshard.model.weights import LAYER_BLOCKS, MOE_LAYER_BLOCKS, Layer, MoELayer, Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
 
@@ -62,7 +63,13 @@ __all__ = [
     "ffn",
     "final_hidden",
     "final_norm",
+    "all_layers",
     "forward_loss_terms",
+    "forward_terms_and_stats",
+    "moe_layer",
+    "moe_layer_forward",
+    "run_moe_layers",
+    "with_balancing_terms",
     "layer",
     "layer_forward",
     "loss_terms_and_softmax",
@@ -81,10 +88,10 @@ EMBED = Block(
     ops=(
         # A lookup (each t shard selecting the rows of its vocab block is not counted); the
         # backward scatter-adds each token's cotangent into its row.
-        elementwise("embed", "token", "B/d L M", lambda m: 0, lambda m: m.d_model),
+        elementwise("embed", "token", "B/d/e L M", lambda m: 0, lambda m: m.d_model),
         # angle = position * frequency, cos, sin, on D/2. Positions and masks (integer and
         # boolean work, once per step) are not counted.
-        elementwise("rope_tables", "token", "B/d L D", lambda m: 3 * m.d_head // 2, lambda m: 0),
+        elementwise("rope_tables", "token", "B/d/e L D", lambda m: 3 * m.d_head // 2, lambda m: 0),
     ),
 )
 """The operations before the layers (outside the checkpointed layer scan: never re-run)."""
@@ -93,31 +100,35 @@ HEAD = Block(
     name="head",
     activations=(
         Activation("ln", "M", "f32", "final_norm"),  # the final norm's gain, gathered
-        Activation("gx", "B/d L/c M", "compute", "final_norm"),  # the residual with all of M
-        Activation("nx", "B/d L/c M", "compute", "final_norm"),  # normed: the logits' input
+        Activation("gx", "B/d/e L/c M", "compute", "final_norm"),  # the residual with all of M
+        Activation("nx", "B/d/e L/c M", "compute", "final_norm"),  # normed: the logits' input
         Activation("table", "V/t M", "compute", "logits"),  # the unembedding, gathered over d, c
     ),
     ops=(
         norm_op("final_norm", consumers=1),
-        matmul("logits", "token", "B/d L M, V/t M -> B/d L V/t", lambda m: 2 * m.d_model * m.vocab),
+        matmul(
+            "logits", "token", "B/d/e L M, V/t M -> B/d/e L V/t", lambda m: 2 * m.d_model * m.vocab
+        ),
         # logsumexp over the vocabulary: max, subtract, exp, sum (the per-position scalars
         # after it are not counted); backward softmax(logits) - onehot(target): 2 per logit.
-        elementwise("loss", "token", "B/d L V/t", lambda m: 4 * m.vocab, lambda m: 2 * m.vocab),
+        elementwise("loss", "token", "B/d/e L V/t", lambda m: 4 * m.vocab, lambda m: 2 * m.vocab),
     ),
 )
 """The final norm, the unembedding and the loss, after the layers (never re-run)."""
 
 
 def embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
-    """'B/d L@zigzag/c' ids -> the residual (``cfg.residual_spec``) in compute dtype."""
+    """'B/d/e L@zigzag/c' ids -> the residual (``cfg.residual_spec``) in compute dtype."""
     with part("embed"):
         table = shardops.all_gather(
-            "V/t M/d/c -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype))
+            "V/t M/d/e/c -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype))
         )
-        x = shardops.index_unreduced("[V/t] M, B/d L@zigzag/c -> B/d L@zigzag/c M", table, tokens)
+        x = shardops.index_unreduced(
+            "[V/t] M, B/d/e L@zigzag/c -> B/d/e L@zigzag/c M", table, tokens
+        )
         # Each t shard looked up only the rows of its vocab block: sum the shards, scattered
         # into the residual's layout.
-        return shardops.psum_scatter(f"B/d L@zigzag/c M -> {cfg.residual_spec}", x)
+        return shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", x)
 
 
 def layer_forward(
@@ -157,10 +168,10 @@ def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
 def final_norm(
     cfg: ModelConfig, w: Weights, x: jax.Array, a: Activations | None = None
 ) -> jax.Array:
-    """The residual -> final RMSNorm 'B/d L@zigzag/c M' in compute dtype (its values named in
+    """The residual -> final RMSNorm 'B/d/e L@zigzag/c M' in compute dtype (its values named in
     ``a`` when given: the hand-written backward keeps them)."""
     a = a or Activations((HEAD,))
-    ln = a("ln", lambda: shardops.all_gather("M/t/d/c -> M", w.final_norm))
+    ln = a("ln", lambda: shardops.all_gather("M/t/d/e/c -> M", w.final_norm))
     gx = a("gx", lambda: norm_input(cfg, x))
     return a("nx", lambda: normed(cfg, gx, ln))
 
@@ -190,20 +201,67 @@ def run_layers(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer
     return x
 
 
+def moe_layer_forward(
+    cfg: ModelConfig, rows: SequenceRows, rope, mask: jax.Array | None, w: MoELayer, a: Activations
+) -> tuple[jax.Array | None, RouterStats]:
+    """One mixture-of-experts layer: the attention block, then the MoE FFN
+    (:mod:`seqshard.model.moe`): (the residual, the layer's routing statistics)."""
+    attention_block.attention_inputs(cfg, w, a, rope)
+    attention_block.attention_core(cfg, a, rows, mask)
+    attention_block.attention_output(cfg, w, a)
+    return moe.moe_ffn(cfg, w, a)
+
+
+def moe_layer(cfg: ModelConfig, rows, rope, mask, x: jax.Array, w: MoELayer):
+    """One MoE layer as a scan body: the residual in and out, the layer's statistics out."""
+    return moe_layer_forward(
+        cfg, rows, rope, mask, w, Activations(MOE_LAYER_BLOCKS, {"x": x}, mark=True)
+    )
+
+
+def run_moe_layers(
+    cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: MoELayer
+) -> tuple[jax.Array, RouterStats]:
+    """The residual through the stacked MoE layers, scanned under ``cfg.remat``: (a residual,
+    the :class:`RouterStats` of each layer, stacked)."""
+    rope, mask = rope_and_mask(cfg, rows)
+    body = functools.partial(moe_layer, cfg, rows, rope, mask)
+    body = explicit_activation_checkpointing(body, cfg.remat)
+    return collective_log.scan("moe_layers", body, x, layers)
+
+
+def all_layers(cfg: ModelConfig, w: Weights, rows: SequenceRows, x: jax.Array):
+    """The residual through every layer: the dense stack (``layers``, if it has any) and, with
+    experts, the MoE stack: (a residual, the MoE layers' stacked :class:`RouterStats` or None)."""
+    if cfg.dim_sizes()["layers"]:
+        x = run_layers(cfg, rows, x, w.layers)
+    if not cfg.moe.enabled:
+        return x, None
+    return run_moe_layers(cfg, rows, x, w.moe_layers)
+
+
+def with_balancing_terms(terms: jax.Array, stats: RouterStats | None) -> jax.Array:
+    """The loss terms f32[2] with the MoE layers' balancing terms added, each once per
+    microbatch weighted by its counted positions (see :mod:`seqshard.model.moe`)."""
+    if stats is None:
+        return terms
+    return terms.at[0].add(terms[1] * jnp.sum(stats.aux + stats.z))
+
+
 def final_hidden(cfg: ModelConfig, w: Weights, rows: SequenceRows) -> jax.Array:
-    """Embedding, the scanned layers and the final norm: 'B/d L@zigzag/c M' in compute dtype."""
-    x = run_layers(cfg, rows, embed(cfg, w, rows.tokens), w.layers)
+    """Embedding, the scanned layers and the final norm: 'B/d/e L@zigzag/c M' in compute dtype."""
+    x, _ = all_layers(cfg, w, rows, embed(cfg, w, rows.tokens))
     return final_norm(cfg, w, x)
 
 
 def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array, a: Activations | None = None) -> jax.Array:
-    """'B/d L@zigzag/c M' -> logits 'B/d L@zigzag/c V/t' f32: each t shard computes the logits
+    """'B/d/e L@zigzag/c M' -> logits 'B/d/e L@zigzag/c V/t' f32: each t shard computes the logits
     of its vocab block."""
     a = a or Activations((HEAD,))
     dt = jnp.dtype(cfg.compute_dtype)
-    table = a("table", lambda: shardops.all_gather("V/t M/d/c -> V/t M", w.unembed.astype(dt)))
+    table = a("table", lambda: shardops.all_gather("V/t M/d/e/c -> V/t M", w.unembed.astype(dt)))
     return shardops.einsum_unreduced(
-        "B/d L@zigzag/c M, V/t M -> B/d L@zigzag/c V/t",
+        "B/d/e L@zigzag/c M, V/t M -> B/d/e L@zigzag/c V/t",
         nx,
         table,
         preferred_element_type=jnp.float32,
@@ -215,13 +273,13 @@ def loss_terms_and_softmax(
     logits: jax.Array, targets: jax.Array, counted: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The loss terms f32[2], and the softmax's pieces the hand-written backward reuses:
-    ``exp(logits - max)`` 'B/d L@zigzag/c V/t' and its sum over the whole vocab
-    'B/d L@zigzag/c'. ``targets`` and ``counted`` are :class:`SequenceRows`'s: each position's
+    ``exp(logits - max)`` 'B/d/e L@zigzag/c V/t' and its sum over the whole vocab
+    'B/d/e L@zigzag/c'. ``targets`` and ``counted`` are :class:`SequenceRows`'s: each position's
     next token and whether it counts (found on the whole row, before the split over c)."""
     # A stable logsumexp over the vocab split across t. The max only shifts the exponent, so it
     # needs no gradient (and pmax has none): take it of the stop-gradiented local max.
     local_max = jnp.max(logits, axis=-1)
-    shift = shardops.pmax("B/d L@zigzag/c{U_t} -> B/d L@zigzag/c", lax.stop_gradient(local_max))
+    shift = shardops.pmax("B/d/e L@zigzag/c{U_t} -> B/d/e L@zigzag/c", lax.stop_gradient(local_max))
     exp = jnp.exp(logits - shift[..., None])
     sum_exp = jnp.sum(exp, axis=-1)
     # The target's logit lives on the one t shard whose vocab block holds it; others give 0.
@@ -234,20 +292,30 @@ def loss_terms_and_softmax(
     target_logit = jnp.where(here, picked[..., 0], 0.0)
     # Both are partial over the vocab blocks: one all-reduce over t carries the pair.
     sum_exp, target_logit = shardops.psum(
-        "2 B/d L@zigzag/c{U_t} -> 2 B/d L@zigzag/c", jnp.stack([sum_exp, target_logit])
+        "2 B/d/e L@zigzag/c{U_t} -> 2 B/d/e L@zigzag/c", jnp.stack([sum_exp, target_logit])
     )
     nll = jnp.log(sum_exp) + shift - target_logit
     counted = counted.astype(jnp.float32)
     local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
     # Each (d, c) shard summed its own rows and positions of the batch: add them up.
-    return shardops.psum("2{U_d,c} -> 2", local), exp, sum_exp
+    return shardops.psum("2{U_d,e,c} -> 2", local), exp, sum_exp
+
+
+def forward_terms_and_stats(
+    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+) -> tuple[jax.Array, RouterStats | None]:
+    """The forward pass on per-device blocks 'B/d/e L/c' (inside the shard_map): (f32[2], the
+    summed loss, balancing terms included, and the positions counted; the MoE layers'
+    routing statistics, or None without experts)."""
+    rows = sequence_rows(tokens, is_seq_start)
+    x, stats = all_layers(cfg, w, rows, embed(cfg, w, rows.tokens))
+    logits = unembed(cfg, w, final_norm(cfg, w, x))
+    terms = loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
+    return with_balancing_terms(terms, stats), stats
 
 
 def forward_loss_terms(
     cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
 ) -> jax.Array:
-    """The forward pass on per-device blocks 'B/d L/c' (inside the shard_map): f32[2], the
-    summed loss and the positions counted."""
-    rows = sequence_rows(tokens, is_seq_start)
-    logits = unembed(cfg, w, final_hidden(cfg, w, rows))
-    return loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
+    """:func:`forward_terms_and_stats`'s loss terms f32[2]."""
+    return forward_terms_and_stats(cfg, w, tokens, is_seq_start)[0]

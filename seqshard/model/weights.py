@@ -1,8 +1,8 @@
 """The model's weights: each layout declared once, in its field type, and made in place.
 
 Weights at rest are fully sharded: rows (``d_model``) over d and c (FSDP groups over both:
-``d_model/d/c``), heads / ``d_ff`` / ``vocab`` over t (Megatron). Norm weights are split over
-all three, t major: ``'d_model/t/d/c'``, the same order for all three (the seed mixes ``d/t``
+``d_model/d/e/c``), heads / ``d_ff`` / ``vocab`` over t (Megatron). Norm weights are split over
+all three, t major: ``'d_model/t/d/e/c'``, the same order for all three (the seed mixes ``d/t``
 and ``t/d``).
 
 A layer's weights are its blocks' (:data:`LAYER_BLOCKS`): each block module declares its
@@ -37,7 +37,8 @@ from jax.sharding import Mesh
 from seqshard.mesh import axis_sizes, describe_sizes
 from seqshard.model.attention_block import ATTENTION, AttentionWeights
 from seqshard.model.block import Block, Weight, gain, weight, weight_info
-from seqshard.model.config import ModelConfig
+from seqshard.model.config import DIM_KEYS, ModelConfig
+from seqshard.model.moe import MOE, ExpertFfnWeights
 from seqshard.model.swiglu import SWIGLU, SwigluWeights
 from seqshard.shardlib.shardtypes import (
     Array,
@@ -50,13 +51,18 @@ from seqshard.shardlib.shardtypes import (
 
 __all__ = [
     "LAYER_BLOCKS",
+    "MOE_LAYER_BLOCKS",
+    "STACKS",
     "Layer",
+    "MoELayer",
+    "MoEWeights",
     "Weights",
     "check_mesh",
     "init_weights",
     "param_count",
     "weight_info_by_path",
     "weight_structs",
+    "weights_type",
 ]
 
 
@@ -77,9 +83,14 @@ def layer_type(name: str, *parts: type) -> type:
 
 
 LAYER_BLOCKS: tuple[Block, ...] = (ATTENTION, SWIGLU)
-"""The blocks of one layer, in the order the layer runs them."""
+"""The blocks of one (dense) layer, in the order the layer runs them."""
 
 Layer = layer_type("Layer", AttentionWeights, SwigluWeights)
+
+MOE_LAYER_BLOCKS: tuple[Block, ...] = (ATTENTION, MOE)
+"""The blocks of one mixture-of-experts layer."""
+
+MoELayer = layer_type("MoELayer", AttentionWeights, ExpertFfnWeights)
 
 
 def _fan_in(cfg: ModelConfig) -> float:
@@ -90,14 +101,42 @@ def _fan_in(cfg: ModelConfig) -> float:
 class Weights:
     """All weights; ``layers`` holds every Layer field with a leading ``layers`` dimension."""
 
-    embed: f32["vocab/t d_model/d/c"] = weight(
+    embed: f32["vocab/t d_model/d/e/c"] = weight(
         1.0, hf="model.embed_tokens.weight", layout="vocab d_model"
     )
     layers: Array["layers/p", Layer] = dataclasses.field()  # stage s of p: the s-th block
-    final_norm: f32["d_model/t/d/c"] = gain("model.norm.weight")
-    unembed: f32["vocab/t d_model/d/c"] = weight(
+    final_norm: f32["d_model/t/d/e/c"] = gain("model.norm.weight")
+    unembed: f32["vocab/t d_model/d/e/c"] = weight(
         _fan_in, hf="lm_head.weight", layout="vocab d_model"
     )
+
+
+@pytree_dataclass
+class MoEWeights:
+    """All weights of a model with experts (``model.moe.n_experts > 0``): ``layers`` the first
+    ``moe.n_dense_layers`` (dense) layers, ``moe_layers`` the rest."""
+
+    embed: f32["vocab/t d_model/d/e/c"] = weight(
+        1.0, hf="model.embed_tokens.weight", layout="vocab d_model"
+    )
+    layers: Array["layers/p", Layer] = dataclasses.field()
+    moe_layers: Array["moe_layers/p", MoELayer] = dataclasses.field()
+    final_norm: f32["d_model/t/d/e/c"] = gain("model.norm.weight")
+    unembed: f32["vocab/t d_model/d/e/c"] = weight(
+        _fan_in, hf="lm_head.weight", layout="vocab d_model"
+    )
+
+
+def weights_type(cfg: ModelConfig) -> type:
+    """The weights' dataclass of ``cfg``: :class:`Weights`, or :class:`MoEWeights` with experts."""
+    return MoEWeights if cfg.moe.enabled else Weights
+
+
+STACKS: dict[str, tuple[type, tuple[Block, ...]]] = {
+    "layers": (Layer, LAYER_BLOCKS),
+    "moe_layers": (MoELayer, MOE_LAYER_BLOCKS),
+}
+"""Each stacked field of the weights: its layer type and the blocks a layer of it runs."""
 
 
 def weight_info_by_path() -> dict[str, Weight]:
@@ -117,38 +156,50 @@ def weight_structs(cfg: ModelConfig, mesh: Mesh | None = None) -> Weights:
     """``jax.ShapeDtypeStruct`` per weight, sharded on ``mesh`` when given (orbax restore, eval_shape)."""
     if mesh is not None:
         check_mesh(cfg, dict(mesh.shape))
-    return shape_dtype_structs(Weights, cfg.dim_sizes(), mesh)
+    return shape_dtype_structs(weights_type(cfg), cfg.dim_sizes(), mesh)
 
 
 def check_mesh(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
     """Raise ValueError, before anything compiles, if a mesh of these axis sizes (e.g.
     ``{'d': 4, 't': 2}``, missing axes 1) cannot split the model's weights: a weight dimension
-    not divisible by the mesh axes its type splits it over: ``embed: 'vocab/t d_model/d/c'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
+    not divisible by the mesh axes its type splits it over: ``embed: 'vocab/t d_model/d/e/c'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
 
     Dimensions are named after config fields, so the message names the field to change."""
     sizes, mesh = cfg.dim_sizes(), axis_sizes(mesh_sizes)
     where = describe_sizes(mesh)
     leaves = jax.tree_util.tree_flatten_with_path(
-        type_tree(Weights), is_leaf=lambda x: isinstance(x, ArrayType)
+        type_tree(weights_type(cfg)), is_leaf=lambda x: isinstance(x, ArrayType)
     )[0]
+    if mesh["e"] > 1 and not cfg.moe.enabled:
+        raise ValueError(
+            f"mesh axis e={mesh['e']} splits the routed experts, but the model has none "
+            f"(model.moe.n_experts=0) on a {where} mesh. Set mesh.e=1 (use mesh.d for data "
+            f"parallelism), or give the model experts (model.moe.n_experts divisible by e)."
+        )
     for path, t in leaves:
         for dim in t.shape.dims:
             n = math.prod(mesh[a] for a in dim.axes)
             if dim.label in sizes and sizes[dim.label] % n:
                 name = jax.tree_util.keystr(path).lstrip(".")
+                key = DIM_KEYS.get(dim.label, dim.label)
                 raise ValueError(
-                    f"model.{dim.label}={sizes[dim.label]} is not divisible by mesh axis "
+                    f"model.{key}={sizes[dim.label]} is not divisible by mesh axis "
                     f"{'*'.join(dim.axes)} = {n} on a {where} mesh ({name} is {t!r}: "
-                    f"{dim.label} is split over {'/'.join(dim.axes)}). Choose model.{dim.label} "
+                    f"{dim.label} is split over {'/'.join(dim.axes)}). Choose model.{key} "
                     f"divisible by {n}, or another mesh."
                 )
 
 
 def _init_stds(cfg: ModelConfig) -> Weights:
     """The std of each weight's normal init, or "ones" for the norm gains (their declarations)."""
-    layer = Layer(**{k: w.std(cfg) for k, w in weight_info(Layer).items()})
-    outer = {k: w.std(cfg) for k, w in weight_info(Weights).items()}
-    return Weights(layers=layer, **outer)
+    cls = weights_type(cfg)
+    stacks = {
+        name: layer(**{k: w.std(cfg) for k, w in weight_info(layer).items()})
+        for name, (layer, _) in STACKS.items()
+        if name in {f.name for f in dataclasses.fields(cls)}
+    }
+    outer = {k: w.std(cfg) for k, w in weight_info(cls).items()}
+    return cls(**stacks, **outer)
 
 
 def init_weights(cfg: ModelConfig, mesh: Mesh, key: jax.Array) -> Weights:

@@ -1,9 +1,9 @@
 """The mesh axes seqshard knows: one table of each axis's name, meaning and link.
 
-    MESH_AXES   p d c t, outermost first (the order of a mesh's devices)
+    MESH_AXES   p d e c t, outermost first (the order of a mesh's devices)
     link        'outer': spans the machine, across its slower links (p, d: their transfers can
                 wait behind compute); 'inner': kept inside one fast domain, a node's NVLink or a
-                slice's ICI (c, t: their transfers sit on each layer's critical path)
+                slice's ICI (e, c, t: their transfers sit on each layer's critical path)
 
 Every consumer reads this table: spec parsing and the typed shard_map (an axis a mesh lacks has
 size 1), the meshes seqshard builds (:mod:`seqshard.mesh`), the config's ``mesh`` section
@@ -37,6 +37,12 @@ MESH_AXES: tuple[MeshAxis, ...] = (
         "outer",
     ),
     MeshAxis("d", "data / FSDP: batch rows, and weight rows (d_model) at rest", "outer"),
+    MeshAxis(
+        "e",
+        "expert: routed experts (experts/e); elsewhere data parallelism, batch rows and weight "
+        "rows as d",
+        "inner",
+    ),
     MeshAxis(
         "c", "context: the sequence, in zigzag order (L@zigzag/c); weight rows as d", "inner"
     ),

@@ -113,21 +113,21 @@ def reference_loss_and_grads(cfg: ModelConfig):
 # ---------------------------------------------------------------------------------------------
 # One layer
 
-# The layer-level tests declare the residual 'B/d L M/t' in their types; the default 'B/d L/t M'
+# The layer-level tests declare the residual 'B/d/e L M/t' in their types; the default 'B/d/e L/t M'
 # (model.residual=L/t) is checked through the whole model below.
 LAYER_CFG = dataclasses.replace(CFG, residual="M/t")
 
 LayerOut = tuple[
-    f32[b"B/d L@zigzag/c M/t"], f32[b"B/d L@zigzag/c M/t"], Layer
+    f32[b"B/d/e L@zigzag/c M/t"], f32[b"B/d/e L@zigzag/c M/t"], Layer
 ]  # output, dL/dx, dL/dweights
 Marked = tuple[  # what _layer marks with save_for_backward: q, k, v, attn, h, gate, up
-    f32[b"B/d L@zigzag/c Q K/t D"],
-    f32[b"B/d L@zigzag/c K/t D"],
-    f32[b"B/d L@zigzag/c K/t D"],
-    f32[b"B/d L@zigzag/c Q K/t D"],
-    f32[b"B/d L@zigzag/c M/t"],
-    f32[b"B/d L@zigzag/c F/t"],
-    f32[b"B/d L@zigzag/c F/t"],
+    f32[b"B/d/e L@zigzag/c Q K/t D"],
+    f32[b"B/d/e L@zigzag/c K/t D"],
+    f32[b"B/d/e L@zigzag/c K/t D"],
+    f32[b"B/d/e L@zigzag/c Q K/t D"],
+    f32[b"B/d/e L@zigzag/c M/t"],
+    f32[b"B/d/e L@zigzag/c F/t"],
+    f32[b"B/d/e L@zigzag/c F/t"],
 ]
 
 
@@ -143,9 +143,9 @@ def test_layer_backward_equals_vjp_of_the_layer():
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_autodiff(
         w: Layer,
-        x: f32[b"B/d L@zigzag/c M/t"],
-        d_out: f32[b"B/d L@zigzag/c M/t"],
-        is_seq_start: bool_[b"B/d L/c"],
+        x: f32[b"B/d/e L@zigzag/c M/t"],
+        d_out: f32[b"B/d/e L@zigzag/c M/t"],
+        is_seq_start: bool_[b"B/d/e L/c"],
     ) -> LayerOut:
         rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
         rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
@@ -157,9 +157,9 @@ def test_layer_backward_equals_vjp_of_the_layer():
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_hand(
         w: Layer,
-        x: f32[b"B/d L@zigzag/c M/t"],
-        d_out: f32[b"B/d L@zigzag/c M/t"],
-        is_seq_start: bool_[b"B/d L/c"],
+        x: f32[b"B/d/e L@zigzag/c M/t"],
+        d_out: f32[b"B/d/e L@zigzag/c M/t"],
+        is_seq_start: bool_[b"B/d/e L/c"],
     ) -> LayerOut:
         rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
         rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
@@ -202,7 +202,7 @@ def test_saved_keeps_exactly_what_the_forward_marks(monkeypatch):
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def both(
-        w: Layer, x: f32[b"B/d L@zigzag/c M/t"], is_seq_start: bool_[b"B/d L/c"]
+        w: Layer, x: f32[b"B/d/e L@zigzag/c M/t"], is_seq_start: bool_[b"B/d/e L/c"]
     ) -> tuple[Marked, Marked]:
         rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
         rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
@@ -283,7 +283,7 @@ def test_bf16_gradients_equal_autodiff_loosely():
     of each leaf's largest entry (each within 2.5% and 3.1% of the f32 reference, autodiff's
     the larger). The losses are the same math, but XLA may keep f32 where the program casts to
     bf16 (its allow_excess_precision), and each program fuses differently: identical with the
-    residual 'B/d L M/t', 1.8e-4 apart with 'B/d L/t M' (the default), within bf16 rounding."""
+    residual 'B/d/e L M/t', 1.8e-4 apart with 'B/d/e L/t M' (the default), within bf16 rounding."""
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
     loss, grads = sharded_loss_and_grads(cfg, (2, 4))
     ref_loss, ref_grads = sharded_loss_and_grads(
@@ -401,7 +401,7 @@ def assert_no_more_collectives(explicit, autodiff) -> None:
 # Temp memory depends on XLA:CPU's scheduling and heap packing as much as on what is kept, so
 # it is compared where activations dominate: the tiny model on 16 rows of the main job's 128
 # tokens, mesh 2x4. Measured (explicit / autodiff temp_size_in_bytes, attention probabilities
-# 'B/d K/t Q Qlen Klen' in both): saved 0.787, full 0.764, none 0.817. At 64 tokens saved is
+# 'B/d/e K/t Q Qlen Klen' in both): saved 0.787, full 0.764, none 0.817. At 64 tokens saved is
 # 1.003 and full 1.071, at 32 tokens 1.029 and 1.114 (none 0.78-0.81 throughout): where the
 # activations are smaller than the weights' and heap's share, XLA packs the hand-written
 # backward's working set slightly worse. On the benchmark's model (scripts/bench_step.py,

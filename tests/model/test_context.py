@@ -1,5 +1,5 @@
 """Tests of the sequence split over the context axis c (seqshard/model/context.py and the model
-in the 'B/d L@zigzag/c' layout).
+in the 'B/d/e L@zigzag/c' layout).
 
     values       loss, logits and gradients equal the single-device reference on meshes
                  (d, c, t) = (1, 8, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2), for model.context_impl
@@ -192,7 +192,7 @@ def compiled(cfg: Config) -> tuple[str, list]:
 
 def _activation_calls(found, kind: str, phase: str | None = None) -> int:
     """Calls per step of ``kind`` over c alone of float activations (k, v: a sequence
-    dimension and heads; the gathered ids 'B/d L' are int32 and bool)."""
+    dimension and heads; the gathered ids 'B/d/e L' are int32 and bool)."""
     return sum(
         c.calls_per_step
         for c in found
@@ -220,7 +220,7 @@ def test_ring_passes_k_and_v_around_c_and_never_gathers_them():
     per_layer = sum(x.calls_per_step for x in permutes) / 2
     # Forward: k and v, c - 1 times each; backward: k and v c - 1 times, dk and dv c times.
     assert per_layer == 2 * (c - 1) + 2 * (c - 1) + 2 * c
-    assert _activation_calls(found, "all-gather") == 0  # only the ids 'B/d L/c' are gathered
+    assert _activation_calls(found, "all-gather") == 0  # only the ids 'B/d/e L/c' are gathered
 
 
 @pytest.mark.parametrize("impl", ["allgather", "ring"])

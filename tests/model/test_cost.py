@@ -325,7 +325,7 @@ def test_recompute_per_policy(remat, recomputed):
 
 
 def test_per_device_and_per_run():
-    """Each row is split over the mesh axes of its spec: the norms of the gathered 'B/d L M'
+    """Each row is split over the mesh axes of its spec: the norms of the gathered 'B/d/e L M'
     run whole on every t shard; the matmuls split over d and t."""
     cfg = _cfg(n_kv=4, n_layers=3)
     table = step_flops(cfg, batch=4, seq_len=16)
@@ -334,7 +334,7 @@ def test_per_device_and_per_run():
     assert dev["attn_norm"].forward * 2 == table["attn_norm"].forward
     assert table["q"].split_axes == ("d", "t") and table["scores"].split_axes == ("d", "t")
     assert dev["q"].backward * 8 == table["q"].backward
-    assert dev["attn_residual"].forward * 8 == table["attn_residual"].forward  # 'B/d L M/t'
+    assert dev["attn_residual"].forward * 8 == table["attn_residual"].forward  # 'B/d/e L M/t'
     assert dev["optimizer"].update * 8 == table["optimizer"].update
     assert table.per_device({"d": 1, "t": 1}) == table
     one = table.per_run()

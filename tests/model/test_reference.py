@@ -183,7 +183,7 @@ def test_bench_baseline_equals_reference():
 
 def test_bench_gspmd_act_step_first_loss_equals_reference():
     """The gspmd-act variant's jitted train step (make_gspmd_step, as the benchmark builds it;
-    the residual constrained to 'B/d L M') reports the reference's loss of its start weights."""
+    the residual constrained to 'B/d/e L M') reports the reference's loss of its start weights."""
     cfg = Config(
         model=CFG,
         mesh=MeshConfig(**MESH),

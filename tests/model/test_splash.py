@@ -70,11 +70,11 @@ def attend_fn(impl: str, mode: str, shape: tuple[int, int]):
 
     @functools.partial(typed_shard_map, mesh=mesh_of(shape))
     def attend(
-        q: f32[b"B/d L@zigzag/c Q K/t D"],
-        k: f32[b"B/d L@zigzag K/t D"],
-        v: f32[b"B/d L@zigzag K/t D"],
-        starts: bool_[b"B/d L"],
-    ) -> f32[b"B/d L@zigzag/c Q K/t D"]:
+        q: f32[b"B/d/e L@zigzag/c Q K/t D"],
+        k: f32[b"B/d/e L@zigzag K/t D"],
+        v: f32[b"B/d/e L@zigzag K/t D"],
+        starts: bool_[b"B/d/e L"],
+    ) -> f32[b"B/d/e L@zigzag/c Q K/t D"]:
         mask = attention_mask(starts, mode, impl)
         return attention(q, k, v, mask, impl, causal_only=mode == "causal")
 
@@ -140,10 +140,10 @@ def test_dense_mask_falls_back_to_einsum():
 
     @functools.partial(typed_shard_map, mesh=mesh_of((1, 1)))
     def both(
-        q: f32[b"B/d L@zigzag/c Q K/t D"],
-        k: f32[b"B/d L@zigzag K/t D"],
-        v: f32[b"B/d L@zigzag K/t D"],
-    ) -> f32[b"2 B/d L@zigzag/c Q K/t D"]:
+        q: f32[b"B/d/e L@zigzag/c Q K/t D"],
+        k: f32[b"B/d/e L@zigzag K/t D"],
+        v: f32[b"B/d/e L@zigzag K/t D"],
+    ) -> f32[b"2 B/d/e L@zigzag/c Q K/t D"]:
         return jnp.stack([attention(q, k, v, dense, impl, False) for impl in ("splash", "einsum")])
 
     splash_out, einsum_out = np.asarray(both(Q, K, V))

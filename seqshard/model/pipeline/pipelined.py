@@ -8,10 +8,10 @@ restores convert) and one call runs the local batch as
 ``train.microbatches`` microbatches through the stages, in the ticks of
 :mod:`seqshard.model.pipeline.schedule`, inside the model's one shard_map (per device)::
 
-    rows = sequence_rows(tokens)                      'B/d L@zigzag/c', every stage
+    rows = sequence_rows(tokens)                      'B/d/e L@zigzag/c', every stage
     xs = embed(rows.tokens) as 'm b ...'              the residual, read on stage 0
     ys = circular_forward(stage, layers, xs)          stage s: run_layers on its block, then
-                                                      ring_shift('S/p B/d L@zigzag/c/t M', ., 'p')
+                                                      ring_shift('S/p B/d/e L@zigzag/c/t M', ., 'p')
     terms = head(ys) on stage p-1; psum('2{U_p} -> 2')   f32[2]: loss sum, positions counted
 
 Microbatch i is local rows i, i + m, i + 2m, ...: the rows ``split_microbatches`` gives
@@ -20,7 +20,7 @@ gradient accumulation (which runs at p = 1), so both sum the same terms.
 **Where the embedding and the head sit.** ``embed``, ``final_norm`` and ``unembed`` name no p
 in their types: they rest replicated over p (each stage a copy, still split over d, c and t).
 Stage 0 embeds, stage p-1 runs the norm, the unembedding and the loss; their gradients, made on
-one stage, are summed over p once per step (``psum('V/t M/d/c{U_p} -> V/t M/d/c')`` and the
+one stage, are summed over p once per step (``psum('V/t M/d/e/c{U_p} -> V/t M/d/e/c')`` and the
 norm's, written out in both schedules). They are small next to L/p layers per stage, and
 splitting them over p would gather them across the pipeline's (slow) links every step.
 
@@ -108,7 +108,7 @@ def _on_last_stage_summed(terms: jax.Array) -> jax.Array:
 def pipelined_loss_terms(
     cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
 ) -> jax.Array:
-    """The loss terms f32[2] of per-device blocks 'B/d L/c', pipelined over p (inside the
+    """The loss terms f32[2] of per-device blocks 'B/d/e L/c', pipelined over p (inside the
     model's shard_map; :func:`~seqshard.model.transformer.forward_loss_terms`'s value)."""
     if pipe.schedule == "1f1b":
         return _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start)
@@ -166,7 +166,7 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     return _on_last_stage_summed(jnp.sum(cotangent_after(terms), axis=0))
 
 
-_TABLE, _GAIN = "V/t M/d/c", "M/t/d/c"  # the replicated weights' per-device layouts
+_TABLE, _GAIN = "V/t M/d/e/c", "M/t/d/e/c"  # the replicated weights' per-device layouts
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -219,7 +219,7 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, i
     loss, d_layers, d_head, d_xs = one_f_one_b(stage, head_loss, w.layers, head, xs)
     (d_embed,) = embed_vjp(d_xs)
     count = jnp.sum(micro.counted.astype(jnp.float32))
-    count = shardops.psum("1{U_d,c} -> 1", count[None])[0]
+    count = shardops.psum("1{U_d,e,c} -> 1", count[None])[0]
     loss = _on_last_stage_summed(jnp.stack([loss, 0.0]))[0]
     grads = Weights(
         # Made on one stage (zeros on the others): summed over p, as the replicated weights' are.

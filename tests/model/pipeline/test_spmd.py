@@ -196,10 +196,10 @@ def test_the_models_layers_pipeline_over_p_with_fsdp_and_tensor_parallel_inside(
     @functools.partial(typed_shard_map, mesh=mesh)
     def loss(
         ws: Array["layers/p", Layer],
-        xs: f32["Mb B/d L@zigzag/c/t M"],
-        probe: f32["Mb B/d L@zigzag/c/t M"],
-        tokens: i32["Mb B/d L/c"],
-        starts: bool_["Mb B/d L/c"],
+        xs: f32["Mb B/d/e L@zigzag/c/t M"],
+        probe: f32["Mb B/d/e L@zigzag/c/t M"],
+        tokens: i32["Mb B/d/e L/c"],
+        starts: bool_["Mb B/d/e L/c"],
     ) -> f32["1"]:
         def stage(block, x, i):
             row = sequence_rows(tokens[i], starts[i])
