@@ -176,7 +176,7 @@ def make_plain_step(cfg: Config, mesh, opt: optax.GradientTransformation):
 
     def step(state, batch: TokenBatch):
         weights, opt_state = state
-        grads, loss, _ = grads_and_loss(weights, batch, cfg, mesh, loss_terms)
+        grads, loss, _, _ = grads_and_loss(weights, batch, cfg, mesh, loss_terms)
         updates, opt_state = opt.update(grads, opt_state, weights)
         return (optax.apply_updates(weights, updates), opt_state), loss
 

@@ -11,7 +11,7 @@ import optax
 
 from seqshard.config import TrainConfig
 from seqshard.model.block import weight_info
-from seqshard.model.weights import Layer, Weights
+from seqshard.model.weights import STACKS, Weights
 
 __all__ = ["decay_mask", "lr_schedule", "make_optimizer"]
 
@@ -41,10 +41,15 @@ def lr_schedule(train_cfg: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(weights: Weights) -> Weights:
-    """True where weight decay applies: each weight's declared ``decay``."""
-    del weights  # the mask is the declarations'; optax passes the tree it masks
-    layer = Layer(**{name: w.decay for name, w in weight_info(Layer).items()})
-    return Weights(layers=layer, **{name: w.decay for name, w in weight_info(Weights).items()})
+    """True where weight decay applies: each weight's declared ``decay`` (the tree of the
+    weights given: :class:`Weights`, or :class:`MoEWeights` with experts)."""
+    cls = type(weights)
+    stacks = {
+        name: layer(**{field: w.decay for field, w in weight_info(layer).items()})
+        for name, (layer, _) in STACKS.items()
+        if hasattr(weights, name)
+    }
+    return cls(**stacks, **{name: w.decay for name, w in weight_info(cls).items()})
 
 
 def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:

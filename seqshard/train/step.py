@@ -11,8 +11,10 @@ Microbatch m takes rows m, m+k, m+2k, ... of the global batch, so every device's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,8 @@ from jax.sharding import Mesh
 
 from seqshard.batch import TokenBatch, split_microbatches
 from seqshard.config import Config
-from seqshard.model.sharded import batch_loss_terms
+from seqshard.model.moe import RouterStats
+from seqshard.model.sharded import batch_loss_terms, batch_terms_and_stats
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.shardtypes import shardings
@@ -38,8 +41,9 @@ from seqshard.train.state import (
 __all__ = ["LossTerms", "grads_and_loss", "make_eval_step", "make_train_step"]
 
 
-LossTerms = Callable[[Weights, TokenBatch], jax.Array]
-"""``(weights, batch) -> f32[2]``: the summed next-token loss and the positions counted."""
+LossTerms = Callable[[Weights, TokenBatch], Any]
+"""``(weights, batch) -> f32[2]``: the summed next-token loss and the positions counted; or
+``(f32[2], RouterStats | None)``, with the MoE layers' routing statistics."""
 
 
 def grads_and_loss(
@@ -48,42 +52,84 @@ def grads_and_loss(
     cfg: Config,
     mesh: Mesh,
     loss_terms: LossTerms | None = None,
-) -> tuple[Weights, jax.Array, jax.Array]:
-    """(mean gradient, mean loss, positions counted) over ``train.microbatches`` slices.
+) -> tuple[Weights, jax.Array, jax.Array, RouterStats | None]:
+    """(mean gradient, mean loss, positions counted, the MoE layers' routing statistics or
+    None) over ``train.microbatches`` slices.
 
-    ``loss_terms`` defaults to the sharded model's :func:`batch_loss_terms`. On a mesh with
-    p > 1 the microbatches are the pipeline's: one call runs them all through the stages
-    (``train.pipeline_schedule``), so nothing is accumulated here."""
+    ``loss_terms`` defaults to the sharded model's (:func:`batch_terms_and_stats`). On a mesh
+    with p > 1 the microbatches are the pipeline's: one call runs them all through the
+    stages (``train.pipeline_schedule``), so nothing is accumulated here. The statistics add
+    up over microbatches (loads, drops, tokens); the balancing terms are their mean."""
     pipelined = mesh.shape.get("p", 1) > 1
     k = 1 if pipelined else cfg.train.microbatches
     if loss_terms is None:
         loss_terms = functools.partial(
-            batch_loss_terms, cfg=cfg.model, mesh=mesh, pipeline=cfg.train.pipeline()
+            batch_terms_and_stats, cfg=cfg.model, mesh=mesh, pipeline=cfg.train.pipeline()
         )
 
     def summed(w, b):
-        total, count = loss_terms(w, b)
-        return total, count  # differentiate the sum; carry the count along
+        out = loss_terms(w, b)
+        (total, count), stats = out if isinstance(out, tuple) else (out, None)
+        return total, (count, stats)  # differentiate the sum; carry the rest along
 
     grad_of_sum = jax.value_and_grad(summed, has_aux=True)
     if k == 1:
-        (total, count), grads = grad_of_sum(weights, batch)
+        (total, (count, stats)), grads = grad_of_sum(weights, batch)
     else:
 
         def accumulate(acc, micro: TokenBatch):
-            (total, count), grads = grad_of_sum(weights, micro)
-            acc_total, acc_count, acc_grads = acc
-            return (
-                acc_total + total,
-                acc_count + count,
-                jax.tree.map(jnp.add, acc_grads, grads),
-            ), None
+            (total, (count, stats)), grads = grad_of_sum(weights, micro)
+            return jax.tree.map(jnp.add, acc, (total, count, grads, stats)), None
 
-        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, weights))
+        (_, (_, shapes)), _ = jax.eval_shape(grad_of_sum, weights, batch)
+        zeros = jax.tree.map(
+            lambda x: jnp.zeros(x.shape, x.dtype),
+            (jnp.zeros(()), jnp.zeros(()), weights, shapes),
+        )
         micro = split_microbatches(batch, k, mesh)
-        (total, count, grads), _ = collective_log.scan("microbatches", accumulate, zeros, micro)
+        (total, count, grads, stats), _ = collective_log.scan(
+            "microbatches", accumulate, zeros, micro
+        )
+        if stats is not None:  # the balancing terms: each microbatch's, their mean
+            stats = dataclasses.replace(stats, aux=stats.aux / k, z=stats.z / k)
     count = jnp.maximum(count, 1.0)
-    return jax.tree.map(lambda g: g / count, grads), total / count, count
+    return jax.tree.map(lambda g: g / count, grads), total / count, count, stats
+
+
+def moe_metrics(cfg: Config, stats: RouterStats, weights) -> dict[str, jax.Array]:
+    """The MoE layers' figures for the log: per layer the expert load's max over its mean
+    (1: balanced) and each expert's share of the layer's token copies (``seqshard plot``
+    draws them as a heatmap), the dropped fraction, the aux and z losses, and the router
+    bias's range (max - min over experts and layers)."""
+    moe = cfg.model.moe
+    copies = stats.tokens * moe.top_k  # [layers]
+    share = stats.load / copies[:, None]
+    out = {
+        "moe_aux_loss": jnp.sum(stats.aux),
+        "moe_z_loss": jnp.sum(stats.z),
+        "moe_dropped_fraction": jnp.sum(stats.dropped) / jnp.sum(copies),
+        "moe_bias_range": jnp.max(weights.moe_layers.router_bias)
+        - jnp.min(weights.moe_layers.router_bias),
+    }
+    first = cfg.model.dim_sizes()["layers"]
+    for i in range(stats.load.shape[0]):
+        out[f"moe_load_max_over_mean/{first + i}"] = jnp.max(share[i]) * moe.n_experts
+        for j in range(moe.n_experts):
+            out[f"moe_load/{first + i}/{j}"] = share[i, j]
+    return out
+
+
+def balanced_bias(cfg: Config, weights, stats: RouterStats):
+    """The weights with each MoE layer's router bias moved by ``moe.bias_rate`` towards
+    balance (DeepSeek-V3): up for the experts loaded below the layer's mean, down above it,
+    from the whole step's load (every microbatch, every device)."""
+    rate = cfg.model.moe.bias_rate
+    load = stats.load
+    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    layers = dataclasses.replace(
+        weights.moe_layers, router_bias=weights.moe_layers.router_bias + step
+    )
+    return dataclasses.replace(weights, moe_layers=layers)
 
 
 def make_train_step(
@@ -96,10 +142,12 @@ def make_train_step(
     state_shardings = shardings_of(train_state_structs(cfg.model, mesh, opt))
 
     def step(state: TrainState, batch: TokenBatch):
-        grads, loss, count = grads_and_loss(state.weights, batch, cfg, mesh, loss_terms)
+        grads, loss, count, stats = grads_and_loss(state.weights, batch, cfg, mesh, loss_terms)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.weights)
         weights = optax.apply_updates(state.weights, updates)
+        if stats is not None and cfg.model.moe.balance == "bias":
+            weights = balanced_bias(cfg, weights, stats)
         # A step whose loss or gradient norm is not finite, or whose gradient is zero, applies
         # no update: the state stays as it was, on device, and the guard records the step for
         # the loop to act on.
@@ -112,6 +160,8 @@ def make_train_step(
             "lr": schedule(state.step),
             "tokens_counted": count,
         }
+        if stats is not None:
+            metrics.update(moe_metrics(cfg, stats, weights))
         new_state = TrainState(
             step=state.step + 1,
             weights=keep(weights, state.weights),
