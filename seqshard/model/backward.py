@@ -83,6 +83,7 @@ is cast to f32, the weights' dtype. In f32 the gradients equal autodiff's to rou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -92,23 +93,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqshard.model import attention_block, moe
 from seqshard.model.attention import apply_rope, attention_vjp, resolve_impl
 from seqshard.model.block import Activations as BlockActivations
 from seqshard.model.block import kept
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, ring_backward, sequence_rows
+from seqshard.model.moe import ExpertFfnWeights, RouterStats
 from seqshard.model.transformer import (
     HEAD,
     embed,
     final_norm,
-    forward_loss_terms,
+    forward_terms_and_stats,
     layer_forward,
     loss_terms_and_softmax,
+    moe_layer_forward,
     rope_and_mask,
     run_layers,
     unembed,
+    with_balancing_terms,
 )
-from seqshard.model.weights import LAYER_BLOCKS, Layer, Weights
+from seqshard.model.weights import LAYER_BLOCKS, MOE_LAYER_BLOCKS, Layer, MoELayer, Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
@@ -118,12 +123,16 @@ __all__ = [
     "attention_backward",
     "embed_backward",
     "explicit_loss_terms",
+    "explicit_terms_and_stats",
     "explicit_run_layers",
     "head_backward",
     "head_forward",
     "kept_activations",
     "layer_activations",
     "layer_backward",
+    "moe_layer_backward",
+    "swiglu_backward",
+    "attention_half_backward",
     "norm_backward",
     "projections_backward",
     "rms_norm_backward",
@@ -314,20 +323,13 @@ def projections_backward(
     return d_x, d_ws
 
 
-def layer_backward(
-    cfg: ModelConfig,
-    rows: SequenceRows,
-    rope,
-    mask: jax.Array | None,
-    a: Activations,
-    d_out: jax.Array,
-) -> tuple[jax.Array, Layer]:
-    """dL/dx (a residual) and the layer's weight gradients (a :class:`Layer`, each field in its
-    own sharded layout, f32), from the layer's activations and dL/d(output) ``d_out``."""
+def swiglu_backward(
+    cfg: ModelConfig, a: Activations, d_out: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The SwiGLU block's backward: dL/dh (a residual) and its weights' gradients (f32, in
+    their layouts), from its activations and dL/d(output) ``d_out``."""
     f32 = jnp.float32
-    cos, sin = rope
-
-    # --- FFN: out = h + psum_scatter(swiglu(nh) . w_down) ---------------------------------
+    # --- out = h + psum_scatter(swiglu(nh) . w_down) --------------------------------------
     # The forward reduce-scattered the down projection over t; its transpose gathers the
     # gradient over t, so each t shard has all of M against its slice of F.
     with part("down"):
@@ -356,9 +358,28 @@ def layer_backward(
     # d_nh still owes the sum over the F/t shards.
     with part("ffn_norm"):
         d_gh, d_ln2 = norm_backward(cfg, a["gh"], a["ln2"], d_nh)
-    d_h = d_out + d_gh
+    grads = {
+        "ln2": d_ln2,
+        "w_gate": d_w_gate.astype(f32),
+        "w_up": d_w_up.astype(f32),
+        "w_down": d_w_down.astype(f32),
+    }
+    return d_out + d_gh, grads
 
-    # --- attention: h = x + psum_scatter(attn . w_o) -------------------------------------
+
+def attention_half_backward(
+    cfg: ModelConfig,
+    rows: SequenceRows,
+    rope,
+    mask: jax.Array | None,
+    a: Activations,
+    d_h: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The attention block's backward: dL/dx (a residual) and its weights' gradients (f32, in
+    their layouts), from its activations and dL/dh ``d_h``."""
+    f32 = jnp.float32
+    cos, sin = rope
+    # --- h = x + psum_scatter(attn . w_o) --------------------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
     with part("o"):
         g = shardops.all_gather(f"{cfg.residual_spec} -> B/d/e L@zigzag/c M", d_h)
@@ -385,19 +406,65 @@ def layer_backward(
     # d_nx owes the sum over the K/t shards (heads).
     with part("attn_norm"):
         d_gx, d_ln1 = norm_backward(cfg, a["gx"], a["ln1"], d_nx)
-    d_x = d_h + d_gx
+    grads = {
+        "ln1": d_ln1,
+        "w_q": d_w_q.astype(f32),
+        "w_kv": d_w_kv.astype(f32),
+        "w_o": d_w_o.astype(f32),
+    }
+    return d_h + d_gx, grads
 
-    grads = Layer(
-        ln1=d_ln1,
-        w_q=d_w_q.astype(f32),
-        w_kv=d_w_kv.astype(f32),
-        w_o=d_w_o.astype(f32),
-        ln2=d_ln2,
-        w_gate=d_w_gate.astype(f32),
-        w_up=d_w_up.astype(f32),
-        w_down=d_w_down.astype(f32),
-    )
-    return d_x, grads
+
+def layer_backward(
+    cfg: ModelConfig,
+    rows: SequenceRows,
+    rope,
+    mask: jax.Array | None,
+    a: Activations,
+    d_out: jax.Array,
+) -> tuple[jax.Array, Layer]:
+    """dL/dx (a residual) and the layer's weight gradients (a :class:`Layer`, each field in its
+    own sharded layout, f32), from the layer's activations and dL/d(output) ``d_out``: the
+    SwiGLU block's backward, then the attention block's."""
+    d_h, ffn = swiglu_backward(cfg, a, d_out)
+    d_x, attention = attention_half_backward(cfg, rows, rope, mask, a, d_h)
+    return d_x, Layer(**attention, **ffn)
+
+
+def moe_layer_backward(
+    cfg: ModelConfig,
+    rows: SequenceRows,
+    rope,
+    mask: jax.Array | None,
+    w: MoELayer,
+    a: Activations,
+    d_out: jax.Array,
+    d_balancing: jax.Array,
+) -> tuple[jax.Array, MoELayer]:
+    """dL/dx and the MoE layer's gradients. Its FFN (the routing, the exchanges over e and the
+    grouped matmuls) is differentiated by ``jax.vjp`` from its input h: its forward re-runs
+    there (logged as recomputed, with the transposes of its collectives as the backward's:
+    :func:`seqshard.shardlib.collective_log.vjp_in_backward`); ``d_balancing`` is dL/d(the
+    layer's aux + z terms). Then the attention block's hand-written backward."""
+    ffn_fields = [f.name for f in dataclasses.fields(ExpertFfnWeights)]
+
+    def ffn(h, w_ffn):
+        moe_w = dataclasses.replace(w, **w_ffn)
+        out, stats = moe.moe_ffn(cfg, moe_w, BlockActivations(MOE_LAYER_BLOCKS, {"h": h}))
+        return out, stats.aux + stats.z
+
+    with (
+        jax.named_scope(_RECOMPUTE),
+        collective_log.phase("recompute"),
+        collective_log.vjp_in_backward(),
+    ):
+        _, pullback = jax.vjp(ffn, a["h"], {name: getattr(w, name) for name in ffn_fields})
+    with collective_log.vjp_in_backward():
+        d_h, d_ffn = pullback((d_out, d_balancing))
+    # The router bias is no trained weight: the forward reads it without a gradient.
+    d_x, attention = attention_half_backward(cfg, rows, rope, mask, a, d_h)
+    d_ffn = {k: v.astype(jnp.float32) for k, v in d_ffn.items()}
+    return d_x, MoELayer(**attention, **d_ffn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,6 +547,15 @@ def explicit_loss_terms(
 ) -> jax.Array:
     """:func:`~seqshard.model.transformer.forward_loss_terms` (per-device blocks in, f32[2]
     out), whose gradient is the hand-written backward pass of this module."""
+    return explicit_terms_and_stats(cfg, w, tokens, is_seq_start)[0]
+
+
+def explicit_terms_and_stats(
+    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+) -> tuple[jax.Array, RouterStats | None]:
+    """:func:`~seqshard.model.transformer.forward_terms_and_stats`, whose gradient is the
+    hand-written backward pass of this module (the MoE layers' FFN differentiated by
+    ``jax.vjp`` inside it: :func:`moe_layer_backward`)."""
     axes = block_axes()
     if axes is None:
         raise ValueError(
@@ -494,7 +570,7 @@ def explicit_loss_terms(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start):
     # Not differentiated (eval): the model's forward pass itself.
-    return forward_loss_terms(cfg, w, tokens, is_seq_start)
+    return forward_terms_and_stats(cfg, w, tokens, is_seq_start)
 
 
 def _layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer):
@@ -509,6 +585,22 @@ def _layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: 
         return out, {name: a[name] for name in keep}
 
     return collective_log.scan("layers", layer, x, layers)
+
+
+def _moe_layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: MoELayer):
+    """The residual through the MoE stack: (the output, per layer what ``cfg.remat`` keeps of
+    its attention block (its FFN keeps nothing: its backward re-runs it), per layer its
+    routing statistics)."""
+    keep = kept(MOE_LAYER_BLOCKS, cfg, shardops.axis_size("c"))
+    rope, mask = rope_and_mask(cfg, rows)
+
+    def layer(x, w_layer):
+        a = BlockActivations(MOE_LAYER_BLOCKS, {"x": x}, explicit=True)
+        out, stats = moe_layer_forward(cfg, rows, rope, mask, w_layer, a)
+        return out, ({name: a[name] for name in keep}, stats)
+
+    x, (kept_values, stats) = collective_log.scan("moe_layers", layer, x, layers)
+    return x, kept_values, stats
 
 
 def _layers_backward(cfg: ModelConfig, rows: SequenceRows, layers: Layer, kept, d_out: jax.Array):
@@ -527,27 +619,60 @@ def _layers_backward(cfg: ModelConfig, rows: SequenceRows, layers: Layer, kept, 
     return collective_log.scan("layers", layer, d_out, (layers, kept), reverse=True)
 
 
+def _moe_layers_backward(cfg, rows, layers: MoELayer, kept, d_out: jax.Array, d_balancing):
+    """The MoE stack in reverse: (dL/d(its input), its layers' gradients)."""
+    rope, mask = rope_and_mask(cfg, rows)
+
+    def layer(d_out, w_and_kept):
+        w_layer, kept_layer = w_and_kept
+        with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
+            a = BlockActivations(MOE_LAYER_BLOCKS, kept_layer, explicit=True, only_needed=True)
+            attention_block.attention_inputs(cfg, w_layer, a, rope)
+            attention_block.attention_core(cfg, a, rows, mask)
+            attention_block.attention_output(cfg, w_layer, a)
+        return moe_layer_backward(cfg, rows, rope, mask, w_layer, a, d_out, d_balancing)
+
+    return collective_log.scan("moe_layers", layer, d_out, (layers, kept), reverse=True)
+
+
 def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start: jax.Array):
-    """The forward pass for differentiation: the loss terms and what the backward reads."""
+    """The forward pass for differentiation: the loss terms, the MoE layers' statistics, and
+    what the backward reads."""
+    sizes = cfg.dim_sizes()
     with collective_log.hand_differentiated():  # _backward logs its own collectives
         rows = sequence_rows(tokens, is_seq_start)
-        x, kept = _layers_keeping(cfg, rows, embed(cfg, w, rows.tokens), w.layers)
+        x = embed(cfg, w, rows.tokens)
+        kept_layers = kept_moe = stats = None
+        if sizes["layers"]:
+            x, kept_layers = _layers_keeping(cfg, rows, x, w.layers)
+        if cfg.moe.enabled:
+            x, kept_moe, stats = _moe_layers_keeping(cfg, rows, x, w.moe_layers)
         terms, head = head_forward(cfg, w, x, rows)
+        terms = with_balancing_terms(terms, stats)
     # The weights are kept as they are (FSDP shards): the backward gathers them again.
-    return terms, (w, rows, kept, head)
+    return (terms, stats), (w, rows, kept_layers, kept_moe, head, terms[1])
 
 
-def _backward(cfg: ModelConfig, axes, residuals, d_terms: jax.Array):
+def _backward(cfg: ModelConfig, axes, residuals, cotangents):
     """The backward pass: Weights of gradients in their own layouts; ids get none."""
-    w, rows, kept, head = residuals
+    w, rows, kept_layers, kept_moe, head, count = residuals
+    d_total = cotangents[0][0]
     sizes, manual = axes
+    grads = {}
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
     with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
-        d_x, d_final_norm, d_unembed = head_backward(cfg, head, rows, d_terms[0])
-        d_x, d_layers = _layers_backward(cfg, rows, w.layers, kept, d_x)
-        d_embed = embed_backward(cfg, rows.tokens, d_x)
-    grads = Weights(embed=d_embed, layers=d_layers, final_norm=d_final_norm, unembed=d_unembed)
-    return grads, None, None
+        d_x, grads["final_norm"], grads["unembed"] = head_backward(cfg, head, rows, d_total)
+        if kept_moe is not None:
+            # The balancing terms joined the summed loss times the positions counted.
+            d_x, grads["moe_layers"] = _moe_layers_backward(
+                cfg, rows, w.moe_layers, kept_moe, d_x, d_total * count
+            )
+        if kept_layers is not None:
+            d_x, grads["layers"] = _layers_backward(cfg, rows, w.layers, kept_layers, d_x)
+        else:  # no dense layers: an empty stack's gradient
+            grads["layers"] = jax.tree.map(jnp.zeros_like, w.layers)
+        grads["embed"] = embed_backward(cfg, rows.tokens, d_x)
+    return type(w)(**grads), None, None
 
 
 _with_explicit_backward.defvjp(_forward, _backward)

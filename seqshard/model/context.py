@@ -207,7 +207,10 @@ def _vary(x: jax.Array, like: tuple[jax.Array, ...]) -> jax.Array:
 def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """One chunk pair's scores, f32 'B/d/e K/t Q Qc Kc' (Qc, Kc: a chunk of queries, of keys)."""
     scores = shardops.einsum_unreduced(
-        "B/d/e Qc Q K/t D, B/d/e Kc K/t D -> B/d/e K/t Q Qc Kc", q, k, preferred_element_type=jnp.float32
+        "B/d/e Qc Q K/t D, B/d/e Kc K/t D -> B/d/e K/t Q Qc Kc",
+        q,
+        k,
+        preferred_element_type=jnp.float32,
     )
     return scores * (1 / math.sqrt(q.shape[-1]))
 
@@ -216,7 +219,10 @@ def _per_query(w: jax.Array, x: jax.Array) -> jax.Array:
     """A chunk pair's weights times key-side rows, f32 'B/d/e Qc Q K/t D': P V (forward), dS K
     (dq)."""
     return shardops.einsum_unreduced(
-        "B/d/e K/t Q Qc Kc, B/d/e Kc K/t D -> B/d/e Qc Q K/t D", w, x, preferred_element_type=jnp.float32
+        "B/d/e K/t Q Qc Kc, B/d/e Kc K/t D -> B/d/e Qc Q K/t D",
+        w,
+        x,
+        preferred_element_type=jnp.float32,
     )
 
 
@@ -224,7 +230,10 @@ def _per_key(w: jax.Array, x: jax.Array) -> jax.Array:
     """A chunk pair's weights, transposed, times query-side rows, f32 'B/d/e Kc K/t D': P^T dO
     (dv), dS^T Q (dk)."""
     return shardops.einsum_unreduced(
-        "B/d/e K/t Q Qc Kc, B/d/e Qc Q K/t D -> B/d/e Kc K/t D", w, x, preferred_element_type=jnp.float32
+        "B/d/e K/t Q Qc Kc, B/d/e Qc Q K/t D -> B/d/e Kc K/t D",
+        w,
+        x,
+        preferred_element_type=jnp.float32,
     )
 
 

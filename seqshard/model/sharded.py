@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from seqshard.batch import TokenBatch, token_batch
 from seqshard.mesh import axis_size
-from seqshard.model.backward import explicit_loss_terms
+from seqshard.model.backward import explicit_terms_and_stats
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import sequence_rows
 from seqshard.model.moe import RouterStats
@@ -29,7 +29,6 @@ from seqshard.model.pipeline.pipelined import pipelined_loss_terms
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.transformer import (
     final_hidden,
-    forward_loss_terms,
     forward_terms_and_stats,
     unembed,
 )
@@ -73,13 +72,12 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
     def loss_terms(w, batch: TokenBatch):
         if axis_size(mesh, "p") > 1:
             return pipelined_loss_terms(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
-        if moe:
-            # The MoE layers' backward is autodiff's (the hand-written one covers dense layers).
-            return forward_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start)
         if cfg.backward == "explicit":
             # The same forward value; jax.grad runs backward.py's hand-written backward.
-            return explicit_loss_terms(cfg, w, batch.tokens, batch.is_seq_start)
-        return forward_loss_terms(cfg, w, batch.tokens, batch.is_seq_start)
+            out = explicit_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start)
+        else:
+            out = forward_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start)
+        return out if moe else out[0]
 
     def logits(w, batch: TokenBatch):
         rows = sequence_rows(batch.tokens, batch.is_seq_start)

@@ -77,20 +77,37 @@ SWIGLU = Block(
     ops=(
         norm_op("ffn_norm", consumers=2, recomputed_by=_SAVED_FULL),  # feeds gate and up
         matmul(
-            "gate", "token", "B/d/e L M, M F/t -> B/d/e L F/t", lambda m: 2 * m.d_model * m.d_ff, _FULL
+            "gate",
+            "token",
+            "B/d/e L M, M F/t -> B/d/e L F/t",
+            lambda m: 2 * m.d_model * m.d_ff,
+            _FULL,
         ),
         matmul(
-            "up", "token", "B/d/e L M, M F/t -> B/d/e L F/t", lambda m: 2 * m.d_model * m.d_ff, _FULL
+            "up",
+            "token",
+            "B/d/e L M, M F/t -> B/d/e L F/t",
+            lambda m: 2 * m.d_model * m.d_ff,
+            _FULL,
         ),
         # s = sigmoid(gate), gate * s, * up. Backward: d up = g * gate * s (1); d gate =
         # g * up * s * (1 + gate * (1 - s)) (6).
         elementwise(
-            "swiglu", "token", "B/d/e L F/t", lambda m: 3 * m.d_ff, lambda m: 7 * m.d_ff, _SAVED_FULL
+            "swiglu",
+            "token",
+            "B/d/e L F/t",
+            lambda m: 3 * m.d_ff,
+            lambda m: 7 * m.d_ff,
+            _SAVED_FULL,
         ),
         # Nothing in the backward needs the down projection's output nor the layer's: no
         # policy re-runs them (XLA drops them from remat=full's recomputation too).
-        matmul("down", "token", "B/d/e L F/t, M F/t -> B/d/e L M", lambda m: 2 * m.d_ff * m.d_model),
-        elementwise("ffn_residual", "token", "B/d/e L M/t", lambda m: m.d_model, lambda m: m.d_model),
+        matmul(
+            "down", "token", "B/d/e L F/t, M F/t -> B/d/e L M", lambda m: 2 * m.d_ff * m.d_model
+        ),
+        elementwise(
+            "ffn_residual", "token", "B/d/e L M/t", lambda m: m.d_model, lambda m: m.d_model
+        ),
     ),
 )
 """The SwiGLU block's declarations: remat=saved keeps the gate and up projections."""
@@ -123,7 +140,9 @@ def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
     w_down = a("w_down", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_down.astype(dt)))
 
     def down() -> jax.Array:
-        out = shardops.einsum_unreduced("B/d/e L@zigzag/c F/t, M F/t -> B/d/e L@zigzag/c M", y, w_down)
+        out = shardops.einsum_unreduced(
+            "B/d/e L@zigzag/c F/t, M F/t -> B/d/e L@zigzag/c M", y, w_down
+        )
         # Each t shard contracted only its own slice of F (F/t): sum the shards, scattered into
         # the residual's layout.
         return shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)

@@ -118,7 +118,8 @@ def recomputed(c: LoggedCollective, remat: str) -> bool:
     :func:`seqshard.model.cost.recomputes`: the norms' gathers under both, the attention
     output's reduce-scatter under ``full``, the FFN output's never, since nothing in the
     backward pass reads it)."""
-    if not c.in_loop("layers") or remat_policy(remat).checkpoint_policy is None:
+    in_layers = c.in_loop("layers") or c.in_loop("moe_layers")
+    if not in_layers or remat_policy(remat).checkpoint_policy is None:
         return False
     return c.weight or recomputes(remat, c.part or "")
 
@@ -131,6 +132,14 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     for c in logged:
         if c.vjp_primal:
             continue  # the step differentiates it: its custom VJP's forward rule runs instead
+        if c.vjp_in_backward:
+            # jax.vjp inside the hand-written backward: its forward re-runs there, and JAX's
+            # transposes of its collectives are the backward's.
+            steps.append((c, "recompute", ""))
+            back = collective_log.transpose(c)
+            if back is not None:
+                steps.append((back, "backward", " transposed"))
+            continue
         if c.phase != "forward" or not c.autodiff:
             steps.append((c, c.phase, ""))  # hand-written: as logged
             if c.phase == "forward" and m.backward == "autodiff" and recomputed(c, m.remat):
@@ -148,7 +157,8 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     for c, phase, how in steps:
         calls = c.calls
         in_loop = bool(c.loops)
-        if phase == "forward" and c.weight and c.kind == "all-gather" and not c.in_loop("layers"):
+        in_layers = c.in_loop("layers") or c.in_loop("moe_layers")
+        if phase == "forward" and c.weight and c.kind == "all-gather" and not in_layers:
             # Loop-invariant: XLA hoists it out of the microbatch loop (see the docstring).
             calls, in_loop = calls // k if c.in_loop("microbatches") else calls, False
         out.append(
@@ -161,7 +171,7 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
                 result_bytes=c.result_bytes,
                 calls=calls,
                 weights=c.weight,
-                in_layers=c.in_loop("layers"),
+                in_layers=in_layers,
                 in_loop=in_loop,
                 result_shape=c.result_shape,
                 dtype=c.dtype,

@@ -43,9 +43,7 @@ MESH_AXES: tuple[MeshAxis, ...] = (
         "rows as d",
         "inner",
     ),
-    MeshAxis(
-        "c", "context: the sequence, in zigzag order (L@zigzag/c); weight rows as d", "inner"
-    ),
+    MeshAxis("c", "context: the sequence, in zigzag order (L@zigzag/c); weight rows as d", "inner"),
     MeshAxis(
         "t", "tensor (Megatron): heads, d_ff, vocab, and the residual's d_model or rows", "inner"
     ),

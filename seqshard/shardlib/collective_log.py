@@ -48,6 +48,7 @@ __all__ = [
     "LoggedCollective",
     "at",
     "custom_vjp_primal",
+    "vjp_in_backward",
     "emit",
     "hand_differentiated",
     "part",
@@ -79,6 +80,7 @@ class LoggedCollective:
     invarying: bool = False  # an all_gather(..., to='invarying')
     autodiff: bool = True  # its backward is autodiff's (not hand-written)
     vjp_primal: bool = False  # in a custom VJP's primal function (see custom_vjp_primal)
+    vjp_in_backward: bool = False  # differentiated by jax.vjp in a hand-written backward
 
     @property
     def weight(self) -> bool:
@@ -117,6 +119,7 @@ class _State:
     part: str | None = None
     autodiff: bool = True
     vjp_primal: bool = False
+    vjp_in_backward: bool = False
 
 
 _local = threading.local()
@@ -158,7 +161,15 @@ def recording() -> Iterator[Log]:
     may be served from its trace cache (``jax.jit``, ``jax.eval_shape`` of the same function
     object, a ``lax.scan`` of the same body function). :func:`traced` avoids the outer cache."""
     log = Log()
-    with _setting(log=log, phase="forward", loops=(), part=None, autodiff=True, vjp_primal=False):
+    with _setting(
+        log=log,
+        phase="forward",
+        loops=(),
+        part=None,
+        autodiff=True,
+        vjp_primal=False,
+        vjp_in_backward=False,
+    ):
         yield log
 
 
@@ -180,6 +191,13 @@ def hand_differentiated():
     """This block's backward pass is written by hand and logs its own collectives: derive no
     transposes for the ones logged here."""
     return _setting(autodiff=False)
+
+
+def vjp_in_backward():
+    """This block is differentiated by ``jax.vjp`` inside a hand-written backward (the MoE
+    layers' FFN): its collectives are logged as they run (the forward's, re-run: phase
+    ``'recompute'``), and a step's count adds their transposes in the backward."""
+    return _setting(vjp_in_backward=True)
 
 
 def custom_vjp_primal():
@@ -247,6 +265,7 @@ def emit(
             invarying=invarying,
             autodiff=state.autodiff,
             vjp_primal=state.vjp_primal,
+            vjp_in_backward=state.vjp_in_backward,
         )
     )
 
