@@ -67,7 +67,15 @@ from seqshard.shardlib import shardops
 from seqshard.shardlib.collective_log import part
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
-__all__ = ["MOE", "ExpertFfnWeights", "RouterStats", "capacity", "moe_ffn", "route"]
+__all__ = [
+    "MOE",
+    "ExpertFfnWeights",
+    "RouterStats",
+    "capacity",
+    "moe_ffn",
+    "route",
+    "zero_stats",
+]
 
 
 def _fan_in(cfg: ModelConfig) -> float:
@@ -166,6 +174,22 @@ class RouterStats:
     aux: f32["moe_layers"]
     z: f32["moe_layers"]
     tokens: f32["moe_layers"]
+
+
+def zero_stats(cfg: ModelConfig) -> RouterStats | None:
+    """Zeros shaped as the MoE layers' stacked statistics (None without experts): what
+    gradient accumulation starts from."""
+    if not cfg.moe.enabled:
+        return None
+    n = cfg.dim_sizes()["moe_layers"]
+    zeros = jnp.zeros((n,), jnp.float32)
+    return RouterStats(
+        load=jnp.zeros((n, cfg.moe.n_experts), jnp.float32),
+        dropped=zeros,
+        aux=zeros,
+        z=zeros,
+        tokens=zeros,
+    )
 
 
 def capacity(cfg: ModelConfig, tokens: int, e: int) -> int:

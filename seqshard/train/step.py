@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from seqshard.batch import TokenBatch, split_microbatches
 from seqshard.config import Config
-from seqshard.model.moe import RouterStats
+from seqshard.model.moe import RouterStats, zero_stats
 from seqshard.model.sharded import batch_loss_terms, batch_terms_and_stats
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log
@@ -62,10 +62,12 @@ def grads_and_loss(
     up over microbatches (loads, drops, tokens); the balancing terms are their mean."""
     pipelined = mesh.shape.get("p", 1) > 1
     k = 1 if pipelined else cfg.train.microbatches
+    no_stats = None
     if loss_terms is None:
         loss_terms = functools.partial(
             batch_terms_and_stats, cfg=cfg.model, mesh=mesh, pipeline=cfg.train.pipeline()
         )
+        no_stats = zero_stats(cfg.model)
 
     def summed(w, b):
         out = loss_terms(w, b)
@@ -81,11 +83,7 @@ def grads_and_loss(
             (total, (count, stats)), grads = grad_of_sum(weights, micro)
             return jax.tree.map(jnp.add, acc, (total, count, grads, stats)), None
 
-        (_, (_, shapes)), _ = jax.eval_shape(grad_of_sum, weights, batch)
-        zeros = jax.tree.map(
-            lambda x: jnp.zeros(x.shape, x.dtype),
-            (jnp.zeros(()), jnp.zeros(()), weights, shapes),
-        )
+        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, weights), no_stats)
         micro = split_microbatches(batch, k, mesh)
         (total, count, grads, stats), _ = collective_log.scan(
             "microbatches", accumulate, zeros, micro

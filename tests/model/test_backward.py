@@ -335,7 +335,7 @@ def test_gradient_accumulation_equals_autodiff():
     fn = jax.jit(grads_and_loss, static_argnums=(2, 3))
     out = {b: fn(WEIGHTS, batch, step_config(b), mesh) for b in ("explicit", "autodiff")}
     (grads, loss, count), (ref_grads, ref_loss, ref_count) = (
-        jax.tree.map(np.asarray, out[b]) for b in ("explicit", "autodiff")
+        jax.tree.map(np.asarray, out[b][:3]) for b in ("explicit", "autodiff")
     )
     assert count == ref_count == sum(counted)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-7)

@@ -62,13 +62,13 @@ def reference_logits(host_weights, seq, cfg=CFG):
 
 def test_decode_mesh_fills_t_then_divides_the_batch():
     # n_kv = 2 caps t at 2; d is the largest divisor of the batch that fits the rest.
-    assert dict(decode_mesh(1, CFG).shape) == {"p": 1, "d": 1, "c": 1, "t": 2}
-    assert dict(decode_mesh(4, CFG).shape) == {"p": 1, "d": 4, "c": 1, "t": 2}
-    assert dict(decode_mesh(8, CFG).shape) == {"p": 1, "d": 4, "c": 1, "t": 2}
+    assert dict(decode_mesh(1, CFG).shape) == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG).shape) == {"p": 1, "d": 4, "e": 1, "c": 1, "t": 2}
+    assert dict(decode_mesh(8, CFG).shape) == {"p": 1, "d": 4, "e": 1, "c": 1, "t": 2}
     # d = 3 does not divide d_model = 32 (norm gains are d_model/t/d): d falls back to 1.
-    assert dict(decode_mesh(3, CFG).shape) == {"p": 1, "d": 1, "c": 1, "t": 2}
-    assert dict(decode_mesh(4, CFG, max_d=1).shape) == {"p": 1, "d": 1, "c": 1, "t": 2}
-    assert dict(decode_mesh(4, CFG, jax.devices()[:1]).shape) == {"p": 1, "d": 1, "c": 1, "t": 1}
+    assert dict(decode_mesh(3, CFG).shape) == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG, max_d=1).shape) == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 2}
+    assert dict(decode_mesh(4, CFG, jax.devices()[:1]).shape) == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 1}
 
 
 @pytest.mark.parametrize(

@@ -488,7 +488,7 @@ BAD_FOR_4x2 = [  # (field, value, the mesh axes that must divide it, their size)
     ("n_kv", 3, "t", 2),
     ("d_ff", 65, "t", 2),
     ("vocab", 65, "t", 2),
-    ("d_model", 36, "t*d*c", 8),  # norm gains are d_model/t/d/e/c
+    ("d_model", 36, "t*d*e*c", 8),  # norm gains are d_model/t/d/e/c
 ]
 
 
