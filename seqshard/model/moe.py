@@ -217,7 +217,8 @@ def route(
     else:
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    _, ids = lax.top_k(scores + lax.stop_gradient(bias), moe.top_k)
+    choice = scores + jnp.broadcast_to(lax.stop_gradient(bias), scores.shape)
+    _, ids = lax.top_k(choice, moe.top_k)
     chosen = jnp.take_along_axis(scores, ids, axis=-1)
     gates = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
     return ids, gates, probs

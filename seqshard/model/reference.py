@@ -155,7 +155,8 @@ def reference_moe_layer(
     else:
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    _, ids = jax.lax.top_k(scores + jax.lax.stop_gradient(w.router_bias), moe.top_k)
+    bias = jnp.broadcast_to(jax.lax.stop_gradient(w.router_bias), scores.shape)
+    _, ids = jax.lax.top_k(scores + bias, moe.top_k)
     chosen = jax.nn.one_hot(ids, moe.n_experts, dtype=jnp.float32).sum(axis=-2)  # [B, L, E]
     gates = scores * chosen / jnp.sum(scores * chosen, axis=-1, keepdims=True)
     gate = jnp.einsum("blm,emx->blex", nx, w.w_gate.astype(dt))
