@@ -547,9 +547,12 @@ def _plot_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _plot(args) -> int:
-    from seqshard.train.plot import plot_runs
+    from seqshard.train.plot import expert_loads, plot_expert_load, plot_runs
 
     print(plot_runs(args.run_dirs, args.out))
+    for run_dir in args.run_dirs:  # runs with experts: their load heatmap too
+        if expert_loads(run_dir)[1]:
+            print(plot_expert_load(run_dir))
     return 0
 
 
@@ -656,7 +659,8 @@ COMMANDS: tuple[Command, ...] = (
         _plot,
         "Plot train loss (lines) and val loss (markers) vs step from each RUN_DIR/metrics.jsonl. "
         "One run is written to RUN_DIR/loss.png, several to ./loss_compare.png, unless --out "
-        "is given.",
+        "is given. A run with experts also gets RUN_DIR/expert_load.png: each MoE layer's "
+        "experts over the steps, coloured by load over the mean.",
     ),
     Command(
         "show",

@@ -15,7 +15,7 @@ shards pool. Mesh axes: d (batch, and FSDP weight rows) and t (heads, d_ff, voca
 Everything runs in the training layout, one shard_map per phase, in one jit per
 :class:`DecodeSpec` (the static options) and prompt shape:
 
-    _prefill      'B/d/e L@zigzag/c' prompt -> cache 'layers 2 B/d/e S K/t D' (k at [:, 0], v at [:, 1])
+    _prefill      'B/d/e L@zigzag/c' prompt -> cache 'all_layers 2 B/d/e S K/t D' (k at [:, 0], v at [:, 1])
                   and the last position's logits 'B/d/e V/t'
     _decode_step  'B/d/e' token, cache -> cache with the token's k, v written at its index, logits
     sampling      inside both shard_maps, on the vocab-sharded logits; the steps run in a
@@ -63,7 +63,7 @@ from seqshard.model.transformer import (
     final_norm,
     unembed,
 )
-from seqshard.model.weights import Layer, Weights, check_mesh
+from seqshard.model.weights import STACKS, Layer, MoELayer, Weights, check_mesh, weights_type
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shapecheck import shape_scope
 from seqshard.shardlib.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
@@ -143,7 +143,7 @@ class DecodeSpec:
     @property
     def cache_type(self) -> ArrayType:
         """The KV cache, k at [:, 0] and v at [:, 1], in the matmuls' dtype."""
-        return _CACHE_DTYPES[self.cfg.compute_dtype][b"layers 2 B/d/e S K/t D"]
+        return _CACHE_DTYPES[self.cfg.compute_dtype][b"all_layers 2 B/d/e S K/t D"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,8 +220,15 @@ def _sample(
     return -shardops.pmax("B/d/e{U_t} -> B/d/e", neg_id)
 
 
+def _stacks(w: Weights) -> list[Layer | MoELayer]:
+    """The weights' layer stacks in the order the residual passes them (the dense ``layers``,
+    then, with experts, ``moe_layers``), empty ones left out."""
+    present = (getattr(w, name, None) for name in STACKS)
+    return [s for s in present if s is not None and jax.tree.leaves(s)[0].shape[0]]
+
+
 def _prefill_layer(
-    spec: DecodeSpec, rope, mask: jax.Array, x: jax.Array, w: Layer
+    spec: DecodeSpec, rope, mask: jax.Array, x: jax.Array, w: Layer | MoELayer
 ) -> tuple[jax.Array, jax.Array]:
     """One layer on the prompt's residual 'B/d/e L@zigzag/c M/t'; also its k, v '2 B/d/e L@zigzag/c K/t D'."""
     cfg = spec.cfg
@@ -241,7 +248,7 @@ def _prefill(
     temperature: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per device: the prompt 'B/d/e L@zigzag/c' (row b's first real token at start[b]) -> the first new
-    token 'B/d/e', its logits 'B/d/e V/t' and the cache 'layers 2 B/d/e S K/t D'."""
+    token 'B/d/e', its logits 'B/d/e V/t' and the cache 'all_layers 2 B/d/e S K/t D'."""
     cfg = spec.cfg
     length = prompt.shape[1]
     index = jnp.arange(length, dtype=jnp.int32)
@@ -255,8 +262,14 @@ def _prefill(
     causal = (index[:, None] >= index[None, :])[None]
     mask = causal & (real_key | diagonal)
     x = embed(cfg, w, prompt)
-    x, kv = lax.scan(functools.partial(_prefill_layer, spec, rope, mask), x, w.layers)
-    # kv: 'layers 2 B/d/e L@zigzag/c K/t D'; the cache holds S positions, the rest filled by decode.
+    body = functools.partial(_prefill_layer, spec, rope, mask)
+    kv = []
+    for stack in _stacks(w):
+        x, stack_kv = lax.scan(body, x, stack)
+        kv.append(stack_kv)
+    kv = jnp.concatenate(kv) if len(kv) > 1 else kv[0]
+    # kv: 'all_layers 2 B/d/e L@zigzag/c K/t D', every stack's layers in order; the cache holds
+    # S positions, the rest filled by decode.
     kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, spec.cache_len - length), (0, 0), (0, 0)))
     logits = _next_logits(cfg, w, x[:, -1])
     return _sample(spec, logits, noise, temperature), logits, kv
@@ -291,16 +304,20 @@ def _decode_step(
     temperature: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per device: feed token 'B/d/e' at cache index ``index`` -> the next token 'B/d/e', its
-    logits 'B/d/e V/t' and the cache 'layers 2 B/d/e S K/t D' holding the fed token's k, v."""
+    logits 'B/d/e V/t' and the cache 'all_layers 2 B/d/e S K/t D' holding the fed token's k, v."""
     cfg = spec.cfg
     rope = rope_tables((index - start)[:, None], rope_frequencies(cfg))
     keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
     # Keys from the row's first real token up to and including this one.
     mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]
     x = embed(cfg, w, token[:, None])
-    layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
     body = functools.partial(_decode_layer, spec, rope, mask, index)
-    (x, kv), _ = lax.scan(body, (x, kv), (w.layers, layers))
+    first = 0  # the cache's index of the stack's first layer
+    for stack in _stacks(w):
+        n = jax.tree.leaves(stack)[0].shape[0]
+        layers = jnp.arange(first, first + n, dtype=jnp.int32)
+        (x, kv), _ = lax.scan(body, (x, kv), (stack, layers))
+        first += n
     logits = _next_logits(cfg, w, x[:, 0])
     return _sample(spec, logits, noise, temperature), logits, kv
 
@@ -334,6 +351,8 @@ def _shard_mapped(spec: DecodeSpec) -> tuple[Callable, Callable]:
     ) -> tuple[i32[b"B/d/e"], f32[b"B/d/e V/t"], kv_type]:
         return _decode_step(spec, w, kv, token, index, start, noise, temperature)
 
+    for fn in (prefill, decode_step):  # the weights' class is the config's
+        fn.__annotations__["w"] = weights_type(spec.cfg)
     return typed_shard_map(prefill, mesh=spec.mesh), typed_shard_map(decode_step, mesh=spec.mesh)
 
 
@@ -505,8 +524,12 @@ def _checked(
     """Every check of :func:`generate`'s arguments, before anything compiles: the spec, the
     prompt i32[B, P] with padding zeroed, each row's first real index i32[B], and the key."""
     _check_mesh(cfg, mesh)
-    if not isinstance(weights, Weights):
-        raise TypeError(f"generate: weights must be a Weights, got {type(weights).__name__}.")
+    expected = weights_type(cfg)
+    if not isinstance(weights, expected):
+        raise TypeError(
+            f"generate: weights must be a {expected.__name__} for this config, got "
+            f"{type(weights).__name__}."
+        )
     if not isinstance(sampling, Sampling):
         raise TypeError(f"generate: sampling must be a Sampling, got {type(sampling).__name__}.")
     _check_vocab(sampling, cfg.vocab)
@@ -549,7 +572,7 @@ def generate(
     tokens and f32[B, max_new_tokens, vocab], each new token's logits.
     """
     spec, prompt, start, key = _checked(weights, prompt_tokens, cfg, mesh, sampling, prompt_lengths)
-    weights = jax.device_put(weights, shardings(Weights, mesh))
+    weights = jax.device_put(weights, shardings(weights_type(cfg), mesh))
     temperature = jnp.float32(sampling.temperature)
     new, seen = _decoder(spec)(weights, prompt, start, key, temperature)
     tokens = jnp.concatenate([jnp.asarray(prompt_tokens).astype(jnp.int32), new], axis=1)

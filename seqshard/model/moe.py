@@ -5,10 +5,10 @@ combined with the router's gates; shared experts (a dense SwiGLU every token pas
 beside them. Its weights, activations and operations are declared here (:data:`MOE`,
 :class:`ExpertFfnWeights`), its math is :func:`moe_ffn`.
 
-Letters beyond the model's: E (experts), X (an expert's hidden size, ``moe.d_ff``), S (the
+Letters beyond the model's: E (experts), X (an expert's hidden size, ``moe.d_ff``), Sh (the
 shared experts' hidden size), T (this device's tokens, B x L flattened), Src and Dst (the
-sending and the receiving shard of e), C (a slot of the exchange buffer: the copies one shard
-sends another), G (the router's statistics, 2 E + 3 numbers).
+sending and the receiving shard of e), Slot (a row of the exchange buffer, C of them: the
+copies one shard sends another), G (the router's statistics, 2 E + 3 numbers).
 
 Layout. Routed experts rest ``'experts/e d_model/d/c d_expert/t'``: split over e (expert
 parallelism), their rows over d and c (FSDP), their hidden dim over t (tensor parallelism
@@ -23,7 +23,7 @@ Per device, per MoE layer, forward:
     all_gather over d,c      w_gate, w_up, w_down: this shard's E/e experts
     all_to_all over e        the token copies to their experts' shards, and back (2 x e C M)
     psum over d,e,c          the router's statistics (2 E + 3 numbers)
-    psum_scatter over t      the experts' and shared experts' output (they contract X/t, S/t)
+    psum_scatter over t      the experts' and shared experts' output (they contract X/t, Sh/t)
 
 Dispatch with fixed buffers (XLA:CPU runs no ragged all-to-all): each device sorts its
 T x k token copies by expert and sends each shard a buffer of C rows, the copies whose expert r
@@ -145,14 +145,14 @@ MOE = Block(
         # out = sum over the k copies of gate x copy; backward: the same, and the gates' dot.
         elementwise("combine", "token", "B/d/e L M", lambda m: 2 * m.d_model * _active(m),
                     lambda m: 4 * m.d_model * _active(m), _RERUN),
-        matmul("shared_gate", "token", "B/d/e L M, M S/t -> B/d/e L S/t",
+        matmul("shared_gate", "token", "B/d/e L M, M Sh/t -> B/d/e L Sh/t",
                lambda m: 2 * m.d_model * m.moe.n_shared * m.moe.d_ff, _RERUN),
-        matmul("shared_up", "token", "B/d/e L M, M S/t -> B/d/e L S/t",
+        matmul("shared_up", "token", "B/d/e L M, M Sh/t -> B/d/e L Sh/t",
                lambda m: 2 * m.d_model * m.moe.n_shared * m.moe.d_ff, _RERUN),
-        elementwise("shared_swiglu", "token", "B/d/e L S/t",
+        elementwise("shared_swiglu", "token", "B/d/e L Sh/t",
                     lambda m: 3 * m.moe.n_shared * m.moe.d_ff,
                     lambda m: 7 * m.moe.n_shared * m.moe.d_ff, _RERUN),
-        matmul("shared_down", "token", "B/d/e L S/t, M S/t -> B/d/e L M",
+        matmul("shared_down", "token", "B/d/e L Sh/t, M Sh/t -> B/d/e L M",
                lambda m: 2 * m.moe.n_shared * m.moe.d_ff * m.d_model, _RERUN),
         elementwise("ffn_residual", "token", "B/d/e L M/t", lambda m: m.d_model,
                     lambda m: m.d_model),
@@ -326,32 +326,32 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, Rout
     )
     with part("dispatch"):
         # Every shard hands each other its buffer: rows by sending shard, on the receiver.
-        recv = shardops.all_to_all("Src/e Dst C M -> Src Dst/e C M", send[None])[:, 0]
-        recv_ids = shardops.all_to_all("Src/e Dst C -> Src Dst/e C", send_ids[None])[:, 0]
+        recv = shardops.all_to_all("Src/e Dst Slot M -> Src Dst/e Slot M", send[None])[:, 0]
+        recv_ids = shardops.all_to_all("Src/e Dst Slot -> Src Dst/e Slot", send_ids[None])[:, 0]
     out_rows = _experts(cfg, w, recv, recv_ids)
     with part("dispatch"):
-        back = shardops.all_to_all("Src Dst/e C M -> Src/e Dst C M", out_rows[:, None])[0]
+        back = shardops.all_to_all("Src Dst/e Slot M -> Src/e Dst Slot M", out_rows[:, None])[0]
     with part("combine"):
         copies = back.at[shard, slot].get(mode="fill", fill_value=0)  # [T k M]
         y = jnp.einsum("tkm,tk->tm", copies, (gates * kept).astype(copies.dtype))
 
     if moe.n_shared:  # shared experts: a dense SwiGLU every token passes through
         with part("shared_gate"):
-            s_gate = shardops.all_gather("M/d/e/c S/t -> M S/t", w.s_gate.astype(dt))
+            s_gate = shardops.all_gather("M/d/e/c Sh/t -> M Sh/t", w.s_gate.astype(dt))
         with part("shared_up"):
-            s_up = shardops.all_gather("M/d/e/c S/t -> M S/t", w.s_up.astype(dt))
+            s_up = shardops.all_gather("M/d/e/c Sh/t -> M Sh/t", w.s_up.astype(dt))
         with part("shared_down"):
-            s_down = shardops.all_gather("M/d/e/c S/t -> M S/t", w.s_down.astype(dt))
-        sg = shardops.einsum_unreduced("T M, M S/t -> T S/t", x, s_gate)
-        su = shardops.einsum_unreduced("T M, M S/t -> T S/t", x, s_up)
-        y = y + shardops.einsum_unreduced("T S/t, M S/t -> T M", jax.nn.silu(sg) * su, s_down)
+            s_down = shardops.all_gather("M/d/e/c Sh/t -> M Sh/t", w.s_down.astype(dt))
+        sg = shardops.einsum_unreduced("T M, M Sh/t -> T Sh/t", x, s_gate)
+        su = shardops.einsum_unreduced("T M, M Sh/t -> T Sh/t", x, s_up)
+        y = y + shardops.einsum_unreduced("T Sh/t, M Sh/t -> T M", jax.nn.silu(sg) * su, s_down)
 
     with part("routing"):
         stats = _router_stats(cfg, ids, probs, logits, dropped)
 
     def residual() -> jax.Array:
         out = y.reshape(b, length, m).astype(dt)
-        # Each t shard contracted only its own slice of X and S (X/t, S/t): sum the shards,
+        # Each t shard contracted only its own slice of X and Sh (X/t, Sh/t): sum the shards,
         # scattered into the residual's layout.
         out = shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
         return (h + out).astype(dt)

@@ -160,8 +160,11 @@ def attention_output(cfg: ModelConfig, w: Layer, x: jax.Array, attn: jax.Array) 
     return attention_block.attention_output(cfg, w, a)
 
 
-def ffn(cfg: ModelConfig, w: Layer, h: jax.Array) -> jax.Array:
-    """The SwiGLU block on the residual ``h``: a residual in compute dtype."""
+def ffn(cfg: ModelConfig, w: Layer | MoELayer, h: jax.Array) -> jax.Array:
+    """A layer's FFN block on the residual ``h`` (SwiGLU, or the MoE FFN of a
+    :class:`MoELayer`, its routing statistics dropped): a residual in compute dtype."""
+    if isinstance(w, MoELayer):
+        return moe.moe_ffn(cfg, w, Activations(MOE_LAYER_BLOCKS, {"h": h}))[0]
     return swiglu.ffn(cfg, w, Activations(LAYER_BLOCKS, {"h": h}))
 
 

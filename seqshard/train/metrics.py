@@ -80,7 +80,8 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> st
         if key in metrics:
             parts.append(f"{label} {_fmt(fmt, metrics[key])}")
     for key, value in metrics.items():
-        if key not in known and key != "step_time_s":
+        # Per-layer and per-expert figures (``moe_load/3/17``) go to the files only.
+        if key not in known and key != "step_time_s" and "/" not in key:
             parts.append(f"{key} {_general(value)}")
     if "step_time_s" in metrics:
         parts.append(f"({_fmt('{:.2f}', metrics['step_time_s'])} s/step)")

@@ -1,12 +1,15 @@
 """Loss curves from ``RUN_DIR/metrics.jsonl``: ``seqshard plot RUN_DIR [RUN_DIR ...] [--out PATH]``.
 
 Train loss is drawn as a line and val loss as markers in the same colour, one colour per run,
-labelled by the run dir's name. The figure is rendered with matplotlib's Agg canvas directly
+labelled by the run dir's name. A run with experts also gets ``RUN_DIR/expert_load.png``
+(:func:`plot_expert_load`): each MoE layer's experts over the steps, coloured by load over
+the mean. The figures are rendered with matplotlib's Agg canvas directly
 (``matplotlib.figure.Figure``), so pyplot's global backend and figure list are never touched.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +17,9 @@ from typing import Any
 
 from seqshard.train.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["plot_runs"]
+__all__ = ["EXPERT_LOAD_FILE", "expert_loads", "plot_expert_load", "plot_runs"]
+
+EXPERT_LOAD_FILE = "expert_load.png"
 
 
 def plot_runs(
@@ -92,3 +97,72 @@ def _labels(dirs: list[Path]) -> list[str]:
     if len(set(names)) == len(names):
         return names
     return [str(d) for d in dirs]
+
+
+def expert_loads(run_dir: str | os.PathLike[str]) -> tuple[list[int], dict[int, list[list[float]]]]:
+    """(the logged steps, {MoE layer: [expert][step] its share of the layer's token copies})
+    from ``RUN_DIR/metrics.jsonl``'s ``moe_load/<layer>/<expert>`` values; empty for a run
+    without experts. A resumed run's later record of a step wins."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in read_metrics(Path(run_dir)):
+        by_step.setdefault(record["step"], {}).update(record)
+    cells: dict[tuple[int, int], dict[int, float]] = {}
+    for step, record in by_step.items():
+        for key, value in record.items():
+            parts = key.split("/")
+            if parts[0] == "moe_load" and len(parts) == 3:
+                cells.setdefault((int(parts[1]), int(parts[2])), {})[step] = value
+    steps = sorted({s for by in cells.values() for s in by})
+    nan = float("nan")
+    layers: dict[int, list[list[float]]] = {}
+    for layer, expert in sorted(cells):
+        layers.setdefault(layer, []).append([cells[layer, expert].get(s, nan) for s in steps])
+    return steps, layers
+
+
+def plot_expert_load(
+    run_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None
+) -> Path:
+    """Write a PNG heatmap of each MoE layer's expert load over the logged steps (one panel
+    per layer, experts down, steps across, colour the load over the layer's mean: 1 is
+    balanced, 2 an expert taking twice its share); returns its path (default
+    ``RUN_DIR/expert_load.png``). ValueError naming the run when it logged no expert load."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"plot: run dir {str(run_dir)!r} does not exist.")
+    steps, layers = expert_loads(run_dir)
+    if not layers:
+        raise ValueError(
+            f"plot: {run_dir / METRICS_FILE} holds no expert load (moe_load/<layer>/<expert>); "
+            f"run dir {str(run_dir)!r} is not a run with experts (model.moe.n_experts > 0) or "
+            f"has logged no step yet."
+        )
+    out_path = Path(out_path) if out_path is not None else run_dir / EXPERT_LOAD_FILE
+
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
+
+    relative = {k: np.asarray(v) * len(v) for k, v in layers.items()}  # share x E: 1 balanced
+    top = max(2.0, max(float(np.nanmax(r)) for r in relative.values()))
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top)
+    cols = math.ceil(math.sqrt(len(relative)))
+    rows = math.ceil(len(relative) / cols)
+    fig = Figure(figsize=(4 * cols + 1, 3 * rows + 0.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    image = None
+    for ax, (layer, load) in zip(axes.flat, relative.items()):
+        image = ax.imshow(load, aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm,
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, load.shape[0] - 0.5, -0.5))  # fmt: skip
+        ax.set_title(f"layer {layer}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+    for ax in list(axes.flat)[len(relative) :]:
+        ax.set_visible(False)
+    fig.colorbar(image, ax=axes, label="load / mean (1 = balanced)")
+    fig.suptitle(f"{run_dir.resolve().name}: expert load")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, format="png")
+    return out_path

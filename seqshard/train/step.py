@@ -95,8 +95,8 @@ def grads_and_loss(
 
 
 def moe_metrics(cfg: Config, stats: RouterStats, weights) -> dict[str, jax.Array]:
-    """The MoE layers' figures for the log: per layer the expert load's max over its mean
-    (1: balanced) and each expert's share of the layer's token copies (``seqshard plot``
+    """The MoE layers' figures for the log: the expert load's max over its mean (1: balanced),
+    of the worst layer and of each layer (``.../<layer>``), each expert's share of the layer's token copies (``seqshard plot``
     draws them as a heatmap), the dropped fraction, the aux and z losses, and the router
     bias's range (max - min over experts and layers)."""
     moe = cfg.model.moe
@@ -108,6 +108,7 @@ def moe_metrics(cfg: Config, stats: RouterStats, weights) -> dict[str, jax.Array
         "moe_dropped_fraction": jnp.sum(stats.dropped) / jnp.sum(copies),
         "moe_bias_range": jnp.max(weights.moe_layers.router_bias)
         - jnp.min(weights.moe_layers.router_bias),
+        "moe_load_max_over_mean": jnp.max(share) * moe.n_experts,  # the worst layer's
     }
     first = cfg.model.dim_sizes()["layers"]
     for i in range(stats.load.shape[0]):
