@@ -136,6 +136,27 @@ def tiny_overrides(data_dir):
     return make
 
 
+TRAINED_RUN = {"steps": 6, "min_lr_ratio": 1.0, "checkpoint_every": 2, "keep_checkpoints": 2}
+"""train.* of :func:`trained_run` over ``tiny_overrides``."""
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, tiny_overrides):
+    """One trained run for the tests that read one (tests/train/test_checkpoint.py, and
+    test_loop.py's resumptions): the tiny model of ``tiny_overrides`` trained 6 steps on 4x2,
+    ``TRAINED_RUN``: the lr constant after warmup (``min_lr_ratio=1``, so that resumed to any
+    length it equals a straight run), a checkpoint every 2 steps, 2 kept (4 and 6).
+    ``(config, run_dir)``, the run named "trained". Read only: copy it to change it."""
+    from seqshard.config import load_config
+    from seqshard.train.loop import train
+
+    runs = tmp_path_factory.mktemp("trained_run")
+    cfg = load_config(None, tiny_overrides(runs, "trained", **TRAINED_RUN))
+    result = train(cfg, log=lambda _: None, tty=False)
+    assert result.step == 6 and not result.interrupted
+    return cfg, result.run_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_yaml(data_dir):
     """``tiny_yaml(path, run_dir, data=data_dir)``: write a config at ``path``, layered over the
