@@ -1,15 +1,36 @@
 """Test set-up: 8 fake CPU devices before JAX starts, strict numpy rank promotion."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# JAX's persistent compilation cache, for this session and the `seqshard` processes its tests
+# start (they inherit the environment): the run-level tests compile the same programs again and
+# again (a train step in a module's fixture, then in a subprocess of the CLI, ...), and a hit
+# costs a read instead of a compile (measured on 2 cores: -31 s for test_checkpoint, test_loop
+# and hf together, -6 s for test_cli; nothing won or lost for the model tests). A fresh
+# directory per session, removed at its end; set JAX_COMPILATION_CACHE_DIR to keep one.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="seqshard-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+if "PYTEST_XDIST_WORKER" in os.environ:  # a directory per worker: the writes are not atomic
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"]
+    )
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 # -- a tiny prepared corpus and model for the run-level tests (config, checkpoint, loop, cli) --
@@ -113,6 +134,27 @@ def tiny_overrides(data_dir):
         ]
 
     return make
+
+
+TRAINED_RUN = {"steps": 6, "min_lr_ratio": 1.0, "checkpoint_every": 2, "keep_checkpoints": 2}
+"""train.* of :func:`trained_run` over ``tiny_overrides``."""
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, tiny_overrides):
+    """One trained run for the tests that read one (tests/train/test_checkpoint.py, and
+    test_loop.py's resumptions): the tiny model of ``tiny_overrides`` trained 6 steps on 4x2,
+    ``TRAINED_RUN``: the lr constant after warmup (``min_lr_ratio=1``, so that resumed to any
+    length it equals a straight run), a checkpoint every 2 steps, 2 kept (4 and 6).
+    ``(config, run_dir)``, the run named "trained". Read only: copy it to change it."""
+    from seqshard.config import load_config
+    from seqshard.train.loop import train
+
+    runs = tmp_path_factory.mktemp("trained_run")
+    cfg = load_config(None, tiny_overrides(runs, "trained", **TRAINED_RUN))
+    result = train(cfg, log=lambda _: None, tty=False)
+    assert result.step == 6 and not result.interrupted
+    return cfg, result.run_dir
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,13 @@ def free_port() -> int:
 
 
 def cpu_env(devices: int | None = None, **extra: str) -> dict[str, str]:
-    """The environment of a child process: ``devices`` fake CPU devices (None: the child
-    chooses, e.g. seqshard from the config), no inherited count otherwise."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """The environment of a child process of a multi-process test: ``devices`` fake CPU devices
+    (None: the child chooses, e.g. seqshard from the config), no inherited count otherwise."""
+    # Nor the test session's compilation cache (conftest.py): processes of one run compile the
+    # same programs at the same moment, and the cache's writes are not atomic.
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
+    }
     env["JAX_PLATFORMS"] = "cpu"
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"

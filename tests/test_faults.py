@@ -183,10 +183,12 @@ def test_sigterm_inside_the_first_compile_ends_without_teardown(tmp_path, tiny_o
     run_dir = tmp_path / "runs" / "early"
     overrides = [o for o in tiny_overrides(tmp_path / "runs", "early") if "model." not in o]
     args = [sys.executable, str(REPO / "tests" / "signal_in_compile.py"), str(delay)]
+    # Without the session's compilation cache (conftest.py): a hit would skip the compile.
+    env = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     proc = subprocess.run(
         [*args, "train", str(REPO / "configs" / "tiny-cpu.yaml"), *overrides, "--sample-tokens=0"],
         cwd=tmp_path,
-        env=ENV,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,

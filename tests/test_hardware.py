@@ -8,24 +8,60 @@ import pytest
 from seqshard import hardware
 
 
-def test_known_accelerators_use_the_datasheet_peak(monkeypatch):
-    class FakeDevice:
-        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+def _on(monkeypatch, platform: str, device_kind: str) -> None:
+    """This process's devices are of ``device_kind``; the peak is looked up afresh."""
 
+    class FakeDevice:
+        pass
+
+    FakeDevice.platform, FakeDevice.device_kind = platform, device_kind
     monkeypatch.setattr(hardware.jax, "devices", lambda: [FakeDevice()])
     hardware.peak_flops.cache_clear()
-    try:
-        assert hardware.peak_flops(8) == 8 * 989e12
-    finally:
-        hardware.peak_flops.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_peak():
+    hardware.peak_flops.cache_clear()
+    yield
+    hardware.peak_flops.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "platform, device_kind, datasheet_peak",
+    [
+        ("gpu", "NVIDIA H100 80GB HBM3", 989e12),
+        ("gpu", "NVIDIA H200", 989e12),
+        ("gpu", "NVIDIA A100-SXM4-80GB", 312e12),
+        ("gpu", "NVIDIA L4", 121e12),
+        ("tpu", "TPU v4", 275e12),
+        # v5e's 'TPU v5 lite' holds v5p's 'tpu v5': matched in the table's order, v5e first.
+        ("tpu", "TPU v5 lite", 197e12),
+        ("tpu", "TPU v5p", 459e12),
+        ("tpu", "TPU v6 lite", 918e12),
+    ],
+)
+def test_a_known_device_kind_gets_its_datasheet_peak_times_the_devices(
+    monkeypatch, platform, device_kind, datasheet_peak
+):
+    """jax's device_kind, as each accelerator reports it, finds its chip's dense bf16 peak
+    (vendors' datasheets), never a measurement."""
+    _on(monkeypatch, platform, device_kind)
+    monkeypatch.setattr(hardware, "measure_matmul_flops", lambda **kw: pytest.fail("measured"))
+    assert hardware.peak_flops(8) == 8 * datasheet_peak
+
+
+def test_an_unknown_accelerator_is_measured_in_bf16_on_each_device(monkeypatch):
+    _on(monkeypatch, "gpu", "Some Future GPU")
+    calls = []
+    monkeypatch.setattr(hardware, "measure_matmul_flops", lambda **kw: calls.append(kw) or 5.0e12)
+    assert hardware.peak_flops(4) == 4 * 5.0e12
+    assert [c["dtype"] for c in calls] == [jnp.bfloat16]
 
 
 def test_cpu_peak_is_measured_once_for_all_fake_devices():
     """Fake CPU devices share the host's cores: the peak does not grow with their count."""
-    hardware.peak_flops.cache_clear()
     measured = hardware.measure_matmul_flops(n=256, dtype=jnp.float32, repeats=2)
     assert measured > 1e8  # any CPU does more than 0.1 GFLOP/s
     with pytest.MonkeyPatch.context() as m:
         m.setattr(hardware, "measure_matmul_flops", lambda **kw: 123.0)
         assert hardware.peak_flops(8) == hardware.peak_flops(1) == 123.0
-    hardware.peak_flops.cache_clear()

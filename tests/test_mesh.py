@@ -17,15 +17,16 @@ from seqshard.mesh import (
 )
 
 
-def test_the_config_mesh_section_has_a_size_per_axis_of_the_table(monkeypatch):
-    """MeshConfig is built from the table: one field per axis, default 1, so a config names
-    every axis the specs may use (a row added to the table is a config key)."""
-    import dataclasses
-
-    assert tuple(f.name for f in dataclasses.fields(MeshConfig)) == AXES
-    assert all(f.default == 1 for f in dataclasses.fields(MeshConfig))
-    cfg = load_config(None, ["mesh.c=2", "mesh.t=2", "model.d_model=64"])
+def test_the_config_mesh_section_has_a_size_per_axis_of_the_table():
+    """Every axis of the table is a config key (a row added to the table is one), 1 unless set;
+    the sizes come in the table's order; a name the table lacks is refused."""
+    assert load_config(None, []).mesh.sizes() == dict.fromkeys(AXES, 1)
+    every = load_config(None, [f"mesh.{axis}=1" for axis in reversed(AXES)])
+    assert list(every.mesh.sizes()) == list(AXES)
+    cfg = load_config(None, ["mesh.t=2", "mesh.c=2", "model.d_model=64"])
     assert cfg.mesh.sizes() == {"p": 1, "d": 1, "c": 2, "t": 2}
+    with pytest.raises(ConfigError, match="'x' not in 'MeshConfig'"):
+        load_config(None, ["mesh.x=2"])
 
 
 @pytest.mark.parametrize(
@@ -160,8 +161,9 @@ def test_a_mesh_built_by_hand_behaves_as_if_its_missing_axes_had_size_one():
 
         results.append(
             [
-                loss_fn(w, tokens, starts, cfg, mesh),
-                logits_fn(w, tokens, starts, cfg, mesh),
+                # Jitted: called eagerly, the shard_map runs op by op (about 7 s a call here).
+                jax.jit(loss_fn, static_argnums=(3, 4))(w, tokens, starts, cfg, mesh),
+                jax.jit(logits_fn, static_argnums=(3, 4))(w, tokens, starts, cfg, mesh),
                 metrics["loss"],
                 gathered(np.arange(32, dtype=np.float32).reshape(4, 8)),
             ]

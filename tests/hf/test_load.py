@@ -268,8 +268,12 @@ def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
 
 
+# Jitted: logits_fn called eagerly runs its shard_map op by op (about 5 s a call here).
+_logits_jit = jax.jit(logits_fn, static_argnums=(3, 4))
+
+
 def seqshard_logits(weights, tokens, starts, cfg, mesh) -> np.ndarray:
-    return np.asarray(logits_fn(weights, tokens, starts, cfg, mesh))
+    return np.asarray(_logits_jit(weights, tokens, starts, cfg, mesh))
 
 
 @needs_transformers

@@ -19,7 +19,6 @@ from seqshard.config import Config, check_config, config_to_yaml, load_config
 from seqshard.mesh import training_mesh
 from seqshard.train import checkpoint, checksums, step_dirs
 from seqshard.train.checkpoint import Checkpointer, CheckpointError, state_digest
-from seqshard.train.loop import train
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import train_state_structs
 
@@ -33,14 +32,11 @@ def replace(cfg: Config, section: str, **values) -> Config:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_overrides):
-    """A 6-step run on 4x2 checkpointing every 2 steps, keeping 2: (config, run dir)."""
-    runs = tmp_path_factory.mktemp("ckpt_runs")
-    cfg = load_config(None, tiny_overrides(runs, "trained", checkpoint_every=2, keep_checkpoints=2))
-    result = train(cfg, log=lambda _: None, tty=False)
-    assert result.step == 6 and not result.interrupted
-    return cfg, result.run_dir
+@pytest.fixture
+def trained(trained_run):
+    """The session's trained run (conftest.py): 6 steps on 4x2 checkpointing every 2 steps,
+    keeping 2: (config, run dir). Read only; ``ckpt_copy`` to damage it."""
+    return trained_run
 
 
 @pytest.fixture

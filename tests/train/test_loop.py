@@ -29,19 +29,18 @@ SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_overrides):
-    """A 12-step run straight through, and a 6-step run of the same config to resume."""
+    """A 12-step run straight through: (runs directory, its TrainResult)."""
     root = tmp_path_factory.mktemp("loop_runs")
     straight = run(tiny_overrides(root, "straight", steps=12, **FLAT))
-    half = run(tiny_overrides(root, "half", steps=6, **FLAT))
-    assert half.step == 6
     return root, straight
 
 
 @pytest.fixture
-def half_copy(runs, tmp_path):
-    """A copy of the 6-step run, under ``tmp_path/runs/half``, to resume."""
-    root, _ = runs
-    shutil.copytree(root / "half", tmp_path / "runs" / "half")
+def half_copy(trained_run, tmp_path):
+    """A copy of the session's 6-step run of the same config (conftest.py's trained_run:
+    checkpoints at 4 and 6), under ``tmp_path/runs/half``, to resume."""
+    _, run_dir = trained_run
+    shutil.copytree(run_dir, tmp_path / "runs" / "half")
     return tmp_path / "runs"
 
 
@@ -274,9 +273,12 @@ def test_run_dir_of_another_config_is_refused(runs, half_copy, tiny_overrides):
 
 
 def test_a_corrupt_checkpoint_stops_the_resume_with_a_checkpoint_error(half_copy, tiny_overrides):
+    """Every kept checkpoint zeroed (a damaged newest one alone is skipped for the one before:
+    test_checkpoint.py)."""
     run_dir = half_copy / "half"
-    for path in (run_dir / "checkpoints" / "6" / "state" / "d").iterdir():
-        path.write_bytes(b"\0" * path.stat().st_size)
+    for step in ("4", "6"):
+        for path in (run_dir / "checkpoints" / step / "state" / "d").iterdir():
+            path.write_bytes(b"\0" * path.stat().st_size)
     metrics = (run_dir / "metrics.jsonl").read_text()
     with pytest.raises(CheckpointError) as e:
         run(tiny_overrides(half_copy, "half", steps=12, **FLAT))
