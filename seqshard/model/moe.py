@@ -95,7 +95,10 @@ class ExpertFfnWeights:
     optimizer step (``moe.balance=bias``); it rests with the weights, so checkpoints carry it."""
 
     ln2: f32["d_model/t/d/e/c"] = gain("model.layers.{i}.post_attention_layernorm.weight")
-    router: f32["d_model/d/e/c experts"] = weight(_fan_in, gathered_in="f32")
+    # Its rows split over t as well as d, e, c (as the norm gains): gathered over t too, it
+    # stays varying over t, so its gradient is the gather's transpose (a reduce-scatter the
+    # notation predicts), not an all-reduce JAX would add for an invariant weight.
+    router: f32["d_model/t/d/e/c experts"] = weight(_fan_in, gathered_in="f32")
     router_bias: f32["experts"] = weight(0.0, decay=False, gathered_in="f32")
     w_gate: f32["experts/e d_model/d/c d_expert/t"] = weight(_fan_in)
     w_up: f32["experts/e d_model/d/c d_expert/t"] = weight(_fan_in)
@@ -305,7 +308,7 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, Rout
 
     with part("router"):
         # f32 logits: the choice and the gates are sensitive to rounding.
-        router = shardops.all_gather("M/d/e/c E -> M E", w.router)
+        router = shardops.all_gather("M/t/d/e/c E -> M E", w.router)
         logits = shardops.einsum_unreduced(
             "T M, M E -> T E", x.astype(jnp.float32), router, preferred_element_type=jnp.float32
         )

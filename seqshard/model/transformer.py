@@ -49,10 +49,12 @@ from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, context_mask, sequence_rows
 from seqshard.model.moe import RouterStats
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
+from seqshard.model.pipeline.spmd import after
 from seqshard.model.remat import explicit_activation_checkpointing
 from seqshard.model.weights import LAYER_BLOCKS, MOE_LAYER_BLOCKS, Layer, MoELayer, Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.vma import varying_axes
 
 __all__ = [
     "EMBED",
@@ -233,14 +235,43 @@ def run_moe_layers(
     return collective_log.scan("moe_layers", body, x, layers)
 
 
+@jax.custom_vjp
+def gradients_after_input(w, x: jax.Array):
+    """``(w, x)`` unchanged; in the backward pass, ``w``'s gradient is made to read ``x``'s
+    (:func:`seqshard.model.pipeline.spmd.after`, each leaf typed to allow it).
+
+    Two layer stacks are two loops, and the backward pass of the first (the dense stack) runs
+    after the MoE stack's has made its weights' gradients. The optimizer's global norm then
+    all-reduces those gradients outside the shard_map, reading nothing of the later loop:
+    XLA's CPU runtime may start it on one device while another is still in the loop's
+    collectives (:mod:`seqshard.shardlib.collective_order`). Reading ``x``'s gradient, made
+    by that loop, orders them."""
+    return w, x
+
+
+def _gradients_after_input_forward(w, x):
+    return (w, x), None
+
+
+def _gradients_after_input_backward(_, g):
+    g_w, g_x = g
+    typed = varying_axes(g_x)
+    return jax.tree.map(lambda a: after(a, g_x) if typed <= varying_axes(a) else a, g_w), g_x
+
+
+gradients_after_input.defvjp(_gradients_after_input_forward, _gradients_after_input_backward)
+
+
 def all_layers(cfg: ModelConfig, w: Weights, rows: SequenceRows, x: jax.Array):
     """The residual through every layer: the dense stack (``layers``, if it has any) and, with
     experts, the MoE stack: (a residual, the MoE layers' stacked :class:`RouterStats` or None)."""
-    if cfg.dim_sizes()["layers"]:
-        x = run_layers(cfg, rows, x, w.layers)
     if not cfg.moe.enabled:
-        return x, None
-    return run_moe_layers(cfg, rows, x, w.moe_layers)
+        return run_layers(cfg, rows, x, w.layers), None
+    moe_layers = w.moe_layers
+    if cfg.dim_sizes()["layers"]:
+        moe_layers, x = gradients_after_input(moe_layers, x)
+        x = run_layers(cfg, rows, x, w.layers)
+    return run_moe_layers(cfg, rows, x, moe_layers)
 
 
 def with_balancing_terms(terms: jax.Array, stats: RouterStats | None) -> jax.Array:

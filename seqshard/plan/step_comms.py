@@ -35,6 +35,7 @@ from seqshard.batch import batch_structs
 from seqshard.config import Config
 from seqshard.model.cost import recomputes
 from seqshard.model.remat import remat_policy
+from seqshard.model.moe import MOE
 from seqshard.model.weights import weight_structs
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.collective_log import LoggedCollective
@@ -124,6 +125,10 @@ def recomputed(c: LoggedCollective, remat: str) -> bool:
     return c.weight or recomputes(remat, c.part or "")
 
 
+# The MoE block's operations no remat policy re-runs: they only make its output.
+_OUTPUT_ONLY = frozenset(op.name for op in MOE.ops if not op.recomputed_by)
+
+
 def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     """Every collective a training step of ``cfg`` (mesh resolved) runs, per device."""
     m, k = cfg.model, cfg.train.microbatches
@@ -133,9 +138,11 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
         if c.vjp_primal:
             continue  # the step differentiates it: its custom VJP's forward rule runs instead
         if c.vjp_in_backward:
-            # jax.vjp inside the hand-written backward: its forward re-runs there, and JAX's
-            # transposes of its collectives are the backward's.
-            steps.append((c, "recompute", ""))
+            # jax.vjp inside the hand-written backward: its forward re-runs there (but for
+            # what only makes the block's output, which nothing there reads: XLA drops it),
+            # and JAX's transposes of its collectives are the backward's.
+            if c.weight or c.part not in _OUTPUT_ONLY:
+                steps.append((c, "recompute", ""))
             back = collective_log.transpose(c)
             if back is not None:
                 steps.append((back, "backward", " transposed"))
@@ -156,7 +163,8 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     out = []
     for c, phase, how in steps:
         calls = c.calls
-        in_loop = bool(c.loops)
+        # XLA inlines a loop of one trip (a stack of one layer, one microbatch).
+        in_loop = any(trips > 1 for _, trips in c.loops)
         in_layers = c.in_loop("layers") or c.in_loop("moe_layers")
         if phase == "forward" and c.weight and c.kind == "all-gather" and not in_layers:
             # Loop-invariant: XLA hoists it out of the microbatch loop (see the docstring).
