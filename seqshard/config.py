@@ -425,12 +425,18 @@ def _check_batch(cfg: Config) -> None:
             f"Choose a batch size that is a multiple of the microbatch count."
         )
     micro = train.batch_size // train.microbatches
-    if mesh.is_resolved and micro % mesh.d:
+    rows = mesh.d * mesh.e if mesh.is_resolved else 1  # the batch is split over d and e
+    if micro % rows:
+        axes = (
+            f"mesh.d x mesh.e = {mesh.d} x {mesh.e} = {rows}"
+            if mesh.e > 1
+            else f"mesh axis d={mesh.d}"
+        )
         raise ConfigError(
             f"each microbatch has train.batch_size / train.microbatches = {train.batch_size} / "
             f"{train.microbatches} = {micro} sequences, which "
-            f"mesh axis d={mesh.d} does not divide (the batch is split over d). Choose "
-            f"train.batch_size divisible by mesh.d * train.microbatches = {mesh.d * train.microbatches}."
+            f"{axes} does not divide (the batch is split over d and e). Choose "
+            f"train.batch_size divisible by {rows} x train.microbatches = {rows * train.microbatches}."
         )
     if mesh.is_resolved and mesh.c > 1 and train.seq_len % (2 * mesh.c):
         raise ConfigError(
