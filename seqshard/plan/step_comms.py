@@ -134,8 +134,11 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
             continue  # the step differentiates it: its custom VJP's forward rule runs instead
         if c.vjp_in_backward:
             # jax.vjp inside the hand-written backward: its forward re-runs there, and JAX's
-            # transposes of its collectives are the backward's.
-            steps.append((c, "recompute", ""))
+            # transposes of its collectives are the backward's. The re-run's own output is
+            # discarded (only its pullback is used), so XLA drops the collectives that only
+            # make it: the operations no policy re-runs (the block's residual add).
+            if c.weight or recomputes("full", c.part or ""):
+                steps.append((c, "recompute", ""))
             back = collective_log.transpose(c)
             if back is not None:
                 steps.append((back, "backward", " transposed"))
