@@ -76,12 +76,21 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Literal
 
 import jax
+import numpy as np
 
 from seqshard.model.block import Block, Op, activation_bytes, kept, recomputed
 from seqshard.model.config import DTYPE_BYTES, ModelConfig
 from seqshard.model.transformer import EMBED, HEAD
-from seqshard.model.weights import LAYER_BLOCKS, check_mesh, param_count, weight_structs
+from seqshard.model.weights import (
+    LAYER_BLOCKS,
+    STACKS,
+    check_mesh,
+    param_count,
+    weight_structs,
+    weights_type,
+)
 from seqshard.shardlib.notation import parse_op, parse_shape
+from seqshard.shardlib.shardtypes import ArrayType, block_shape, type_tree
 from seqshard.shardlib.tables import format_bytes
 
 __all__ = [
@@ -93,6 +102,7 @@ __all__ = [
     "OpFlops",
     "OpKind",
     "PHASES",
+    "ParamCounts",
     "Phase",
     "StepFlops",
     "flops_per_token",
@@ -102,9 +112,12 @@ __all__ = [
     "memory_per_device",
     "mfu",
     "param_bytes",
+    "param_bytes_per_device",
     "param_count",
+    "param_counts",
     "recomputes",
     "saved_bytes",
+    "stacks",
     "step_flops",
 ]
 
@@ -244,8 +257,9 @@ def _optimizer_op(microbatches: int) -> Op:
 
 def recomputes(remat: str, op: str) -> bool:
     """Whether one layer's backward under ``remat`` re-runs the layer operation ``op`` (its
-    declaration's ``recomputed_by``; ``op`` named as in :func:`step_flops`, or ``context``)."""
-    return op in recomputed(LAYER_BLOCKS, remat)
+    declaration's ``recomputed_by``, in whichever layer stack declares it; ``op`` named as in
+    :func:`step_flops`, or ``context``)."""
+    return any(op in recomputed(blocks, remat) for _, blocks in STACKS.values())
 
 
 def step_flops(
@@ -274,8 +288,7 @@ def _step_flops(
         _PARAM: param_count(cfg),
     }
 
-    def row(op: Op, in_layer: bool) -> OpFlops:
-        runs = cfg.n_layers if in_layer else 1
+    def row(op: Op, in_layer: bool, runs: int = 1) -> OpFlops:
         n = runs * units[op.per]
         forward = n * op.forward(cfg)
         return OpFlops(
@@ -291,17 +304,43 @@ def _step_flops(
             update=n * op.update(cfg),
         )
 
-    def rows(blocks: tuple[Block, ...], in_layer: bool) -> list[OpFlops]:
+    def rows(blocks: tuple[Block, ...], in_layer: bool, runs: int = 1) -> list[OpFlops]:
         # A transfer moves data and computes nothing the table counts.
-        return [row(op, in_layer) for b in blocks for op in b.ops if op.kind != "transfer"]
+        return [row(op, in_layer, runs) for b in blocks for op in b.ops if op.kind != "transfer"]
 
+    layers: dict[str, OpFlops] = {}
+    for _, n, blocks in stacks(cfg):
+        for op in rows(blocks, in_layer=True, runs=n):
+            # An operation both stacks run (attention, the FFN's norm) is one row over both.
+            layers[op.name] = _merged(layers[op.name], op) if op.name in layers else op
     ops = (
         *rows((EMBED,), in_layer=False),
-        *rows(LAYER_BLOCKS, in_layer=True),
+        *layers.values(),
         *rows((HEAD,), in_layer=False),
         row(_optimizer_op(microbatches), in_layer=False),
     )
     return StepFlops(ops=ops, batch=batch, seq_len=seq_len, causal=causal)
+
+
+def _merged(a: OpFlops, b: OpFlops) -> OpFlops:
+    """One row for an operation two layer stacks run: their runs and FLOPs added."""
+    if (a.kind, a.spec, a.per) != (b.kind, b.spec, b.per):
+        raise ValueError(
+            f"operation {a.name!r} is declared twice, as {a.kind} {a.spec!r} per {a.per} and "
+            f"{b.kind} {b.spec!r} per {b.per}: name the second one otherwise."
+        )
+    phases = {p: getattr(a, p) + getattr(b, p) for p in PHASES}
+    return dataclasses.replace(a, runs=a.runs + b.runs, **phases)
+
+
+def stacks(cfg: ModelConfig) -> tuple[tuple[str, int, tuple[Block, ...]], ...]:
+    """The model's layer stacks that hold layers: (field, layers, the blocks each runs);
+    ``('layers', n_layers, LAYER_BLOCKS)`` for a dense model, and with experts also
+    ``('moe_layers', ...)`` (:data:`seqshard.model.weights.STACKS`)."""
+    sizes = cfg.dim_sizes()
+    return tuple(
+        (name, sizes[name], blocks) for name, (_, blocks) in STACKS.items() if sizes[name] > 0
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +355,8 @@ class MatmulFlops:
     attn_scores: int  # per layer: q . k^T over all L keys (unmasked)
     attn_values: int  # per layer: probs . v over all L keys (unmasked)
     out_proj: int  # per layer: attention output . w_o
-    ffn: int  # per layer: gate, up and down projections (SwiGLU)
+    ffn: int  # per layer: gate, up, down (SwiGLU); with experts the mean over the layers of
+    # every FFN matmul (router, the k routed experts', the shared experts')
     lm_head: int  # once: final normed x . unembed
     n_layers: int
 
@@ -394,12 +434,14 @@ def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> MatmulFlops:
     def per_layer(*names: str) -> int:
         return sum(s[n].forward for n in names) // (cfg.n_layers * seq_len)
 
+    attention = ("q", "k", "v", "scores", "values", "o")
+    ffn = [op.name for op in s.ops if op.in_layer and op.kind == "matmul"]
     return MatmulFlops(
         qkv=per_layer("q", "k", "v"),
         attn_scores=per_layer("scores"),
         attn_values=per_layer("values"),
         out_proj=per_layer("o"),
-        ffn=per_layer("gate", "up", "down"),
+        ffn=per_layer(*(n for n in ffn if n not in attention)),
         lm_head=s["logits"].forward // seq_len,
         n_layers=cfg.n_layers,
     )
@@ -443,6 +485,57 @@ def mfu(tokens_per_s: float, cfg: ModelConfig, peak_flops: float, *, seq_len: in
 # Parameters
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """Weights of the model: ``total``, and ``active``, those one token's forward reads (every
+    weight but the routed experts', of which it reads ``top_k`` of ``n_experts``): the ``N``
+    of "6 N FLOPs per token" (MFU on active parameters, as MoE papers report it)."""
+
+    total: int
+    active: int
+    routed: int  # the routed experts' weights, all of them
+    embedding: int  # the input embedding table (a lookup: no FLOPs)
+
+
+def _is_routed(t: ArrayType) -> bool:
+    """A routed expert's weight: its type has the experts' hidden dimension ``d_expert``
+    (one slice of ``experts`` per expert; the router's ``experts`` is its output)."""
+    return "d_expert" in t.shape.labels
+
+
+def _weight_types(cfg: ModelConfig) -> list[tuple[str, ArrayType]]:
+    """(path, type) of every weight of ``cfg``'s weights dataclass."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        type_tree(weights_type(cfg)), is_leaf=lambda x: isinstance(x, ArrayType)
+    )[0]
+    return [(jax.tree_util.keystr(path).lstrip("."), t) for path, t in leaves]
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Total and active parameters, read off the weight types (:class:`ParamCounts`)."""
+    sizes = cfg.dim_sizes()
+    total = routed = embedding = 0
+    for name, t in _weight_types(cfg):
+        n = math.prod(t.global_shape(sizes))
+        total += n
+        routed += n if _is_routed(t) else 0
+        embedding += n if name == "embed" else 0
+    moe = cfg.moe
+    active = total - routed + (routed * moe.top_k // moe.n_experts if moe.enabled else 0)
+    return ParamCounts(total=total, active=active, routed=routed, embedding=embedding)
+
+
+def param_bytes_per_device(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> int:
+    """f32 bytes of every weight's block on one device of a mesh of these axis sizes (missing
+    axes 1), each split as its type says (a weight no axis splits is whole on every device)."""
+    sizes = cfg.dim_sizes()
+    mesh = {a: mesh_sizes.get(a, 1) for a in ("p", "d", "e", "c", "t")}
+    return sum(
+        math.prod(block_shape(t, sizes, mesh)) * np.dtype(t.dtype).itemsize
+        for _, t in _weight_types(cfg)
+    )
+
+
 def param_bytes(cfg: ModelConfig, dtype: str | None = None) -> int:
     """Bytes of all weights: in their declared dtypes (the f32 master copy) by default, or
     all in ``dtype`` (``'float32'``, ``'bfloat16'``)."""
@@ -461,11 +554,11 @@ def param_bytes(cfg: ModelConfig, dtype: str | None = None) -> int:
 class MemoryEstimate:
     """Bytes on one device through a training step (see :func:`memory_per_device`)."""
 
-    weights: int  # f32 master weights, sharded over d*c*t
+    weights: int  # f32 master weights, each split as its type says (over d*e*c*t)
     grads: int  # f32 gradients, sharded like the weights
     optimizer: int  # AdamW: two f32 moments, sharded like the weights
-    activations_per_layer: int  # saved for the backward pass, one layer
-    activations: int  # n_layers * activations_per_layer
+    activations_per_layer: int  # saved for the backward pass, one layer (the largest kind)
+    activations: int  # summed over every layer of every stack
     logits: int  # f32 'B/d/e L V/t', once
 
     @property
@@ -483,34 +576,48 @@ LayerBytes = Mapping[str, int]
 
 
 def layer_bytes(
-    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1
+    cfg: ModelConfig,
+    *,
+    d: int,
+    t: int,
+    batch: int,
+    seq_len: int,
+    c: int = 1,
+    e: int = 1,
+    blocks: tuple[Block, ...] = LAYER_BLOCKS,
 ) -> LayerBytes:
-    """Each activation of one layer, its bytes on one device of a ``d x c x t`` mesh, global
-    batch ``batch`` of ``seq_len`` tokens (raises ValueError if the mesh cannot split the model
-    or the batch): read off the blocks' declarations (:func:`seqshard.model.block.activation_bytes`),
-    the activations the layer makes on that mesh (probabilities only for einsum attention over
-    gathered keys, a logsumexp only for the ring, keys gathered over c only for allgather)."""
-    _check_step(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c)
+    """Each activation of one layer made of ``blocks`` (a dense layer by default), its bytes
+    on one device of a ``d x e x c x t`` mesh, global batch ``batch`` of ``seq_len`` tokens
+    (raises ValueError if the mesh cannot split the model or the batch): read off the blocks'
+    declarations (:func:`seqshard.model.block.activation_bytes`), the activations the layer
+    makes on that mesh (probabilities only for einsum attention over gathered keys, a
+    logsumexp only for the ring, keys gathered over c only for allgather)."""
+    _check_step(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c, e=e)
     return activation_bytes(
-        LAYER_BLOCKS, cfg, {"d": d, "c": c, "t": t}, batch=batch, seq_len=seq_len
+        blocks, cfg, {"d": d, "e": e, "c": c, "t": t}, batch=batch, seq_len=seq_len
     )
 
 
-def saved_bytes(cfg: ModelConfig, layer: LayerBytes, c: int = 1) -> int:
-    """Bytes on one device one layer keeps for its backward under ``cfg.remat``: what the
-    blocks declare it keeps (:func:`seqshard.model.block.kept`)."""
-    return sum(layer[name] for name in kept(LAYER_BLOCKS, cfg, c))
+def saved_bytes(
+    cfg: ModelConfig, layer: LayerBytes, c: int = 1, blocks: tuple[Block, ...] = LAYER_BLOCKS
+) -> int:
+    """Bytes on one device one layer of ``blocks`` keeps for its backward under
+    ``cfg.remat``: what the blocks declare it keeps (:func:`seqshard.model.block.kept`)."""
+    return sum(layer[name] for name in kept(blocks, cfg, c))
 
 
 def memory_per_device(
-    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1
+    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1, e: int = 1
 ) -> MemoryEstimate:
-    """Estimate per-device memory on a ``d x c x t`` mesh for global batch ``batch`` of
-    ``seq_len`` (c splits the sequence, and the weights as d does).
+    """Estimate per-device memory on a ``d x e x c x t`` mesh for global batch ``batch`` of
+    ``seq_len`` (c splits the sequence, and the weights as d does; e splits the routed experts
+    and, elsewhere, the batch and the weights as d does).
 
-    Weights, grads and AdamW moments are f32 and fully sharded: ``param_bytes / (d*c*t)`` each
-    (x2 for the moments). Activations per layer are what the remat policy keeps of the
-    layer's arrays (:func:`layer_bytes`; b = batch/d, c = bytes of ``cfg.compute_dtype``):
+    Weights, grads and AdamW moments are f32 and fully sharded, each weight as its type says
+    (:func:`param_bytes_per_device`: ``param_bytes / (d*e*c*t)`` but for the few a type leaves
+    whole along some axis, the router's bias); x2 for the moments. Activations per layer are
+    what the remat policy keeps of the layer's arrays (:func:`layer_bytes`, each stack's layer
+    with its blocks; b = batch/(d e), c = bytes of ``cfg.compute_dtype``):
 
     * ``full``: the layer input x ``'b L M/t'`` only.
     * ``saved``: x and the marked q, k, v, attention output, h, gate and up, all in c.
@@ -523,30 +630,38 @@ def memory_per_device(
     scores on the einsum path, and its gathered weights), gradients in flight, collective
     buffers, XLA temporaries and allocator fragmentation: leave headroom.
     """
-    per_layer = saved_bytes(cfg, layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c), c)
-    weights = -(-param_bytes(cfg) // (d * c * t))  # ceil: exact whenever check_mesh passes
+    kept_by_stack = [
+        (n, saved_bytes(cfg, layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c, e=e,
+                                         blocks=blocks), c, blocks))
+        for _, n, blocks in stacks(cfg)
+    ]  # fmt: skip
+    weights = param_bytes_per_device(cfg, {"d": d, "e": e, "c": c, "t": t})
     return MemoryEstimate(
         weights=weights,
         grads=weights,
         optimizer=2 * weights,
-        activations_per_layer=per_layer,
-        activations=cfg.n_layers * per_layer,
-        logits=4 * (batch // d) * (seq_len // c) * (cfg.vocab // t),
+        activations_per_layer=max(per_layer for _, per_layer in kept_by_stack),
+        activations=sum(n * per_layer for n, per_layer in kept_by_stack),
+        logits=4 * (batch // (d * e)) * (seq_len // c) * (cfg.vocab // t),
     )
 
 
-def _check_step(cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1) -> None:
-    for name, value in (("d", d), ("c", c), ("t", t), ("batch", batch), ("seq_len", seq_len)):
+def _check_step(
+    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1, e: int = 1
+) -> None:
+    for name, value in (
+        ("d", d), ("e", e), ("c", c), ("t", t), ("batch", batch), ("seq_len", seq_len),
+    ):  # fmt: skip
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    check_mesh(cfg, {"d": d, "c": c, "t": t})
+    check_mesh(cfg, {"d": d, "e": e, "c": c, "t": t})
     if c > 1 and seq_len % (2 * c):
         raise ValueError(
             f"seq_len={seq_len} is not divisible by 2c = {2 * c} (the zigzag layout over c "
             f"cuts each row into 2c chunks). Choose a seq_len divisible by {2 * c}."
         )
-    if batch % d:
+    if batch % (d * e):
         raise ValueError(
-            f"batch={batch} is not divisible by mesh axis d={d} (the batch "
-            f"is split 'B/d/e'). Choose a batch divisible by {d}."
+            f"batch={batch} is not divisible by mesh axes d x e = {d} x {e} (the batch "
+            f"is split 'B/d/e'). Choose a batch divisible by {d * e}."
         )

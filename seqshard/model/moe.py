@@ -70,7 +70,9 @@ from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 __all__ = [
     "MOE",
     "ExpertFfnWeights",
+    "ROUTED_OPS",
     "RouterStats",
+    "buffer_bytes",
     "capacity",
     "moe_ffn",
     "route",
@@ -163,6 +165,11 @@ MOE = Block(
 )  # fmt: skip
 """The MoE block's declarations (FLOPs on active parameters: a token's k experts)."""
 
+ROUTED_OPS = frozenset({"expert_gate", "expert_up", "expert_swiglu", "expert_down"})
+"""The operations on the routed token copies: their work lands on the e shard holding each
+copy's expert, so the busiest shard does more than the mean when the router is unbalanced
+(the planner's ``imbalance``)."""
+
 
 @pytree_dataclass
 class RouterStats:
@@ -203,6 +210,13 @@ def capacity(cfg: ModelConfig, tokens: int, e: int) -> int:
     if moe.capacity_factor == 0:
         return tokens * min(k, moe.n_experts // e)
     return max(1, math.ceil(moe.capacity_factor * tokens * k / e))
+
+
+def buffer_bytes(cfg: ModelConfig, tokens: int, e: int) -> int:
+    """Bytes of one exchange buffer ``[e, C, M]`` in compute dtype on a device holding
+    ``tokens`` tokens (C = :func:`capacity`): the dispatch sends one and receives one, the
+    return the same again, whatever the routing (fixed shapes)."""
+    return e * capacity(cfg, tokens, e) * cfg.d_model * cfg.compute_bytes
 
 
 def route(

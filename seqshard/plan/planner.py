@@ -67,8 +67,6 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 
-import jax
-
 from seqshard import hardware
 from seqshard.config import Config, ConfigError, check_config, resolve_mesh
 from seqshard.mesh import MESH_AXES
@@ -79,15 +77,20 @@ from seqshard.model.cost import (
     layer_bytes,
     matmul_flops_per_token,
     memory_per_device,
+    param_bytes_per_device,
     saved_bytes,
+    stacks,
+    step_flops,
 )
-from seqshard.model.weights import Layer, Weights
+from seqshard.model.moe import ROUTED_OPS, buffer_bytes
+from seqshard.model.weights import STACKS, Weights
 from seqshard.plan.step_comms import PlannedCollective, collectives_per_step
-from seqshard.shardlib.shardtypes import ArrayType, block_shape, type_tree
+from seqshard.shardlib.shardtypes import block_shape, type_tree
 from seqshard.shardlib.tables import format_bytes
 
 __all__ = [
     "FUSED_ATTENTION",
+    "MOE_IMBALANCE",
     "MemoryPlan",
     "Plan",
     "PlannedCollective",
@@ -96,12 +99,33 @@ __all__ = [
     "collectives_per_step",
     "describe_memory",
     "memory_plan",
+    "moe_buffer_bytes",
+    "moe_tokens_per_device",
     "plan",
     "target_config",
 ]
 
 FUSED_ATTENTION = ("cudnn", "splash")
 """Attention kernels that never hold the ``'b L L Q K/t'`` scores (flash attention)."""
+
+MOE_EXCHANGE_BUFFERS = 4
+"""How many ``[e, C, M]`` exchange buffers an MoE layer's backward holds at once (see
+:func:`_exchange_working_set`)."""
+
+MOE_IMBALANCE = 1.25
+"""The planner's default load imbalance of the routed experts: the busiest e shard gets this
+many times the mean token copies (a balanced router, aux loss or DeepSeek-V3's bias, keeps
+it near 1.1-1.5 after the first steps). It scales the routed experts' compute time only:
+dropless buffers are sized for the worst case, so memory and the exchange's bytes do not
+depend on it; with ``capacity_factor`` f > 0 a shard takes at most f x the mean."""
+
+CPU_MASKED_BUFFERS = 6
+"""How many E/e-fold masked copies of an exchange buffer XLA:CPU holds at once in an MoE
+layer's backward (see :func:`_exchange_working_set`): fitted to ``memory_analysis`` of the
+step compiled for 8 fake CPU devices (tests/plan/test_planner.py; six configs, e = 1, 2, 4,
+top_k 1 and 2, dropless and capacity_factor 1.25, remat saved and full: planner / XLA 0.88
+to 1.04), not derived: the inputs of the three grouped matmuls and their cotangents, masked
+per local expert, would be six, but XLA fuses and frees some of them."""
 
 
 def attention_impl_on(impl: str, platform: str) -> str:
@@ -192,8 +216,13 @@ def _gathers(cfg: Config, weights: type, names: Iterable[str]) -> list[_Gather]:
     return out
 
 
-def _layer_gathers(cfg: Config) -> list[_Gather]:
-    return _gathers(cfg, Layer, (f.name for f in dataclasses.fields(Layer)))
+def _layer_gathers(cfg: Config, stack: str = "layers") -> list[_Gather]:
+    """The gathers of one layer of ``stack`` ('layers', 'moe_layers'): every weight a mesh
+    axis splits (a weight whole on every device, the router's bias, is read in place)."""
+    layer = STACKS[stack][0]
+    types = type_tree(layer)
+    split = (f.name for f in dataclasses.fields(layer) if getattr(types, f.name).shape.split_axes)
+    return _gathers(cfg, layer, split)
 
 
 def _outer_gathers(cfg: Config) -> dict[str, _Gather]:
@@ -205,16 +234,33 @@ def _microbatch_rows(cfg: Config) -> int:
     return cfg.train.batch_size // cfg.train.microbatches
 
 
-def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
+def moe_tokens_per_device(cfg: Config) -> int:
+    """T, the tokens one device routes per microbatch: its rows ``'B/d/e'`` times its
+    positions ``'L/c'`` (every t shard routes the same tokens: the MoE block gathers the
+    residual over t before its norm)."""
+    sizes = cfg.mesh.sizes()
+    rows = _microbatch_rows(cfg) // (sizes["d"] * sizes["e"])
+    return rows * (cfg.train.seq_len // sizes["c"])
+
+
+def moe_buffer_bytes(cfg: Config) -> int:
+    """Bytes of one of an MoE layer's exchange buffers ``[e, C, M]`` on one device
+    (:func:`seqshard.model.moe.buffer_bytes`); 0 without experts."""
+    if not cfg.model.moe.enabled:
+        return 0
+    return buffer_bytes(cfg.model, moe_tokens_per_device(cfg), cfg.mesh.sizes()["e"])
+
+
+def memory_plan(cfg: Config, attention_impl: str, platform: str = "gpu") -> MemoryPlan:
     """Peak bytes per device of a training step of ``cfg`` (mesh resolved), with attention run
-    as ``attention_impl`` (``einsum``, ``cudnn``, ``splash``, ``xla``)."""
+    as ``attention_impl`` (``einsum``, ``cudnn``, ``splash``, ``xla``), on ``platform``
+    (``gpu``, ``tpu``, ``cpu``: how it runs the experts' grouped matmuls)."""
     if cfg.mesh.sizes()["p"] > 1:
         return _pipelined_memory_plan(cfg, attention_impl)
     m, train = cfg.model, cfg.train
-    d, c, t = (cfg.mesh.sizes()[a] for a in ("d", "c", "t"))
+    d, e, c, t = (cfg.mesh.sizes()[a] for a in ("d", "e", "c", "t"))
     micro = _microbatch_rows(cfg)
-    base = memory_per_device(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c)
-    lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c)
+    base = memory_per_device(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c, e=e)
     accumulate = train.microbatches > 1
 
     table, copy = _head_table(cfg)
@@ -222,7 +268,11 @@ def memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     # transposed copy) live through every microbatch.
     hoisted = 2 * table + copy if accumulate else 0
     head = (0 if accumulate else table + copy) + table  # gathered, transposed, gradient
-    activations, layer = _layer_memory(cfg, attention_impl, lb, base.activations)
+    activations, layer = 0, 0
+    for stack, n, blocks in stacks(m):
+        lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c, e=e, blocks=blocks)
+        kept, working = _layer_memory(cfg, attention_impl, stack, lb, n, platform)
+        activations, layer = activations + kept, max(layer, working)
     return MemoryPlan(
         weights=base.weights,
         grads=base.grads * (2 if accumulate else 1),
@@ -240,35 +290,46 @@ def _head_table(cfg: Config) -> tuple[int, int]:
     return table, table if outer["unembed"].minor else 0
 
 
-def _layer_memory(cfg: Config, attention_impl: str, lb, activations: int) -> tuple[int, int]:
-    """(``activations`` less the probabilities fused attention never keeps, one layer's
-    backward working set), for layers of activations ``lb`` (:func:`~seqshard.model.cost.layer_bytes`)."""
+def _layer_memory(
+    cfg: Config, attention_impl: str, stack: str, lb, n_layers: int, platform: str = "gpu"
+) -> tuple[int, int]:
+    """(what ``n_layers`` layers of ``stack`` keep for the backward, less the probabilities
+    fused attention never keeps; one such layer's backward working set), for layers of
+    activations ``lb`` (:func:`~seqshard.model.cost.layer_bytes`)."""
     m, c = cfg.model, cfg.mesh.sizes()["c"]
-    gathered = _layer_gathers(cfg)
+    blocks = STACKS[stack][1]
+    activations = n_layers * saved_bytes(m, lb, c, blocks)
+    gathered = _layer_gathers(cfg, stack)
     weight_grads = sum(g.gathered_bytes for g in gathered)  # before their reduce-scatters
     copies = sum(g.gathered_bytes for g in gathered if g.minor)
-    everything = saved_bytes(dataclasses.replace(m, remat="none"), lb, c)
-    rebuilt = everything - saved_bytes(m, lb, c)  # re-run in the backward
+    everything = saved_bytes(dataclasses.replace(m, remat="none"), lb, c, blocks)
+    rebuilt = everything - saved_bytes(m, lb, c, blocks)  # re-run in the backward
     # Flash kernels and the ring (c > 1) never hold the probabilities, to keep or to rebuild.
     probs = lb.get("probs", 0)  # f32 'b K/t Q L L' (einsum attention only)
     fused = attention_impl in FUSED_ATTENTION or m.ring_over(c)
     if fused:  # flash attention never holds the probabilities, to keep or to rebuild
         rebuilt -= min(rebuilt, probs)
         if m.remat == "none":
-            activations -= m.n_layers * probs
+            activations -= n_layers * probs
     probs_elements = probs // 4
     # One f32 gradient of the scores at a time: softmax's backward turns d probs into
     # d scores elementwise.
     score_grads = 0 if fused else 4 * probs_elements
-    return activations, rebuilt + weight_grads + copies + score_grads
+    exchange = _exchange_working_set(cfg, platform) if stack == "moe_layers" else 0
+    return activations, rebuilt + weight_grads + copies + score_grads + exchange
 
 
-def _weight_bytes_per_device(cfg: Config) -> int:
-    """f32 bytes of every weight's per-device block, read off the types (``layers/p`` over
-    the stages; the embedding and the head replicated over p)."""
-    sizes, mesh = cfg.model.dim_sizes(), cfg.mesh.sizes()
-    leaves = jax.tree.leaves(type_tree(Weights), is_leaf=lambda x: isinstance(x, ArrayType))
-    return sum(4 * math.prod(block_shape(t, sizes, mesh)) for t in leaves)
+def _exchange_working_set(cfg: Config, platform: str) -> int:
+    """What an MoE layer's exchange holds in its backward, beyond its declared activations
+    (the block is re-run whole, :mod:`seqshard.model.moe`): :data:`MOE_EXCHANGE_BUFFERS` of
+    the fixed ``[e, C, M]`` buffers, sized for the worst case when dropless whatever the
+    routing. On CPU, XLA runs each grouped matmul (``lax.ragged_dot``) as one dense matmul
+    per local expert over every row, its input masked to the group's rows: E/e masked copies
+    of a buffer per :data:`CPU_MASKED_BUFFERS` (grouped kernels on GPU and TPU make none)."""
+    buffer = moe_buffer_bytes(cfg)
+    local = cfg.model.moe.n_experts // cfg.mesh.sizes()["e"]
+    masked = CPU_MASKED_BUFFERS * local * buffer if platform == "cpu" else 0
+    return MOE_EXCHANGE_BUFFERS * buffer + masked
 
 
 def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
@@ -289,8 +350,7 @@ def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     schedule = train.pipeline().on(p)
     micro = train.batch_size // k
     lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c)
-    one_layer = dataclasses.replace(cfg, model=dataclasses.replace(m, n_layers=1))
-    per_layer, layer = _layer_memory(one_layer, attention_impl, lb, saved_bytes(m, lb, c))
+    per_layer, layer = _layer_memory(cfg, attention_impl, "layers", lb, 1)
     rows = micro // d
     block = rows * (train.seq_len // c) * m.d_model // t * m.compute_bytes
     stage_layers = m.n_layers // p
@@ -306,7 +366,7 @@ def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
         forward_ticks = v * k + p - 1
         activations = forward_ticks * (stage_layers // v) * per_layer + 2 * k * block
     activations += hoisted
-    weights = _weight_bytes_per_device(cfg)
+    weights = param_bytes_per_device(m, sizes)
     table, copy = _head_table(cfg)
     logits = 4 * rows * (train.seq_len // c) * (m.vocab // t)
     return MemoryPlan(
@@ -348,6 +408,8 @@ class Plan:
     suggestion: Suggestion | None = None  # when it does not fit: the fastest change that does
     suggestion_note: str = ""  # why there is none, when there is none
     pipelined_compute_s: float | None = None  # mesh.p > 1: the stages' ticks, bubble included
+    routed_flops: float = 0.0  # per step, all devices: the routed experts' share of hardware_flops
+    imbalance: float = 1.0  # the busiest expert shard's copies over the mean (MOE_IMBALANCE)
 
     # -- memory --
     @property
@@ -398,10 +460,22 @@ class Plan:
 
     # -- time --
     @property
+    def busiest_shard_load(self) -> float:
+        """The busiest expert shard's routed work over the mean: :attr:`imbalance`, capped by
+        ``moe.capacity_factor`` when it drops copies (1 without experts)."""
+        moe = self.config.model.moe
+        if not moe.enabled:
+            return 1.0
+        return min(self.imbalance, moe.capacity_factor) if moe.capacity_factor else self.imbalance
+
+    @property
     def compute_s(self) -> float:
+        """The hardware FLOPs at peak; the routed experts' on the busiest shard (every device
+        waits for it at the return exchange)."""
         if self.pipelined_compute_s is not None:
             return self.pipelined_compute_s
-        return self.hardware_flops / (self.n_devices * self.chip.peak_flops)
+        flops = self.hardware_flops + (self.busiest_shard_load - 1) * self.routed_flops
+        return flops / (self.n_devices * self.chip.peak_flops)
 
     @property
     def step_time_s(self) -> float:
@@ -474,6 +548,16 @@ def _pipelined_compute_s(cfg: Config, n_devices: int, peak: float) -> float | No
     return flops / peak
 
 
+def _routed_flops(cfg: Config) -> int:
+    """The routed experts' FLOPs of a step (:data:`seqshard.model.moe.ROUTED_OPS`: forward,
+    backward and remat's recompute), all devices; 0 without experts."""
+    if not cfg.model.moe.enabled:
+        return 0
+    train = cfg.train
+    s = step_flops(cfg.model, batch=train.batch_size, seq_len=train.seq_len)
+    return s.sum(names=ROUTED_OPS)
+
+
 def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
     """The link each axis key crosses and its bandwidth per device."""
     mesh = cfg.mesh.sizes()
@@ -504,14 +588,26 @@ def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
     return links, bandwidths
 
 
-def plan(cfg: Config, n_devices: int, chip: str, *, suggest: bool = True) -> Plan:
+def plan(
+    cfg: Config,
+    n_devices: int,
+    chip: str,
+    *,
+    suggest: bool = True,
+    imbalance: float = MOE_IMBALANCE,
+) -> Plan:
     """The plan of one training step of ``cfg`` on ``n_devices`` devices of ``chip``
     (a name in :data:`seqshard.hardware.CHIPS`); mesh sizes of -1 resolve against
     ``n_devices``. Needs no devices and compiles nothing. Raises ValueError (ConfigError)
     for an unknown chip or a config that cannot run on that many devices.
 
     ``suggest``: when it does not fit, also plan the candidate changes (see the module
-    docstring) and attach the fastest one that fits."""
+    docstring) and attach the fastest one that fits. ``imbalance``: with experts, the busiest
+    expert shard's token copies over the mean (:data:`MOE_IMBALANCE`)."""
+    if not imbalance >= 1:
+        raise ValueError(
+            f"imbalance must be >= 1 (the busiest shard over the mean), got {imbalance!r}."
+        )
     ch, cfg, impl, memory = _memory_on(cfg, n_devices, chip)
     m, train = cfg.model, cfg.train
     calls = tuple(collectives_per_step(cfg))
@@ -529,6 +625,8 @@ def plan(cfg: Config, n_devices: int, chip: str, *, suggest: bool = True) -> Pla
         link_by_axis=links,
         bandwidth_by_axis=bandwidths,
         pipelined_compute_s=_pipelined_compute_s(cfg, n_devices, ch.peak_flops),
+        routed_flops=float(_routed_flops(cfg)),
+        imbalance=imbalance if m.moe.enabled else 1.0,
     )
     if result.fits or not suggest:
         return result
@@ -618,7 +716,7 @@ def _memory_on(cfg: Config, n_devices: int, chip: str):
     ch = hardware.chip(chip)
     cfg = target_config(cfg, n_devices)
     impl = attention_impl_on(cfg.model.attention_impl, ch.platform)
-    return ch, cfg, impl, memory_plan(cfg, impl)
+    return ch, cfg, impl, memory_plan(cfg, impl, ch.platform)
 
 
 def _fits_in_memory(cfg: Config, n_devices: int, chip: str) -> bool:

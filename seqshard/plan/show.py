@@ -18,10 +18,30 @@ import jax
 
 from seqshard.batch import batch_structs
 from seqshard.config import Config, config_to_yaml
-from seqshard.model.cost import PHASES, flops_per_token, hardware_flops_per_token, step_flops
-from seqshard.model.weights import Weights, param_count
-from seqshard.plan.planner import FUSED_ATTENTION, Plan, describe_memory, memory_plan, plan
-from seqshard.plan.step_comms import PlannedCollective, collectives_per_step, format_planned_table
+from seqshard.model.cost import (
+    PHASES,
+    flops_per_token,
+    hardware_flops_per_token,
+    param_counts,
+    step_flops,
+)
+from seqshard.model.moe import capacity
+from seqshard.model.weights import weights_type
+from seqshard.plan.planner import (
+    FUSED_ATTENTION,
+    Plan,
+    describe_memory,
+    memory_plan,
+    moe_buffer_bytes,
+    moe_tokens_per_device,
+    plan,
+)
+from seqshard.plan.step_comms import PHASES as COMM_PHASES
+from seqshard.plan.step_comms import (
+    PlannedCollective,
+    collectives_per_step,
+    format_planned_table,
+)
 from seqshard.shardlib.comms import Collective, collectives, format_comm_table
 from seqshard.shardlib.shardtypes import block_shape, type_tree
 from seqshard.shardlib.tables import format_bytes, format_table
@@ -31,6 +51,8 @@ __all__ = [
     "describe",
     "flops_table",
     "format_plan",
+    "moe_report",
+    "parameters_line",
     "pipeline_report",
     "pipeline_shifts",
     "weight_table",
@@ -46,7 +68,8 @@ def weight_table(cfg: Config) -> list[tuple[str, str, str, str, str]]:
     sizes, axes = cfg.model.dim_sizes(), cfg.mesh.sizes()
     rows = []
     for path, t in jax.tree_util.tree_flatten_with_path(
-        type_tree(Weights), is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype_name")
+        type_tree(weights_type(cfg.model)),
+        is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype_name"),
     )[0]:
         name = jax.tree_util.keystr(path).lstrip(".")
         rows.append(
@@ -136,6 +159,69 @@ def predicted_comm_report(cfg: Config) -> str:
     if not calls:
         return head + "\n  none: no mesh axis has more than one device"
     return head + "\n" + format_planned_table(calls, m.n_layers)
+
+
+def parameters_line(cfg: Config) -> str:
+    """The parameter count, without the embedding, and with experts the active parameters
+    (what one token's forward reads: :func:`seqshard.model.cost.param_counts`)."""
+    m = cfg.model
+    n = param_counts(m)
+    line = f"parameters: {n.total:,} ({n.total - n.embedding:,} without the embedding)"
+    if m.moe.enabled:
+        line += (
+            f"; active per token {n.active:,} ({n.active - n.embedding:,} without the "
+            f"embedding): the dense parts, {m.moe.top_k} of the {m.moe.n_experts} routed "
+            f"experts ({n.routed:,} parameters in all) and {m.moe.n_shared} shared"
+        )
+    return line
+
+
+def moe_report(cfg: Config) -> str:
+    """The routed experts on the mesh: experts per device, the exchange buffers each MoE
+    layer holds per device (fixed shapes: :func:`seqshard.model.moe.capacity`), and the
+    all-to-all traffic of a step per mesh axis, predicted from the notation."""
+    m, sizes = cfg.model, cfg.mesh.sizes()
+    moe = m.moe
+    if not moe.enabled:
+        return "experts: none (model.moe.n_experts=0)"
+    e, n_moe = sizes["e"], m.dim_sizes()["moe_layers"]
+    tokens = moe_tokens_per_device(cfg)
+    cap = capacity(m, tokens, e)
+    buffer = moe_buffer_bytes(cfg)
+    sizing = (
+        f"dropless: C = T x min(top_k, E/e) = {tokens:,} x {min(moe.top_k, moe.n_experts // e)}, "
+        f"the worst case"
+        if moe.capacity_factor == 0
+        else f"C = ceil(capacity_factor x T x top_k / e) = ceil({moe.capacity_factor:g} x "
+        f"{tokens:,} x {moe.top_k} / {e})"
+    )
+    calls = [c for c in collectives_per_step(cfg) if c.kind == "all-to-all"]
+    lines = [
+        f"experts: {moe.n_experts} routed (top-{moe.top_k}, {moe.router} router, d_ff "
+        f"{moe.d_ff}) + {moe.n_shared} shared, in {n_moe} of {m.n_layers} layers; "
+        f"E/e = {moe.n_experts // e} experts per device (mesh.e={e})",
+        f"  exchange buffers per device per MoE layer: send + receive 2 x e x C x M x "
+        f"{m.compute_bytes} B = 2 x {e} x {cap:,} x {m.d_model} x {m.compute_bytes} B = "
+        f"{format_bytes(2 * buffer)} (T = {tokens:,} tokens per device and microbatch; "
+        f"{sizing}); the return exchange as much again",
+    ]
+    if not calls:
+        lines.append("  all-to-all per step: none (mesh.e=1: every expert is local)")
+        return "\n".join(lines)
+    by_axis: dict[str, tuple[int, float]] = {}
+    for c in calls:
+        n, sent = by_axis.get(c.axis_key, (0, 0.0))
+        by_axis[c.axis_key] = (n + c.calls, sent + c.bytes_per_step)
+    for axis, (n, sent) in sorted(by_axis.items()):
+        per_phase = {p: sum(c.calls for c in calls if c.phase == p and c.axis_key == axis)
+                     for p in COMM_PHASES}  # fmt: skip
+        lines.append(
+            f"  all-to-all over {axis}: {n} per step ("
+            + ", ".join(f"{p} {k}" for p, k in per_phase.items())
+            + f"; the token rows and their expert ids, x {n_moe} MoE layers x "
+            f"{cfg.train.microbatches} microbatch(es)), {format_bytes(sent)} sent per device"
+        )
+    return "\n".join(lines)
 
 
 def context_report(cfg: Config) -> str:
@@ -230,7 +316,7 @@ def compiled_step_report(cfg: Config) -> str:
     mem = compiled.memory_analysis()
     if mem is not None:
         impl = resolve_impl(cfg.model.attention_impl)
-        planned = memory_plan(cfg, impl).total
+        planned = memory_plan(cfg, impl, jax.default_backend()).total
         peak = mem.argument_size_in_bytes + mem.temp_size_in_bytes
         lines += [
             "",
@@ -300,9 +386,7 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
     m, train_cfg = cfg.model, cfg.train
     mesh = cfg.mesh.describe()
     parts = ["# resolved config", config_to_yaml(cfg).rstrip(), ""]
-    n = param_count(m)
-    non_embed = n - m.vocab * m.d_model
-    parts.append(f"parameters: {n:,} ({non_embed:,} without the embedding)")
+    parts.append(parameters_line(cfg))
     parts.append("")
     parts.append(f"weights on mesh {mesh} (f32 master copies):")
     parts.append(
@@ -317,6 +401,8 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
     parts.append("")
     parts.append(pipeline_report(cfg))
     parts.append("")
+    if m.moe.enabled:
+        parts += [moe_report(cfg), ""]
     if chip is not None:
         parts.append(format_plan(plan(cfg, cfg.mesh.n_devices, chip)))
     else:
@@ -374,8 +460,21 @@ def _plan_target(p: Plan) -> list[str]:
         f"  attention_impl={cfg.model.attention_impl} runs as {p.attention_impl}; "
         f"remat={cfg.model.remat}; {train.microbatches} microbatch"
         f"{'es' * (train.microbatches != 1)} of {micro} x {train.seq_len} tokens "
-        f"({micro // cfg.mesh.d} rows per device)",
+        f"({micro // (cfg.mesh.d * cfg.mesh.e)} rows per device)",
     ]
+    moe = cfg.model.moe
+    if moe.enabled:
+        counts = param_counts(cfg.model)
+        e = cfg.mesh.sizes()["e"]
+        lines.append(
+            f"  experts: {moe.n_experts // e} of {moe.n_experts} per device (e={e}), top-"
+            f"{moe.top_k}; parameters {counts.total / 1e9:.2f} B total, "
+            f"{counts.active / 1e9:.2f} B active per token (FLOPs and MFU on the active); "
+            f"routed compute at the busiest shard's {p.busiest_shard_load:g} x the mean "
+            f"(imbalance {p.imbalance:g}"
+            + (f", capacity_factor {moe.capacity_factor:g}" if moe.capacity_factor else "")
+            + ")"
+        )
     stages = cfg.mesh.sizes()["p"]
     if stages > 1:
         schedule = train.pipeline().on(stages)

@@ -35,7 +35,6 @@ from seqshard.batch import batch_structs
 from seqshard.config import Config
 from seqshard.model.cost import recomputes
 from seqshard.model.remat import remat_policy
-from seqshard.model.moe import MOE
 from seqshard.model.weights import weight_structs
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.collective_log import LoggedCollective
@@ -125,10 +124,6 @@ def recomputed(c: LoggedCollective, remat: str) -> bool:
     return c.weight or recomputes(remat, c.part or "")
 
 
-# The MoE block's operations no remat policy re-runs: they only make its output.
-_OUTPUT_ONLY = frozenset(op.name for op in MOE.ops if not op.recomputed_by)
-
-
 def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     """Every collective a training step of ``cfg`` (mesh resolved) runs, per device."""
     m, k = cfg.model, cfg.train.microbatches
@@ -138,10 +133,11 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
         if c.vjp_primal:
             continue  # the step differentiates it: its custom VJP's forward rule runs instead
         if c.vjp_in_backward:
-            # jax.vjp inside the hand-written backward: its forward re-runs there (but for
-            # what only makes the block's output, which nothing there reads: XLA drops it),
-            # and JAX's transposes of its collectives are the backward's.
-            if c.weight or c.part not in _OUTPUT_ONLY:
+            # jax.vjp inside the hand-written backward: its forward re-runs there, and JAX's
+            # transposes of its collectives are the backward's. The re-run's own output is
+            # discarded (only its pullback is used), so XLA drops the collectives that only
+            # make it: the operations no policy re-runs (the block's residual add).
+            if c.weight or recomputes("full", c.part or ""):
                 steps.append((c, "recompute", ""))
             back = collective_log.transpose(c)
             if back is not None:

@@ -84,8 +84,10 @@ class LoggedCollective:
 
     @property
     def weight(self) -> bool:
-        """A weight's gather (its input has no batch dimension B), or that gather's transpose."""
-        return "B" not in _input_labels(self.spec)
+        """A weight's gather (its input has no batch dimension B), or that gather's transpose.
+        An all-reduce or all-to-all never is: those sum or exchange values the batch made (the
+        loss, the router's statistics, the token copies routed over e), whatever their letters."""
+        return self.kind in ("all-gather", "reduce-scatter") and "B" not in _input_labels(self.spec)
 
     @property
     def calls(self) -> int:

@@ -631,7 +631,7 @@ def test_layer_bytes_per_array():
     assert lb["probs"] == 4 * b * L * L * 2 * 1
     assert lb["ln1"] == 4 * 256 and lb["w_q"] == 2 * 256 * 2 * 1 * 32
     assert "keys" not in lb and "lse" not in lb  # c = 1: k itself; no ring
-    with pytest.raises(ValueError, match="batch=6 is not divisible by mesh axis d=4"):
+    with pytest.raises(ValueError, match=r"batch=6 is not divisible by mesh axes d x e = 4 x 1"):
         layer_bytes(cfg, d=4, t=1, batch=6, seq_len=64)
 
 

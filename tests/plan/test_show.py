@@ -10,6 +10,7 @@ from seqshard.config import load_config
 from seqshard.model.cost import PHASES, flops_per_token, hardware_flops_per_token, step_flops
 from seqshard.model.weights import param_count
 from seqshard.plan.show import context_report, describe, flops_table, weight_table
+from seqshard.shardlib.tables import format_bytes
 
 OVERRIDES = [
     "model.vocab=64",
@@ -135,3 +136,31 @@ def test_context_report_compares_the_strategies_for_the_split_sequence():
     # forward and k, v 3 times and dk, dv 4 times backward (recompute: the gathers again).
     assert rows["allgather"][1] == "6" and rows["ring"][2] == str(2 * 3 + 2 * 3 + 2 * 4)
     assert "c = 1, the sequence is not split" in context_report(load_config(None, OVERRIDES))
+
+
+def test_moe_report_reads_the_exchange_off_the_config_and_the_notation():
+    """tiny-cpu-moe on e=2 x d=2 x t=2: T = 32/(2 x 2) rows x 128 tokens = 1024 per device,
+    dropless C = T x min(3, 8/2) = 3072 rows, f32 buffers [2, 3072, 128]; the all-to-alls per
+    step and their bytes are the predicted collectives' over e; the weight table lists the
+    MoE stack; the parameter line gives total and active."""
+    from pathlib import Path
+
+    from seqshard.model.cost import param_counts
+    from seqshard.plan.show import moe_report, parameters_line
+    from seqshard.plan.step_comms import collectives_per_step
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu-moe.yaml")
+    text = moe_report(cfg)
+    assert "E/e = 4 experts per device (mesh.e=2)" in text
+    buffer = 2 * 3072 * 128 * 4
+    assert f"2 x 2 x 3,072 x 128 x 4 B = {format_bytes(2 * buffer)}" in text
+    exchanges = [c for c in collectives_per_step(cfg) if c.kind == "all-to-all"]
+    sent = format_bytes(sum(c.bytes_per_step for c in exchanges))
+    assert re.search(
+        rf"all-to-all over e: {sum(c.calls for c in exchanges)} per step .* {re.escape(sent)} sent",
+        text,
+    )
+    assert "moe_layers.w_gate" in {row[0] for row in weight_table(cfg)}
+    n = param_counts(cfg.model)
+    assert n.total == param_count(cfg.model) and n.active < n.total
+    assert f"active per token {n.active:,}" in parameters_line(cfg)
