@@ -153,7 +153,7 @@ def plot_expert_load(
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False)
     image = None
-    for ax, (layer, load) in zip(axes.flat, relative.items()):
+    for ax, (layer, load) in zip(axes.flat, relative.items(), strict=False):  # spare panels
         image = ax.imshow(load, aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm,
                           extent=(steps[0] - 0.5, steps[-1] + 0.5, load.shape[0] - 0.5, -0.5))  # fmt: skip
         ax.set_title(f"layer {layer}")

@@ -332,7 +332,11 @@ def test_per_device_and_per_run():
     dev = table.per_device({"d": 2, "t": 4})
     assert table["attn_norm"].split_axes == ("d", "e")
     assert dev["attn_norm"].forward * 2 == table["attn_norm"].forward
-    assert table["q"].split_axes == ("d", "e", "t") and table["scores"].split_axes == ("d", "e", "t")
+    assert table["q"].split_axes == ("d", "e", "t") and table["scores"].split_axes == (
+        "d",
+        "e",
+        "t",
+    )
     assert dev["q"].backward * 8 == table["q"].backward
     assert dev["attn_residual"].forward * 8 == table["attn_residual"].forward  # 'B/d/e L M/t'
     assert dev["optimizer"].update * 8 == table["optimizer"].update

@@ -68,7 +68,13 @@ def test_decode_mesh_fills_t_then_divides_the_batch():
     # d = 3 does not divide d_model = 32 (norm gains are d_model/t/d): d falls back to 1.
     assert dict(decode_mesh(3, CFG).shape) == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 2}
     assert dict(decode_mesh(4, CFG, max_d=1).shape) == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 2}
-    assert dict(decode_mesh(4, CFG, jax.devices()[:1]).shape) == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 1}
+    assert dict(decode_mesh(4, CFG, jax.devices()[:1]).shape) == {
+        "p": 1,
+        "d": 1,
+        "e": 1,
+        "c": 1,
+        "t": 1,
+    }
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,8 @@ from seqshard.batch import token_batch
 from seqshard.config import ConfigError, load_config
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import logits_fn, loss_fn, reference_logits_fn, reference_loss_fn
-from seqshard.model.generate import Sampling, decode_mesh, generate
 from seqshard.model.config import MoEConfig
+from seqshard.model.generate import Sampling, decode_mesh, generate
 from seqshard.model.moe import capacity, route
 from seqshard.model.sharded import batch_terms_and_stats
 from seqshard.model.weights import weight_structs
@@ -196,8 +196,8 @@ def test_greedy_generation_with_experts_follows_the_reference():
     out = np.asarray(out)
     starts = np.zeros(out.shape, bool)
     starts[:, 0] = True
-    ref = np.asarray(
-        jax.jit(reference_logits_fn, static_argnums=3)(WEIGHTS, out, starts, CFG)
-    )[:, 4 : 4 + new]
+    ref = np.asarray(jax.jit(reference_logits_fn, static_argnums=3)(WEIGHTS, out, starts, CFG))[
+        :, 4 : 4 + new
+    ]
     np.testing.assert_allclose(np.asarray(logits), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[:, 5:], np.argmax(ref, axis=-1))

@@ -364,7 +364,9 @@ OUTSIDE_SCAN = (  # in the order the forward pass runs them: embed, final norm, 
     ),
     Comm("unembed", "all_gather", "V/t M/d/e/c -> V/t M", ("d",)),
     Comm("logsumexp shift", "pmax", "B/d/e L@zigzag/c{U_t} -> B/d/e L@zigzag/c", ("t",)),
-    Comm("(sum_exp, target_logit)", "psum", "2 B/d/e L@zigzag/c{U_t} -> 2 B/d/e L@zigzag/c", ("t",)),
+    Comm(
+        "(sum_exp, target_logit)", "psum", "2 B/d/e L@zigzag/c{U_t} -> 2 B/d/e L@zigzag/c", ("t",)
+    ),
     Comm("(loss_sum, count)", "psum", "2{U_d,e,c} -> 2", ("d",)),
 )
 LAYER_BODY = (  # the scanned layer body, in order
