@@ -203,6 +203,15 @@ def test_format_line_partial_and_extra_keys():
     assert line == "step 1/2  loss nan  z 0.25  tokens_counted 16,384"
 
 
+def test_format_line_leaves_per_layer_and_per_expert_figures_to_the_files():
+    """A run with 58 MoE layers of 256 experts logs ~15,000 moe_load/<layer>/<expert> values
+    a step: the console shows the worst layer's load, the files keep them all."""
+    metrics = {"loss": 3.0, "moe_load_max_over_mean": 1.25, "moe_load_max_over_mean/3": 1.25}
+    metrics |= {f"moe_load/3/{j}": 1 / 8 for j in range(8)}
+    line = format_line(7, 9, metrics)
+    assert line == "step 7/9  loss 3  moe_load_max_over_mean 1.25"
+
+
 def test_tty_progress_bar(tmp_path, capsys):
     with MetricsLogger(tmp_path, total_steps=10, start_step=2, tty=True) as log:
         log.log(3, _metrics(3))
