@@ -19,8 +19,15 @@ The optimizer update runs no shardops (its global gradient norm is plain jit: XL
 all-reduces of f32 scalars there, not predicted). One XLA optimization is modelled because it
 changes calls per step: with microbatches, the gathers of the weights outside the layer scan
 (embedding, unembedding, final norm) do not depend on the microbatch, and XLA hoists them out
-of the accumulation loop, once per step. tests/test_step_comms.py holds the prediction equal
-to the compiled HLO (:mod:`seqshard.shardlib.comms`) kind by kind, per phase, in and out of loops.
+of the accumulation loop, once per step. tests/plan/test_step_comms.py holds the prediction
+equal to the compiled HLO (:mod:`seqshard.shardlib.comms`) kind by kind, per phase, in and out
+of loops.
+
+Not modelled: a layer stack of one layer (a model of one layer, or a dense first layer beside
+the MoE stack). XLA inlines a loop of one trip, and then merges what remat re-runs with the
+forward: the recomputed weight and norm gathers are the forward's (CSE), the router
+statistics' all-reduces combined into one. The prediction counts them as written (more
+calls than compiled); stacks of two layers or more compile as predicted.
 """
 
 from __future__ import annotations
