@@ -20,6 +20,7 @@ starts at unit scale and the residual stream grows like sqrt(layers), as in GPT-
     w_down                     1/sqrt(d_ff) / sqrt(2 n_layers)
     unembed                    1/sqrt(d_model)
     ln1, ln2, final_norm       ones
+    q_norm, k_norm             ones                   ([d_head] with model.qk_norm, else [0])
 """
 
 from __future__ import annotations
