@@ -324,7 +324,11 @@ def _with_hf_model(cfg: Config, layers: Sequence[dict]) -> Config:
     from seqshard.hf.hf_config import HFFormatError, read_hf_config
 
     names_it = max(i for i, d in enumerate(layers) if (d.get("init") or {}).get("from_hf"))
-    written = {k for d in layers[names_it:] for k in (d.get("model") or {})}
+    # Model fields written there or later, MoEConfig's as 'moe.top_k'.
+    written = set()
+    for d in layers[names_it:]:
+        for k, value in (d.get("model") or {}).items():
+            written |= {f"{k}.{sub}" for sub in value} if isinstance(value, dict) else {k}
     try:
         hf = read_hf_config(cfg.init.from_hf)
     except HFFormatError as e:

@@ -101,6 +101,7 @@ from seqshard.model.block import kept
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, ring_backward, sequence_rows
 from seqshard.model.moe import ExpertFfnWeights, RouterStats
+from seqshard.model.pipeline.spmd import varying_over_stages
 from seqshard.model.transformer import (
     HEAD,
     embed,
@@ -400,7 +401,10 @@ def attention_half_backward(
     if cfg.qk_norm:
         d_q, d_k, qk_grads = qk_norm_backward(cfg, a, d_q, d_k)
     else:
-        qk_grads = {"q_norm": jnp.zeros((0,), f32), "k_norm": jnp.zeros((0,), f32)}
+        # The gains are [0]: so are their gradients, typed as the layer's weights are (varying
+        # over p in a pipeline stage).
+        empty = varying_over_stages(jnp.zeros((0,), f32))
+        qk_grads = {"q_norm": empty, "k_norm": empty}
     d_kv = jnp.stack([d_k, d_v])
     d_nx, (d_w_q, d_w_kv) = projections_backward(
         a["nx"],
