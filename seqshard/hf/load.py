@@ -125,7 +125,7 @@ def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig, names) -> 
         raise HFFormatError(
             f"{tensors.directory} has tensors seqshard's {hf.architecture} does not compute: "
             f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''} ({len(extra)} in all; "
-            f"biases, extra layers or experts are not supported)."
+            f"biases and extra layers or experts are not supported)."
             + _more_experts_said(extra, hf, cfg)
             + " seqshard will not drop weights silently."
         )
