@@ -192,7 +192,8 @@ class RuntimeConfig:
 class InitConfig:
     """Where a new run's weights come from (a resumed run restores its checkpoint instead).
 
-    from_hf: a Hugging Face Llama directory (config.json, model*.safetensors, tokenizer.json):
+    from_hf: a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE directory (config.json,
+    model*.safetensors, tokenizer.json):
     its weights, read into the sharded layout (:mod:`seqshard.hf.load`), its model sizes
     (model fields the config leaves to its bases are filled from config.json; those written in
     the file that names from_hf, or in overrides, must agree), and its tokenizer (unless
@@ -324,7 +325,11 @@ def _with_hf_model(cfg: Config, layers: Sequence[dict]) -> Config:
     from seqshard.hf.hf_config import HFFormatError, read_hf_config
 
     names_it = max(i for i, d in enumerate(layers) if (d.get("init") or {}).get("from_hf"))
-    written = {k for d in layers[names_it:] for k in (d.get("model") or {})}
+    # Model fields written there or later, MoEConfig's as 'moe.top_k'.
+    written = set()
+    for d in layers[names_it:]:
+        for k, value in (d.get("model") or {}).items():
+            written |= {f"{k}.{sub}" for sub in value} if isinstance(value, dict) else {k}
     try:
         hf = read_hf_config(cfg.init.from_hf)
     except HFFormatError as e:

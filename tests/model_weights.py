@@ -10,7 +10,7 @@ import numpy as np
 
 from seqshard.model import ModelConfig, Weights, weight_structs
 
-NORM_GAINS = ("layers.ln1", "layers.ln2", "final_norm")
+NORM_GAINS = ("layers.ln1", "layers.ln2", "layers.q_norm", "layers.k_norm", "final_norm")
 
 TINY = {
     "vocab": 64,

@@ -131,6 +131,7 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "rope_low_freq_factor": 2.0,
         "rope_high_freq_factor": 8.0,
         "rope_original_max_position": 1024,
+        "qk_norm": True,
     }
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (
         "a ModelConfig field was added or renamed: add it here"

@@ -1,11 +1,13 @@
-"""Write a model's weights as a Hugging Face Llama directory that transformers loads.
+"""Write a model's weights as a Hugging Face model directory that transformers loads: a
+Llama, or a Qwen3, Mixtral or Qwen3-MoE (``seqshard.hf.hf_config.architecture_of``: qk_norm
+and experts decide).
 
     seqshard export runs/tiny-cpu hf/tiny-cpu            # the newest good checkpoint
     seqshard export runs/tiny-cpu hf/tiny-cpu --step 200 --dtype bfloat16
 
 writes::
 
-    config.json                        LlamaForCausalLM, untied, rope_theta, torch_dtype, ...
+    config.json                        LlamaForCausalLM (...), untied, rope_theta, torch_dtype, ...
     generation_config.json             eos (and bos) token ids
     model.safetensors                  or model-0000k-of-0000n.safetensors + the index,
     model.safetensors.index.json         files of at most --max-file-size bytes
@@ -28,6 +30,11 @@ layer, one part), gathered to the host (every process takes part; process 0 writ
 Hugging Face's layout (:mod:`seqshard.hf.table`), written and dropped. The directory is built
 beside ``OUT_DIR`` and renamed into place when complete, so a failed export (a full disk, a
 kill) leaves no half-written model where a finished one is expected.
+
+A model with ``moe.balance=bias`` has a trained ``router_bias``, which shifts which experts each
+token picks. Neither Mixtral nor Qwen3-MoE has one, and it cannot be folded into the router
+(it moves the choice, not the gates), so an export of a nonzero bias is refused (it would load
+and run, choosing other experts: wrong without a sign). Zero is exported as nothing.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from seqshard.data.tokenizer import EOT, eot_id, load_tokenizer
-from seqshard.hf.hf_config import CONFIG_FILE, hf_config_dict
+from seqshard.hf.hf_config import CONFIG_FILE, architecture_of, hf_config_dict
 from seqshard.hf.safetensors_io import (
     DTYPES,
     SINGLE_FILE,
@@ -109,6 +116,7 @@ class ExportConfig:
                 f"max_position must be positive (the longest sequence the model takes), got "
                 f"{self.max_position}: use max_position(model, seq_len)."
             )
+        architecture_of(self.model)  # a model no Hugging Face architecture computes: refused
 
     def check(self) -> None:
         """Raise, before anything is gathered or restored, if the export cannot be written:
@@ -175,9 +183,11 @@ def export_weights(
     weights: Weights, model: ModelConfig, directory: Path, dtype: str, max_file_bytes: int
 ) -> tuple[list[str], int]:
     """Write ``weights`` (of ``model``) as Hugging Face safetensors files in ``directory``
-    (process 0; every process gathers). Returns the file names and the bytes of tensor data."""
-    names = hf_tensor_names(model)
-    by_name = {name: (row, layer) for row, layer, name in names}
+    (process 0; every process gathers). Returns the file names and the bytes of tensor data.
+    Raises ValueError, before writing, for a nonzero ``router_bias`` (module docstring)."""
+    _check_router_bias(weights, model)
+    names = hf_tensor_names(model, architecture_of(model))
+    by_name = {name: (row, where) for row, where, name in names}
     planned = plan_files(
         [(n, r.hf_shape(model)) for r, _, n in names], DTYPES[dtype][1].itemsize, max_file_bytes
     )
@@ -187,8 +197,8 @@ def export_weights(
     )
 
     def produce(name: str) -> np.ndarray:
-        row, layer = by_name[name]
-        return row.to_hf(_gather(weights, row, layer), model)
+        row, where = by_name[name]
+        return row.to_hf(_gather(weights, row, where), model)
 
     total, weight_map = 0, {}
     for file, tensors in zip(files, planned, strict=True):
@@ -203,10 +213,30 @@ def export_weights(
     return files, total
 
 
-def _gather(weights: Weights, row: TensorRow, layer: int | None) -> np.ndarray:
-    """One layer's (one part's) block of a seqshard weight, whole, on the host."""
+def _check_router_bias(weights: Weights, model: ModelConfig) -> None:
+    if not model.moe.enabled:
+        return
+    bias = weights.moe_layers.router_bias  # every process gathers it (a collective)
+    if bias.is_fully_addressable:
+        values = np.asarray(bias)
+    else:
+        values = np.asarray(multihost_utils.process_allgather(bias, tiled=True))
+    if np.any(values != 0):
+        layer, expert = np.argwhere(values != 0)[0]
+        raise ValueError(
+            f"moe_layers.router_bias is nonzero (layer {model.moe.n_dense_layers + layer}, "
+            f"expert {expert}: {values[layer, expert]:.4g}; largest "
+            f"{np.max(np.abs(values)):.4g}): the model was trained with model.moe.balance=bias, "
+            f"whose bias moves which experts each token picks. {architecture_of(model)} has no "
+            f"such bias, so the exported model would pick other experts. Export a run trained "
+            f"with balance=aux_loss or none."
+        )
+
+
+def _gather(weights: Weights, row: TensorRow, index: tuple[int, ...]) -> np.ndarray:
+    """One tensor's block of a seqshard weight (``index``: its layer, [expert,] [part]),
+    whole, on the host."""
     x = row.of(weights)
-    index = () if layer is None else (layer,) if row.part is None else (layer, row.part)
     if index:
         x = _slicer(len(index))(x, *index)
     if x.is_fully_addressable:
@@ -221,7 +251,8 @@ def _slicer(n_index: int):
 
 def _weight_bytes(model: ModelConfig, dtype: str) -> int:
     size = DTYPES[dtype][1].itemsize
-    return sum(int(np.prod(r.hf_shape(model))) * size for r, _, _ in hf_tensor_names(model))
+    names = hf_tensor_names(model, architecture_of(model))
+    return sum(int(np.prod(r.hf_shape(model))) * size for r, _, _ in names)
 
 
 def _check_free_space(out_dir: Path, model: ModelConfig, dtype: str) -> None:

@@ -1,10 +1,13 @@
-"""Import a Hugging Face Llama directory's weights straight into seqshard's sharded layout.
+"""Import a Hugging Face model directory's weights straight into seqshard's sharded layout
+(Llama, Qwen3, Mixtral, Qwen3-MoE: :mod:`seqshard.hf.hf_config`).
 
 One tensor at a time: each Hugging Face tensor is read from its safetensors file, rearranged to
 seqshard's layout (:mod:`seqshard.hf.table`, a view), and each local device's block of it is
-copied to that device (``jax.make_array_from_callback``). A layer's tensor is written into its
-slot of the stacked ``layers`` weight in place (a jitted update that donates the stack), so the
-host holds the weights placed so far plus about one tensor, never the whole model at once.
+copied to that device (``jax.make_array_from_callback``). A layer's (an expert's) tensor is
+written into its slot of the stacked weight in place (a jitted update that donates the stack),
+so the host holds the weights placed so far plus about one tensor, never the whole model at
+once. Weights with no Hugging Face tensor start at zero: ``router_bias`` (the Hugging Face
+routers have none) and the weights of size 0 (shared experts, q_norm without qk_norm).
 
     weights = load_hf_weights("Llama-3.2-1B", cfg.model, mesh)   # Weights, sharded on mesh
 """
@@ -21,10 +24,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from seqshard.hf.hf_config import HF_KEYS, HFFormatError, HFModel, read_hf_config
+from seqshard.hf.hf_config import HFFormatError, HFModel, hf_keys, read_hf_config
 from seqshard.hf.safetensors_io import HFTensors
-from seqshard.hf.table import TABLE, TensorRow, hf_tensor_names
-from seqshard.model.config import ModelConfig
+from seqshard.hf.table import TensorRow, hf_tensor_names
+from seqshard.model.config import DIM_KEYS, ModelConfig
 from seqshard.model.weights import Weights, weight_structs
 from seqshard.shardlib.shardtypes import shape_dtype_structs
 
@@ -38,6 +41,7 @@ def check_model_agrees(hf: HFModel, cfg: ModelConfig) -> None:
     """Raise HFFormatError if ``cfg``'s model fields differ from what ``config.json`` says."""
     diff = [
         f"model.{k}={ours!r} but it says {theirs!r}"
+        + (f" ({_hf_key_of(hf, k)})" if _hf_key_of(hf, k) else "")
         for k, (ours, theirs) in hf.disagreements(cfg).items()
     ]
     if diff:
@@ -47,10 +51,18 @@ def check_model_agrees(hf: HFModel, cfg: ModelConfig) -> None:
         )
 
 
+def _hf_key_of(hf: HFModel, field: str) -> str | None:
+    """The config.json key behind a model field, where a dimension names it: ``moe.n_experts``
+    -> ``num_local_experts`` in a Mixtral."""
+    keys = hf_keys(hf.architecture)
+    dim = next((d for d, k in DIM_KEYS.items() if k == field and d in keys), None)
+    return keys[dim] if dim else None
+
+
 def load_hf_weights(
     directory: str | Path, cfg: ModelConfig, mesh: Mesh, log: Callable[[str], None] = print
 ) -> Weights:
-    """The weights of the Hugging Face Llama in ``directory``, each placed in its sharded
+    """The weights of the Hugging Face model in ``directory``, each placed in its sharded
     layout on ``mesh`` (f32, as seqshard's master weights; bf16 files are widened exactly).
 
     Everything is checked before any tensor is read: config.json against ``cfg``, every tensor
@@ -59,42 +71,39 @@ def load_hf_weights(
     hf = read_hf_config(directory)
     check_model_agrees(hf, cfg)
     tensors = HFTensors(directory)
-    _check_tensors(tensors, hf, cfg)
+    names = hf_tensor_names(cfg, hf.architecture)
+    _check_tensors(tensors, hf, cfg, names)
     structs = weight_structs(cfg, mesh)
-    placed = {}
-    for row in TABLE:
+    embed = next(r for r, _, _ in names if r.field == "embed")
+    # Every weight starts at zero in its layout (those without a tensor stay so); each tensor
+    # is written into its slot.
+    placed = {
+        jax.tree_util.keystr(path, simple=True, separator="."): _zeros(s.shape, s.sharding)
+        for path, s in jax.tree_util.tree_leaves_with_path(structs)
+    }
+    for row, where, name in names:
         target = row.of(structs)
-        source = row
-        if row.field == "unembed" and hf.tied:  # as transformers does, even if lm_head is there
-            source = next(r for r in TABLE if r.field == "embed")  # a copy
-        if not row.stacked:
+        # Tied: the embedding's copy, as transformers does, even if lm_head is there.
+        source = embed if row.field == "unembed" and hf.tied else row
+        if not where:
             placed[row.field] = _place(
-                tensors, source, None, cfg, target.sharding, target.shape, log
+                tensors, source.hf_name, source, cfg, target.sharding, target.shape, log
             )
             continue
         block = shape_dtype_structs(row.block_type, cfg.dim_sizes(), mesh)
-        stack = placed.get(row.field)
-        if stack is None:
-            stack = _zeros(target.shape, target.sharding)
-        for i in range(cfg.n_layers):
-            x = _place(tensors, source, i, cfg, block.sharding, block.shape, log)
-            index = (i,) if row.part is None else (i, row.part)
-            stack = _updater(target.sharding, len(index))(stack, x, *index)
-            del x
-        placed[row.field] = stack
+        x = _place(tensors, name, source, cfg, block.sharding, block.shape, log)
+        placed[row.field] = _updater(target.sharding, len(where))(placed[row.field], x, *where)
+        del x
     n = sum(int(np.prod(s)) for s in tensors.shapes.values())
     log(f"imported {len(tensors.shapes)} tensors ({n / 1e6:.1f}M values) from {hf.path.parent}")
-    layer_fields = {k.split(".", 1)[1]: v for k, v in placed.items() if k.startswith("layers.")}
-    return Weights(
-        embed=placed["embed"],
-        layers=type(structs.layers)(**layer_fields),
-        final_norm=placed["final_norm"],
-        unembed=placed["unembed"],
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(structs)
+    return treedef.unflatten(
+        [placed[jax.tree_util.keystr(path, simple=True, separator=".")] for path, _ in leaves]
     )
 
 
-def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig) -> None:
-    expected = {name: (row, layer) for row, layer, name in hf_tensor_names(cfg)}
+def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig, names) -> None:
+    expected = {name: row for row, _, name in names}
     have = {n for n in tensors.shapes if not n.endswith(_IGNORED_SUFFIXES)}
     tied_ok = {"lm_head.weight"} if hf.tied else set()
     missing = sorted(set(expected) - have - tied_ok)
@@ -106,17 +115,21 @@ def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig) -> None:
         )
     if missing:
         raise HFFormatError(
-            f"{tensors.directory}: {len(missing)} tensors a {cfg.n_layers}-layer Llama needs are "
-            f"missing, e.g. {', '.join(missing[:3])}. Download or copy the whole model directory."
+            f"{tensors.directory}: {len(missing)} tensors a {cfg.n_layers}-layer "
+            f"{hf.architecture} of {hf.path.name} needs are missing, e.g. "
+            f"{', '.join(missing[:3])}. Download or copy the whole model directory."
+            + _fewer_experts_said(missing, hf, cfg)
         )
     extra = sorted(have - set(expected))
     if extra:
         raise HFFormatError(
-            f"{tensors.directory} has tensors seqshard's Llama does not compute: "
+            f"{tensors.directory} has tensors seqshard's {hf.architecture} does not compute: "
             f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''} ({len(extra)} in all; "
-            f"biases and extra layers are not supported). seqshard will not drop weights silently."
+            f"biases and extra layers or experts are not supported)."
+            + _more_experts_said(extra, hf, cfg)
+            + " seqshard will not drop weights silently."
         )
-    for name, (row, _) in expected.items():
+    for name, row in expected.items():
         if name not in tensors.shapes:
             continue
         want, got = row.hf_shape(cfg), tensors.shapes[name]
@@ -124,7 +137,9 @@ def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig) -> None:
             raise HFFormatError(
                 f"{tensors.file_of[name]}: tensor {name} has shape {list(got)}, but "
                 f"{hf.path.name} implies {list(want)} ({row.hf_layout} with "
-                f"{_sizes_said(row, cfg)}). The file and config.json are of different models."
+                f"{_sizes_said(row, cfg, hf.architecture)}). The file and config.json are of "
+                f"different models: fix {hf.path.name} to match the tensors, or use the "
+                f"config.json that came with them."
             )
         if tensors.dtypes[name] not in ("F32", "BF16", "F16"):
             raise HFFormatError(
@@ -133,10 +148,50 @@ def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig) -> None:
             )
 
 
-def _sizes_said(row: TensorRow, cfg: ModelConfig) -> str:
+def _sizes_said(row: TensorRow, cfg: ModelConfig, architecture: str) -> str:
     names = [n for n in row.hf_layout.replace("(", " ").replace(")", " ").split()]
-    sizes = cfg.dim_sizes()
-    return ", ".join(f"{n}={sizes[n]} ({HF_KEYS[n]})" for n in dict.fromkeys(names))
+    sizes, keys = cfg.dim_sizes(), hf_keys(architecture)
+    return ", ".join(f"{n}={sizes[n]} ({keys[n]})" for n in dict.fromkeys(names))
+
+
+def _expert_counts(names: list[str]) -> dict[int, set[int]]:
+    """Hugging Face layer -> the expert numbers among ``names`` (``...layers.3.mlp.experts.7.``)."""
+    out: dict[int, set[int]] = {}
+    for name in names:
+        words = name.split(".")
+        if "experts" in words and words[1] == "layers":
+            at = words.index("experts")
+            if words[at + 1].isdigit():
+                out.setdefault(int(words[2]), set()).add(int(words[at + 1]))
+    return out
+
+
+def _more_experts_said(extra: list[str], hf: HFModel, cfg: ModelConfig) -> str:
+    """What to say when the files hold experts beyond config.json's count."""
+    found = _expert_counts(extra)
+    if not found:
+        return ""
+    key = hf_keys(hf.architecture)["experts"]
+    layer, numbers = min(found.items())
+    return (
+        f" Layer {layer} has experts up to {max(numbers)}, but {hf.path.name} says {key}="
+        f"{cfg.moe.n_experts}: set {key} to the number of experts the files hold "
+        f"({max(numbers) + 1}?)."
+    )
+
+
+def _fewer_experts_said(missing: list[str], hf: HFModel, cfg: ModelConfig) -> str:
+    """What to say when config.json counts experts the files do not have."""
+    found = _expert_counts(missing)
+    if not found:
+        return ""
+    key = hf_keys(hf.architecture)["experts"]
+    layer, numbers = min(found.items())
+    return (
+        f" Layer {layer} lacks experts {min(numbers)}..{max(numbers)}: {hf.path.name} says "
+        f"{key}={cfg.moe.n_experts}; if the files hold only {min(numbers)}, set {key} to "
+        f"{min(numbers)}."
+    )
 
 
 LARGEST_TRAINED_WEIGHT = 1e4
@@ -150,8 +205,8 @@ one down_proj) trained 40 steps at loss ln(vocab) with gradient norm 0."""
 
 def _place(
     tensors: HFTensors,
+    name: str,
     row: TensorRow,
-    layer: int | None,
     cfg,
     sharding,
     shape,
@@ -159,7 +214,6 @@ def _place(
 ) -> jax.Array:
     """Read one Hugging Face tensor and put each local device's block of it on that device;
     one warning line (to ``log``) if it holds values far outside a trained model's."""
-    name = row.hf_name_of(layer)
     stored = tensors.read(name)
     if not np.isfinite(stored).all():
         bad = int(np.size(stored) - np.count_nonzero(np.isfinite(stored)))
@@ -195,4 +249,6 @@ def _updater(sharding, n_index: int):
 
 
 def _zeros(shape, sharding) -> jax.Array:
+    if not np.prod(shape):  # XLA would not split a zero-size output (jax then cannot read it)
+        return jax.device_put(np.zeros(shape, np.float32), sharding)
     return jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()

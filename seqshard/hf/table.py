@@ -1,7 +1,7 @@
-"""The one table between seqshard's weights and a Hugging Face Llama checkpoint's tensors.
+"""The one table between seqshard's weights and a Hugging Face checkpoint's tensors.
 
-Each row names a seqshard weight, its Hugging Face tensor (``{i}``: the layer) and that tensor's
-layout written in seqshard's dimension names, the names of the weight types
+Each row names a seqshard weight, its Hugging Face tensor (``{i}``: the layer, ``{x}``: the
+expert) and that tensor's layout written in seqshard's dimension names, the names of the weight types
 (:mod:`seqshard.model.weights`). The seqshard side of a row is its weight type with the mesh
 axes left out (and the ``layers`` dimension, which is ``{i}``); einops moves between the two::
 
@@ -18,6 +18,29 @@ axes left out (and the ``layers`` dimension, which is ``{i}``); einops moves bet
     layers.w_down    f32['d_model/d/e/c d_ff/t']                model.layers.{i}.mlp.down_proj.weight       d_model d_ff
     final_norm       f32['d_model/t/d/e/c']                     model.norm.weight                           d_model
     unembed          f32['vocab/t d_model/d/e/c']               lm_head.weight                              vocab d_model
+
+With ``model.qk_norm`` (Qwen3, Qwen3-MoE), each layer also has::
+
+    layers.q_norm    f32['d_qk_norm']                           model.layers.{i}.self_attn.q_norm.weight    d_qk_norm
+    layers.k_norm    f32['d_qk_norm']                           model.layers.{i}.self_attn.k_norm.weight    d_qk_norm
+
+(without it they are [0] and have no tensor: a row whose tensor has no element is left out).
+With experts (:class:`~seqshard.model.weights.MoEWeights`), the layers from
+``moe.n_dense_layers`` on are ``moe_layers`` (Hugging Face layer ``{i}`` = n_dense_layers + its
+index there), their FFN one tensor per expert ``{x}`` (Qwen3-MoE's names; Mixtral's below)::
+
+    moe_layers.router  f32['d_model/d/e/c experts']             model.layers.{i}.mlp.gate.weight            experts d_model
+    moe_layers.w_gate  f32['experts/e d_model/d/c d_expert/t'] model.layers.{i}.mlp.experts.{x}.gate_proj.weight  d_expert d_model
+    moe_layers.w_up    (as w_gate)                             model.layers.{i}.mlp.experts.{x}.up_proj.weight    d_expert d_model
+    moe_layers.w_down  (as w_gate)                             model.layers.{i}.mlp.experts.{x}.down_proj.weight  d_model d_expert
+
+Mixtral calls ``mlp.gate`` ``block_sparse_moe.gate`` and the experts' ``gate_proj``, ``up_proj``,
+``down_proj`` ``block_sparse_moe.experts.{x}.w1``, ``w3``, ``w2`` (:data:`RENAMES`). transformers 5
+holds each layer's experts fused in memory (``experts.gate_up_proj``) but ``save_pretrained``
+writes and ``from_pretrained`` reads these per-expert tensors, as the published checkpoints
+have them. ``router_bias`` (``moe.balance=bias``) and the shared experts have no tensor: import
+makes the bias zeros (Mixtral and Qwen3-MoE choose by the router's logits alone) and export
+refuses a nonzero one (:mod:`seqshard.hf.export`).
 
 Transpositions: Hugging Face linear weights are ``[out, in]`` (``y = x @ W.T``); seqshard's are
 ``[d_model, ...]`` for every projection, so q, k, v, gate and up are transposed and o and down
@@ -47,28 +70,50 @@ import functools
 import einops
 import numpy as np
 
+from seqshard.hf.hf_config import LLAMA, MIXTRAL
 from seqshard.model.config import ModelConfig
-from seqshard.model.weights import Layer, Weights, weight_info_by_path
+from seqshard.model.weights import STACKS, MoEWeights, Weights, weight_info_by_path
 from seqshard.shardlib.notation import Shape
 from seqshard.shardlib.shardtypes import ArrayType, type_tree
 
-__all__ = ["TABLE", "TensorRow", "hf_tensor_names", "row_of"]
+__all__ = ["RENAMES", "TABLE", "TensorRow", "hf_tensor_names", "row_of", "table"]
+
+RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    MIXTRAL: (
+        (".mlp.gate.", ".block_sparse_moe.gate."),
+        (".mlp.experts.{x}.gate_proj.", ".block_sparse_moe.experts.{x}.w1."),
+        (".mlp.experts.{x}.up_proj.", ".block_sparse_moe.experts.{x}.w3."),
+        (".mlp.experts.{x}.down_proj.", ".block_sparse_moe.experts.{x}.w2."),
+    ),
+}
+"""An architecture's tensor names where they differ from the declared (Llama, Qwen3) ones."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorRow:
     """One seqshard weight (or one part of it: ``part`` indexes a leading literal dimension,
-    ``w_kv``'s k and v) and the Hugging Face tensor it is."""
+    ``w_kv``'s k and v; an expert's block of an expert weight) and the Hugging Face tensor it is."""
 
-    field: str  # 'embed', 'layers.w_q', ...
-    hf_name: str  # '{i}' stands for the layer
+    field: str  # 'embed', 'layers.w_q', 'moe_layers.w_gate', ...
+    hf_name: str  # '{i}' stands for the layer, '{x}' for the expert
     hf_layout: str  # the Hugging Face tensor's dims in seqshard's names (einops)
     part: int | None = None
 
     @property
+    def stack(self) -> str | None:
+        """The stacked field it is one layer's weight of (``'layers'``, ``'moe_layers'``)."""
+        head = self.field.split(".")[0]
+        return head if head in STACKS else None
+
+    @property
     def stacked(self) -> bool:
         """Whether the weight is one of the scanned layers' (``{i}`` in the HF name)."""
-        return self.field.startswith("layers.")
+        return self.stack is not None
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether each expert is a tensor of its own (``{x}`` in the HF name)."""
+        return "{x}" in self.hf_name
 
     @property
     def weight_type(self) -> ArrayType:
@@ -77,12 +122,11 @@ class TensorRow:
 
     @property
     def block_type(self) -> ArrayType:
-        """One Hugging Face tensor's block of the weight: the type with the part dim dropped
-        (``w_kv[0]``: ``f32['d_model/d/e/c n_kv/t d_head']``)."""
+        """One Hugging Face tensor's block of the weight: the type with the part or expert dim
+        dropped (``w_kv[0]``: ``f32['d_model/d/e/c n_kv/t d_head']``)."""
         t = self.weight_type
-        return ArrayType(
-            t.dtype, Shape(t.shape.dims[0 if self.part is None else 1 :]), t.dtype_name
-        )
+        dropped = (self.part is not None) + self.per_expert
+        return ArrayType(t.dtype, Shape(t.shape.dims[dropped:]), t.dtype_name)
 
     @property
     def layout(self) -> str:
@@ -96,8 +140,8 @@ class TensorRow:
             obj = getattr(obj, name)
         return obj
 
-    def hf_name_of(self, layer: int | None) -> str:
-        return self.hf_name.format(i=layer) if self.stacked else self.hf_name
+    def hf_name_of(self, layer: int | None, expert: int | None = None) -> str:
+        return self.hf_name.format(i=layer, x=expert) if self.stacked else self.hf_name
 
     def hf_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
         """The Hugging Face tensor's shape for ``cfg``: ``q_proj`` is ``(n_heads*d_head, d_model)``."""
@@ -134,29 +178,46 @@ def _groups(layout: str) -> list[str]:
 
 @functools.cache
 def _types() -> dict[str, ArrayType]:
-    """``'embed'`` and ``'layers.w_q'`` (one layer's type) -> the weight's type."""
-    weights, layer = type_tree(Weights), type_tree(Layer)
-    out = {
-        f.name: getattr(weights, f.name) for f in dataclasses.fields(Weights) if f.name != "layers"
-    }
-    out.update({f"layers.{f.name}": getattr(layer, f.name) for f in dataclasses.fields(Layer)})
+    """``'embed'``, ``'layers.w_q'``, ``'moe_layers.w_gate'`` (one layer's type) -> the
+    weight's type."""
+    out = {}
+    for cls in (Weights, MoEWeights):
+        tree = type_tree(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in STACKS:
+                layer = type_tree(STACKS[f.name][0])
+                for g in dataclasses.fields(STACKS[f.name][0]):
+                    out[f"{f.name}.{g.name}"] = getattr(layer, g.name)
+            else:
+                out[f.name] = getattr(tree, f.name)
     return out
 
 
-TABLE: tuple[TensorRow, ...] = tuple(
-    TensorRow(field, hf_name, hf_layout, part=part if len(info.hf) > 1 else None)
-    for field, info in weight_info_by_path().items()
-    for part, (hf_name, hf_layout) in enumerate(info.hf)
-)
-"""Every seqshard weight once (``w_kv`` as its two parts), in Hugging Face's file order: read
-off the weights' declarations (each block declares its weights' Hugging Face names beside its
-math: :mod:`seqshard.model.attention_block`, :mod:`seqshard.model.swiglu`, and
-:mod:`seqshard.model.weights` for the embedding and the head)."""
+@functools.cache
+def table(moe: bool = False, architecture: str = LLAMA) -> tuple[TensorRow, ...]:
+    """Every seqshard weight with a Hugging Face tensor once (``w_kv`` as its two parts), in
+    Hugging Face's file order, in ``architecture``'s names: the weights of
+    :class:`~seqshard.model.weights.MoEWeights` with ``moe``, else of
+    :class:`~seqshard.model.weights.Weights`. Read off the weights' declarations (each block
+    declares its weights' Hugging Face names beside its math)."""
+    rows = []
+    for field, info in weight_info_by_path(MoEWeights if moe else Weights).items():
+        for part, (hf_name, hf_layout) in enumerate(info.hf):
+            for ours, theirs in RENAMES.get(architecture, ()):
+                hf_name = hf_name.replace(ours, theirs)
+            rows.append(TensorRow(field, hf_name, hf_layout, part if len(info.hf) > 1 else None))
+    return tuple(rows)
 
 
-def row_of(hf_name: str) -> tuple[TensorRow, int | None] | None:
-    """The row and layer of a Hugging Face tensor name, or None if no row has it."""
-    for row in TABLE:
+TABLE: tuple[TensorRow, ...] = table()
+"""The dense model's rows in Llama's and Qwen3's names."""
+
+
+def row_of(
+    hf_name: str, rows: tuple[TensorRow, ...] = TABLE
+) -> tuple[TensorRow, int | None] | None:
+    """The row and layer of a Hugging Face tensor name among ``rows``, or None if no row has it."""
+    for row in rows:
         if not row.stacked:
             if hf_name == row.hf_name:
                 return row, None
@@ -168,10 +229,28 @@ def row_of(hf_name: str) -> tuple[TensorRow, int | None] | None:
     return None
 
 
-def hf_tensor_names(cfg: ModelConfig) -> list[tuple[TensorRow, int | None, str]]:
-    """(row, layer, Hugging Face name) of every tensor of ``cfg``'s model, in file order: the
-    embedding, then each layer's tensors, then the final norm and the unembedding."""
-    first = [(r, None, r.hf_name) for r in TABLE if not r.stacked and r.field == "embed"]
-    layers = [(r, i, r.hf_name_of(i)) for i in range(cfg.n_layers) for r in TABLE if r.stacked]
-    last = [(r, None, r.hf_name) for r in TABLE if not r.stacked and r.field != "embed"]
+def hf_tensor_names(
+    cfg: ModelConfig, architecture: str = LLAMA
+) -> list[tuple[TensorRow, tuple[int, ...], str]]:
+    """(row, where in the seqshard weight, Hugging Face name) of every tensor of ``cfg``'s
+    model in ``architecture``'s names, in file order: the embedding, then each layer's tensors,
+    then the final norm and the unembedding. Where: ``()`` for a weight outside the layers,
+    else (the layer's index in its stack, [the expert,] [the part]). A weight with no element
+    under ``cfg`` (``q_norm`` without ``model.qk_norm``) has no tensor."""
+    rows = [r for r in table(cfg.moe.enabled, architecture) if np.prod(r.hf_shape(cfg)) > 0]
+    sizes = cfg.dim_sizes()
+    n_dense = sizes["layers"]
+    first = [(r, (), r.hf_name) for r in rows if not r.stacked and r.field == "embed"]
+    layers = []
+    for i in range(cfg.n_layers):
+        stack, j = ("layers", i) if i < n_dense else ("moe_layers", i - n_dense)
+        for r in rows:
+            if r.stack != stack:
+                continue
+            part = () if r.part is None else (r.part,)
+            experts = range(sizes["experts"]) if r.per_expert else [None]
+            for x in experts:
+                where = (j, *(() if x is None else (x,)), *part)
+                layers.append((r, where, r.hf_name_of(i, x)))
+    last = [(r, (), r.hf_name) for r in rows if not r.stacked and r.field != "embed"]
     return first + layers + last

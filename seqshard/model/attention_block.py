@@ -5,6 +5,10 @@ once here (:data:`ATTENTION`, :class:`AttentionWeights`); its math is :func:`att
 :class:`~seqshard.model.block.Activations` recorder that the forward, generation and the
 hand-written backward (rebuilding what it did not keep) all use.
 
+With ``model.qk_norm`` (Qwen3) each q and k head is RMS-normalized over D by the gains
+``q_norm``, ``k_norm`` after its projection and before RoPE; the gains, d_head numbers each,
+rest replicated (their gradient: one all-reduce over t,d,e,c in the backward).
+
 Per device, forward (``model.residual`` gives the residual's layout; c > 1 splits the row):
 
     all_gather over t,d,c  ln1                        (the norm gain)
@@ -40,7 +44,7 @@ from seqshard.model.block import (
 )
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, gathered_kv, ring_attention, ring_forward
-from seqshard.model.norm import norm_input, norm_op, normed
+from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
@@ -50,6 +54,7 @@ __all__ = [
     "attention_core",
     "attention_inputs",
     "attention_output",
+    "head_norm",
 ]
 
 _LAYER = "model.layers.{i}."
@@ -82,6 +87,10 @@ class AttentionWeights:
     w_o: f32["d_model/d/e/c n_q_per_kv n_kv/t d_head"] = weight(
         _w_o_std, hf=_LAYER + "self_attn.o_proj.weight", layout="d_model (n_kv n_q_per_kv d_head)"
     )
+    # model.qk_norm's gains (d_qk_norm = d_head with it, 0 without), replicated: each device
+    # normalizes whole heads, and d_head numbers are too few to be worth splitting.
+    q_norm: f32["d_qk_norm"] = gain(_LAYER + "self_attn.q_norm.weight", layout="d_qk_norm")
+    k_norm: f32["d_qk_norm"] = gain(_LAYER + "self_attn.k_norm.weight", layout="d_qk_norm")
 
 
 def _einsum(cfg: ModelConfig, c: int) -> bool:
@@ -92,6 +101,10 @@ def _einsum(cfg: ModelConfig, c: int) -> bool:
 def _gathered(cfg: ModelConfig, c: int) -> bool:
     """k and v gathered over c (allgather attention; k itself when c = 1)."""
     return c > 1 and not cfg.ring_over(c)
+
+
+def _qk_norm(cfg: ModelConfig, c: int) -> bool:
+    return cfg.qk_norm
 
 
 _R = "B/d/e L/c M/t"  # the residual's size per device (either layout of model.residual)
@@ -108,6 +121,12 @@ ATTENTION = Block(
         Activation("nx", "B/d/e L/c M", "compute", "attn_norm"),  # the normed input of q, k, v
         Activation("w_q", "M Q K/t D", "compute", "q"),  # gathered over d, c
         Activation("w_kv", "2 M K/t D", "compute", "kv"),
+        # model.qk_norm: the gains, and q and k before their norm (its backward reads them;
+        # kept, so that no remat but full repeats the projections).
+        Activation("q_norm", "D", "f32", "qk_norm", present=_qk_norm),
+        Activation("k_norm", "D", "f32", "qk_norm", present=_qk_norm),
+        Activation("q_proj", "B/d/e L/c Q K/t D", "compute", "q", saved=True, present=_qk_norm),
+        Activation("k_proj", "B/d/e L/c K/t D", "compute", "kv", saved=True, present=_qk_norm),
         Activation("q", "B/d/e L/c Q K/t D", "compute", "q", saved=True),  # after RoPE
         Activation("k", "B/d/e L/c K/t D", "compute", "kv", saved=True),  # after RoPE
         Activation("v", "B/d/e L/c K/t D", "compute", "kv", saved=True),
@@ -151,6 +170,16 @@ ATTENTION = Block(
             "B/d/e L M, M K/t D -> B/d/e L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
             _FULL,
+        ),
+        # model.qk_norm: RMSNorm of each q and k head over D (norm_op's count per head).
+        elementwise(
+            "qk_norm",
+            "token",
+            "B/d/e L Q K/t D",
+            lambda m: (m.n_heads + m.n_kv) * (4 * m.d_head + 3),
+            lambda m: (m.n_heads + m.n_kv) * 8 * m.d_head,
+            _FULL,
+            present=lambda m: m.qk_norm,
         ),
         # q and k: each pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), 6 per 2 elements;
         # the backward rotates back, the same 6.
@@ -213,27 +242,44 @@ def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Arr
     # FSDP: each matrix is gathered over d and c just before use (in the backward pass again:
     # only remat=none keeps gathered weights).
     w_q = a("w_q", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
-    q = a(
-        "q",
-        lambda: apply_rope(
-            shardops.einsum_unreduced(
-                "B/d/e L@zigzag/c M, M Q K/t D -> B/d/e L@zigzag/c Q K/t D", nx, w_q
-            ),
-            cos,
-            sin,
-        ),
-    )
+
+    def project_q() -> jax.Array:
+        return shardops.einsum_unreduced(
+            "B/d/e L@zigzag/c M, M Q K/t D -> B/d/e L@zigzag/c Q K/t D", nx, w_q
+        )
 
     w_kv = a("w_kv", lambda: shardops.all_gather("2 M/d/e/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
 
-    def k_and_v():
+    def project_kv() -> tuple[jax.Array, jax.Array]:
         k, v = shardops.einsum_unreduced(
             "B/d/e L@zigzag/c M, 2 M K/t D -> 2 B/d/e L@zigzag/c K/t D", nx, w_kv
         )
-        return apply_rope(k, cos, sin), v
+        return k, v
 
-    k, v = a.several(("k", "v"), k_and_v)
+    if not cfg.qk_norm:
+        q = a("q", lambda: apply_rope(project_q(), cos, sin))
+
+        def k_and_v():
+            k, v = project_kv()
+            return apply_rope(k, cos, sin), v
+
+        k, v = a.several(("k", "v"), k_and_v)
+        return q, k, v
+    # Each device holds whole heads (D is never split): the norms are local. Replicated gains,
+    # read as they are (no gather).
+    q_norm = a("q_norm", lambda: w.q_norm)
+    k_norm = a("k_norm", lambda: w.k_norm)
+    q_proj = a("q_proj", project_q)
+    k_proj, v = a.several(("k_proj", "v"), project_kv)
+    q = a("q", lambda: apply_rope(head_norm(cfg, q_proj, q_norm), cos, sin))
+    k = a("k", lambda: apply_rope(head_norm(cfg, k_proj, k_norm), cos, sin))
     return q, k, v
+
+
+def head_norm(cfg: ModelConfig, x: jax.Array, gain: jax.Array) -> jax.Array:
+    """model.qk_norm's RMSNorm of each head of q 'B/d/e L@zigzag/c Q K/t D' or k
+    'B/d/e L@zigzag/c K/t D' over D by ``gain`` 'D' (f32), in compute dtype."""
+    return rms_norm(x, gain, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
 
 
 def attention_core(

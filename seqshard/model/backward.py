@@ -28,6 +28,7 @@ forward collective, or the forward's own collective repeated to recompute what i
     psum_scatter over d   the six matrices' gradients    transposes of their gathers
     psum_scatter over t,d ln1, ln2 gradients             transposes of their gathers
     psum_scatter over t   dL/dx twice                    transposes of the residual's gathers
+    psum over t,d,e,c     q_norm, k_norm gradients       model.qk_norm only: the gains rest replicated
     with c > 1:           allgather: k, v gathered over c again (recomputed) and dk, dv
                           reduce-scattered over c (their transposes); ring: the backward's
                           own ring (c-1 shifts of k and v, c of dk and dv; context.py)
@@ -100,6 +101,7 @@ from seqshard.model.block import kept
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, ring_backward, sequence_rows
 from seqshard.model.moe import ExpertFfnWeights, RouterStats
+from seqshard.model.pipeline.spmd import varying_over_stages
 from seqshard.model.transformer import (
     HEAD,
     embed,
@@ -135,6 +137,7 @@ __all__ = [
     "attention_half_backward",
     "norm_backward",
     "projections_backward",
+    "qk_norm_backward",
     "rms_norm_backward",
 ]
 
@@ -394,7 +397,15 @@ def attention_half_backward(
     d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
     # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
     d_q = apply_rope(d_q, cos, -sin)
-    d_kv = jnp.stack([apply_rope(d_k, cos, -sin), d_v])
+    d_k = apply_rope(d_k, cos, -sin)
+    if cfg.qk_norm:
+        d_q, d_k, qk_grads = qk_norm_backward(cfg, a, d_q, d_k)
+    else:
+        # The gains are [0]: so are their gradients, typed as the layer's weights are (varying
+        # over p in a pipeline stage).
+        empty = varying_over_stages(jnp.zeros((0,), f32))
+        qk_grads = {"q_norm": empty, "k_norm": empty}
+    d_kv = jnp.stack([d_k, d_v])
     d_nx, (d_w_q, d_w_kv) = projections_backward(
         a["nx"],
         [
@@ -411,8 +422,26 @@ def attention_half_backward(
         "w_q": d_w_q.astype(f32),
         "w_kv": d_w_kv.astype(f32),
         "w_o": d_w_o.astype(f32),
+        **qk_grads,
     }
     return d_h + d_gx, grads
+
+
+def qk_norm_backward(
+    cfg: ModelConfig, a: Activations, d_q: jax.Array, d_k: jax.Array
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """The transpose of ``model.qk_norm``'s head norms: dL/d(q before its norm)
+    'B/d/e L@zigzag/c Q K/t D' and dL/d(k before it) 'B/d/e L@zigzag/c K/t D' (compute dtype),
+    from the cotangents of the normed q and k, and the gains' gradients 'D' (f32)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    with part("qk_norm"):
+        d_q, d_q_norm = rms_norm_backward(a["q_proj"], a["q_norm"], d_q, cfg.norm_eps)
+        d_k, d_k_norm = rms_norm_backward(a["k_proj"], a["k_norm"], d_k, cfg.norm_eps)
+        # Each gain's gradient summed over this device's rows (B/d/e, L/c) and heads (K/t):
+        # summed over every device, the gains rest replicated.
+        d_q_norm = shardops.psum("D{U_t,d,e,c} -> D", d_q_norm)
+        d_k_norm = shardops.psum("D{U_t,d,e,c} -> D", d_k_norm)
+    return d_q.astype(dt), d_k.astype(dt), {"q_norm": d_q_norm, "k_norm": d_k_norm}
 
 
 def layer_backward(

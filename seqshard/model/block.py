@@ -91,9 +91,10 @@ def weight(
     return dataclasses.field(metadata={"seqshard": info})
 
 
-def gain(hf: str) -> Any:
-    """A norm gain: ones at init, no decay, gathered in f32 (``rms_norm`` takes f32 gains)."""
-    return weight("ones", hf=hf, layout="d_model", decay=False, gathered_in="f32")
+def gain(hf: str, layout: str = "d_model") -> Any:
+    """A norm gain: ones at init, no decay, gathered in f32 (``rms_norm`` takes f32 gains);
+    ``layout`` its one dimension (``d_qk_norm`` for the per-head q and k norms)."""
+    return weight("ones", hf=hf, layout=layout, decay=False, gathered_in="f32")
 
 
 def weight_info(cls: type) -> dict[str, Weight]:
@@ -127,7 +128,8 @@ class Op:
     head) triple of attention, or ``'parameter'``), forward and backward, as functions of the
     config. ``spec``:
     what splits its work per device. ``recomputed_by``: the remat policies whose backward
-    re-runs its forward (a ``transfer`` moves data and computes nothing the table counts)."""
+    re-runs its forward (a ``transfer`` moves data and computes nothing the table counts).
+    ``present``: whether the config has it at all (``model.qk_norm``'s norms)."""
 
     name: str
     kind: OpKind
@@ -137,6 +139,7 @@ class Op:
     backward: Callable[[ModelConfig], int]
     recomputed_by: frozenset[RematName] = frozenset()
     update: Callable[[ModelConfig], int] = lambda m: 0  # the optimizer step's, per parameter
+    present: Callable[[ModelConfig], bool] = lambda m: True
 
 
 def matmul(
@@ -160,9 +163,19 @@ def elementwise(
     forward: Callable[[ModelConfig], int],
     backward: Callable[[ModelConfig], int],
     recomputed_by: Iterable[RematName] = (),
+    present: Callable[[ModelConfig], bool] = lambda m: True,
 ) -> Op:
     """Elementwise work (1 FLOP per add, multiply, exp, ...; seed 004's convention)."""
-    return Op(name, "elementwise", per, spec, forward, backward, frozenset(recomputed_by))
+    return Op(
+        name,
+        "elementwise",
+        per,
+        spec,
+        forward,
+        backward,
+        frozenset(recomputed_by),
+        present=present,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

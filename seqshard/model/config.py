@@ -59,6 +59,7 @@ DIM_KEYS = {
     "experts": "moe.n_experts",
     "d_expert": "moe.d_ff",
     "d_shared": "moe.n_shared",
+    "d_qk_norm": "qk_norm",
 }
 """Each dimension name -> the config key (under ``model.``) that sizes it, for messages."""
 
@@ -206,6 +207,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    qk_norm: bool = False
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -239,6 +241,8 @@ class ModelConfig:
                 f"{self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
                 f"{self.rope_original_max_position} (Llama 3.1: 8, 1, 4, 8192)."
             )
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"model.qk_norm must be true or false, got {self.qk_norm!r}.")
         self.moe.check(self.n_layers)
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(
@@ -257,6 +261,7 @@ class ModelConfig:
         sizes["experts"] = moe.n_experts
         sizes["d_expert"] = moe.d_ff
         sizes["d_shared"] = moe.n_shared * moe.d_ff
+        sizes["d_qk_norm"] = self.d_head if self.qk_norm else 0
         return sizes
 
     @property

@@ -305,8 +305,14 @@ def _step_flops(
         )
 
     def rows(blocks: tuple[Block, ...], in_layer: bool, runs: int = 1) -> list[OpFlops]:
-        # A transfer moves data and computes nothing the table counts.
-        return [row(op, in_layer, runs) for b in blocks for op in b.ops if op.kind != "transfer"]
+        # A transfer moves data and computes nothing the table counts; an operation the config
+        # has not (model.qk_norm's) gets no row.
+        return [
+            row(op, in_layer, runs)
+            for b in blocks
+            for op in b.ops
+            if op.kind != "transfer" and op.present(cfg)
+        ]
 
     layers: dict[str, OpFlops] = {}
     for _, n, blocks in stacks(cfg):

@@ -80,6 +80,10 @@ __all__ = [
 ]
 
 
+_LAYER = "model.layers.{i}."
+_EXPERT = _LAYER + "mlp.experts.{x}."
+
+
 def _fan_in(cfg: ModelConfig) -> float:
     return 1 / math.sqrt(cfg.d_model)
 
@@ -96,15 +100,26 @@ class ExpertFfnWeights:
     without a gradient (for the top-k choice only) and the train step moves it after each
     optimizer step (``moe.balance=bias``); it rests with the weights, so checkpoints carry it."""
 
-    ln2: f32["d_model/t/d/e/c"] = gain("model.layers.{i}.post_attention_layernorm.weight")
+    ln2: f32["d_model/t/d/e/c"] = gain(_LAYER + "post_attention_layernorm.weight")
     # Its rows split over t as well as d, e, c (as the norm gains): gathered over t too, it
     # stays varying over t, so its gradient is the gather's transpose (a reduce-scatter the
     # notation predicts), not an all-reduce JAX would add for an invariant weight.
-    router: f32["d_model/t/d/e/c experts"] = weight(_fan_in, gathered_in="f32")
+    router: f32["d_model/t/d/e/c experts"] = weight(
+        _fan_in, gathered_in="f32", hf=_LAYER + "mlp.gate.weight", layout="experts d_model"
+    )
+    # No Hugging Face tensor: Mixtral and Qwen3-MoE choose their experts without a bias.
     router_bias: f32["experts"] = weight(0.0, decay=False, gathered_in="f32")
-    w_gate: f32["experts/e d_model/d/c d_expert/t"] = weight(_fan_in)
-    w_up: f32["experts/e d_model/d/c d_expert/t"] = weight(_fan_in)
-    w_down: f32["experts/e d_model/d/c d_expert/t"] = weight(_w_down_std)
+    # One Hugging Face tensor per expert ({x}); Mixtral names them w1, w3, w2
+    # (seqshard.hf.table).
+    w_gate: f32["experts/e d_model/d/c d_expert/t"] = weight(
+        _fan_in, hf=_EXPERT + "gate_proj.weight", layout="d_expert d_model"
+    )
+    w_up: f32["experts/e d_model/d/c d_expert/t"] = weight(
+        _fan_in, hf=_EXPERT + "up_proj.weight", layout="d_expert d_model"
+    )
+    w_down: f32["experts/e d_model/d/c d_expert/t"] = weight(
+        _w_down_std, hf=_EXPERT + "down_proj.weight", layout="d_model d_expert"
+    )
     s_gate: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in)
     s_up: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in)
     s_down: f32["d_model/d/e/c d_shared/t"] = weight(_w_down_std)

@@ -62,6 +62,13 @@ def _norm(x, gain, eps):
     return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * gain[None, None, :]
 
 
+def _head_norm(x, gain, eps):
+    """RMSNorm over the last dimension (a head's D) of x [B, L, heads..., D], in f32."""
+    x = x.astype(jnp.float32)
+    gain = gain.reshape((1,) * (x.ndim - 1) + gain.shape)
+    return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * gain
+
+
 def _rope(x, positions, freq):
     """x: [B, L, heads..., D]; pairs (i, i + D/2) rotate as complex numbers by position * freq."""
     half = x.shape[-1] // 2
@@ -130,6 +137,9 @@ def _attention_half(cfg, w, x, positions, mask, mark=_identity, constrain=_ident
     nx = _norm(x, w.ln1, cfg.norm_eps).astype(dt)
     q = jnp.einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
     k = jnp.einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
+    if cfg.qk_norm:  # Qwen3: each head RMS-normalized over D, before RoPE
+        q = _head_norm(q, w.q_norm, cfg.norm_eps).astype(dt)
+        k = _head_norm(k, w.k_norm, cfg.norm_eps).astype(dt)
     v = mark(jnp.einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt)))
     q = mark(_rope(q, positions, rope_frequencies(cfg)))
     k = mark(_rope(k, positions, rope_frequencies(cfg)))

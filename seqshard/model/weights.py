@@ -20,6 +20,7 @@ starts at unit scale and the residual stream grows like sqrt(layers), as in GPT-
     w_down                     1/sqrt(d_ff) / sqrt(2 n_layers)
     unembed                    1/sqrt(d_model)
     ln1, ln2, final_norm       ones
+    q_norm, k_norm             ones                   ([d_head] with model.qk_norm, else [0])
 """
 
 from __future__ import annotations
@@ -139,14 +140,16 @@ STACKS: dict[str, tuple[type, tuple[Block, ...]]] = {
 """Each stacked field of the weights: its layer type and the blocks a layer of it runs."""
 
 
-def weight_info_by_path() -> dict[str, Weight]:
-    """``'embed'``, ``'layers.w_q'``, ... -> each weight's declaration, in Hugging Face's file
-    order (the fields' order)."""
+def weight_info_by_path(cls: type = Weights) -> dict[str, Weight]:
+    """``'embed'``, ``'layers.w_q'``, ``'moe_layers.w_gate'``, ... -> each weight's declaration
+    in the weights dataclass ``cls`` (:class:`Weights` or :class:`MoEWeights`), in Hugging
+    Face's file order (the fields' order)."""
     out = {}
-    outer = weight_info(Weights)
-    for f in dataclasses.fields(Weights):
-        if f.name == "layers":
-            out.update({f"layers.{k}": v for k, v in weight_info(Layer).items()})
+    outer = weight_info(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in STACKS:
+            layer = STACKS[f.name][0]
+            out.update({f"{f.name}.{k}": v for k, v in weight_info(layer).items()})
         else:
             out[f.name] = outer[f.name]
     return out

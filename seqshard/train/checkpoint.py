@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -254,7 +255,8 @@ class Checkpointer:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                    state=ocp.args.StandardSave(_empty_as_none(state)),
+                    meta=ocp.args.JsonSave(meta),
                 ),
                 force=True,  # when to save is the caller's decision, not orbax's interval
             )
@@ -470,8 +472,10 @@ class Checkpointer:
             raise _Unusable(f"its metadata is of step {meta.get('step')!r}")
         try:
             state = self.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(_empty_as_none(target))),
             ).state
+            state = _with_empty(state, target)
         except Exception as e:
             raise _Unusable(f"unreadable arrays ({_first_line(e)})") from None
         saved = meta.get("checksums")
@@ -506,6 +510,25 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self.directory}; it has {steps}."
             )
         return step
+
+
+def _empty_as_none(tree: Any) -> Any:
+    """``tree`` with each zero-size array (a weight the model has not: ``q_norm`` without
+    ``model.qk_norm``, shared experts without ``moe.n_shared``, and their optimizer moments)
+    as None: orbax writes no zero-size array, and there is nothing in one to keep."""
+    return jax.tree.map(lambda x: None if x.size == 0 else x, tree)
+
+
+def _with_empty(restored: Any, target: Any) -> Any:
+    """``restored`` (read with :func:`_empty_as_none` of ``target``) with each zero-size array
+    of ``target`` made again, in its sharding."""
+
+    def fill(t, r):
+        # device_put, not a jitted zeros: XLA does not split a zero-size output, and its
+        # unsplit blocks fail jax's own reads (np.asarray) of the array.
+        return jax.device_put(np.zeros(t.shape, t.dtype), t.sharding) if t.size == 0 else r
+
+    return jax.tree.map(fill, target, restored, is_leaf=lambda x: x is None)
 
 
 def _in_layer_order(state: TrainState, meta: dict[str, Any], cfg: Config, mesh: Mesh):

@@ -162,7 +162,7 @@ def relayered(tree, saved: Sequence[int], wanted: Sequence[int]):
 
     def move(path, x):
         stacked = any(getattr(k, "name", getattr(k, "key", None)) == "layers" for k in path)
-        if not stacked:
+        if not stacked or x.size == 0:  # nothing to move (and XLA would not split its output)
             return x
         return jax.jit(lambda a: jnp.take(a, take, axis=0), out_shardings=x.sharding)(x)
 

@@ -14,6 +14,12 @@ are tested here too, mostly through round trips.
     train        init.from_hf starts a run from the HF weights and tokenizer, sizes filled
     bad input    a missing shard file, a shape config.json contradicts, another architecture,
                  a bias, a disagreeing model field: errors naming the file or field
+    MoE, Qwen3   random Qwen3, Mixtral and Qwen3-MoE models (transformers, save_pretrained's
+                 per-expert tensors) import with logits within 1e-5 of torch's on e=2 x d=2 x
+                 t=2, and seqshard models export as them with equal logits; a router bias,
+                 shared experts or a sigmoid router refuse to export; an expert count or a
+                 router the files contradict, norm_topk_prob false, sparse layers seqshard
+                 cannot order: errors naming the key, both values and the fix
 
 Tests that need transformers and torch (the ``hf`` extra) skip without them. Nothing downloads.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -92,7 +99,7 @@ def test_the_table_has_every_weight_once_and_its_layouts_round_trip():
         np.testing.assert_array_equal(row.from_hf(hf, cfg), x)
     names = [n for _, _, n in hf_tensor_names(cfg)]
     assert len(names) == len(set(names)) == 3 + 9 * cfg.n_layers
-    assert row_of("model.layers.2.mlp.down_proj.weight") == (TABLE[9], 2)
+    assert row_of("model.layers.2.mlp.down_proj.weight") == (TABLE[11], 2)
     assert row_of("model.layers.x.mlp.down_proj.weight") is None
 
 
@@ -577,3 +584,303 @@ def test_the_config_must_agree_with_config_json(copy_of):
     )
     with pytest.raises(HFFormatError, match=r"model.rope_type='default' but it says 'llama3'"):
         load_hf_weights(copy_of, cfg, training_mesh({"d": 4, "t": 2}), log=lambda m: None)
+
+
+# -- Qwen3, Mixtral and Qwen3-MoE ---------------------------------------------------------------
+
+HF_MOE_SIZES = {  # tiny: 8 experts of 32, top 2, d_model 64, GQA 4 query / 2 kv heads of 16
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+MOE_MESH = {"e": 2, "d": 2, "t": 2}  # the experts over e, their hidden dim over t
+DENSE_MESH = {"d": 4, "t": 2}
+
+
+def hf_model(path: Path, architecture: str, **changes):
+    """A random ``architecture`` model (f32, every weight random: norm gains, q_norm and k_norm
+    1 + N(0, 0.04), matrices N(0, 1/fan_in)) saved with save_pretrained into ``path``.
+    Mixtral: 2 layers, 8 experts of 32, top 2. Qwen3-MoE: 3 layers, the first dense
+    (mlp_only_layers [0], intermediate_size 48), then 8 experts of 32, top 2, norm_topk_prob.
+    Qwen3: 2 dense layers."""
+    import torch
+    import transformers
+
+    made = {
+        "MixtralForCausalLM": (
+            transformers.MixtralConfig,
+            {"num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+             "intermediate_size": 32},
+        ),
+        "Qwen3MoeForCausalLM": (
+            transformers.Qwen3MoeConfig,
+            {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "intermediate_size": 48, "norm_topk_prob": True,
+             "mlp_only_layers": [0], "decoder_sparse_step": 1},
+        ),
+        "Qwen3ForCausalLM": (transformers.Qwen3Config, {"num_hidden_layers": 2,
+                                                        "intermediate_size": 48}),
+    }  # fmt: skip
+    config_type, sizes = made[architecture]
+    torch.manual_seed(0)
+    config = config_type(**{**HF_MOE_SIZES, **sizes, **changes})
+    model = getattr(transformers, architecture)(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_cfg(path: Path) -> ModelConfig:
+    return read_hf_config(path).model_config(
+        ModelConfig(compute_dtype="float32", attention_impl="einsum")
+    )
+
+
+ARCHITECTURES = ["Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+
+
+@needs_transformers
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_transformers_qwen3_mixtral_or_qwen3_moe_imports_with_equal_logits(
+    tmp_path, architecture
+):
+    """HF -> seqshard on e=2 x d=2 x t=2 (the experts split over e; dense Qwen3 on 4x2):
+    logits_fn equals torch's logits within 1e-5 (measured max abs: Qwen3 3.3e-6, Mixtral 3.5e-6,
+    Qwen3-MoE 4.7e-6, of logits up to about 4)."""
+    model = hf_model(tmp_path, architecture)
+    keys = json.loads((tmp_path / "config.json").read_text())
+    cfg = hf_cfg(tmp_path)
+    assert cfg.qk_norm == architecture.startswith("Qwen3")
+    if architecture == "MixtralForCausalLM":
+        assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.d_ff) == (8, 2, 32)
+        assert cfg.moe.n_dense_layers == 0 and any(
+            "block_sparse_moe" in k for k in _names(tmp_path)
+        )
+    if architecture == "Qwen3MoeForCausalLM":
+        assert (cfg.moe.n_experts, cfg.moe.d_ff, cfg.d_ff, cfg.moe.n_dense_layers) == (8, 32, 48, 1)
+        assert keys["norm_topk_prob"] is True
+    mesh = training_mesh(MOE_MESH if cfg.moe.enabled else DENSE_MESH)
+    weights = load_hf_weights(tmp_path, cfg, mesh, log=lambda m: None)
+    if cfg.moe.enabled:
+        assert not np.asarray(weights.moe_layers.router_bias).any()  # no HF tensor: zeros
+    tokens, starts = tokens_and_starts(cfg.vocab)
+    want = torch_logits(model, tokens)
+    got = seqshard_logits(weights, tokens, starts, cfg, mesh)
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_TOL)
+
+
+def _names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "np") as f:
+        return list(f.keys())
+
+
+def random_seqshard_weights(cfg: ModelConfig, mesh):
+    """Random weights of ``cfg`` placed on ``mesh``: gains 1 + N(0, 0.04), router_bias zero,
+    matrices N(0, 1/d_model)."""
+    rng = np.random.default_rng(3)
+
+    def draw(path, s):
+        name = jax.tree_util.keystr(path, simple=True, separator=".").split(".")[-1]
+        x = rng.standard_normal(s.shape)
+        if name in ("ln1", "ln2", "q_norm", "k_norm", "final_norm"):
+            x = 1 + 0.2 * x
+        elif name == "router_bias":
+            x = np.zeros(s.shape)
+        else:
+            x = x / np.sqrt(cfg.d_model)
+        return jax.device_put(x.astype(np.float32), s.sharding)
+
+    return jax.tree_util.tree_map_with_path(draw, weight_structs(cfg, mesh))
+
+
+@needs_transformers
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_an_exported_qwen3_mixtral_or_qwen3_moe_loads_in_transformers_with_equal_logits(
+    tmp_path, data_dir, architecture
+):
+    """seqshard -> export -> AutoModelForCausalLM: the architecture export picks (qk_norm and
+    experts decide), its per-expert tensors, logits within 1e-5 of seqshard's (measured max abs:
+    Qwen3 3.1e-6, Mixtral 2.7e-6, Qwen3-MoE 2.5e-6); imported back, the weights are
+    bit-identical."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from seqshard.hf.export import ExportConfig, export_run
+    from seqshard.model.config import MoEConfig
+
+    moe = {
+        "Qwen3ForCausalLM": MoEConfig(),
+        "MixtralForCausalLM": MoEConfig(n_experts=8, top_k=2, d_ff=32),
+        "Qwen3MoeForCausalLM": MoEConfig(n_experts=8, top_k=2, d_ff=32, n_dense_layers=1),
+    }[architecture]
+    cfg = ModelConfig(
+        vocab=96, d_model=64, n_layers=3, n_q_per_kv=2, n_kv=2, d_head=16, d_ff=48,
+        norm_eps=1e-6, compute_dtype="float32", attention_impl="einsum",
+        qk_norm=architecture.startswith("Qwen3"), moe=moe,
+    )  # fmt: skip
+    mesh = training_mesh(MOE_MESH if moe.enabled else DENSE_MESH)
+    weights = random_seqshard_weights(cfg, mesh)
+    out = tmp_path / "hf"
+    export = ExportConfig(out, cfg, data_dir / "tokenizer.json", max_position=64)
+    export_run(weights, export, log=lambda m: None)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == [architecture]
+    if moe.enabled:
+        router = "block_sparse_moe.gate" if architecture == "MixtralForCausalLM" else "mlp.gate"
+        assert f"model.layers.2.{router}.weight" in _names(out)
+        assert "model.layers.1.mlp.gate_proj.weight" not in _names(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == architecture
+    tokens, starts = tokens_and_starts(cfg.vocab)
+    want = torch_logits(model, tokens)
+    got = seqshard_logits(weights, tokens, starts, cfg, mesh)
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_TOL)
+    assert read_hf_config(out).model_config(cfg) == cfg
+    assert tree_equal(load_hf_weights(out, cfg, mesh, log=lambda m: None), weights)
+
+
+def test_an_export_refuses_a_router_bias_and_what_no_hf_model_computes(tmp_path):
+    """A trained router bias (moe.balance=bias) moves the experts' choice, which Mixtral and
+    Qwen3-MoE have no weight for: refused before anything is written. So are shared experts,
+    a sigmoid router and dense layers without qk_norm (Mixtral has none)."""
+    from seqshard.hf.export import ExportConfig, export_weights
+    from seqshard.model.config import MoEConfig
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_ff=16)
+    cfg = ModelConfig(vocab=32, d_model=16, n_layers=2, n_q_per_kv=1, n_kv=2, d_head=8, moe=moe)
+    mesh = training_mesh({"e": 2})
+    weights = random_seqshard_weights(cfg, mesh)
+    bias = np.zeros((2, 4), np.float32)
+    bias[1, 3] = 0.25
+    layers = dataclasses.replace(weights.moe_layers, router_bias=jax.numpy.asarray(bias))
+    weights = dataclasses.replace(weights, moe_layers=layers)
+    with pytest.raises(ValueError) as info:
+        export_weights(weights, cfg, tmp_path, "float32", 2**30)
+    msg = str(info.value)
+    assert "router_bias is nonzero (layer 1, expert 3: 0.25" in msg
+    assert "MixtralForCausalLM has no such bias" in msg and "balance=aux_loss" in msg
+    assert not list(tmp_path.iterdir())
+    for change, needle in [
+        ({"n_shared": 1}, "model.moe.n_shared=1 has no Hugging Face counterpart"),
+        ({"router": "sigmoid"}, "model.moe.router='sigmoid' has no Hugging Face counterpart"),
+        ({"n_dense_layers": 1}, "model.moe.n_dense_layers=1 without model.qk_norm"),
+    ]:
+        bad = dataclasses.replace(cfg, moe=dataclasses.replace(moe, **change))
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            ExportConfig(tmp_path / "x", bad, tmp_path / "tokenizer.json", max_position=64)
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    """A saved random Mixtral (8 experts), made once: tests copy it before changing it."""
+    if not HAS_TRANSFORMERS:
+        pytest.skip("needs transformers and a CPU torch")
+    path = tmp_path_factory.mktemp("mixtral") / "model"
+    hf_model(path, "MixtralForCausalLM")
+    return path
+
+
+@pytest.fixture
+def mixtral_copy(mixtral_dir, tmp_path):
+    out = tmp_path / "mixtral"
+    shutil.copytree(mixtral_dir, out)
+    return out
+
+
+def set_config(path: Path, **changes) -> None:
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | changes))
+
+
+def load_moe(path: Path, **fields):
+    cfg = read_hf_config(path).model_config(ModelConfig(compute_dtype="float32", **fields))
+    return load_hf_weights(path, cfg, training_mesh(MOE_MESH), log=lambda m: None)
+
+
+@pytest.mark.parametrize(
+    "count, needle",
+    [
+        (4, "Layer 0 has experts up to 7, but config.json says num_local_experts=4: set "
+            "num_local_experts to the number of experts the files hold (8?)"),
+        (16, "Layer 0 lacks experts 8..15: config.json says num_local_experts=16; if the files "
+             "hold only 8, set num_local_experts to 8."),
+    ],
+    ids=["fewer", "more"],
+)  # fmt: skip
+def test_an_expert_count_the_files_contradict_names_the_key_and_the_fix(
+    mixtral_copy, count, needle
+):
+    set_config(mixtral_copy, num_local_experts=count)
+    with pytest.raises(HFFormatError) as info:
+        load_moe(mixtral_copy)
+    assert needle in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__ is False
+
+
+def test_a_router_of_another_expert_count_names_the_tensor_and_key(mixtral_copy):
+    from safetensors.numpy import load_file, save_file
+
+    path = mixtral_copy / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.block_sparse_moe.gate.weight"
+    tensors[name] = tensors[name][:6]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(HFFormatError) as info:
+        load_moe(mixtral_copy)
+    msg = str(info.value)
+    assert f"tensor {name} has shape [6, 64], but config.json implies [8, 64]" in msg
+    assert "experts=8 (num_local_experts)" in msg and "d_model=64 (hidden_size)" in msg
+
+
+def test_a_config_disagreeing_on_experts_names_the_field_and_key(mixtral_copy):
+    cfg = hf_cfg(mixtral_copy)
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=4, top_k=1))
+    with pytest.raises(HFFormatError) as info:
+        load_hf_weights(mixtral_copy, cfg, training_mesh(MOE_MESH), log=lambda m: None)
+    msg = str(info.value)
+    assert "model.moe.n_experts=4 but it says 8 (num_local_experts)" in msg
+    assert "model.moe.top_k=1 but it says 2" in msg
+
+
+@pytest.mark.parametrize(
+    "architecture, change, needle",
+    [
+        ("Qwen3MoeForCausalLM", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+        ("Qwen3MoeForCausalLM", {"mlp_only_layers": [1]}, "these make layers [1] dense"),
+        ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 2}, "these make layers [0, 2, 4] dense"),
+        ("MixtralForCausalLM", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+        ("MixtralForCausalLM", {"sliding_window": 4096}, "sliding_window=4096"),
+        ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window=64"),
+        ("Qwen3ForCausalLM", {"layer_types": ["full_attention", "sliding_attention"]},
+         "layer_types=['full_attention', 'sliding_attention']"),
+    ],
+)  # fmt: skip
+def test_a_router_or_layout_seqshard_does_not_compute_is_an_error_naming_the_key(
+    tmp_path, architecture, change, needle
+):
+    raw = {
+        "architectures": [architecture], "vocab_size": 96, "hidden_size": 64,
+        "intermediate_size": 48, "num_hidden_layers": 5, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    read_hf_config(tmp_path)  # as written, fine
+    (tmp_path / "config.json").write_text(json.dumps(raw | change))
+    with pytest.raises(HFFormatError) as info:
+        read_hf_config(tmp_path)
+    assert needle in str(info.value) and "config.json" in str(info.value)

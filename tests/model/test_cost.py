@@ -187,12 +187,15 @@ def test_param_bytes_are_the_bytes_of_init_weights():
     cfg = _cfg(vocab=48, d_model=32, n_layers=3, n_q_per_kv=2, n_kv=2, d_head=8, d_ff=40)
     mesh = fake_cpu_mesh((2, 2), ("d", "t"))
     leaves = jax.tree.leaves(jax.eval_shape(lambda: init_weights(cfg, mesh, jax.random.key(0))))
-    assert len(leaves) == 11  # embed, unembed, final_norm and 8 per-layer weights
+    # embed, unembed, final_norm and 10 per-layer weights (q_norm, k_norm of size 0)
+    assert len(leaves) == 13
     # 2 * 48 * 32 (embed, unembed) + 32 (final norm) + 3 layers * (3 * 32 * 4 * 8 (w_q, w_kv,
     # w_o) + 3 * 32 * 40 (FFN) + 2 * 32 (norms)).
     assert sum(math.prod(x.shape) for x in leaves) == param_count(cfg) == 24_032
     assert sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) == param_bytes(cfg)
     assert param_bytes(cfg, "bfloat16") == 2 * param_count(cfg)
+    # model.qk_norm adds two gains of d_head per layer.
+    assert param_count(dataclasses.replace(cfg, qk_norm=True)) == 24_032 + 3 * 2 * 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +324,24 @@ def test_recompute_per_policy(remat, recomputed):
     assert all(op.recompute == 0 for op in table.ops if not op.in_layer)
     # The declarations name only operations the table has (or transfers, which compute nothing).
     transfers = {op.name for b in LAYER_BLOCKS for op in b.ops if op.kind == "transfer"}
-    assert block.recomputed(LAYER_BLOCKS, remat) <= set(layer) | transfers
+    absent = {op.name for b in LAYER_BLOCKS for op in b.ops if not op.present(cfg)}
+    assert block.recomputed(LAYER_BLOCKS, remat) <= set(layer) | transfers | absent
+
+
+def test_qk_norm_rows_count_one_norm_per_q_and_k_head():
+    """model.qk_norm adds one row: RMSNorm's 4 D + 3 forward and 8 D backward per head of q
+    and of k, per token and layer, re-run only under remat=full (q and k before the norm are
+    kept); without it the table has no such row."""
+    b, s = 2, 16
+    for remat in ("saved", "full"):
+        cfg = _cfg(qk_norm=True, remat=remat)
+        row = step_flops(cfg, batch=b, seq_len=s)["qk_norm"]
+        heads = cfg.n_heads + cfg.n_kv  # 4 query heads and 2 kv heads
+        assert row.forward == cfg.n_layers * b * s * heads * (4 * cfg.d_head + 3)
+        assert row.backward == cfg.n_layers * b * s * heads * 8 * cfg.d_head
+        assert row.recompute == (row.forward if remat == "full" else 0)
+    with pytest.raises(KeyError, match="no operation 'qk_norm'"):
+        step_flops(_cfg(), batch=b, seq_len=s)["qk_norm"]
 
 
 def test_per_device_and_per_run():

@@ -173,7 +173,11 @@ MARKED = {"q", "k", "v", "attn", "h", "gate", "up"}  # save_for_backward in the 
     [
         ("full", {"x"}),
         ("saved", {"x"} | MARKED),
-        ("none", set(bw.ACTIVATIONS) - {"keys", "values", "lse"}),  # c = 1, no ring
+        # c = 1, no ring, no model.qk_norm
+        (
+            "none",
+            set(bw.ACTIVATIONS) - {"keys", "values", "lse", "q_norm", "k_norm", "q_proj", "k_proj"},
+        ),
     ],
 )
 def test_saved_bytes_take_the_arrays_the_policy_keeps(name, kept):

@@ -194,6 +194,8 @@ def test_sharded_equals_reference_bf16():
     for (path, r), g in zip(
         jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
     ):
+        if not r.size:  # q_norm, k_norm without model.qk_norm
+            continue
         scale = np.max(np.abs(r))
         assert np.max(np.abs(g - r)) <= 0.1 * scale, jax.tree_util.keystr(path)
     # and bf16 is really in use: the f32 logits differ from these by more than f32 rounding

@@ -89,6 +89,8 @@ def documented_stds(cfg: ModelConfig) -> dict[str, float | str]:
         "layers.w_q": 1 / math.sqrt(cfg.d_model),
         "layers.w_kv": 1 / math.sqrt(cfg.d_model),
         "layers.w_o": 1 / math.sqrt(cfg.n_q_per_kv * cfg.n_kv * cfg.d_head) / depth,
+        "layers.q_norm": "ones",
+        "layers.k_norm": "ones",
         "layers.ln2": "ones",
         "layers.w_gate": 1 / math.sqrt(cfg.d_model),
         "layers.w_up": 1 / math.sqrt(cfg.d_model),

@@ -37,11 +37,12 @@ def test_wsd_is_flat_until_the_decay_fraction():
 
 
 def test_decay_skips_exactly_the_norm_gains():
-    w = weight_structs(ModelConfig())
+    w = weight_structs(ModelConfig(qk_norm=True))
     mask = decay_mask(w)
     assert mask.final_norm is False and mask.layers.ln1 is False and mask.layers.ln2 is False
+    assert mask.layers.q_norm is False and mask.layers.k_norm is False  # model.qk_norm's
     decayed = [jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(mask) if m]
-    assert len(decayed) == len(jax.tree.leaves(w)) - 3
+    assert len(decayed) == len(jax.tree.leaves(w)) - 5
 
 
 def test_weight_decay_moves_weights_but_not_gains():

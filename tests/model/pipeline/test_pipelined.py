@@ -139,6 +139,8 @@ def test_pipelined_loss_and_gradients_equal_the_reference(shape, schedule, m_of_
         jax.tree.leaves(want_grads),
         strict=True,
     ):
+        if not np.size(want):  # q_norm, k_norm without model.qk_norm
+            continue
         scale = np.max(np.abs(want))
         err = np.max(np.abs(np.asarray(got) - np.asarray(want))) / scale
         assert err < GRAD_TOL, (jax.tree_util.keystr(path[0]), err)
