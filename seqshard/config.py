@@ -432,16 +432,15 @@ def _check_batch(cfg: Config) -> None:
     micro = train.batch_size // train.microbatches
     rows = mesh.d * mesh.e if mesh.is_resolved else 1  # the batch is split over d and e
     if micro % rows:
-        axes = (
-            f"mesh.d x mesh.e = {mesh.d} x {mesh.e} = {rows}"
-            if mesh.e > 1
-            else f"mesh axis d={mesh.d}"
-        )
+        if mesh.e > 1:
+            axes, product = f"mesh.d x mesh.e = {mesh.d} x {mesh.e} = {rows}", "mesh.d * mesh.e"
+        else:
+            axes, product = f"mesh axis d={mesh.d}", "mesh.d"
         raise ConfigError(
             f"each microbatch has train.batch_size / train.microbatches = {train.batch_size} / "
-            f"{train.microbatches} = {micro} sequences, which "
-            f"{axes} does not divide (the batch is split over d and e). Choose "
-            f"train.batch_size divisible by {rows} x train.microbatches = {rows * train.microbatches}."
+            f"{train.microbatches} = {micro} sequences, which {axes} does not divide (the "
+            f"batch is split over d and e). Choose train.batch_size divisible by {product} * "
+            f"train.microbatches = {rows * train.microbatches}."
         )
     if mesh.is_resolved and mesh.c > 1 and train.seq_len % (2 * mesh.c):
         raise ConfigError(

@@ -132,12 +132,27 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "rope_high_freq_factor": 8.0,
         "rope_original_max_position": 1024,
         "qk_norm": True,
+        "moe": {
+            "n_experts": 4,
+            "top_k": 1,
+            "d_ff": 32,
+            "n_shared": 1,
+            "n_dense_layers": 1,
+            "router": "sigmoid",
+            "balance": "bias",
+            "aux_loss_weight": 0.02,
+            "bias_rate": 0.01,
+            "z_loss_weight": 0.001,
+            "capacity_factor": 1.5,
+        },
     }
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (
         "a ModelConfig field was added or renamed: add it here"
     )
+    flat = {f"moe.{k}": v for k, v in values["moe"].items()}
+    flat |= {k: v for k, v in values.items() if k != "moe"}
     cfg = load(
-        *(f"model.{k}={v}" for k, v in values.items()),
+        *(f"model.{k}={v}" for k, v in flat.items()),
         "mesh.d=2",
         "mesh.c=2",
         "mesh.t=2",
@@ -342,7 +357,7 @@ def test_bad_override_syntax(override):
         (["model.d_ff=100", "mesh.t=8", "model.n_kv=8"], ["model.d_ff=100", "= 8"]),
         (
             ["model.d_model=36", "mesh.d=4", "mesh.t=2"],
-            ["model.d_model=36", "t*d*c", "= 8", "d=4 x c=1 x t=2", "d_model/t/d/e/c"],
+            ["model.d_model=36", "t*d*e*c", "= 8", "d=4 x c=1 x t=2", "d_model/t/d/e/c"],
         ),
         (["data.vocab_size=4096"], ["data.vocab_size=4096", "model.vocab=256"]),
         (["mesh.d=0"], ["mesh.d=0", ">= 1, or -1 for the remaining devices"]),
