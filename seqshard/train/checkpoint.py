@@ -471,11 +471,7 @@ class Checkpointer:
         if meta.get("step") != step:
             raise _Unusable(f"its metadata is of step {meta.get('step')!r}")
         try:
-            state = self.manager.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(_empty_as_none(target))),
-            ).state
-            state = _with_empty(state, target)
+            state = _with_empty(self._restore_arrays(step, _empty_as_none(target)), target)
         except Exception as e:
             raise _Unusable(f"unreadable arrays ({_first_line(e)})") from None
         saved = meta.get("checksums")
@@ -497,6 +493,31 @@ class Checkpointer:
             )
         return state, meta
 
+    def _restore_arrays(self, step: int, target: Any) -> Any:
+        """The arrays of checkpoint ``step`` as ``target`` (zero-size arrays as None). A
+        checkpoint written before a weight the config has not existed (``q_norm`` without
+        ``model.qk_norm``, added with it) lacks its None entries: read it with them left out
+        of the target, then put back."""
+        try:
+            return self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            ).state
+        except ValueError as e:
+            if "tree structures do not match" not in str(e):
+                raise
+        on_disk = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        on_disk = on_disk.tree
+        serialized = ocp.tree.serialize_tree(target, keep_empty_nodes=True)
+        read = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_without_absent_nones(serialized, on_disk))
+            ),
+        ).state
+        return ocp.tree.deserialize_tree(
+            _with_nones(read, serialized), target, keep_empty_nodes=True
+        )
+
     def _existing(self, step: int | None) -> int:
         steps = self.all_steps()
         if step is None:
@@ -517,6 +538,29 @@ def _empty_as_none(tree: Any) -> Any:
     ``model.qk_norm``, shared experts without ``moe.n_shared``, and their optimizer moments)
     as None: orbax writes no zero-size array, and there is nothing in one to keep."""
     return jax.tree.map(lambda x: None if x.size == 0 else x, tree)
+
+
+def _without_absent_nones(serialized: Any, on_disk: Any) -> Any:
+    """``serialized`` (orbax's nested dicts and lists) less the None entries ``on_disk`` has
+    not."""
+    if isinstance(serialized, list) and isinstance(on_disk, list):
+        return [_without_absent_nones(v, d) for v, d in zip(serialized, on_disk, strict=True)]
+    if not isinstance(serialized, dict) or not isinstance(on_disk, dict):
+        return serialized
+    return {
+        k: _without_absent_nones(v, on_disk.get(k))
+        for k, v in serialized.items()
+        if not (v is None and k not in on_disk)
+    }
+
+
+def _with_nones(read: Any, serialized: Any) -> Any:
+    """``read`` with the None entries of ``serialized`` it lacks put back."""
+    if isinstance(serialized, list):
+        return [_with_nones(r, v) for r, v in zip(read, serialized, strict=True)]
+    if not isinstance(serialized, dict):
+        return read
+    return {k: None if k not in read else _with_nones(read[k], v) for k, v in serialized.items()}
 
 
 def _with_empty(restored: Any, target: Any) -> Any:

@@ -161,8 +161,12 @@ def state_digest(state: Any) -> tuple[dict[str, int], dict[str, bool]]:
     """Each array's checksum and whether it is finite, by name, in one jitted call on device.
 
     Nothing but the 5 bytes per array comes to the host; the checksum does not depend on the
-    arrays' sharding (see :func:`_checksum`)."""
-    names, leaves = _leaf_names(state), jax.tree.leaves(state)
+    arrays' sharding (see :func:`_checksum`). A zero-size array (a weight the config has
+    not) holds nothing to check and is left out, so checkpoints written before the weight
+    existed check the same."""
+    named = [(n, x) for n, x in zip(_leaf_names(state), jax.tree.leaves(state), strict=True)]
+    named = [(n, x) for n, x in named if getattr(x, "size", 1) != 0]
+    names, leaves = [n for n, _ in named], [x for _, x in named]
     shardings = [getattr(x, "sharding", None) for x in leaves]
     mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
     plans = tuple(_plan(x) for x in leaves)

@@ -541,3 +541,47 @@ def test_optimizer_state_targets_carry_weight_shardings(tiny_overrides, tmp_path
     mu = moments[0][1]
     for m, w in zip(jax.tree.leaves(mu), jax.tree.leaves(structs.weights), strict=True):
         assert m.sharding == w.sharding and m.shape == w.shape
+
+
+def _without(tree, names: set[str]):
+    """Orbax's serialized tree (nested dicts and lists) less the entries named ``names``."""
+    if isinstance(tree, list):
+        return [_without(x, names) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _without(v, names) for k, v in tree.items() if k not in names}
+    return tree
+
+
+def test_a_checkpoint_written_before_qk_norm_existed_restores(ckpt_copy):
+    """model.qk_norm added the gains q_norm and k_norm, of size 0 without it. A checkpoint
+    written before has no entry for them (nor for their AdamW moments): it restores, the same
+    arrays, the zero-size ones made again."""
+    import orbax.checkpoint as ocp
+
+    cfg, directory = ckpt_copy
+    original, _ = restore(cfg, directory)
+    step = original.step
+    ckpt = Checkpointer(directory, log=lambda _: None)
+    try:
+        meta = ckpt.read_meta(step)
+        state = ocp.tree.serialize_tree(
+            checkpoint._empty_as_none(original.state), keep_empty_nodes=True
+        )
+        old = _without(state, {"q_norm", "k_norm"})
+        shutil.rmtree(directory / str(step))
+        ckpt.manager.reload()
+        ckpt.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(old), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+        ckpt.manager.wait_until_finished()
+    finally:
+        ckpt.close()
+    assert "q_norm" not in str(
+        ocp.StandardCheckpointHandler().metadata(directory / str(step) / "state").tree
+    )
+    again, _ = restore(cfg, directory, log=lambda _: None)
+    assert again.step == step
+    for a, b in zip(leaves(original.state), leaves(again.state), strict=True):
+        np.testing.assert_array_equal(a, b)
