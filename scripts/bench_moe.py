@@ -3,20 +3,21 @@
 the same model on 8 fake CPU devices, per mesh e x d x t, dropless and with a capacity; beside
 it the dense model of equal active parameters. ``--gpu``: one device (an H100), a larger model.
 
-    python scripts/bench_moe.py                          # meshes 2x2x2 4x2x1 8x1x1 2x4x1: ~6 min on 2 cores
+    python scripts/bench_moe.py                          # meshes 2x2x2 4x2x1 8x1x1 2x4x1: ~5 min on 2 cores
     python scripts/bench_moe.py --meshes 2x2x2 --capacities 0 --steps 3 --no-dense
     python scripts/bench_moe.py --hlo-dir /tmp/hlo       # also writes each variant's compiled HLO
     python scripts/bench_moe.py --gpu                    # one GPU, the larger model (below)
     python scripts/bench_moe.py --gpu --tiny --steps 2   # the same on one CPU device, tiny shapes
 
-The model (CPU): 2 layers, both mixture-of-experts (``moe.n_dense_layers=0``), d_model 256,
-2 kv heads x 2 query heads of 32, vocab 1280, packed documents, einsum attention, f32, remat
+The model (CPU): 2 layers, both mixture-of-experts (``moe.n_dense_layers=0``), d_model 128,
+2 kv heads x 2 query heads of 32, vocab 1024, packed documents, einsum attention, f32, remat
 saved, seqshard's default hand-written backward; each MoE FFN 8 routed SwiGLU experts of
-``moe.d_ff`` 256, top-3 softmax router (renormalized), 1 shared expert, DeepSeek-V3's bias
-balancing (rate 1e-3), z-loss 1e-3 (``configs/tiny-cpu-moe.yaml``'s routing at twice its
-width); batch 32 x 128 tokens; AdamW + clipping from :func:`seqshard.train.optimizer.make_optimizer`.
-The dense model of equal active parameters: the same with a SwiGLU FFN of
-``d_ff = (top_k + n_shared) x moe.d_ff`` = 1024 (``scripts/bench_step.py``'s model).
+``moe.d_ff`` 128, top-3 softmax router (renormalized), 1 shared expert, DeepSeek-V3's bias
+balancing (rate 1e-3), z-loss 1e-3 (``configs/tiny-cpu-moe.yaml``'s routing); batch 16 x 128
+tokens; AdamW + clipping from :func:`seqshard.train.optimizer.make_optimizer`. The dense model
+of equal active parameters: the same with a SwiGLU FFN of ``d_ff = (top_k + n_shared) x
+moe.d_ff`` = 512 (tiny-cpu's). The size flags (``--d-model``, ``--expert-d-ff``, ...) change
+both models.
 
 Variants, per mesh (``--meshes``, e x d x t) and per ``moe.capacity_factor`` (``--capacities``:
 0 is dropless, the exchange buffers sized for the worst case; 1.25 drops the copies past each
@@ -66,6 +67,19 @@ collective calls and ring-model bytes sent per device per step (scan bodies time
 count), temp memory, the first-step loss and the fraction of copies dropped. Then, per mesh,
 seqshard over gspmd; the last line is ``ratio_vs_gspmd_moe=X``: the smallest over the meshes
 of seqshard's tokens/s over the baseline's, dropless.
+
+**Measured** (JAX 0.10.2, 2 cores, docs/benchmarks.md): ``ratio_vs_gspmd_moe=0.551``.
+seqshard wins dropless on e8 d1 t1 (1.36) and e2 d4 t1 (1.56), ties on e4 d2 t1 (0.99), and
+loses on e2 d2 t2 (0.55); with capacity 1.25 it wins on every mesh (1.06 to 2.59), the dense
+model 2.3x and 7.3x. Why it loses: XLA:CPU has no grouped matmul, so each ``ragged_dot``
+computes every local expert on every buffer row (E/e x e x C rows, C = T x min(k, E/e) when
+dropless: at e = 2, 4 experts on 2 x 3 x T rows, 8x the active work; the compiled dot is
+[3072, 512] x [512, 64] per device where a grouped kernel would do 4 x [~400, 128] x [128,
+64]: 2.7 ms against 0.4 ms measured alone; ``jax_ragged_dot_use_ragged_dot_instruction`` gets
+the same dense dot from XLA:CPU). Dense routing costs E x T rows, so seqshard's dropless
+expert work is min(k, E/e) times the baseline's per device: 3x at e = 2, 2x at e = 4, 1x at
+e = 8, matching where it loses, ties and wins. On an accelerator ``ragged_dot`` is a grouped
+kernel (``--gpu``), and on CPU the cure is a grouped matmul in ``moe.py``, not the benchmark.
 
 **--gpu**: on the first device only (``CUDA_VISIBLE_DEVICES=0`` on a node with several), mesh
 1 x 1 x 1, bf16, attention as ``auto`` resolves it (cuDNN on GPU, einsum on CPU): 8 layers
