@@ -35,6 +35,7 @@ from seqshard.model.weights import Layer, MoELayer, Weights
 __all__ = [
     "Attend",
     "reference_attention",
+    "reference_attention_half",
     "reference_embed",
     "reference_layer",
     "reference_logits_fn",
@@ -42,6 +43,7 @@ __all__ = [
     "reference_loss_terms",
     "reference_mask",
     "reference_moe_layer",
+    "reference_norm",
     "reference_positions",
     "reference_unembed",
 ]
@@ -57,7 +59,8 @@ def _identity(x: jax.Array) -> jax.Array:
     return x
 
 
-def _norm(x, gain, eps):
+def reference_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last dimension of [B, L, M], in f32."""
     x = x.astype(jnp.float32)
     return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * gain[None, None, :]
 
@@ -123,18 +126,31 @@ def reference_layer(
     ``attend`` replaces :func:`reference_attention` (the default) by another kernel of the same
     math, e.g. a fused one (``scripts/bench_gpu.py``'s cuDNN baseline).
     """
-    x = _attention_half(cfg, w, x, positions, mask, mark, constrain, attend)
+    x = reference_attention_half(
+        cfg, w, x, positions, mask, mark=mark, constrain=constrain, attend=attend
+    )
     dt = jnp.dtype(cfg.compute_dtype)
-    nx = _norm(x, w.ln2, cfg.norm_eps).astype(dt)
+    nx = reference_norm(x, w.ln2, cfg.norm_eps).astype(dt)
     gate = mark(nx @ w.w_gate.astype(dt))
     up = mark(nx @ w.w_up.astype(dt))
     return constrain((x + (jax.nn.silu(gate) * up) @ w.w_down.astype(dt).T).astype(dt))
 
 
-def _attention_half(cfg, w, x, positions, mask, mark=_identity, constrain=_identity, attend=None):
-    """The residual after a layer's attention block."""
+def reference_attention_half(
+    cfg: ModelConfig,
+    w: Layer | MoELayer,
+    x: jax.Array,
+    positions: jax.Array,
+    mask: jax.Array,
+    *,
+    mark: Callable[[jax.Array], jax.Array] = _identity,
+    constrain: Callable[[jax.Array], jax.Array] = _identity,
+    attend: Attend | None = None,
+) -> jax.Array:
+    """The residual [B, L, M] after a layer's attention block (hooks as :func:`reference_layer`'s;
+    ``scripts/bench_moe.py``'s baseline puts its own MoE FFN after it)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    nx = _norm(x, w.ln1, cfg.norm_eps).astype(dt)
+    nx = reference_norm(x, w.ln1, cfg.norm_eps).astype(dt)
     q = jnp.einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
     k = jnp.einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
     if cfg.qk_norm:  # Qwen3: each head RMS-normalized over D, before RoPE
@@ -156,8 +172,8 @@ def reference_moe_layer(
     over the batch, as :mod:`seqshard.model.moe` defines them)."""
     moe = cfg.moe
     dt = jnp.dtype(cfg.compute_dtype)
-    x = _attention_half(cfg, w, x, positions, mask)
-    nx = _norm(x, w.ln2, cfg.norm_eps).astype(dt)
+    x = reference_attention_half(cfg, w, x, positions, mask)
+    nx = reference_norm(x, w.ln2, cfg.norm_eps).astype(dt)
     logits = jnp.einsum("blm,me->ble", nx.astype(jnp.float32), w.router)
     if moe.router == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
@@ -197,7 +213,7 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
 def reference_unembed(cfg: ModelConfig, weights: Weights, x: jax.Array) -> jax.Array:
     """The residual [B, L, M] -> final RMSNorm -> f32[B, L, V] logits."""
     dt = jnp.dtype(cfg.compute_dtype)
-    nx = _norm(x, weights.final_norm, cfg.norm_eps).astype(dt)
+    nx = reference_norm(x, weights.final_norm, cfg.norm_eps).astype(dt)
     return jnp.einsum(
         "blm,vm->blv", nx, weights.unembed.astype(dt), preferred_element_type=jnp.float32
     )
