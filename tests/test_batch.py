@@ -14,9 +14,10 @@ from seqshard.testing import count_collectives, fake_cpu_mesh
 
 
 def test_the_batch_layout_is_its_types():
-    assert partition_specs(TokenBatch) == TokenBatch(tokens=P("d", "c"), is_seq_start=P("d", "c"))
+    rows = ("d", "e")  # the batch rows over d and e
+    assert partition_specs(TokenBatch) == TokenBatch(tokens=P(rows, "c"), is_seq_start=P(rows, "c"))
     stacked = partition_specs(Array["microbatches", TokenBatch])
-    assert stacked.tokens == P(None, "d", "c")
+    assert stacked.tokens == P(None, rows, "c")
 
 
 def test_token_batch_casts_and_checks():

@@ -24,7 +24,7 @@ def test_the_config_mesh_section_has_a_size_per_axis_of_the_table():
     every = load_config(None, [f"mesh.{axis}=1" for axis in reversed(AXES)])
     assert list(every.mesh.sizes()) == list(AXES)
     cfg = load_config(None, ["mesh.t=2", "mesh.c=2", "model.d_model=64"])
-    assert cfg.mesh.sizes() == {"p": 1, "d": 1, "c": 2, "t": 2}
+    assert cfg.mesh.sizes() == {"p": 1, "d": 1, "e": 1, "c": 2, "t": 2}
     with pytest.raises(ConfigError, match="'x' not in 'MeshConfig'"):
         load_config(None, ["mesh.x=2"])
 
@@ -32,12 +32,12 @@ def test_the_config_mesh_section_has_a_size_per_axis_of_the_table():
 @pytest.mark.parametrize(
     "given, full",
     [
-        ({}, {"p": 1, "d": 1, "c": 1, "t": 1}),
-        ({"t": 2}, {"p": 1, "d": 1, "c": 1, "t": 2}),
-        ({"d": 4, "t": 2}, {"p": 1, "d": 4, "c": 1, "t": 2}),
+        ({}, {"p": 1, "d": 1, "e": 1, "c": 1, "t": 1}),
+        ({"t": 2}, {"p": 1, "d": 1, "e": 1, "c": 1, "t": 2}),
+        ({"d": 4, "t": 2}, {"p": 1, "d": 4, "e": 1, "c": 1, "t": 2}),
         (
             {"t": 2, "c": 2, "d": 4},
-            {"p": 1, "d": 4, "c": 2, "t": 2},
+            {"p": 1, "d": 4, "e": 1, "c": 2, "t": 2},
         ),  # table order, whatever the given order
     ],
 )
@@ -58,8 +58,8 @@ def test_unknown_axis_and_bad_sizes_are_errors_that_name_them():
 
 def test_mesh_of_sizes_has_every_axis_with_auto_types():
     mesh = mesh_of_sizes({"t": 4})
-    assert dict(mesh.shape) == {"p": 1, "d": 1, "c": 1, "t": 4}
-    assert mesh.axis_types == (AxisType.Auto,) * 4
+    assert dict(mesh.shape) == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 4}
+    assert mesh.axis_types == (AxisType.Auto,) * 5
     assert list(mesh.devices.flat) == jax.devices()[:4]
 
 
@@ -74,7 +74,7 @@ def test_a_mesh_larger_than_the_devices_says_how_to_get_more():
 
 def test_config_mesh_sizes_and_description():
     cfg = load_config(None, ["mesh.t=2", "data.vocab_size=64", "model.vocab=64"])
-    assert cfg.mesh.sizes() == {"p": 1, "d": 1, "c": 1, "t": 2}
+    assert cfg.mesh.sizes() == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 2}
     assert cfg.mesh.n_devices == 2 and cfg.mesh.describe() == "d=1 x c=1 x t=2"
     with pytest.raises(ConfigError, match="mesh sizes must be >= 1, or -1 .*; got mesh.d=0"):
         load_config(None, ["mesh.d=0"])
@@ -87,7 +87,7 @@ def test_a_minus_one_size_takes_the_remaining_devices():
         cfg.mesh.sizes()
     resolved = resolve_mesh(cfg, 8)
     assert (
-        resolved.mesh.sizes() == {"p": 1, "d": 4, "c": 1, "t": 2}
+        resolved.mesh.sizes() == {"p": 1, "d": 4, "e": 1, "c": 1, "t": 2}
         and resolve_mesh(resolved, 8) is resolved
     )
     with pytest.raises(ConfigError, match="7 devices do not divide by c=1 x t=2 = 2"):

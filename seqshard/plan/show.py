@@ -14,6 +14,8 @@ figures.
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from seqshard.batch import batch_structs
@@ -64,7 +66,8 @@ def _shape(s) -> str:
 
 
 def weight_table(cfg: Config) -> list[tuple[str, str, str, str, str]]:
-    """(name, type, global shape, per-device shape, PartitionSpec) per weight."""
+    """(name, type, global shape, per-device shape, PartitionSpec) per weight the config has
+    (a zero-size one, such as q_norm without model.qk_norm, is left out)."""
     sizes, axes = cfg.model.dim_sizes(), cfg.mesh.sizes()
     rows = []
     for path, t in jax.tree_util.tree_flatten_with_path(
@@ -72,6 +75,8 @@ def weight_table(cfg: Config) -> list[tuple[str, str, str, str, str]]:
         is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype_name"),
     )[0]:
         name = jax.tree_util.keystr(path).lstrip(".")
+        if math.prod(t.global_shape(sizes)) == 0:
+            continue
         rows.append(
             (
                 name,

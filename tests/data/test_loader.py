@@ -47,7 +47,7 @@ def test_loader_batches_are_stream_rows_and_sharded(data_dir, mesh):
                 break
     for arr, dtype in ((batch.tokens, np.int32), (batch.is_seq_start, np.bool_)):
         assert isinstance(arr, jax.Array) and arr.shape == (4, SEQ_LEN) and arr.dtype == dtype
-        assert arr.sharding.spec == P("d", "c") and arr.sharding.mesh.shape == mesh.shape
+        assert arr.sharding.spec == P(("d", "e"), "c") and arr.sharding.mesh.shape == mesh.shape
         assert len(arr.addressable_shards) == 8
         for shard in arr.addressable_shards:
             assert shard.data.shape == (2, SEQ_LEN)

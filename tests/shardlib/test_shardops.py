@@ -1326,7 +1326,7 @@ def test_op_outside_shard_map():
         jax.set_mesh(mesh_of((2, 4))),
         pytest.raises(
             ShapeError,
-            match=r"outside one \(the mesh \{'d': 2, 't': 4, 'p': 1, 'c': 1\} has no manual",
+            match=r"outside one \(the mesh \{'d': 2, 't': 4, 'p': 1, 'e': 1, 'c': 1\} has no manual",
         ),
     ):
         so.psum_scatter("M -> M/t", jnp.ones(4))

@@ -371,8 +371,8 @@ def test_size_one_axes_leave_the_specs():
     np.testing.assert_array_equal(g(w, _ints((8, 4))), w.final)
     auto, manual = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Manual
     assert seen == [
-        (manual, auto, auto, auto)
-    ]  # d, t, and seqshard's p and c (fake_cpu_mesh adds them)
+        (manual, auto, auto, auto, auto)
+    ]  # d, t, and seqshard's p, e and c (fake_cpu_mesh adds them)
 
 
 def psum_and_index(x: f32["B/d M/t"]) -> tuple[f32[()], f32["B/d M/t"]]:
