@@ -117,6 +117,7 @@ from seqshard.model.reference import (
 from seqshard.model.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.model.weights import Layer, Weights, check_mesh
 from seqshard.shardlib.comms import collectives
+from seqshard.shardlib.matmul import accumulation
 from seqshard.shardlib.shardtypes import f32, shardings
 from seqshard.shardlib.tables import format_bytes, format_table
 from seqshard.testing import COLLECTIVE_KINDS, count_collectives
@@ -419,6 +420,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.peak_n}^3 matmul on one device, GFLOP/s (best of before/after the rounds):")
     for path in MATMUL_PATHS:
         print(f"  {path:<44} {peaks[path] / 1e9:8.1f}")
+    model_path = "summed in f32" if accumulation(jnp.ones(1, jnp.bfloat16)) else "bf16 output"
+    print(f"  the model's bf16 matmuls on this backend: {model_path} (shardlib.matmul.ACCUMULATE)")
     print(
         f"MFU below is against each variant's compute dtype's peak, its matmul as the model "
         f"asks for it: f32 {peaks['float32'] / 1e9:.1f}, bf16 {peaks['bfloat16'] / 1e9:.1f} "

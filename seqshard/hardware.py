@@ -206,22 +206,23 @@ def chip(name: str) -> Chip:
 
 def measure_matmul_flops(n: int = 2048, dtype=jnp.float32, repeats: int = 3, device=None) -> float:
     """FLOP/s of an n x n x n matmul of ``dtype`` operands on one device (best of ``repeats``,
-    after a warm-up), asked for as the model asks: :func:`seqshard.shardlib.matmul.einsum`,
-    bf16 products summed in f32 and the result cast to bf16. That is the peak MFU is against:
-    a bare ``a @ b`` in bf16 takes another, slower path on CPU (:func:`matmul_paths`)."""
+    after a warm-up), asked for as the model asks: :func:`seqshard.shardlib.matmul.einsum`
+    (on CPU, bf16 products summed in f32 and the result cast to bf16). That is the peak MFU is
+    against: a bare ``a @ b`` in bf16 takes another, slower path on CPU (:func:`matmul_paths`)."""
     return _time_matmul(lambda x: matmul.einsum("ij,jk->ik", x, x), n, dtype, repeats, device)
 
 
 MATMUL_PATHS: Mapping[str, tuple] = {
     "bf16 x bf16 -> bf16 (a @ b)": (jnp.bfloat16, lambda x: x @ x),
-    "bf16 x bf16 -> f32 -> bf16 (the model's)": (
+    "bf16 x bf16 -> f32, cast to bf16": (
         jnp.bfloat16,
-        lambda x: matmul.einsum("ij,jk->ik", x, x),
+        lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
     ),
     "f32 x f32 -> f32": (jnp.float32, lambda x: x @ x),
 }
-"""The ways to ask a backend for one matmul that :func:`matmul_paths` times: the bare bf16
-product, the model's (seqshard/shardlib/matmul.py, with the figures that chose it) and f32."""
+"""The ways to ask a backend for one matmul that :func:`matmul_paths` times: the bf16 product
+with a bf16 output, summed in f32 and cast, and f32. Which of the first two the model takes on
+a backend is :data:`seqshard.shardlib.matmul.ACCUMULATE`'s choice (CPU: the second)."""
 
 
 def matmul_paths(n: int = 2048, repeats: int = 3, device=None) -> dict[str, float]:

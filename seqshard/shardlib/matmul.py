@@ -1,7 +1,7 @@
 """Every matmul of the model, and the one decision of what it accumulates in.
 
-:data:`ACCUMULATE` maps an operand dtype to the dtype its products are summed in, when that
-differs from the operands'. :func:`einsum` and :func:`ragged_dot` (the model's only matmuls:
+:data:`ACCUMULATE` maps a backend and an operand dtype to the dtype the backend should be
+asked to sum the products in, where that differs from the operands' (bf16 on CPU: f32). :func:`einsum` and :func:`ragged_dot` (the model's only matmuls:
 :func:`seqshard.shardlib.shardops.einsum_unreduced` calls the first; the MoE grouped matmul and
 the single-device reference call them directly) ask the backend for that accumulation
 (``preferred_element_type``) and cast the result to ``out_dtype``, by default the operands'
@@ -10,7 +10,8 @@ dtype, which is what the next op reads::
     y = einsum('blm,mf->blf', x, w)            # bf16 x bf16, summed in f32, y in bf16
     s = einsum('bqd,bkd->bqk', q, k, out_dtype=jnp.float32)   # scores stay f32
 
-Why bf16 products are summed in f32, measured (2048^3, one device, JAX 0.10.2, best of 5):
+Why bf16 products are summed in f32 on CPU, measured (2048^3, one device, JAX 0.10.2, best of
+5; ``seqshard.hardware.matmul_paths``, also printed by ``scripts/bench_step.py``):
 
     ===================================  ====================  =====================
     GFLOP/s                              Intel Xeon with AMX   AMD EPYC, avx512_bf16
@@ -20,11 +21,14 @@ Why bf16 products are summed in f32, measured (2048^3, one device, JAX 0.10.2, b
     f32  x f32  -> f32                            264                   209
     ===================================  ====================  =====================
 
-XLA:CPU sends only the f32-output form to oneDNN's bf16 kernels (AMX or AVX512-BF16); with a
-bf16 output it falls back to a slower loop. On GPUs and TPUs the matrix units accumulate bf16
-products in f32 whatever the output type, so the result is the same value (one rounding, at
-the end) and the cast fuses into the matmul's output. f32 operands are left exactly as they
-were (no cast, no custom derivative): f32 runs are bit-identical to plain ``jnp.einsum``.
+XLA:CPU runs only the f32-output form on the CPU's bf16 instructions; a bf16-output dot it
+upcasts to f32 x f32. The value is the same or better: the f32 sum rounded once to bf16.
+On GPU, cuBLAS sums bf16 products in f32 whatever the output type (the same value), and the
+bf16 output was as fast or faster on every shape but one (H200, TFLOP/s, bf16 out against f32
+summed and cast: 8192^3 694.5 / 643.8, the up projection's 685.6 / 559.2; docs/benchmarks.md,
+"bf16 matmul paths"): GPUs keep JAX's default. TPUs too (the MXU sums in f32; not measured
+here). f32 operands are left exactly as they were (no cast, no custom derivative): f32 runs
+are bit-identical to plain ``jnp.einsum``.
 
 Autodiff's own transpose of ``einsum(..., preferred_element_type=f32).astype(bf16)`` would
 not keep the fast path: the cast's transpose hands the matmul an f32 cotangent, and JAX's
@@ -49,19 +53,23 @@ from seqshard.shardlib.vma import varying_axes
 
 __all__ = ["ACCUMULATE", "accumulation", "einsum", "ragged_dot"]
 
-ACCUMULATE: Mapping[jnp.dtype, jnp.dtype] = {
-    jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.float32),
-    jnp.dtype(jnp.float16): jnp.dtype(jnp.float32),
+ACCUMULATE: Mapping[str, Mapping[jnp.dtype, jnp.dtype]] = {
+    "cpu": {
+        jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.float32),
+        jnp.dtype(jnp.float16): jnp.dtype(jnp.float32),
+    },
 }
-"""Operand dtype -> the dtype its matmul products are summed in (see the module docstring);
-dtypes not listed are summed in their own dtype, as ``jnp.einsum`` does."""
+"""Backend (``jax.default_backend()``) -> operand dtype -> the dtype to ask the backend to sum
+matmul products in (see the module docstring). A backend or dtype not listed gets JAX's
+default: the operands' dtype out, however the backend sums."""
 
 
-def accumulation(*operands: jax.Array) -> jnp.dtype | None:
-    """The dtype matmuls of ``operands`` accumulate in, when it differs from theirs (else None):
-    only when every operand has the same dtype listed in :data:`ACCUMULATE`."""
+def accumulation(*operands: jax.Array, platform: str | None = None) -> jnp.dtype | None:
+    """The dtype to ask ``platform``'s backend (default: this process's) to sum a matmul of
+    ``operands`` in, when :data:`ACCUMULATE` lists one (all operands of one dtype), else None."""
     dtypes = {jnp.dtype(x.dtype) for x in operands}
-    return ACCUMULATE.get(dtypes.pop()) if len(dtypes) == 1 else None
+    table = ACCUMULATE.get(platform or jax.default_backend(), {})
+    return table.get(dtypes.pop()) if len(dtypes) == 1 else None
 
 
 def _same_vma(*operands: jax.Array) -> tuple[jax.Array, ...]:
@@ -101,7 +109,7 @@ def _terms(equation: str) -> tuple[str, str, str]:
 
 
 def _accumulated(equation: str, x: jax.Array, y: jax.Array, out: jnp.dtype) -> jax.Array:
-    acc = ACCUMULATE[jnp.dtype(x.dtype)]
+    acc = accumulation(x, y)
     return jnp.einsum(equation, x, y, preferred_element_type=acc).astype(out)
 
 
@@ -151,7 +159,7 @@ _RAGGED_CONTRACT_T = lax.RaggedDotDimensionNumbers(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ragged_fast(out: jnp.dtype, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    acc = ACCUMULATE[jnp.dtype(x.dtype)]
+    acc = accumulation(x, w)
     return lax.ragged_dot(x, w, sizes, preferred_element_type=acc).astype(out)
 
 
@@ -161,7 +169,7 @@ def _ragged_fast_fwd(out, x, w, sizes):
 
 def _ragged_fast_bwd(out, res, ct):
     x, w, sizes = res
-    acc = ACCUMULATE[jnp.dtype(x.dtype)]
+    acc = accumulation(x, w)
     ct = ct.astype(x.dtype)  # the cotangent in the operands' dtype: the fast path (docstring)
     dx = lax.ragged_dot(ct, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=acc)
     dw = lax.ragged_dot_general(x, ct, sizes, _RAGGED_CONTRACT_T, preferred_element_type=acc)

@@ -135,3 +135,13 @@ def test_operands_of_different_vma_in_shard_map():
     # the partials' size, not of the (smaller, after cancellation) entry's.
     want = np.asarray(want, F32)
     np.testing.assert_allclose(np.asarray(got, F32), want, atol=2**-7 * np.abs(want).max())
+
+
+def test_f32_sums_are_asked_for_on_cpu_for_one_low_precision_dtype():
+    """CPU: bf16 summed in f32 (2.4x its bf16-output rate here); GPU: JAX's default, the bf16
+    output measured as fast (docs/benchmarks.md); mixed operands: JAX's promotion."""
+    a = jnp.ones(2, BF16)
+    assert matmul.accumulation(a, a, platform="cpu") == F32
+    assert matmul.accumulation(a, a, platform="gpu") is None
+    assert matmul.accumulation(a, a.astype(F32), platform="cpu") is None
+    assert matmul.accumulation(a.astype(F32), a.astype(F32), platform="cpu") is None
