@@ -53,7 +53,8 @@ FLOPs are model FLOPs from :func:`seqshard.model.cost.flops_per_token` (matmuls 
 counted unmasked, no credit for recomputation), never XLA's ``cost_analysis()``. MFU is given
 against 989 TFLOP/s (H100 dense bf16) and against a large bf16 matmul measured in the same run
 (:func:`seqshard.hardware.measure_matmul_flops`, ``--peak-n`` = 8192 on GPU, best of
-``--peak-repeats``), measured before the first config and again after the last (both printed;
+``--peak-repeats``; bf16 summed in f32, the model's way; ``--matmul-paths`` times the other
+ways too, bf16 output and f32), measured before the first config and again after the last (both printed;
 the lines use the first). The planner's prediction, ``seqshard.plan.planner.plan(cfg, 1,
 "h100").step_time_s``, is printed beside the measured step time (``n/a`` if the planner cannot
 be imported or fails).
@@ -96,7 +97,7 @@ from jax import lax
 
 from seqshard.batch import TokenBatch
 from seqshard.config import Config, load_config, resolve_mesh
-from seqshard.hardware import KNOWN_PEAKS, measure_matmul_flops
+from seqshard.hardware import KNOWN_PEAKS, matmul_paths, measure_matmul_flops
 from seqshard.mesh import training_mesh
 from seqshard.model import attention
 from seqshard.model.attention import resolve_impl
@@ -432,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--peak-repeats", type=int, default=20, help="best of this many matmuls")
     p.add_argument("--planner-hardware", default="h100", help="plan(cfg, 1, <this>)")
+    p.add_argument(
+        "--matmul-paths",
+        action="store_true",
+        help="also time the --peak-n matmul each way seqshard.hardware.MATMUL_PATHS asks for "
+        "it (bf16 output, bf16 summed in f32 then cast: the model's, f32)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}.")
@@ -451,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{peak_before / 1e12:.4g} TFLOP/s measured ({peak_before / H100_PEAK:.3f} of 989)",
         flush=True,
     )
+    if args.matmul_paths:
+        for path, flops in matmul_paths(peak_n, args.peak_repeats, device).items():
+            print(f"  {path:<44} {flops / 1e12:8.4g} TFLOP/s", flush=True)
 
     rows: list[dict[str, object]] = []
     notes: set[str] = set()

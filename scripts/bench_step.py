@@ -4,6 +4,7 @@ backward against autodiff, on 8 fake CPU devices.
 
     python scripts/bench_step.py                       # f32, meshes 8x1 4x2 2x4: ~7 min on 2 cores
     python scripts/bench_step.py --dtype bfloat16 --meshes 4x2 --steps 5
+    python scripts/bench_step.py --dtype float32,bfloat16 --meshes 8x1,4x2   # bf16 vs f32
     python scripts/bench_step.py --remat full --hlo-dir /tmp/hlo   # also writes each variant's HLO
     python scripts/bench_step.py --impls seqshard,gspmd,gspmd-act --meshes 8x1,4x2
     python scripts/bench_step.py --impls seqshard,seqshard-M/t,gspmd-act   # the residual's layouts
@@ -49,8 +50,14 @@ Timing: every variant is compiled and warmed up first; then the timed steps run 
 (one step of each variant per round, the order rotated each round), each step timed alone
 with ``block_until_ready``; the table shows medians. Peak FLOP/s (for MFU) is measured in the
 same run by :func:`seqshard.hardware.measure_matmul_flops` (2048^3 f32 and bf16 matmuls on
-one fake device, i.e. the host's cores; best of 8), once before and once after the timed
-rounds, best kept; MFU uses the peak of the run's compute dtype. After the table, a block
+one fake device, i.e. the host's cores, asked for as the model asks: bf16 summed in f32; best
+of 8), once before and once after the timed rounds, best kept; each variant's MFU uses the
+peak of its compute dtype. The table of :data:`seqshard.hardware.MATMUL_PATHS` beside it
+shows what a bare bf16 ``a @ b`` would run at. ``--dtype float32,bfloat16`` times both compute
+dtypes interleaved in one run and adds a block comparing them, mesh by mesh, ending with
+``ratio_bf16_vs_f32=X`` (seqshard's, the minimum over the meshes); the baseline ratios below
+are then printed per dtype, each against the baseline of the same dtype (the reference's
+matmuls go through the same :mod:`seqshard.shardlib.matmul`). After the table, a block
 compares the two backward passes mesh by mesh (tokens/s, temp memory, compiled collectives)
 and ends with the line ``ratio_explicit_vs_autodiff=X``: explicit over autodiff tokens/s, the
 minimum over the meshes (each mesh compares the same model, ``2x4*`` included). The last line
@@ -95,7 +102,7 @@ from jax.sharding import Mesh, Sharding
 
 from seqshard.batch import TokenBatch
 from seqshard.config import Config, MeshConfig, TrainConfig
-from seqshard.hardware import measure_matmul_flops
+from seqshard.hardware import MATMUL_PATHS, matmul_paths, measure_matmul_flops
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.model.cost import flops_per_token
@@ -110,6 +117,7 @@ from seqshard.model.reference import (
 from seqshard.model.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.model.weights import Layer, Weights, check_mesh
 from seqshard.shardlib.comms import collectives
+from seqshard.shardlib.matmul import accumulation
 from seqshard.shardlib.shardtypes import f32, shardings
 from seqshard.shardlib.tables import format_bytes, format_table
 from seqshard.testing import COLLECTIVE_KINDS, count_collectives
@@ -209,6 +217,8 @@ IMPLS = {
 }
 
 
+SHORT = {"float32": "f32", "bfloat16": "bf16"}
+
 BACKWARD_OF = {
     "seqshard": ModelConfig.backward,  # the default
     "seqshard-autodiff": "autodiff",
@@ -221,6 +231,7 @@ BACKWARD_OF = {
 class Variant:
     impl: str  # a key of IMPLS
     mesh_name: str  # '4x2', or '2x4*' when the model had to change to split
+    dtype: str  # model.compute_dtype
     cfg: Config
     mesh: Mesh
     make: object = None  # (cfg, mesh, opt) -> jitted step; None: by impl
@@ -237,7 +248,7 @@ class Variant:
 
     @property
     def name(self) -> str:
-        return f"{self.impl}@{self.mesh_name}"
+        return f"{self.impl}@{self.mesh_name}/{SHORT[self.dtype]}"
 
     @property
     def spec_config(self) -> bool:
@@ -296,7 +307,8 @@ def build(v: Variant, tokens: np.ndarray, starts: np.ndarray, warmup: int, hlo_d
     v.temp_bytes = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
     if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
-        (hlo_dir / f"{v.impl}_{v.mesh_name.rstrip('*')}.hlo.txt").write_text(v.hlo)
+        name = f"{v.impl}_{v.mesh_name.rstrip('*')}_{SHORT[v.dtype]}"
+        (hlo_dir / f"{name}.hlo.txt").write_text(v.hlo)
     v.step, v.batch = compiled, batch
     for i in range(max(warmup, 1)):
         state, metrics = compiled(state, batch)
@@ -317,7 +329,10 @@ def run_round(variants: list[Variant], order: list[int]) -> None:
 
 
 def measure_peaks(n: int) -> dict[str, float]:
+    """FLOP/s of each way of asking for an n^3 matmul (seqshard.hardware.MATMUL_PATHS), and
+    the peak of each compute dtype: its matmul as the model asks for it."""
     return {
+        **matmul_paths(n, repeats=8),
         "float32": measure_matmul_flops(n, jnp.float32, repeats=8),
         "bfloat16": measure_matmul_flops(n, jnp.bfloat16, repeats=8),
     }
@@ -343,8 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=("float32", "bfloat16"),
-        help="compute_dtype (default float32, the CPU configs' choice)",
+        help="compute_dtype, or several comma-separated, timed interleaved in one run: "
+        "float32, bfloat16 (default float32, the CPU configs' choice)",
     )
     p.add_argument("--remat", default="saved", choices=("saved", "full", "none"))
     p.add_argument(
@@ -359,14 +374,18 @@ def main(argv: list[str] | None = None) -> None:
         "--hlo-dir", type=Path, default=None, help="write each variant's compiled HLO here"
     )
     args = p.parse_args(argv)
+    dtypes = args.dtype.split(",")
+    for dtype in dtypes:
+        if dtype not in SHORT:
+            p.error(f"--dtype {dtype!r}: choose from {', '.join(SHORT)}")
 
     n_dev = len(jax.devices())
-    model = ModelConfig(**MODEL, compute_dtype=args.dtype, remat=args.remat)
+    model = ModelConfig(**MODEL, remat=args.remat)
     train = TrainConfig(batch_size=BATCH, seq_len=SEQ_LEN, warmup_steps=10, steps=1000)
     tokens, starts = make_batch(model.vocab)
     print(
         f"jax {jax.__version__} on {n_dev} {jax.devices()[0].platform} devices, "
-        f"{os.cpu_count()} host cores; model {MODEL}, compute_dtype={args.dtype}, "
+        f"{os.cpu_count()} host cores; model {MODEL}, compute_dtype {'/'.join(dtypes)}, "
         f"remat={args.remat}; batch {BATCH} x {SEQ_LEN} = {BATCH * SEQ_LEN} tokens"
     )
 
@@ -382,10 +401,12 @@ def main(argv: list[str] | None = None) -> None:
         m, why = model_for_mesh(model, d, t)
         if why:
             print(f"mesh {spec}: {why}")
-        cfg = Config(model=m, mesh=MeshConfig(d=d, t=t), train=train)
-        mesh = mesh_of_sizes(cfg.mesh.sizes())
-        for impl in args.impls.split(","):
-            variants.append(Variant(impl, spec + ("*" if why else ""), cfg, mesh))
+        mesh = mesh_of_sizes(MeshConfig(d=d, t=t).sizes())
+        for dtype in dtypes:
+            m_dtype = dataclasses.replace(m, compute_dtype=dtype)
+            cfg = Config(model=m_dtype, mesh=MeshConfig(d=d, t=t), train=train)
+            for impl in args.impls.split(","):
+                variants.append(Variant(impl, spec + ("*" if why else ""), dtype, cfg, mesh))
 
     t_start = time.perf_counter()
     peaks = measure_peaks(args.peak_n)
@@ -396,13 +417,17 @@ def main(argv: list[str] | None = None) -> None:
         run_round(variants, [(r + i) % len(variants) for i in range(len(variants))])
     after = measure_peaks(args.peak_n)
     peaks = {k: max(peaks[k], after[k]) for k in peaks}
+    print(f"\n{args.peak_n}^3 matmul on one device, GFLOP/s (best of before/after the rounds):")
+    for path in MATMUL_PATHS:
+        print(f"  {path:<44} {peaks[path] / 1e9:8.1f}")
+    model_path = "summed in f32" if accumulation(jnp.ones(1, jnp.bfloat16)) else "bf16 output"
+    print(f"  the model's bf16 matmuls on this backend: {model_path} (shardlib.matmul.ACCUMULATE)")
     print(
-        f"measured peak (best of before/after, {args.peak_n}^3 matmul): "
-        f"f32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s; "
-        f"MFU below uses the {args.dtype} peak. Total {time.perf_counter() - t_start:.0f} s."
+        f"MFU below is against each variant's compute dtype's peak, its matmul as the model "
+        f"asks for it: f32 {peaks['float32'] / 1e9:.1f}, bf16 {peaks['bfloat16'] / 1e9:.1f} "
+        f"GFLOP/s. Total {time.perf_counter() - t_start:.0f} s."
     )
 
-    peak = peaks[args.dtype]
     tokens_per_step = BATCH * SEQ_LEN
     rows, tps = [], {}
     for v in variants:
@@ -412,12 +437,12 @@ def main(argv: list[str] | None = None) -> None:
         calls = sum(n for n, _ in v.per_step.values())
         sent = sum(b for _, b in v.per_step.values())
         rows.append(
-            [v.impl, v.mesh_name, f"{med * 1e3:.0f}", f"{min(v.times) * 1e3:.0f}"]
-            + [f"{tps[v.name]:.0f}", f"{flops / 1e9:.1f}", f"{100 * flops / peak:.1f}%"]
+            [v.impl, v.mesh_name, SHORT[v.dtype], f"{med * 1e3:.0f}", f"{min(v.times) * 1e3:.0f}"]
+            + [f"{tps[v.name]:.0f}", f"{flops / 1e9:.1f}", f"{100 * flops / peaks[v.dtype]:.1f}%"]
             + [_counts(v.counts), str(calls), format_bytes(sent), format_bytes(v.temp_bytes)]
             + [f"{v.loss0:.5f}"]
         )
-    header = ["impl", "mesh", "step ms (med)", "min ms", "tokens/s", "GFLOP/s", "MFU"]
+    header = ["impl", "mesh", "dtype", "step ms (med)", "min ms", "tokens/s", "GFLOP/s", "MFU"]
     header += ["collectives in HLO", "calls/step", "sent/dev/step", "temp", "loss0"]
     print()
     print(table(rows, header))
@@ -427,7 +452,42 @@ def main(argv: list[str] | None = None) -> None:
         f"count_collectives, a scan body once; calls/step: x trip count; '*': changed model)"
     )
 
-    compare_backwards(variants, tps)
+    for dtype in dtypes:
+        compare_backwards([v for v in variants if v.dtype == dtype], tps)
+    if len(dtypes) > 1:
+        compare_dtypes(variants, tps, dtypes)
+    for dtype in dtypes:
+        if len(dtypes) > 1:
+            print(f"\ncompute_dtype {dtype}:")
+        compare_baselines([v for v in variants if v.dtype == dtype], tps)
+
+
+def compare_dtypes(variants: list[Variant], tps: dict[str, float], dtypes: list[str]) -> None:
+    """Each variant's tokens/s in each compute dtype over the first's, mesh by mesh; ends with
+    ``ratio_<dtype>_vs_<first>=X`` for seqshard, the minimum over the meshes."""
+    first = dtypes[0]
+    base = {(v.impl, v.mesh_name): tps[v.name] for v in variants if v.dtype == first}
+    for dtype in dtypes[1:]:
+        rows, seqshard = [], []
+        for v in variants:
+            if v.dtype != dtype or (v.impl, v.mesh_name) not in base:
+                continue
+            ratio = tps[v.name] / base[(v.impl, v.mesh_name)]
+            rows.append([v.impl, v.mesh_name, f"{base[(v.impl, v.mesh_name)]:.0f}"])
+            rows[-1] += [f"{tps[v.name]:.0f}", f"{ratio:.3f}"]
+            if v.impl == "seqshard":
+                seqshard.append(ratio)
+        a, b = SHORT[first], SHORT[dtype]
+        print(f"\ncompute dtype: {b} vs {a}, same model, mesh and initial state")
+        print(table(rows, ["impl", "mesh", f"{a} tok/s", f"{b} tok/s", f"{b} / {a}"]))
+        if seqshard:
+            print(f"ratio_{b}_vs_{a}={min(seqshard):.3f}")
+
+
+def compare_baselines(variants: list[Variant], tps: dict[str, float]) -> None:
+    """seqshard against the GSPMD baselines of the same compute dtype: ``ratio_vs_gspmd=X``
+    (and ``ratio_vs_gspmd_act=X``)."""
+    by = {(v.impl, v.mesh_name): tps[v.name] for v in variants}
 
     def best(impl: str, spec_only: bool) -> tuple[str, float] | None:
         got = [
@@ -445,9 +505,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"vs gspmd-act@{g[0]}: {s[1] / g[1]:.3f})"
             )
         per_mesh = {
-            v.mesh_name: tps[f"seqshard@{v.mesh_name}"] / tps[v.name]
+            v.mesh_name: by[("seqshard", v.mesh_name)] / tps[v.name]
             for v in variants
-            if v.impl == "gspmd-act" and f"seqshard@{v.mesh_name}" in tps
+            if v.impl == "gspmd-act" and ("seqshard", v.mesh_name) in by
         }
         if per_mesh:
             print(

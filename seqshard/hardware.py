@@ -5,7 +5,8 @@ sparsity), memory, and the links between chips. :func:`peak_flops` (the denomina
 looks a device up in it by ``device_kind`` and multiplies by the device count; on CPU it
 measures instead, since there is no datasheet number: fake CPU devices
 (``--xla_force_host_platform_device_count``) share the host's cores, so the peak is the
-host's, measured once with a large f32 matmul, whatever the device count.
+host's, measured once with a large matmul in the run's compute dtype, asked for as the model
+asks (:func:`measure_matmul_flops`), whatever the device count.
 :mod:`seqshard.plan.planner` reads the rest (``seqshard show CONFIG --devices N --chip NAME``).
 
 Links, as the planner uses them: a collective over a mesh axis whose devices all sit in one
@@ -32,7 +33,18 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CHIPS", "KNOWN_PEAKS", "Chip", "chip", "measure_matmul_flops", "peak_flops"]
+from seqshard.shardlib import matmul
+
+__all__ = [
+    "CHIPS",
+    "KNOWN_PEAKS",
+    "MATMUL_PATHS",
+    "Chip",
+    "chip",
+    "matmul_paths",
+    "measure_matmul_flops",
+    "peak_flops",
+]
 
 GB = 1e9
 GiB = 2**30
@@ -193,27 +205,57 @@ def chip(name: str) -> Chip:
 
 
 def measure_matmul_flops(n: int = 2048, dtype=jnp.float32, repeats: int = 3, device=None) -> float:
-    """FLOP/s of an n x n x n matmul on one device (best of ``repeats``, after a warm-up)."""
+    """FLOP/s of an n x n x n matmul of ``dtype`` operands on one device (best of ``repeats``,
+    after a warm-up), asked for as the model asks: :func:`seqshard.shardlib.matmul.einsum`
+    (on CPU, bf16 products summed in f32 and the result cast to bf16). That is the peak MFU is
+    against: a bare ``a @ b`` in bf16 takes another, slower path on CPU (:func:`matmul_paths`)."""
+    return _time_matmul(lambda x: matmul.einsum("ij,jk->ik", x, x), n, dtype, repeats, device)
+
+
+MATMUL_PATHS: Mapping[str, tuple] = {
+    "bf16 x bf16 -> bf16 (a @ b)": (jnp.bfloat16, lambda x: x @ x),
+    "bf16 x bf16 -> f32, cast to bf16": (
+        jnp.bfloat16,
+        lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+    ),
+    "f32 x f32 -> f32": (jnp.float32, lambda x: x @ x),
+}
+"""The ways to ask a backend for one matmul that :func:`matmul_paths` times: the bf16 product
+with a bf16 output, summed in f32 and cast, and f32. Which of the first two the model takes on
+a backend is :data:`seqshard.shardlib.matmul.ACCUMULATE`'s choice (CPU: the second)."""
+
+
+def matmul_paths(n: int = 2048, repeats: int = 3, device=None) -> dict[str, float]:
+    """FLOP/s of an n x n x n matmul asked for each way of :data:`MATMUL_PATHS`, by name."""
+    return {
+        name: _time_matmul(fn, n, dtype, repeats, device)
+        for name, (dtype, fn) in MATMUL_PATHS.items()
+    }
+
+
+def _time_matmul(fn, n: int, dtype, repeats: int, device) -> float:
     device = device or jax.devices()[0]
     a = jax.device_put(jnp.ones((n, n), dtype), device)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
+    run = jax.jit(fn)
+    run(a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        matmul(a).block_until_ready()
+        run(a).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 
 
 @functools.cache
-def peak_flops(n_devices: int) -> float:
-    """Peak FLOP/s of ``n_devices`` devices of this machine's default backend, all together."""
+def peak_flops(n_devices: int, dtype: str = "float32") -> float:
+    """Peak FLOP/s of ``n_devices`` devices of this machine's default backend, all together;
+    on CPU measured for ``dtype`` operands (the run's ``model.compute_dtype``) on the model's
+    matmul path, once for all fake devices."""
     device = jax.devices()[0]
     kind = device.device_kind.lower()
     for name, peak in KNOWN_PEAKS.items():
         if name in kind:
             return peak * n_devices
     if device.platform == "cpu":
-        return measure_matmul_flops()
+        return measure_matmul_flops(dtype=jnp.dtype(dtype))
     return measure_matmul_flops(n=8192, dtype=jnp.bfloat16) * n_devices

@@ -3,6 +3,7 @@
     mesh = fake_cpu_mesh((2, 4), ('d', 't'))          # needs 8 devices
     count_collectives(jax.jit(step), *args)           # {'all-gather': 9, 'reduce-scatter': 8, ...}
     assert_collectives(step, *args, all_gather=9, reduce_scatter=8, all_reduce=0)
+    count_dots(compiled_hlo(step, *args))             # {('bf16', 'bf16', 'f32'): 30, ...}
 
 Counts are of collective instructions in the *compiled* HLO (after XLA's optimizations), async
 ``-start`` forms included and ``-done`` halves not. A ``lax.scan`` body appears once however many
@@ -12,6 +13,7 @@ times it runs, so counts do not grow with the number of layers.
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Callable, Sequence
 
 import jax
@@ -26,6 +28,7 @@ __all__ = [
     "assert_collectives",
     "compiled_hlo",
     "count_collectives",
+    "count_dots",
     "fake_cpu_mesh",
     "list_collectives",
 ]
@@ -89,3 +92,25 @@ def assert_collectives(fn: Callable, *args, **expected: int) -> dict[str, int]:
             f"compiled collectives differ: expected {expected}, got {got} (all counts: {counts})."
         )
     return counts
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\w+)\[")
+_DOT = re.compile(r"= (\w+)\[[^=]*?\bdot\(%?([\w.\-]+), %?([\w.\-]+)\)")
+
+
+def count_dots(hlo: str) -> dict[tuple[str, str, str], int]:
+    """Dot instructions of an HLO module's text by (lhs, rhs, result) element type, e.g.
+    ``{('bf16', 'bf16', 'f32'): 30}``: which matmul path each takes (seqshard.shardlib.matmul).
+    A loop body counts once, as in :func:`count_collectives`."""
+    types = {}
+    for line in hlo.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m:
+            types[m.group(1)] = m.group(2)
+    counts: collections.Counter = collections.Counter()
+    for line in hlo.splitlines():
+        m = _DOT.search(line)
+        if m and " dot(" in line:
+            out, lhs, rhs = m.groups()
+            counts[(types.get(lhs, "?"), types.get(rhs, "?"), out)] += 1
+    return dict(counts)

@@ -65,3 +65,20 @@ def test_cpu_peak_is_measured_once_for_all_fake_devices():
     with pytest.MonkeyPatch.context() as m:
         m.setattr(hardware, "measure_matmul_flops", lambda **kw: 123.0)
         assert hardware.peak_flops(8) == hardware.peak_flops(1) == 123.0
+
+
+def test_cpu_peak_is_measured_in_the_runs_compute_dtype():
+    calls = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(hardware, "measure_matmul_flops", lambda **kw: calls.append(kw) or 1.0)
+        hardware.peak_flops(8, "bfloat16")
+        hardware.peak_flops(8, "float32")
+    assert [c["dtype"] for c in calls] == [jnp.bfloat16, jnp.float32]
+
+
+def test_matmul_paths_time_each_way_of_asking_for_a_matmul():
+    """Each path is timed (the figures themselves are the benchmarks'); the model's is the
+    one measure_matmul_flops times."""
+    paths = hardware.matmul_paths(n=128, repeats=1)
+    assert list(paths) == list(hardware.MATMUL_PATHS)
+    assert all(f > 1e6 for f in paths.values()), paths

@@ -161,7 +161,7 @@ def einsum_probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Arr
         "B/d/e Qlen@zigzag/c Q K/t D, B/d/e Klen@zigzag K/t D -> B/d/e K/t Q Qlen@zigzag/c Klen@zigzag",
         q,
         k,
-        preferred_element_type=jnp.float32,
+        out_dtype=jnp.float32,
     )
     scores = jnp.where(mask[:, None, None], scores * (1 / math.sqrt(q.shape[-1])), -1e30)
     return jax.nn.softmax(scores, axis=-1)

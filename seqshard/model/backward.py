@@ -266,7 +266,7 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
         "B/d/e Qlen@zigzag/c Q K/t D, B/d/e Klen@zigzag K/t D -> B/d/e K/t Q Qlen@zigzag/c Klen@zigzag",
         d_attn,
         v,
-        preferred_element_type=jnp.float32,
+        out_dtype=jnp.float32,
     )
     dv = shardops.einsum_unreduced(
         "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",

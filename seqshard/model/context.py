@@ -210,7 +210,7 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
         "B/d/e Qc Q K/t D, B/d/e Kc K/t D -> B/d/e K/t Q Qc Kc",
         q,
         k,
-        preferred_element_type=jnp.float32,
+        out_dtype=jnp.float32,
     )
     return scores * (1 / math.sqrt(q.shape[-1]))
 
@@ -222,7 +222,7 @@ def _per_query(w: jax.Array, x: jax.Array) -> jax.Array:
         "B/d/e K/t Q Qc Kc, B/d/e Kc K/t D -> B/d/e Qc Q K/t D",
         w,
         x,
-        preferred_element_type=jnp.float32,
+        out_dtype=jnp.float32,
     )
 
 
@@ -233,7 +233,7 @@ def _per_key(w: jax.Array, x: jax.Array) -> jax.Array:
         "B/d/e K/t Q Qc Kc, B/d/e Qc Q K/t D -> B/d/e Kc K/t D",
         w,
         x,
-        preferred_element_type=jnp.float32,
+        out_dtype=jnp.float32,
     )
 
 
@@ -311,7 +311,7 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
                     "B/d/e Qc Q K/t D, B/d/e Kc K/t D -> B/d/e K/t Q Qc Kc",
                     gs[a],
                     vs[b],
-                    preferred_element_type=jnp.float32,
+                    out_dtype=jnp.float32,
                 )
                 ds = p * (dp - delta[a][..., None]) * (1 / math.sqrt(q.shape[-1]))
                 dq = dq.at[a].add(_per_query(ds.astype(q.dtype), ks[b]))

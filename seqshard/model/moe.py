@@ -65,6 +65,7 @@ from seqshard.model.config import ModelConfig
 from seqshard.model.norm import norm_input, norm_op, normed
 from seqshard.shardlib import shardops
 from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.matmul import einsum, ragged_dot
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
 __all__ = [
@@ -317,9 +318,10 @@ def _experts(cfg: ModelConfig, w, rows: jax.Array, local: jax.Array) -> jax.Arra
         w_up = shardops.all_gather("E/e M/d/c X/t -> E/e M X/t", w.w_up.astype(dt))
     with part("expert_down"):
         w_down = shardops.all_gather("E/e M/d/c X/t -> E/e M X/t", w.w_down.astype(dt))
-    gate = lax.ragged_dot(x, w_gate, sizes)
-    up = lax.ragged_dot(x, w_up, sizes)
-    y = lax.ragged_dot(jax.nn.silu(gate) * up, jnp.swapaxes(w_down, 1, 2), sizes)
+    # Grouped matmuls summed as shardlib.matmul decides (bf16 in f32), outputs in dt.
+    gate = ragged_dot(x, w_gate, sizes)
+    up = ragged_dot(x, w_up, sizes)
+    y = ragged_dot(jax.nn.silu(gate) * up, jnp.swapaxes(w_down, 1, 2), sizes)
     return jnp.zeros_like(y).at[order].set(y).reshape(shape)
 
 
@@ -339,7 +341,7 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, Rout
         # f32 logits: the choice and the gates are sensitive to rounding.
         router = shardops.all_gather("M/t/d/e/c E -> M E", w.router)
         logits = shardops.einsum_unreduced(
-            "T M, M E -> T E", x.astype(jnp.float32), router, preferred_element_type=jnp.float32
+            "T M, M E -> T E", x.astype(jnp.float32), router, out_dtype=jnp.float32
         )
     with part("routing"):
         ids, gates, probs = route(cfg, logits, w.router_bias)
@@ -365,7 +367,7 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, Rout
         back = shardops.all_to_all("Src Dst/e Slot M -> Src/e Dst Slot M", out_rows[:, None])[0]
     with part("combine"):
         copies = back.at[shard, slot].get(mode="fill", fill_value=0)  # [T k M]
-        y = jnp.einsum("tkm,tk->tm", copies, (gates * kept).astype(copies.dtype))
+        y = einsum("tkm,tk->tm", copies, (gates * kept).astype(copies.dtype))
 
     if moe.n_shared:  # shared experts: a dense SwiGLU every token passes through
         with part("shared_gate"):

@@ -4,6 +4,9 @@ No shard_map, no seqshard ops, no scan, no remat: a Python loop over layers, ful
 log-softmax, RoPE as a complex rotation. Casts to ``compute_dtype`` happen at the same points
 as in the sharded model (matmul inputs), so with ``compute_dtype='float32'`` the two agree to
 f32 rounding; with bfloat16 they agree only to bf16 rounding (see the tests' tolerances).
+Every matmul is :func:`seqshard.shardlib.matmul.einsum`, as every one of the sharded model's
+is: the same accumulation (bf16 products summed in f32) and the same output dtypes, here and
+in the benchmarks' baselines below.
 
 The pieces are public so that one copy of this math also serves as the benchmarks' plain-jit
 baselines (``scripts/bench_step.py``, ``scripts/bench_gpu.py``), which scan
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 from seqshard.model.attention import rope_frequencies
 from seqshard.model.config import AttentionMask, ModelConfig
 from seqshard.model.weights import Layer, MoELayer, Weights
+from seqshard.shardlib.matmul import einsum
 
 __all__ = [
     "Attend",
@@ -131,9 +135,10 @@ def reference_layer(
     )
     dt = jnp.dtype(cfg.compute_dtype)
     nx = reference_norm(x, w.ln2, cfg.norm_eps).astype(dt)
-    gate = mark(nx @ w.w_gate.astype(dt))
-    up = mark(nx @ w.w_up.astype(dt))
-    return constrain((x + (jax.nn.silu(gate) * up) @ w.w_down.astype(dt).T).astype(dt))
+    gate = mark(einsum("blm,mf->blf", nx, w.w_gate.astype(dt)))
+    up = mark(einsum("blm,mf->blf", nx, w.w_up.astype(dt)))
+    down = einsum("blf,mf->blm", jax.nn.silu(gate) * up, w.w_down.astype(dt))
+    return constrain((x + down).astype(dt))
 
 
 def reference_attention_half(
@@ -151,16 +156,16 @@ def reference_attention_half(
     ``scripts/bench_moe.py``'s baseline puts its own MoE FFN after it)."""
     dt = jnp.dtype(cfg.compute_dtype)
     nx = reference_norm(x, w.ln1, cfg.norm_eps).astype(dt)
-    q = jnp.einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
-    k = jnp.einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
+    q = einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
+    k = einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
     if cfg.qk_norm:  # Qwen3: each head RMS-normalized over D, before RoPE
         q = _head_norm(q, w.q_norm, cfg.norm_eps).astype(dt)
         k = _head_norm(k, w.k_norm, cfg.norm_eps).astype(dt)
-    v = mark(jnp.einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt)))
+    v = mark(einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt)))
     q = mark(_rope(q, positions, rope_frequencies(cfg)))
     k = mark(_rope(k, positions, rope_frequencies(cfg)))
     attn = mark((attend or reference_attention)(q, k, v, mask))
-    return mark(constrain(x + jnp.einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
+    return mark(constrain(x + einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
 
 
 def reference_moe_layer(
@@ -185,13 +190,14 @@ def reference_moe_layer(
     _, ids = jax.lax.top_k(scores + bias, moe.top_k)
     chosen = jax.nn.one_hot(ids, moe.n_experts, dtype=jnp.float32).sum(axis=-2)  # [B, L, E]
     gates = scores * chosen / jnp.sum(scores * chosen, axis=-1, keepdims=True)
-    gate = jnp.einsum("blm,emx->blex", nx, w.w_gate.astype(dt))
-    up = jnp.einsum("blm,emx->blex", nx, w.w_up.astype(dt))
-    experts = jnp.einsum("blex,emx->blem", jax.nn.silu(gate) * up, w.w_down.astype(dt))
-    y = jnp.einsum("blem,ble->blm", experts, gates.astype(dt))
+    gate = einsum("blm,emx->blex", nx, w.w_gate.astype(dt))
+    up = einsum("blm,emx->blex", nx, w.w_up.astype(dt))
+    experts = einsum("blex,emx->blem", jax.nn.silu(gate) * up, w.w_down.astype(dt))
+    y = einsum("blem,ble->blm", experts, gates.astype(dt))
     if moe.n_shared:
-        shared = jax.nn.silu(nx @ w.s_gate.astype(dt)) * (nx @ w.s_up.astype(dt))
-        y = y + shared @ w.s_down.astype(dt).T
+        s_gate = einsum("blm,ms->bls", nx, w.s_gate.astype(dt))
+        shared = jax.nn.silu(s_gate) * einsum("blm,ms->bls", nx, w.s_up.astype(dt))
+        y = y + einsum("bls,ms->blm", shared, w.s_down.astype(dt))
     tokens = logits.shape[0] * logits.shape[1]
     f = chosen.sum(axis=(0, 1)) / (tokens * moe.top_k)
     weight = moe.aux_loss_weight if moe.balance == "aux_loss" else 0.0
@@ -203,20 +209,18 @@ def reference_moe_layer(
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Masked softmax(q k^T / sqrt(D)) v per (q head, kv head) pair, scores and softmax in f32:
     q [B, L, Q, K, D], k and v [B, L, K, D], mask bool[B or 1, Lq, Lk] -> [B, L, Q, K, D]."""
-    scores = jnp.einsum("bsqkd,btkd->bqkst", q, k, preferred_element_type=jnp.float32)
+    scores = einsum("bsqkd,btkd->bqkst", q, k, out_dtype=jnp.float32)
     scores = scores / jnp.sqrt(q.shape[-1])
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bqkst,btkd->bsqkd", probs, v)
+    return einsum("bqkst,btkd->bsqkd", probs, v)
 
 
 def reference_unembed(cfg: ModelConfig, weights: Weights, x: jax.Array) -> jax.Array:
     """The residual [B, L, M] -> final RMSNorm -> f32[B, L, V] logits."""
     dt = jnp.dtype(cfg.compute_dtype)
     nx = reference_norm(x, weights.final_norm, cfg.norm_eps).astype(dt)
-    return jnp.einsum(
-        "blm,vm->blv", nx, weights.unembed.astype(dt), preferred_element_type=jnp.float32
-    )
+    return einsum("blm,vm->blv", nx, weights.unembed.astype(dt), out_dtype=jnp.float32)
 
 
 def _logits_and_balancing(weights, tokens, is_seq_start, cfg: ModelConfig):

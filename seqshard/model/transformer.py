@@ -298,7 +298,7 @@ def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array, a: Activations | None =
         "B/d/e L@zigzag/c M, V/t M -> B/d/e L@zigzag/c V/t",
         nx,
         table,
-        preferred_element_type=jnp.float32,
+        out_dtype=jnp.float32,
     )
 
 

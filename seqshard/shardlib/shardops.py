@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from seqshard.shardlib import collective_log
+from seqshard.shardlib import collective_log, matmul
 from seqshard.shardlib.notation import Dim, OpSpec, Shape, parse_op
 from seqshard.shardlib.shapecheck import (
     BlockAxes,
@@ -646,16 +646,22 @@ def _check_owed_not_split(call: _Call, owed: set[str], cause: str) -> None:
         )
 
 
-def einsum_unreduced(spec: str, *operands: jax.Array, preferred_element_type=None) -> jax.Array:
-    """A local einsum over per-device blocks; no communication.
+def einsum_unreduced(spec: str, *operands: jax.Array, out_dtype=None) -> jax.Array:
+    """A local einsum of two per-device blocks; no communication.
 
     ``einsum_unreduced('B/d L F/t, M F/t -> B/d L M', y, w)`` contracts F, which is split over
     t, so the result is a partial sum that still owes a sum over t: the caller reduces it
     (``psum_scatter`` or ``psum``). A dimension must have the same split in every operand
     and in the output, and no axis the result owes may also split the output. The output may
-    state what it owes (``'... -> B/d L M{U_t}'``).
+    state what it owes (``'... -> B/d L M{U_t}'``). Products are accumulated as
+    :data:`seqshard.shardlib.matmul.ACCUMULATE` says (bf16 in f32, where CPUs run it 2.5-5x
+    faster) and the result cast to ``out_dtype``, by default the operands' dtype.
     """
     call = _Call("einsum_unreduced", spec, list(operands), None)
+    if len(operands) != 2:
+        raise call.fail(
+            f"{len(operands)} operands given", "a matmul takes two: contract them pairwise"
+        )
     splits: dict[str, Dim] = {}
     letters: dict[str, str] = {}
     for i, shape in enumerate((*call.op.inputs, call.dst)):
@@ -698,8 +704,7 @@ def einsum_unreduced(spec: str, *operands: jax.Array, preferred_element_type=Non
         )
     equation = ",".join("".join(letters[label] for label in s.labels) for s in call.op.inputs)
     equation += "->" + "".join(letters[label] for label in call.dst.labels)
-    y = jnp.einsum(equation, *operands, preferred_element_type=preferred_element_type)
-    return call.finish(y)
+    return call.finish(matmul.einsum(equation, *operands, out_dtype=out_dtype))
 
 
 def index_unreduced(spec: str, table: jax.Array, ids: jax.Array) -> jax.Array:

@@ -570,7 +570,11 @@ def _train_steps(
     cfg, train_cfg = run.cfg, run.cfg.train
     step_fn = make_train_step(cfg, run.mesh, run.opt)
     n_devices = cfg.mesh.n_devices
-    peak = train_cfg.peak_flops * n_devices if train_cfg.peak_flops > 0 else peak_flops(n_devices)
+    peak = (
+        train_cfg.peak_flops * n_devices
+        if train_cfg.peak_flops > 0
+        else peak_flops(n_devices, cfg.model.compute_dtype)
+    )
     window = _Throughput(
         train_cfg.batch_size * train_cfg.seq_len,
         flops_per_token(cfg.model, train_cfg.seq_len).total,

@@ -28,6 +28,7 @@ from seqshard.model.generate import Sampling, decode_mesh, generate
 from seqshard.model.moe import capacity, route
 from seqshard.model.sharded import batch_terms_and_stats
 from seqshard.model.weights import weight_structs
+from seqshard.testing import compiled_hlo, count_dots
 
 MOE = MoEConfig(
     n_experts=8, top_k=2, d_ff=32, n_shared=1, n_dense_layers=1,
@@ -201,3 +202,18 @@ def test_greedy_generation_with_experts_follows_the_reference():
     ]
     np.testing.assert_allclose(np.asarray(logits), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[:, 5:], np.argmax(ref, axis=-1))
+
+
+@pytest.mark.parametrize("backward", ["explicit", "autodiff"])
+def test_bf16_matmuls_accumulate_in_f32(backward):
+    """compute_dtype=bfloat16 on e2d2t2: no dot of the compiled loss-and-gradient outputs
+    bf16; 60 are bf16 x bf16 -> f32 (seqshard/shardlib/matmul.py's fast path). The 12
+    f32 x f32 are the router's 4 (f32 by design: forward, its recomputation, dx, dw) and 8
+    bf16 dots XLA:CPU upcasts itself whatever their output type: those whose lhs contracts a
+    leading dimension alone (the shared experts' and the grouped matmuls' weight gradients
+    over 'T M' rows, the gate-weighted combine and its transpose)."""
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", backward=backward)
+    mesh = mesh_of_sizes(MESHES["e2d2t2"])
+    fn = jax.jit(jax.value_and_grad(lambda w: loss_fn(w, TOKENS, STARTS, cfg, mesh)))
+    dots = count_dots(compiled_hlo(fn, on(mesh, WEIGHTS)))
+    assert dots == {("bf16", "bf16", "f32"): 60, ("f32", "f32", "f32"): 12}

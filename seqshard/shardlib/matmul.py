@@ -1,0 +1,179 @@
+"""Every matmul of the model, and the one decision of what it accumulates in.
+
+:data:`ACCUMULATE` maps a backend and an operand dtype to the dtype the backend should be
+asked to sum the products in, where that differs from the operands' (bf16 on CPU: f32). :func:`einsum` and :func:`ragged_dot` (the model's only matmuls:
+:func:`seqshard.shardlib.shardops.einsum_unreduced` calls the first; the MoE grouped matmul and
+the single-device reference call them directly) ask the backend for that accumulation
+(``preferred_element_type``) and cast the result to ``out_dtype``, by default the operands'
+dtype, which is what the next op reads::
+
+    y = einsum('blm,mf->blf', x, w)            # bf16 x bf16, summed in f32, y in bf16
+    s = einsum('bqd,bkd->bqk', q, k, out_dtype=jnp.float32)   # scores stay f32
+
+Why bf16 products are summed in f32 on CPU, measured (2048^3, one device, JAX 0.10.2, best of
+5; ``seqshard.hardware.matmul_paths``, also printed by ``scripts/bench_step.py``):
+
+    ===================================  ====================  =====================
+    GFLOP/s                              Intel Xeon with AMX   AMD EPYC, avx512_bf16
+    ===================================  ====================  =====================
+    bf16 x bf16 -> bf16  (``a @ b``)              218                   154
+    bf16 x bf16 -> f32   (this module)          1,176                   376
+    f32  x f32  -> f32                            264                   209
+    ===================================  ====================  =====================
+
+XLA:CPU runs only the f32-output form on the CPU's bf16 instructions; a bf16-output dot it
+upcasts to f32 x f32. The value is the same or better: the f32 sum rounded once to bf16.
+On GPU, cuBLAS sums bf16 products in f32 whatever the output type (the same value), and the
+bf16 output was as fast or faster on every shape but one (H200, TFLOP/s, bf16 out against f32
+summed and cast: 8192^3 694.5 / 643.8, the up projection's 685.6 / 559.2; docs/benchmarks.md,
+"bf16 matmul paths"): GPUs keep JAX's default. TPUs too (the MXU sums in f32; not measured
+here). f32 operands are left exactly as they were (no cast, no custom derivative): f32 runs
+are bit-identical to plain ``jnp.einsum``.
+
+Autodiff's own transpose of ``einsum(..., preferred_element_type=f32).astype(bf16)`` would
+not keep the fast path: the cast's transpose hands the matmul an f32 cotangent, and JAX's
+transpose then multiplies f32 by the other (upcast) bf16 operand, the f32 x f32 path.
+So both functions carry a custom VJP that casts the cotangent to the operands' dtype first
+(as the hand-written backward does with ``d_logits`` and ``d_scores``), and runs each
+cotangent matmul through the same decision: bf16 x bf16 summed in f32, cast to the operand's
+dtype. A test counts the dots of a compiled bf16 train step by their dtypes
+(``tests/shardlib/test_matmul.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqshard.shardlib.vma import varying_axes
+
+__all__ = ["ACCUMULATE", "accumulation", "einsum", "ragged_dot"]
+
+ACCUMULATE: Mapping[str, Mapping[jnp.dtype, jnp.dtype]] = {
+    "cpu": {
+        jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.float32),
+        jnp.dtype(jnp.float16): jnp.dtype(jnp.float32),
+    },
+}
+"""Backend (``jax.default_backend()``) -> operand dtype -> the dtype to ask the backend to sum
+matmul products in (see the module docstring). A backend or dtype not listed gets JAX's
+default: the operands' dtype out, however the backend sums."""
+
+
+def accumulation(*operands: jax.Array, platform: str | None = None) -> jnp.dtype | None:
+    """The dtype to ask ``platform``'s backend (default: this process's) to sum a matmul of
+    ``operands`` in, when :data:`ACCUMULATE` lists one (all operands of one dtype), else None."""
+    dtypes = {jnp.dtype(x.dtype) for x in operands}
+    table = ACCUMULATE.get(platform or jax.default_backend(), {})
+    return table.get(dtypes.pop()) if len(dtypes) == 1 else None
+
+
+def _same_vma(*operands: jax.Array) -> tuple[jax.Array, ...]:
+    """The operands made to vary over the same mesh axes (inside a checked shard_map), as a
+    matmul would make them implicitly: a custom VJP's cotangents must match its inputs'."""
+    union = frozenset().union(*(varying_axes(x) for x in operands))
+    return tuple(
+        lax.pcast(x, tuple(sorted(union - varying_axes(x))), to="varying")
+        if union - varying_axes(x)
+        else x
+        for x in operands
+    )
+
+
+def einsum(equation: str, a: jax.Array, b: jax.Array, *, out_dtype=None) -> jax.Array:
+    """``jnp.einsum(equation, a, b)`` of two operands, accumulated as :data:`ACCUMULATE` says
+    and cast to ``out_dtype`` (default: the operands' result type). ``equation`` is explicit
+    (``'ab,bc->ac'``): single letters, no ellipsis."""
+    acc = accumulation(a, b)
+    if acc is None:
+        return jnp.einsum(equation, a, b, preferred_element_type=out_dtype)
+    out = jnp.dtype(out_dtype or jnp.result_type(a, b))
+    return _einsum_fast(equation, out, *_same_vma(a, b))
+
+
+def _terms(equation: str) -> tuple[str, str, str]:
+    inputs, out = equation.replace(" ", "").split("->")
+    a, b = inputs.split(",")
+    for term, other in ((a, b + out), (b, a + out)):
+        alone = set(term) - set(other)
+        if alone:
+            raise ValueError(
+                f"einsum {equation!r}: operand {term!r} sums {sorted(alone)} alone, which this "
+                f"function's transpose does not handle; sum them before the matmul."
+            )
+    return a, b, out
+
+
+def _accumulated(equation: str, x: jax.Array, y: jax.Array, out: jnp.dtype) -> jax.Array:
+    acc = accumulation(x, y)
+    return jnp.einsum(equation, x, y, preferred_element_type=acc).astype(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum_fast(equation: str, out: jnp.dtype, a: jax.Array, b: jax.Array) -> jax.Array:
+    _terms(equation)
+    return _accumulated(equation, a, b, out)
+
+
+def _einsum_fast_fwd(equation, out, a, b):
+    return _einsum_fast(equation, out, a, b), (a, b)
+
+
+def _einsum_fast_bwd(equation, out, res, ct):
+    a, b = res
+    ta, tb, to = _terms(equation)
+    ct = ct.astype(a.dtype)  # the cotangent in the operands' dtype: the fast path (docstring)
+    return (
+        _accumulated(f"{to},{tb}->{ta}", ct, b, a.dtype),
+        _accumulated(f"{ta},{to}->{tb}", a, ct, b.dtype),
+    )
+
+
+_einsum_fast.defvjp(_einsum_fast_fwd, _einsum_fast_bwd)
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
+    """``lax.ragged_dot(x, w, group_sizes)``: x 'T M' (rows sorted by group), w 'G M N',
+    ``group_sizes`` 'G' -> 'T N', each group's rows times its own matrix, accumulated as
+    :data:`ACCUMULATE` says and cast to ``out_dtype`` (default: the operands' result type)."""
+    acc = accumulation(x, w)
+    if acc is None:
+        return lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype)
+    out = jnp.dtype(out_dtype or jnp.result_type(x, w))
+    x, w = _same_vma(x, w)
+    return _ragged_fast(out, x, w, group_sizes)
+
+
+# The weight gradient: for each group g, x_g^T . ct_g, i.e. x 'T M' and ct 'T N' contracted
+# over T, which is ragged (split into the groups): out 'G M N'.
+_RAGGED_CONTRACT_T = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_fast(out: jnp.dtype, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    acc = accumulation(x, w)
+    return lax.ragged_dot(x, w, sizes, preferred_element_type=acc).astype(out)
+
+
+def _ragged_fast_fwd(out, x, w, sizes):
+    return _ragged_fast(out, x, w, sizes), (x, w, sizes)
+
+
+def _ragged_fast_bwd(out, res, ct):
+    x, w, sizes = res
+    acc = accumulation(x, w)
+    ct = ct.astype(x.dtype)  # the cotangent in the operands' dtype: the fast path (docstring)
+    dx = lax.ragged_dot(ct, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=acc)
+    dw = lax.ragged_dot_general(x, ct, sizes, _RAGGED_CONTRACT_T, preferred_element_type=acc)
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_ragged_fast.defvjp(_ragged_fast_fwd, _ragged_fast_bwd)

@@ -1,0 +1,147 @@
+"""Tests of seqshard/shardlib/matmul.py: what a matmul accumulates in, and its derivative.
+
+f32          einsum and ragged_dot of f32 operands are jnp.einsum's and lax.ragged_dot's,
+             bit for bit, gradients included (f32 runs unchanged)
+bf16         the value is the f32-accumulated product rounded once to bf16; the custom VJP
+             equals the f32 matmul's VJP of the same bf16 cotangent, to bf16 rounding
+compiled     every dot of a bf16 matmul's gradient is bf16 x bf16 -> f32 (the fast path);
+             a plain einsum's transpose is not (what the custom VJP is for)
+shard_map    operands varying over different mesh axes: the gradients of the replicated one
+             sum over the axis, as jnp.einsum's do
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from seqshard.shardlib import matmul
+from seqshard.testing import compiled_hlo, count_dots, fake_cpu_mesh
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+EQ = "blm,mqd->blqd"
+
+
+def operands(dtype, seed=0):
+    ka, kb, kc = jax.random.split(jax.random.key(seed), 3)
+    a = jax.random.normal(ka, (4, 8, 16), F32).astype(dtype)
+    b = jax.random.normal(kb, (16, 3, 5), F32).astype(dtype)
+    ct = jax.random.normal(kc, (4, 8, 3, 5), F32).astype(dtype)
+    return a, b, ct
+
+
+def ragged_operands(dtype):
+    kx, kw, kc = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (10, 6), F32).astype(dtype)
+    w = jax.random.normal(kw, (3, 6, 4), F32).astype(dtype)
+    ct = jax.random.normal(kc, (10, 4), F32).astype(dtype)
+    return x, w, ct, jnp.array([3, 0, 6], jnp.int32)  # one empty group, one unused row
+
+
+def test_f32_is_plain_jax_bit_for_bit():
+    a, b, ct = operands(F32)
+    ours, vjp = jax.vjp(lambda a, b: matmul.einsum(EQ, a, b), a, b)
+    plain, plain_vjp = jax.vjp(lambda a, b: jnp.einsum(EQ, a, b), a, b)
+    np.testing.assert_array_equal(ours, plain)
+    for g, h in zip(vjp(ct), plain_vjp(ct), strict=True):
+        np.testing.assert_array_equal(g, h)
+    x, w, ct, sizes = ragged_operands(F32)
+    ours, vjp = jax.vjp(lambda x, w: matmul.ragged_dot(x, w, sizes), x, w)
+    plain, plain_vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+    np.testing.assert_array_equal(ours, plain)
+    for g, h in zip(vjp(ct), plain_vjp(ct), strict=True):
+        np.testing.assert_array_equal(g, h)
+
+
+def assert_bf16_close(got, want):
+    """Equal to f32 ``want`` rounded once to bf16: within half a bf16 ulp (2^-9 relative) plus
+    the summation order's f32 rounding."""
+    assert got.dtype == BF16
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), want, rtol=2**-8, atol=1e-6 * np.abs(want).max()
+    )
+
+
+def test_bf16_value_and_vjp_are_the_f32_matmuls_rounded_once():
+    a, b, ct = operands(BF16)
+    out, vjp = jax.vjp(lambda a, b: matmul.einsum(EQ, a, b), a, b)
+    up = [t.astype(F32) for t in (a, b, ct)]
+    want, want_vjp = jax.vjp(lambda a, b: jnp.einsum(EQ, a, b), *up[:2])
+    assert_bf16_close(out, want)
+    for g, h in zip(vjp(ct), want_vjp(up[2]), strict=True):
+        assert_bf16_close(g, h)
+    scores = matmul.einsum(EQ, a, b, out_dtype=F32)
+    assert scores.dtype == F32
+    np.testing.assert_allclose(scores, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_ragged_dot_value_and_vjp():
+    x, w, ct, sizes = ragged_operands(BF16)
+    out, vjp = jax.vjp(lambda x, w: matmul.ragged_dot(x, w, sizes), x, w)
+    up = [t.astype(F32) for t in (x, w, ct)]
+    want, want_vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), *up[:2])
+    assert_bf16_close(out, want)
+    for g, h in zip(vjp(ct), want_vjp(up[2]), strict=True):
+        assert_bf16_close(g, h)
+
+
+def test_bf16_gradient_dots_take_the_fast_path():
+    """The custom VJP's three dots are bf16 x bf16 -> f32. JAX's own transpose of the same
+    forward (``preferred_element_type=f32``, then a cast) hands its dots an f32 cotangent: on
+    CPU they run f32 x f32 (measured: the two transposes, f32 x f32 -> f32)."""
+    a, b, _ = operands(BF16)
+
+    def loss(matmul_fn):
+        return jax.grad(lambda a, b: jnp.sum(matmul_fn(a, b).astype(F32) ** 2), (0, 1))
+
+    ours = count_dots(compiled_hlo(loss(lambda a, b: matmul.einsum(EQ, a, b)), a, b))
+    assert ours == {("bf16", "bf16", "f32"): 3}, ours
+
+    def plain(a, b):
+        return jnp.einsum(EQ, a, b, preferred_element_type=F32).astype(BF16)
+
+    theirs = count_dots(compiled_hlo(loss(plain), a, b))
+    assert theirs.get(("bf16", "bf16", "f32"), 0) < 3, theirs
+
+
+def test_einsum_refuses_a_dimension_summed_alone():
+    a, b, _ = operands(BF16)
+    with pytest.raises(ValueError, match=r"sums \['l'\] alone"):
+        matmul.einsum("blm,mqd->bqd", a, b)
+
+
+def test_operands_of_different_vma_in_shard_map():
+    """x varies over d, w is replicated: w's gradient sums the d shards' (JAX's transpose of
+    the implicit pvary), the gradient of the whole batch's matmul, to bf16 rounding (measured: within 0.094 of
+    entries up to 25, a bf16 ulp there is 0.125)."""
+    mesh = fake_cpu_mesh((2, 4), ("d", "t"))
+    x = jax.random.normal(jax.random.key(2), (8, 16), F32).astype(BF16)
+    w = jax.random.normal(jax.random.key(3), (16, 4), F32).astype(BF16)
+
+    def square(x, w):
+        y = matmul.einsum("tm,mf->tf", x, w).astype(F32)
+        return jnp.sum(y * y)
+
+    def sharded(x, w):
+        body = lambda x, w: jax.lax.psum(square(x, w), "d")  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()), out_specs=P())(x, w)
+
+    got = jax.grad(sharded, 1)(x, w)
+    want = jax.grad(square, 1)(x, w)
+    # Each shard's bf16 partial gradient is rounded before the sum: errors of a bf16 ulp of
+    # the partials' size, not of the (smaller, after cancellation) entry's.
+    want = np.asarray(want, F32)
+    np.testing.assert_allclose(np.asarray(got, F32), want, atol=2**-7 * np.abs(want).max())
+
+
+def test_f32_sums_are_asked_for_on_cpu_for_one_low_precision_dtype():
+    """CPU: bf16 summed in f32 (2.4x its bf16-output rate here); GPU: JAX's default, the bf16
+    output measured as fast (docs/benchmarks.md); mixed operands: JAX's promotion."""
+    a = jnp.ones(2, BF16)
+    assert matmul.accumulation(a, a, platform="cpu") == F32
+    assert matmul.accumulation(a, a, platform="gpu") is None
+    assert matmul.accumulation(a, a.astype(F32), platform="cpu") is None
+    assert matmul.accumulation(a.astype(F32), a.astype(F32), platform="cpu") is None
