@@ -24,7 +24,13 @@ def mesh():
 
 
 def test_fake_cpu_mesh_has_auto_axes(mesh):
-    assert dict(mesh.shape) == {"d": 2, "t": 4, "e": 1, "c": 1, "p": 1}  # seqshard's other axes added
+    assert dict(mesh.shape) == {
+        "d": 2,
+        "t": 4,
+        "e": 1,
+        "c": 1,
+        "p": 1,
+    }  # seqshard's other axes added
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert all(d.platform == "cpu" for d in mesh.devices.flat)
     assert fake_cpu_mesh((2,), ("d",)).devices.size == 2
