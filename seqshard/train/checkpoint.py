@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import re
 import shutil
@@ -62,6 +63,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -254,7 +256,8 @@ class Checkpointer:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                    state=ocp.args.StandardSave(_without_empty(state)),
+                    meta=ocp.args.JsonSave(meta),
                 ),
                 force=True,  # when to save is the caller's decision, not orbax's interval
             )
@@ -470,10 +473,12 @@ class Checkpointer:
             raise _Unusable(f"its metadata is of step {meta.get('step')!r}")
         try:
             state = self.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty(target))),
             ).state
         except Exception as e:
             raise _Unusable(f"unreadable arrays ({_first_line(e)})") from None
+        state = _with_empty(target, state)
         saved = meta.get("checksums")
         if saved is None:  # written before checksums were recorded
             log(f"checkpoint {self.directory / str(step)} has no checksums: not verified")
@@ -506,6 +511,23 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self.directory}; it has {steps}."
             )
         return step
+
+
+def _without_empty(tree):
+    """``tree`` with its arrays of no elements left out (None): orbax refuses to write them.
+    A model with experts and no dense first layers (``model.moe.n_dense_layers=0``, as
+    pipelining needs) has an empty dense stack, its optimizer moments too."""
+    return jax.tree.map(lambda x: None if math.prod(x.shape) == 0 else x, tree)
+
+
+def _with_empty(target, restored):
+    """``restored`` (read with :func:`_without_empty`'s target) with the arrays of no
+    elements put back, empty, in their shardings."""
+
+    def fill(t, x):
+        return jnp.zeros(t.shape, t.dtype, device=t.sharding) if x is None else x
+
+    return jax.tree.map(fill, target, restored, is_leaf=lambda x: x is None)
 
 
 def _in_layer_order(state: TrainState, meta: dict[str, Any], cfg: Config, mesh: Mesh):
