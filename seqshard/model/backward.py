@@ -112,6 +112,7 @@ from seqshard.model.transformer import (
     moe_layer_forward,
     rope_and_mask,
     run_layers,
+    run_moe_layers,
     unembed,
     with_balancing_terms,
 )
@@ -125,6 +126,7 @@ __all__ = [
     "attention_backward",
     "embed_backward",
     "explicit_loss_terms",
+    "explicit_run_moe_layers",
     "explicit_terms_and_stats",
     "explicit_run_layers",
     "head_backward",
@@ -468,19 +470,19 @@ def moe_layer_backward(
     w: MoELayer,
     a: Activations,
     d_out: jax.Array,
-    d_balancing: jax.Array,
+    d_balancing: tuple[jax.Array, jax.Array],
 ) -> tuple[jax.Array, MoELayer]:
     """dL/dx and the MoE layer's gradients. Its FFN (the routing, the exchanges over e and the
     grouped matmuls) is differentiated by ``jax.vjp`` from its input h: its forward re-runs
     there (logged as recomputed, with the transposes of its collectives as the backward's:
-    :func:`seqshard.shardlib.collective_log.vjp_in_backward`); ``d_balancing`` is dL/d(the
-    layer's aux + z terms). Then the attention block's hand-written backward."""
+    :func:`seqshard.shardlib.collective_log.vjp_in_backward`); ``d_balancing`` is (dL/d(the
+    layer's aux term), dL/d(its z term)). Then the attention block's hand-written backward."""
     ffn_fields = [f.name for f in dataclasses.fields(ExpertFfnWeights)]
 
     def ffn(h, w_ffn):
         moe_w = dataclasses.replace(w, **w_ffn)
         out, stats = moe.moe_ffn(cfg, moe_w, BlockActivations(MOE_LAYER_BLOCKS, {"h": h}))
-        return out, stats.aux + stats.z
+        return out, (stats.aux, stats.z)
 
     with (
         jax.named_scope(_RECOMPUTE),
@@ -649,11 +651,12 @@ def _layers_backward(cfg: ModelConfig, rows: SequenceRows, layers: Layer, kept, 
 
 
 def _moe_layers_backward(cfg, rows, layers: MoELayer, kept, d_out: jax.Array, d_balancing):
-    """The MoE stack in reverse: (dL/d(its input), its layers' gradients)."""
+    """The MoE stack in reverse: (dL/d(its input), its layers' gradients). ``d_balancing``:
+    (dL/d aux, dL/d z), each f32[moe_layers], one per layer."""
     rope, mask = rope_and_mask(cfg, rows)
 
     def layer(d_out, w_and_kept):
-        w_layer, kept_layer = w_and_kept
+        w_layer, kept_layer, d_balancing = w_and_kept
         with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
             a = BlockActivations(MOE_LAYER_BLOCKS, kept_layer, explicit=True, only_needed=True)
             attention_block.attention_inputs(cfg, w_layer, a, rope)
@@ -661,7 +664,14 @@ def _moe_layers_backward(cfg, rows, layers: MoELayer, kept, d_out: jax.Array, d_
             attention_block.attention_output(cfg, w_layer, a)
         return moe_layer_backward(cfg, rows, rope, mask, w_layer, a, d_out, d_balancing)
 
-    return collective_log.scan("moe_layers", layer, d_out, (layers, kept), reverse=True)
+    return collective_log.scan(
+        "moe_layers", layer, d_out, (layers, kept, d_balancing), reverse=True
+    )
+
+
+def _stack_size(layers) -> tuple[int]:
+    """(the number of layers in a stack,)."""
+    return jax.tree.leaves(layers)[0].shape[:1]
 
 
 def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start: jax.Array):
@@ -693,8 +703,9 @@ def _backward(cfg: ModelConfig, axes, residuals, cotangents):
         d_x, grads["final_norm"], grads["unembed"] = head_backward(cfg, head, rows, d_total)
         if kept_moe is not None:
             # The balancing terms joined the summed loss times the positions counted.
+            d_balancing = jnp.broadcast_to(d_total * count, _stack_size(w.moe_layers))
             d_x, grads["moe_layers"] = _moe_layers_backward(
-                cfg, rows, w.moe_layers, kept_moe, d_x, d_total * count
+                cfg, rows, w.moe_layers, kept_moe, d_x, (d_balancing, d_balancing)
             )
         if kept_layers is not None:
             d_x, grads["layers"] = _layers_backward(cfg, rows, w.layers, kept_layers, d_x)
@@ -758,3 +769,57 @@ def _stage_backward(cfg: ModelConfig, static, residuals, d_y: jax.Array):
 
 
 _stage_with_explicit_backward.defvjp(_stage_forward, _stage_backward)
+
+
+def explicit_run_moe_layers(
+    cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: MoELayer
+) -> tuple[jax.Array, RouterStats]:
+    """:func:`~seqshard.model.transformer.run_moe_layers` (a pipeline stage's MoE layers:
+    the residual and their stacked statistics), whose gradient is this module's MoE layer
+    backward, the layers in reverse; the statistics' aux and z take their cotangents (the
+    loss adds them), the rest (counts) have none."""
+    axes = block_axes()
+    if axes is None:
+        raise ValueError("explicit_run_moe_layers runs inside the model's shard_map.")
+    static = ((tuple(axes.sizes.items()), axes.manual), collective_log.place())
+    return _moe_stage_with_explicit_backward(cfg, static, layers, x, rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _moe_stage_with_explicit_backward(cfg, static, layers, x, rows):
+    with collective_log.hand_differentiated(), collective_log.custom_vjp_primal():
+        return run_moe_layers(cfg, rows, x, layers)
+
+
+def _moe_stage_forward(cfg: ModelConfig, static, layers: MoELayer, x: jax.Array, rows):
+    (sizes, manual), where = static
+    # Traced when JAX differentiates the tick loop (the stage's scopes closed): reopen them.
+    with (
+        block_axes_scope(dict(sizes), manual),
+        shape_scope(),
+        collective_log.at(where),
+        collective_log.hand_differentiated(),
+    ):
+        y, kept_values, stats = _moe_layers_keeping(cfg, rows, x, layers)
+    return (y, stats), (layers, rows, kept_values)
+
+
+def _moe_stage_backward(cfg: ModelConfig, static, residuals, cotangents):
+    layers, rows, kept_values = residuals
+    d_y, d_stats = cotangents
+    (sizes, manual), where = static
+    # Traced when JAX transposes the tick loop, after the body's scopes closed: reopen them.
+    with (
+        block_axes_scope(dict(sizes), manual),
+        shape_scope(),
+        collective_log.at(where),
+        collective_log.phase("backward"),
+    ):
+        d_x, d_layers = _moe_layers_backward(
+            cfg, rows, layers, kept_values, d_y, (d_stats.aux, d_stats.z)
+        )
+    # The router bias is read without a gradient (its own update is the train step's).
+    return d_layers, d_x, None
+
+
+_moe_stage_with_explicit_backward.defvjp(_moe_stage_forward, _moe_stage_backward)

@@ -25,7 +25,7 @@ from seqshard.model.backward import explicit_terms_and_stats
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import sequence_rows
 from seqshard.model.moe import RouterStats
-from seqshard.model.pipeline.pipelined import pipelined_loss_terms
+from seqshard.model.pipeline.pipelined import pipelined_terms_and_stats
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.transformer import (
     final_hidden,
@@ -62,16 +62,11 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
     check_mesh(cfg, dict(mesh.shape))
     weights = weights_type(cfg)
     moe = cfg.moe.enabled
-    if moe and axis_size(mesh, "p") > 1:
-        raise ValueError(
-            f"a model with experts (model.moe.n_experts={cfg.moe.n_experts}) does not pipeline "
-            f"yet: mesh axis p={axis_size(mesh, 'p')}. Use mesh.p=1 (split the layers' work "
-            f"over d, e, c and t instead)."
-        )
 
     def loss_terms(w, batch: TokenBatch):
         if axis_size(mesh, "p") > 1:
-            return pipelined_loss_terms(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
+            out = pipelined_terms_and_stats(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
+            return out if moe else out[0]
         if cfg.backward == "explicit":
             # The same forward value; jax.grad runs backward.py's hand-written backward.
             out = explicit_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start)

@@ -179,6 +179,15 @@ def check_mesh(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
             f"(model.moe.n_experts=0) on a {where} mesh. Set mesh.e=1 (use mesh.d for data "
             f"parallelism), or give the model experts (model.moe.n_experts divisible by e)."
         )
+    if mesh["p"] > 1 and cfg.moe.enabled and cfg.moe.n_dense_layers:
+        # Both stacks split over p, stage s would run dense block s, then MoE block s: not
+        # every dense layer before every MoE layer (seqshard.model.pipeline.pipelined).
+        raise ValueError(
+            f"a model with experts pipelines only MoE layers: model.moe.n_dense_layers="
+            f"{cfg.moe.n_dense_layers} dense first layers with mesh.p={mesh['p']} would run out "
+            f"of the model's order (each stage its dense block, then its MoE block) on a {where} "
+            f"mesh. Set model.moe.n_dense_layers=0 to pipeline, or mesh.p=1."
+        )
     for path, t in leaves:
         for dim in t.shape.dims:
             n = math.prod(mesh[a] for a in dim.axes)

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh
 
 from seqshard.model.config import ModelConfig
-from seqshard.model.weights import Weights, init_weights, weight_structs
+from seqshard.model.weights import STACKS, Weights, init_weights, weight_structs
 from seqshard.shardlib.shardtypes import i32, pytree_dataclass, shape_dtype_structs
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def layer_order(cfg: Config, p: int) -> tuple[int, ...]:
 
 def relayered(tree, saved: Sequence[int], wanted: Sequence[int]):
     """``tree`` (weights, a train state: any tree whose layer stacks sit under a ``layers``
-    field), its layer stacks stored in order ``saved`` rearranged into order ``wanted`` (each
+    or ``moe_layers`` field), its layer stacks stored in order ``saved`` rearranged into order ``wanted`` (each
     a :func:`layer_order`), every array keeping its sharding; the tree itself when the orders
     agree. One jitted gather per stacked array (over p when the stack is split over it)."""
     saved, wanted = tuple(saved), tuple(wanted)
@@ -161,8 +161,11 @@ def relayered(tree, saved: Sequence[int], wanted: Sequence[int]):
     take = np.array([position[layer] for layer in wanted], np.int32)
 
     def move(path, x):
-        stacked = any(getattr(k, "name", getattr(k, "key", None)) == "layers" for k in path)
-        if not stacked or x.size == 0:  # nothing to move (and XLA would not split its output)
+        stacked = any(getattr(k, "name", getattr(k, "key", None)) in STACKS for k in path)
+        # A model with experts pipelines only MoE layers (weights.check_mesh): whenever the
+        # orders differ its dense stack is empty, and its MoE stack holds every layer. Nothing
+        # to move in a zero-size array (and XLA would not split its output).
+        if not stacked or x.size == 0:
             return x
         return jax.jit(lambda a: jnp.take(a, take, axis=0), out_shardings=x.sharding)(x)
 

@@ -32,6 +32,7 @@ from seqshard.train.optimizer import lr_schedule
 from seqshard.train.state import (
     NonfiniteGuard,
     TrainState,
+    layer_order,
     nonfinite_kind,
     shardings_of,
     step_is_healthy,
@@ -59,7 +60,8 @@ def grads_and_loss(
     ``loss_terms`` defaults to the sharded model's (:func:`batch_terms_and_stats`). On a mesh
     with p > 1 the microbatches are the pipeline's: one call runs them all through the
     stages (``train.pipeline_schedule``), so nothing is accumulated here. The statistics add
-    up over microbatches (loads, drops, tokens); the balancing terms are their mean."""
+    up over microbatches (loads, drops, tokens); the balancing terms are their mean (the
+    pipelined model returns them so)."""
     pipelined = mesh.shape.get("p", 1) > 1
     k = 1 if pipelined else cfg.train.microbatches
     no_stats = None
@@ -94,11 +96,13 @@ def grads_and_loss(
     return jax.tree.map(lambda g: g / count, grads), total / count, count, stats
 
 
-def moe_metrics(cfg: Config, stats: RouterStats, weights) -> dict[str, jax.Array]:
+def moe_metrics(cfg: Config, stats: RouterStats, weights, p: int = 1) -> dict[str, jax.Array]:
     """The MoE layers' figures for the log: the expert load's max over its mean (1: balanced),
     of the worst layer and of each layer (``.../<layer>``), each expert's share of the layer's token copies (``seqshard plot``
     draws them as a heatmap), the dropped fraction, the aux and z losses, and the router
-    bias's range (max - min over experts and layers)."""
+    bias's range (max - min over experts and layers). Layers are named by their place in the
+    model: ``stats`` follow the stored MoE stack (as its router bias), which the circular
+    pipeline schedule over ``p`` stages reorders (:func:`~seqshard.train.state.layer_order`)."""
     moe = cfg.model.moe
     copies = stats.tokens * moe.top_k  # [layers]
     share = stats.load / copies[:, None]
@@ -110,11 +114,13 @@ def moe_metrics(cfg: Config, stats: RouterStats, weights) -> dict[str, jax.Array
         - jnp.min(weights.moe_layers.router_bias),
         "moe_load_max_over_mean": jnp.max(share) * moe.n_experts,  # the worst layer's
     }
-    first = cfg.model.dim_sizes()["layers"]
-    for i in range(stats.load.shape[0]):
-        out[f"moe_load_max_over_mean/{first + i}"] = jnp.max(share[i]) * moe.n_experts
+    # The model's layer at each stored position of the MoE stack (it follows the dense one;
+    # with p > 1 there is none).
+    names = layer_order(cfg, p)[cfg.model.dim_sizes()["layers"] :]
+    for i, layer in enumerate(names):
+        out[f"moe_load_max_over_mean/{layer}"] = jnp.max(share[i]) * moe.n_experts
         for j in range(moe.n_experts):
-            out[f"moe_load/{first + i}/{j}"] = share[i, j]
+            out[f"moe_load/{layer}/{j}"] = share[i, j]
     return out
 
 
@@ -160,7 +166,7 @@ def make_train_step(
             "tokens_counted": count,
         }
         if stats is not None:
-            metrics.update(moe_metrics(cfg, stats, weights))
+            metrics.update(moe_metrics(cfg, stats, weights, mesh.shape.get("p", 1)))
         new_state = TrainState(
             step=state.step + 1,
             weights=keep(weights, state.weights),

@@ -5,7 +5,9 @@ heatmap, bias balancing, and checkpoints written on e=2 resumed on e=4 and on e=
     accumulation   grads_and_loss over 2 microbatches on (e, d, t) = (2, 2, 2) equals the
                    reference's per-microbatch loss (each microbatch's balancing terms weighed
                    by its counted positions, as moe.py states) and its gradient (f32: loss to
-                   1e-6 relative, each gradient leaf to 2e-5 of its largest entry)
+                   1e-6 relative, each gradient leaf to 2e-5 of its largest entry); so does
+                   the step pipelined on (p, e, d) = (2, 2, 2), its 2 microbatches the
+                   pipeline's (4 MoE layers, none dense)
     runs           the tiny model with a dense first layer and 8 experts (top-2, one shared),
                    bias balancing, 2 microbatches: 8 steps straight on e2 x d2 x t2; 4 steps,
                    then resumed to 8 on another mesh: the resumed losses equal the straight
@@ -14,6 +16,7 @@ heatmap, bias balancing, and checkpoints written on e=2 resumed on e=4 and on e=
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import jax
@@ -57,37 +60,46 @@ def _batch():
     return tokens, starts
 
 
-def _reference_accumulated(weights, tokens, starts):
+def _reference_accumulated(weights, tokens, starts, model=MODEL):
     """The loss of K microbatches as the step defines it: each microbatch's mean loss (its
     balancing terms included) weighed by its counted positions."""
     total, count = 0.0, 0.0
     for m in range(K):
         counted = jax.numpy.sum(~starts[m::K, 1:])
-        total = total + reference_loss_fn(weights, tokens[m::K], starts[m::K], MODEL) * counted
+        total = total + reference_loss_fn(weights, tokens[m::K], starts[m::K], model) * counted
         count = count + counted
     return total / count
 
 
-def test_accumulated_gradients_with_experts_equal_the_reference_per_microbatch():
-    sizes = {"e": 2, "d": 2, "t": 2}
+# Pipelined over p (no dense first layers: pipelining needs none), the K microbatches the
+# pipeline's.
+PIPELINED = tiny_model(n_layers=4, n_kv=4, moe=dataclasses.replace(MOE, n_dense_layers=0))
+
+
+@pytest.mark.parametrize(
+    "model,sizes",
+    [(MODEL, {"e": 2, "d": 2, "t": 2}), (PIPELINED, {"p": 2, "e": 2, "d": 2})],
+    ids=["e2d2t2", "p2e2d2"],
+)
+def test_accumulated_gradients_with_experts_equal_the_reference_per_microbatch(model, sizes):
     mesh = mesh_of_sizes(sizes)
     cfg = Config(
-        model=MODEL,
+        model=model,
         mesh=MeshConfig(**sizes),
-        data=DataConfig(vocab_size=MODEL.vocab),
+        data=DataConfig(vocab_size=model.vocab),
         train=TrainConfig(batch_size=BATCH, seq_len=LENGTH, microbatches=K, warmup_steps=0),
     )
     check_config(cfg)
-    weights = random_weights(MODEL, seed=0)
+    weights = random_weights(model, seed=0)
     tokens, starts = _batch()
     on_mesh = jax.device_put(
-        weights, jax.tree.map(lambda s: s.sharding, weight_structs(MODEL, mesh))
+        weights, jax.tree.map(lambda s: s.sharding, weight_structs(model, mesh))
     )
     grads, loss, count, stats = jax.jit(grads_and_loss, static_argnums=(2, 3))(
         on_mesh, token_batch(tokens, starts), cfg, mesh
     )
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(_reference_accumulated))(
-        weights, tokens, starts
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(_reference_accumulated), static_argnums=3)(
+        weights, tokens, starts, model
     )
     assert count == np.sum(~starts[:, 1:])
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
@@ -99,8 +111,9 @@ def test_accumulated_gradients_with_experts_equal_the_reference_per_microbatch()
             worst = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
             assert worst <= 2e-5, (jax.tree_util.keystr(path), worst)
     # The statistics add up over the microbatches: every token routed once, k copies each.
-    np.testing.assert_allclose(np.asarray(stats.tokens), [BATCH * LENGTH] * 2)
-    np.testing.assert_allclose(np.asarray(stats.load).sum(axis=1), [BATCH * LENGTH * 2] * 2)
+    layers = model.dim_sizes()["moe_layers"]
+    np.testing.assert_allclose(np.asarray(stats.tokens), [BATCH * LENGTH] * layers)
+    np.testing.assert_allclose(np.asarray(stats.load).sum(axis=1), [BATCH * LENGTH * 2] * layers)
 
 
 # -- runs -----------------------------------------------------------------------------------

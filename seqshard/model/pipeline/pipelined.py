@@ -35,24 +35,48 @@ each layer under ``cfg.remat``. The embedding and the head are differentiated by
 The SPMD program is the same on every stage: a stage's idle ticks compute on zeros and are
 masked, and every stage runs the embedding and the head (their results are masked on the
 stages that do not own them).
+
+**Experts.** A model with MoE layers pipelines its MoE stack (``moe_layers: 'moe_layers/p'``)
+as a dense model its layers, and needs ``model.moe.n_dense_layers = 0``: both stacks split
+over p, stage s would run dense block s before MoE block s, not every dense layer before
+every MoE layer (the model's order). Putting all dense layers on the first stages instead
+would make the stages' blocks differ in kind and size, one SPMD program no longer fitting
+them all (:func:`~seqshard.model.weights.check_mesh` says so, with the fix). Each stage keeps its MoE
+layers' :class:`~seqshard.model.moe.RouterStats` per microbatch (they never travel between
+stages); the loss adds each microbatch's balancing terms (every layer's aux + z) times its
+counted positions, each stage its own layers' share, summed over p with the head's terms in
+the one psum; the statistics returned are the step's (loads, drops and tokens summed over
+the microbatches, aux and z their mean, as gradient accumulation at p = 1 gives them), each
+stage's layers placed at their positions in the stored stack and summed over p::
+
+    terms = psum('2{U_p} -> 2', head terms on p-1 + this stage's sum_i count_i (aux + z)_i)
+    stats = psum('G{U_p} -> G', this stage's layers' statistics at their positions, else 0)
+
+1F1B's backward gives a stage's statistics of microbatch i the cotangent ``count_i`` on aux
+and z (:func:`~seqshard.model.pipeline.spmd.one_f_one_b_with_aux`); GPipe and circular
+differentiate the sum by autodiff.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqshard.model.backward import explicit_run_layers, explicit_run_moe_layers
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
+from seqshard.model.moe import RouterStats, zero_stats
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.pipeline.spmd import (
-    circular_forward,
+    circular_forward_with_aux,
     cotangent_after,
-    one_f_one_b,
+    one_f_one_b_with_aux,
     varying_over_stages,
 )
 from seqshard.model.transformer import (
@@ -60,13 +84,18 @@ from seqshard.model.transformer import (
     final_norm,
     loss_terms_and_softmax,
     run_layers,
+    run_moe_layers,
     unembed,
 )
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
-__all__ = ["pipelined_loss_terms", "to_microbatches"]
+__all__ = [
+    "pipelined_loss_terms",
+    "pipelined_terms_and_stats",
+    "to_microbatches",
+]
 
 
 class _Head(NamedTuple):
@@ -99,10 +128,14 @@ def _head_terms_in_scope(cfg: ModelConfig, head: _Head, y: jax.Array, rows: Sequ
     return loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
 
 
-def _on_last_stage_summed(terms: jax.Array) -> jax.Array:
-    """f32[2] made on stage p-1 (others: masked to 0), summed over p: replicated."""
+def _on_last_stage_summed(terms: jax.Array, own: jax.Array | None = None) -> jax.Array:
+    """f32[2] made on stage p-1 (others: masked to 0), plus ``own`` (f32[2], each stage's:
+    its MoE layers' balancing terms), summed over p: replicated."""
     p, s = shardops.axis_size("p"), shardops.axis_index("p")
-    return shardops.psum("2{U_p} -> 2", jnp.where(s == p - 1, terms, 0.0))
+    terms = jnp.where(s == p - 1, terms, 0.0)
+    if own is not None:
+        terms = terms + own
+    return shardops.psum("2{U_p} -> 2", terms)
 
 
 def pipelined_loss_terms(
@@ -110,25 +143,104 @@ def pipelined_loss_terms(
 ) -> jax.Array:
     """The loss terms f32[2] of per-device blocks 'B/d/e L/c', pipelined over p (inside the
     model's shard_map; :func:`~seqshard.model.transformer.forward_loss_terms`'s value)."""
+    return pipelined_terms_and_stats(cfg, pipe, w, tokens, is_seq_start)[0]
+
+
+def pipelined_terms_and_stats(
+    cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+) -> tuple[jax.Array, RouterStats | None]:
+    """(the loss terms f32[2], each microbatch's balancing terms included; the step's
+    :class:`~seqshard.model.moe.RouterStats` in the stored stack's order, replicated, or None
+    without experts), pipelined over p (see the module docstring)."""
     if pipe.schedule == "1f1b":
-        return _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start)
-    return _gpipe_terms(cfg, pipe, w, tokens, is_seq_start)
+        out = _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start)
+    else:
+        out = _gpipe_terms(cfg, pipe, w, tokens, is_seq_start)
+    return out if cfg.moe.enabled else (out, None)
+
+
+def _stack(cfg: ModelConfig, w: Weights):
+    """The stack the stages run: the MoE layers with experts (the dense stack is empty, see
+    :func:`~seqshard.model.weights.check_mesh`), else the layers."""
+    return w.moe_layers if cfg.moe.enabled else w.layers
 
 
 def _stages(cfg: ModelConfig, pipe: Pipeline, tokens, is_seq_start):
-    """(the rows, the rows as microbatches 'm b ...', the stage function ``(block, x, i)``)."""
+    """(the rows, the rows as microbatches 'm b ...', the stage function ``(block, x, i) ->
+    (y, the block's RouterStats or None)``)."""
     rows = sequence_rows(tokens, is_seq_start)
     micro = jax.tree.map(functools.partial(to_microbatches, m=pipe.microbatches), rows)
+    explicit = cfg.backward == "explicit"
 
     def stage(block, x, i):
         with shape_scope():  # B is a microbatch's rows here
-            if cfg.backward == "explicit":
-                from seqshard.model.backward import explicit_run_layers  # imports transformer
-
-                return explicit_run_layers(cfg, _microbatch(micro, i), x, block)
-            return run_layers(cfg, _microbatch(micro, i), x, block)
+            rows_i = _microbatch(micro, i)
+            if cfg.moe.enabled and explicit:
+                return explicit_run_moe_layers(cfg, rows_i, x, block)
+            if cfg.moe.enabled:
+                return run_moe_layers(cfg, rows_i, x, block)
+            if explicit:
+                return explicit_run_layers(cfg, rows_i, x, block), None
+            return run_layers(cfg, rows_i, x, block), None
 
     return rows, micro, stage
+
+
+def _block_stats_zeros(cfg: ModelConfig, blocks: int) -> RouterStats | None:
+    """Zeros shaped as one layer block's RouterStats (the MoE stack over ``blocks`` blocks),
+    or None without experts."""
+    if not cfg.moe.enabled:
+        return None
+    n = cfg.dim_sizes()["moe_layers"] // blocks
+    return jax.tree.map(lambda z: z[:n], zero_stats(cfg))
+
+
+def _microbatch_counts(micro: SequenceRows) -> jax.Array:
+    """f32[m]: each microbatch's positions counted (no gradient), over every device's rows."""
+    local = jnp.sum(micro.counted.astype(jnp.float32), axis=tuple(range(1, micro.counted.ndim)))
+    with shape_scope():
+        # Each (d, e, c) shard counted its own rows: add them up.
+        return shardops.psum("m{U_d,e,c} -> m", local)
+
+
+def _balancing_and_stats(cfg: ModelConfig, stats: RouterStats, counts: jax.Array):
+    """From this stage's statistics ``[v, m, b, ...]`` (round, microbatch, layer of the
+    block): (f32[2], its layers' balancing terms, each microbatch's times its counted
+    positions, to add to the loss; the step's statistics, replicated: every stage's
+    layers in the stored stack's order)."""
+    v, m, b = stats.aux.shape[:3]
+    per_microbatch = jnp.sum(stats.aux + stats.z, axis=(0, 2))  # [m]: every layer's, summed
+    balancing = jnp.stack([jnp.sum(counts * per_microbatch), jnp.zeros(())])
+    # As gradient accumulation at p = 1 reports them: counts summed over the microbatches,
+    # the balancing terms their mean.
+    step = RouterStats(
+        load=jnp.sum(stats.load, axis=1),
+        dropped=jnp.sum(stats.dropped, axis=1),
+        aux=jnp.mean(stats.aux, axis=1),
+        z=jnp.mean(stats.z, axis=1),
+        tokens=jnp.sum(stats.tokens, axis=1),
+    )
+    # This stage holds stored positions s·v·b .. (s+1)·v·b - 1 (round r's block at r·b):
+    # placed there in a zero stack, the others' zeros; one psum over p adds the stages'.
+    step = jax.tree.map(lambda a: lax.stop_gradient(a.reshape(v * b, *a.shape[2:])), step)
+    n, s = shardops.axis_size("p") * v * b, shardops.axis_index("p")
+    leaves, tree = jax.tree.flatten(step)
+    placed = [
+        lax.dynamic_update_slice_in_dim(
+            varying_over_stages(jnp.zeros((n, *a.shape[1:]), a.dtype)), a, s * v * b, 0
+        ).reshape(-1)
+        for a in leaves
+    ]
+    flat = jnp.concatenate(placed)
+    with shape_scope():
+        # Each stage filled its own layers' rows (zeros elsewhere): add the stages'.
+        flat = shardops.psum("G{U_p} -> G", flat)
+    out, start = [], 0
+    for a in leaves:
+        size = n * math.prod(a.shape[1:])
+        out.append(flat[start : start + size].reshape(n, *a.shape[1:]))
+        start += size
+    return balancing, jax.tree.unflatten(tree, out)
 
 
 def _embedded(cfg: ModelConfig, pipe: Pipeline, table: jax.Array, rows: SequenceRows):
@@ -153,8 +265,9 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     xs = _embedded(cfg, pipe, table, rows)
     # This stage's v layer blocks, one per round (circular; v = 1: gpipe).
     v = pipe.repeats if pipe.schedule == "circular" else 1
-    blocks = jax.tree.map(lambda b: b.reshape(v, b.shape[0] // v, *b.shape[1:]), w.layers)
-    ys = circular_forward(stage, blocks, xs)
+    blocks = jax.tree.map(lambda b: b.reshape(v, b.shape[0] // v, *b.shape[1:]), _stack(cfg, w))
+    stats_like = _block_stats_zeros(cfg, shardops.axis_size("p") * v)
+    ys, stats = circular_forward_with_aux(stage, blocks, xs, stats_like)
     per_microbatch = jax.checkpoint(functools.partial(_head_terms, cfg, head))
 
     def head(_, y_rows):
@@ -163,7 +276,13 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_st
     _, terms = collective_log.scan("head", head, None, (ys, micro))
     # The head's backward (a loop that recomputes it) reads these terms, so it runs after the
     # head's forward loop on every device (XLA's CPU runtime orders by data).
-    return _on_last_stage_summed(jnp.sum(cotangent_after(terms), axis=0))
+    terms = jnp.sum(cotangent_after(terms), axis=0)
+    if stats is None:
+        return _on_last_stage_summed(terms)
+    m = pipe.microbatches
+    stats = jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:]), stats)  # round r·m + i
+    balancing, step_stats = _balancing_and_stats(cfg, stats, _microbatch_counts(micro))
+    return _on_last_stage_summed(terms, balancing), step_stats
 
 
 _TABLE, _GAIN = "V/t M/d/e/c", "M/t/d/e/c"  # the replicated weights' per-device layouts
@@ -199,7 +318,9 @@ _per_stage.defvjp(_per_stage_forward, _per_stage_backward)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start):
-    # Not differentiated (eval): the forward ticks alone.
+    # Not differentiated (eval): the forward ticks alone. With experts, (terms, statistics):
+    # the statistics are reported, not differentiated (their aux and z reach the gradient
+    # through the terms).
     with collective_log.custom_vjp_primal():
         return _gpipe_terms(cfg, pipe, w, tokens, is_seq_start)
 
@@ -216,23 +337,47 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, i
         return _head_terms(cfg, head, y, _microbatch(micro, i))[0]
 
     head = _Head(w.final_norm, w.unembed)
-    loss, d_layers, d_head, d_xs = one_f_one_b(stage, head_loss, w.layers, head, xs)
+    stats_like = aux_cotangent = counts = None
+    if cfg.moe.enabled:
+        stats_like = _block_stats_zeros(cfg, shardops.axis_size("p"))
+        counts = _microbatch_counts(micro)
+
+        def aux_cotangent(i):
+            # The loss adds microbatch i's aux and z times its counted positions.
+            weight = jnp.broadcast_to(counts[i], stats_like.aux.shape)
+            return dataclasses.replace(
+                jax.tree.map(jnp.zeros_like, stats_like), aux=weight, z=weight
+            )
+
+    loss, d_layers, d_head, d_xs, stats = one_f_one_b_with_aux(
+        stage, head_loss, _stack(cfg, w), head, xs, stats_like, aux_cotangent
+    )
     (d_embed,) = embed_vjp(d_xs)
     count = jnp.sum(micro.counted.astype(jnp.float32))
     count = shardops.psum("1{U_d,e,c} -> 1", count[None])[0]
-    loss = _on_last_stage_summed(jnp.stack([loss, 0.0]))[0]
-    grads = Weights(
+    balancing = step_stats = None
+    if stats is not None:
+        stats = jax.tree.map(lambda a: a[None], stats)  # one round
+        balancing, step_stats = _balancing_and_stats(cfg, stats, counts)
+    loss = _on_last_stage_summed(jnp.stack([loss, 0.0]), balancing)[0]
+    grads = dict(
         # Made on one stage (zeros on the others): summed over p, as the replicated weights' are.
         embed=shardops.psum(f"{_TABLE}{{U_p}} -> {_TABLE}", d_embed),
         layers=d_layers,
         final_norm=shardops.psum(f"{_GAIN}{{U_p}} -> {_GAIN}", d_head.final_norm),
         unembed=shardops.psum(f"{_TABLE}{{U_p}} -> {_TABLE}", d_head.unembed),
     )
-    return jnp.stack([loss, count]), grads
+    if step_stats is None:
+        return jnp.stack([loss, count]), Weights(**grads)
+    # The dense stack is empty (weights.check_mesh): its gradient too.
+    grads.update(layers=jax.tree.map(jnp.zeros_like, w.layers), moe_layers=d_layers)
+    return (jnp.stack([loss, count]), step_stats), type(w)(**grads)
 
 
-def _one_f_one_b_backward(cfg, pipe, grads: Weights, d_terms: jax.Array):
-    """The gradients the forward made, times the cotangent of the summed loss."""
+def _one_f_one_b_backward(cfg, pipe, grads: Weights, cotangents):
+    """The gradients the forward made, times the cotangent of the summed loss (with experts,
+    the statistics' cotangents are dropped: they are reported, not differentiated)."""
+    d_terms = cotangents[0] if cfg.moe.enabled else cotangents
     return jax.tree.map(lambda g: g * d_terms[0], grads), None, None
 
 

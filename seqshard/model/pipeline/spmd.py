@@ -10,6 +10,12 @@ for 1F1B, another hands cotangents back to the previous one).
     ys = circular_forward(stage_fn, blocks, xs)              # gpipe (v = 1) and circular
     loss, d_block, d_head, d_xs = one_f_one_b(stage_fn, head_fn, block, head, xs)
 
+A stage may also return a value beside its activation that stays on the stage (an MoE
+layer's routing statistics): ``circular_forward_with_aux`` and ``one_f_one_b_with_aux`` take
+a ``stage_fn`` returning ``(y, aux)`` and return every task's aux, one per (round,
+microbatch), kept where it was made (never shifted); 1F1B's backward of microbatch i gives
+the stage's aux the cotangent ``aux_cotangent(i)`` (the loss reads it directly).
+
 ``circular_forward`` is differentiated by JAX: the transpose of the scan runs the ticks in
 reverse and each forward ring_shift's transpose is the shift back, which is GPipe's (and the
 circular schedule's) backward. ``one_f_one_b`` writes its backward itself: each tick one
@@ -35,7 +41,15 @@ from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.shapecheck import shape_scope
 from seqshard.shardlib.vma import replication_checked, varying_axes
 
-__all__ = ["after", "circular_forward", "cotangent_after", "one_f_one_b", "varying_over_stages"]
+__all__ = [
+    "after",
+    "circular_forward",
+    "circular_forward_with_aux",
+    "cotangent_after",
+    "one_f_one_b",
+    "one_f_one_b_with_aux",
+    "varying_over_stages",
+]
 
 StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 """``stage_fn(block, x, i) -> y``: one stage's layer block on microbatch ``i``'s activation
@@ -56,7 +70,16 @@ def _put(buffer: jax.Array, i: jax.Array, x: jax.Array, when: jax.Array) -> jax.
     return jnp.where(when, lax.dynamic_update_index_in_dim(buffer, x, i, 0), buffer)
 
 
-def _stage_of_round(stage_fn: StageFn, blocks: Any, r: jax.Array, x: jax.Array, i: jax.Array):
+AuxStageFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+"""``stage_fn(block, x, i) -> (y, aux)``: a :data:`StageFn` that also returns ``aux``, a
+pytree the stage keeps (it is not handed to the next stage)."""
+
+
+def _with_no_aux(stage_fn: StageFn) -> AuxStageFn:
+    return lambda block, x, i: (stage_fn(block, x, i), None)
+
+
+def _stage_of_round(stage_fn: AuxStageFn, blocks: Any, r: jax.Array, x: jax.Array, i: jax.Array):
     """``stage_fn`` on round ``r``'s block. With one block it is the loop-invariant ``blocks``
     itself; with several, the indexing is rematerialized: either way the backward of the tick
     loop keeps no per-tick copy of the stage's weights."""
@@ -75,12 +98,23 @@ _BLOCK = "pipeline_stage_block"
 
 
 def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array:
+    """:func:`circular_forward_with_aux` of a stage that returns its activation alone: ys."""
+    return circular_forward_with_aux(_with_no_aux(stage_fn), blocks, xs, None)[0]
+
+
+def circular_forward_with_aux(
+    stage_fn: AuxStageFn, blocks: Any, xs: jax.Array, aux_like: Any
+) -> tuple[jax.Array, Any]:
     """The pipelined forward of every microbatch ``xs[i]`` through all stages' blocks.
 
     ``blocks``: this stage's v layer blocks (a pytree of arrays with leading dim v; v = 1 is
     GPipe); ``stage_fn(block, x, i) -> y`` of x's shape. ``xs: [m, ...]``, read on stage 0.
     Returns ``[m, ...]``: the outputs of the last block, on stage p - 1 (zeros elsewhere).
-    Microbatch i's round r is on stage s at tick r·m + i + s (v > 1 needs m >= p)."""
+    Microbatch i's round r is on stage s at tick r·m + i + s (v > 1 needs m >= p).
+
+    ``stage_fn`` returns ``(y, aux)``; ``aux_like`` is a pytree of zeros shaped as one aux
+    (None: none). Also returns this stage's auxs ``[v·m, ...]``: round r of microbatch i at
+    r·m + i (the ticks a stage idles leave zeros)."""
     p, s = shardops.axis_size("p"), shardops.axis_index("p")
     v = jax.tree.leaves(blocks)[0].shape[0]
     m = xs.shape[0]
@@ -89,7 +123,7 @@ def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array
     zeros = jnp.zeros_like(xs[0])
 
     def tick(carry, t):
-        held, returned, ys = carry
+        held, returned, ys, auxs = carry
         j = t - s  # this stage's task: round j // m of microbatch j % m
         valid = (j >= 0) & (j < v * m)
         jc = jnp.clip(j, 0, v * m - 1)
@@ -97,17 +131,20 @@ def circular_forward(stage_fn: StageFn, blocks: Any, xs: jax.Array) -> jax.Array
         first = lax.dynamic_index_in_dim(xs, i, keepdims=False)
         again = lax.dynamic_index_in_dim(returned, i, keepdims=False)
         x = jnp.where(s == 0, jnp.where(r == 0, first, again), held)
-        y = jnp.where(valid, _stage_of_round(stage_fn, blocks, r, x, i), 0)
+        y, aux = _stage_of_round(stage_fn, blocks, r, x, i)
+        y = jnp.where(valid, y, 0)
         ys = _put(ys, i, y, valid & (s == p - 1) & (r == v - 1))
+        auxs = jax.tree.map(lambda acc, a: _put(acc, jc, a, valid), auxs, aux)
         arrived = _shift(y, 1)
         # Stage 0 keeps what the last stage finished for its next round: that task was t-(p-1).
         back = t - (p - 1)
         returned = _put(returned, back % m, arrived, (s == 0) & (back >= 0) & (back < (v - 1) * m))
-        return (arrived, returned, ys), None
+        return (arrived, returned, ys, auxs), None
 
-    init = varying_over_stages((zeros, jnp.zeros_like(xs), jnp.zeros_like(xs)))
-    (_, _, ys), _ = collective_log.scan("ticks", tick, init, jnp.arange(v * m + p - 1))
-    return ys
+    auxs = jax.tree.map(lambda a: jnp.zeros((v * m, *a.shape), a.dtype), aux_like)
+    init = varying_over_stages((zeros, jnp.zeros_like(xs), jnp.zeros_like(xs), auxs))
+    (_, _, ys, auxs), _ = collective_log.scan("ticks", tick, init, jnp.arange(v * m + p - 1))
+    return ys, auxs
 
 
 def one_f_one_b(
@@ -117,6 +154,20 @@ def one_f_one_b(
     head: Any,
     xs: jax.Array,
 ) -> tuple[jax.Array, Any, Any, jax.Array]:
+    """:func:`one_f_one_b_with_aux` of a stage that returns its activation alone."""
+    out = one_f_one_b_with_aux(_with_no_aux(stage_fn), head_fn, block, head, xs, None, None)
+    return out[:4]
+
+
+def one_f_one_b_with_aux(
+    stage_fn: AuxStageFn,
+    head_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
+    block: Any,
+    head: Any,
+    xs: jax.Array,
+    aux_like: Any,
+    aux_cotangent: Callable[[jax.Array], Any] | None,
+) -> tuple[jax.Array, Any, Any, jax.Array, Any]:
     """1F1B: (the loss summed over microbatches, this stage's block's gradient, the head's
     gradient, the gradient of each microbatch input ``[m, ...]``).
 
@@ -124,7 +175,12 @@ def one_f_one_b(
     the head's own weights ``head`` (run on the last stage). Microbatch i's forward is on stage
     s at tick i + s, its backward at tick i + 2(p-1) - s. Only the last stage's loss and head
     gradient and stage 0's input gradients are non-zero (zeros elsewhere): the caller sums
-    over p what it needs replicated."""
+    over p what it needs replicated.
+
+    ``stage_fn`` returns ``(y, aux)`` (``aux_like``: zeros shaped as one aux, or None); the
+    backward of microbatch i differentiates the loss plus whatever the caller adds of its aux,
+    whose gradient is ``aux_cotangent(i)`` (a pytree like aux). Also returns this stage's
+    auxs ``[m, ...]``, one per microbatch, as its forward made them."""
     p, s = shardops.axis_size("p"), shardops.axis_index("p")
     m = xs.shape[0]
     slots = min(m, 2 * p - 1)  # the most inputs a stage holds (stage 0)
@@ -134,14 +190,15 @@ def one_f_one_b(
     last = s == p - 1
 
     def tick(carry, t):
-        held, cotangent, stash, loss, d_block, d_head, d_xs = carry
+        held, cotangent, stash, loss, d_block, d_head, d_xs, auxs = carry
         i = t - s
         forward = (i >= 0) & (i < m)
         ic = jnp.clip(i, 0, m - 1)
         x = jnp.where(s == 0, lax.dynamic_index_in_dim(xs, ic, keepdims=False), held)
         stash = _put(stash, ic % slots, x, forward)
         with collective_log.hand_differentiated():  # its backward is the vjp below
-            y = stage_fn(block, x, ic)
+            y, aux = stage_fn(block, x, ic)
+        auxs = jax.tree.map(lambda acc, a: _put(acc, ic, a, forward), auxs, aux)
         b = t - 2 * (p - 1) + s
         backward = (b >= 0) & (b < m)
         bc = jnp.clip(b, 0, m - 1)
@@ -156,10 +213,12 @@ def one_f_one_b(
         g = jnp.where(last, d_y, cotangent)
         x_b = after(lax.dynamic_index_in_dim(stash, bc % slots, keepdims=False), sent)
         _, vjp = jax.vjp(lambda w, h: stage_fn(w, h, bc), block, x_b)
-        d_w, d_x = vjp(jnp.where(backward, g, 0))
+        d_aux = None if aux_cotangent is None else varying_over_stages(aux_cotangent(bc))
+        d_aux = jax.tree.map(lambda a: jnp.where(backward, a, 0), d_aux)
+        d_w, d_x = vjp((jnp.where(backward, g, 0), d_aux))
         d_block = jax.tree.map(jnp.add, d_block, d_w)
         d_xs = _put(d_xs, bc, d_x, backward & (s == 0))
-        return (sent, _shift(d_x, -1), stash, loss, d_block, d_head, d_xs), None
+        return (sent, _shift(d_x, -1), stash, loss, d_block, d_head, d_xs, auxs), None
 
     zeros = jnp.zeros_like(xs[0])
     init = varying_over_stages(
@@ -171,11 +230,14 @@ def one_f_one_b(
             jax.tree.map(jnp.zeros_like, block),
             jax.tree.map(jnp.zeros_like, head),
             jnp.zeros_like(xs),
+            jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), aux_like),
         )
     )
     ticks = jnp.arange(m + 2 * (p - 1))
-    (_, _, _, loss, d_block, d_head, d_xs), _ = collective_log.scan("ticks", tick, init, ticks)
-    return loss, d_block, d_head, d_xs
+    (_, _, _, loss, d_block, d_head, d_xs, auxs), _ = collective_log.scan(
+        "ticks", tick, init, ticks
+    )
+    return loss, d_block, d_head, d_xs, auxs
 
 
 def after(x: Any, *deps: Any) -> Any:
