@@ -120,7 +120,7 @@ def test_restore_reshards_onto_the_current_mesh_exactly(trained, d, t):
     w_up_moment = optax.tree_utils.tree_get(on_other.state.opt_state, "mu").layers.w_up
     spec = on_other.state.weights.layers.w_up.sharding.spec
     assert w_up_moment.sharding.spec == spec and {"d", "t"} <= set(jax.tree.leaves(tuple(spec)))
-    assert dict(w_up_moment.sharding.mesh.shape) == {"p": 1, "d": d, "c": 1, "t": t}
+    assert dict(w_up_moment.sharding.mesh.shape) == {"p": 1, "d": d, "e": 1, "c": 1, "t": t}
 
     # Resharding moves bytes, it does not change them.
     for a, b in zip(leaves(on_saved.state), leaves(on_other.state), strict=True):
