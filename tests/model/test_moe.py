@@ -175,6 +175,10 @@ def test_the_router_gates_the_top_k_normalized(router):
         (["mesh.e=2", "mesh.d=4"], ["mesh axis e=2", "model.moe.n_experts=0"]),
         (["model.moe.n_experts=4", "model.moe.n_dense_layers=2"], ["n_dense_layers=2", "0 .. "]),
         (["model.moe.n_experts=4", "model.moe.capacity_factor=-1"], ["capacity_factor", ">= 0"]),
+        (
+            ["model.moe.n_experts=4", "model.moe.n_dense_layers=1", "mesh.p=2", "mesh.d=4"],
+            ["model.moe.n_dense_layers=1", "mesh.p=2", "Set model.moe.n_dense_layers=0"],
+        ),
     ],
 )
 def test_configs_that_cannot_work_are_errors_naming_the_key(overrides, needles):
