@@ -99,7 +99,10 @@ def batch_terms_and_stats(
     pipeline: Pipeline | None = None,
 ) -> tuple[jax.Array, RouterStats | None]:
     """(:func:`batch_loss_terms`, the MoE layers' routing statistics of the batch, or None
-    without experts: :class:`~seqshard.model.moe.RouterStats`, stacked over the MoE layers)."""
+    without experts: :class:`~seqshard.model.moe.RouterStats`, stacked over the MoE layers as
+    the weights store them). On a mesh with p > 1 the microbatches are the pipeline's: the
+    statistics add up over them (the balancing terms their mean) and the loss holds each
+    microbatch's balancing terms (:mod:`seqshard.model.pipeline.pipelined`)."""
     if pipeline is None or axis_size(mesh, "p") == 1:
         pipeline = Pipeline()  # one compiled program whatever the (unused) pipeline says
     out = _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)

@@ -9,7 +9,8 @@ entry. Measured: loss within 2e-7, gradients within 2.2e-6 of their largest entr
 (e, d, t) = (2, 2, 2), (4, 2, 1), (8, 1, 1) and (c, e, t) = (2, 2, 2), both backwards.
 Pipelined on (p, e, d) = (2, 2, 2), 2 microbatches, against the reference's per-microbatch
 loss: loss 1.0e-7, gradients within 1.1e-6 of their largest entries (gpipe, circular, 1f1b,
-both backwards); the statistics' counts exact, aux and z within 1.1e-7.
+both backwards; also (p, c, e) = (2, 2, 2), (p, e, t) = (2, 2, 2), (p, e) = (4, 2)); the
+statistics' counts exact, aux and z within 1.1e-7.
 """
 
 from __future__ import annotations
@@ -176,6 +177,10 @@ def test_the_router_gates_the_top_k_normalized(router):
         (["mesh.e=2", "mesh.d=4"], ["mesh axis e=2", "model.moe.n_experts=0"]),
         (["model.moe.n_experts=4", "model.moe.n_dense_layers=2"], ["n_dense_layers=2", "0 .. "]),
         (["model.moe.n_experts=4", "model.moe.capacity_factor=-1"], ["capacity_factor", ">= 0"]),
+        (
+            ["model.moe.n_experts=4", "model.moe.n_dense_layers=1", "mesh.p=2", "mesh.d=4"],
+            ["model.moe.n_dense_layers=1", "mesh.p=2", "Set model.moe.n_dense_layers=0"],
+        ),
     ],
 )
 def test_configs_that_cannot_work_are_errors_naming_the_key(overrides, needles):
@@ -260,14 +265,14 @@ def _pipe_reference():
     return weights, jax.tree.map(np.asarray, want), stats
 
 
-def _pipelined(schedule, backward):
+def _pipelined(schedule, backward, sizes=PIPE_MESH):
     """The pipelined loss, gradients (in the model's layer order) and statistics (in it
-    too) on p2 x e2 x d2."""
+    too) on a mesh of ``sizes`` (default p2 x e2 x d2)."""
     weights, _, _ = _pipe_reference()
     cfg = dataclasses.replace(PIPE_CFG, backward=backward)
     pipe = Pipeline(schedule, PIPE_M, repeats=2 if schedule == "circular" else 1)
-    mesh = mesh_of_sizes(PIPE_MESH)
-    order = pipe.layer_order(2, cfg.n_layers)
+    mesh = mesh_of_sizes(sizes)
+    order = pipe.layer_order(sizes["p"], cfg.n_layers)
     placed = jax.device_put(weights, jax.tree.map(lambda s: s.sharding, weight_structs(cfg, mesh)))
     placed = relayered(placed, range(cfg.n_layers), order)
 
@@ -284,26 +289,30 @@ def _pipelined(schedule, backward):
 
 
 @pytest.mark.parametrize(
-    "schedule,backward",
+    "schedule,backward,sizes",
     [
-        ("1f1b", "explicit"),
+        ("1f1b", "explicit", PIPE_MESH),
         *(
-            pytest.param(s, b, marks=pytest.mark.slow)
-            for s, b in [
-                ("1f1b", "autodiff"),
-                ("gpipe", "explicit"),
-                ("gpipe", "autodiff"),
-                ("circular", "explicit"),
-                ("circular", "autodiff"),
+            pytest.param(s, b, m, marks=pytest.mark.slow)
+            for s, b, m in [
+                ("1f1b", "autodiff", PIPE_MESH),
+                ("gpipe", "explicit", PIPE_MESH),
+                ("gpipe", "autodiff", PIPE_MESH),
+                ("circular", "explicit", PIPE_MESH),
+                ("circular", "autodiff", PIPE_MESH),
+                ("1f1b", "explicit", {"p": 2, "c": 2, "e": 2}),  # the sequence over c
+                ("gpipe", "autodiff", {"p": 2, "e": 2, "t": 2}),
+                ("1f1b", "autodiff", {"p": 4, "e": 2}),  # one MoE layer per stage
             ]
         ),
     ],
+    ids=lambda v: "".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else v,
 )
-def test_pipelined_equals_the_per_microbatch_reference(schedule, backward):
-    """p2 x e2 x d2, 2 microbatches: the loss (each microbatch's balancing terms from both
-    stages' layers, weighed by its counted positions) and the gradients equal the
-    reference's; the statistics equal the p = 1 model's on each microbatch, added up."""
-    got, stats = _pipelined(schedule, backward)
+def test_pipelined_equals_the_per_microbatch_reference(schedule, backward, sizes):
+    """2 microbatches: the loss (each microbatch's balancing terms from every stage's
+    layers, weighed by its counted positions) and the gradients equal the reference's; the
+    statistics equal the p = 1 model's on each microbatch, added up."""
+    got, stats = _pipelined(schedule, backward, sizes)
     _, want, want_stats = _pipe_reference()
     assert_close(got, want)
     for name in ("load", "dropped", "tokens"):

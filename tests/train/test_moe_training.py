@@ -215,3 +215,43 @@ def test_a_checkpoint_written_on_e2_resumes_on_another_e(moe_runs, tmp_path, mes
     cfg = load_config(None, resumed_overrides)
     state = latest_state(tmp_path / "half", cfg)
     assert np.ptp(np.asarray(state.weights.moe_layers.router_bias)) > 0
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_with_experts_tracks_p1_and_resumes_on_it(tmp_path, tiny_overrides):
+    """4 MoE layers (none dense: pipelining needs none), bias balancing, 2 microbatches: on
+    p2 x e2 x d2 under the circular schedule (2 blocks per stage: the MoE stack stored
+    reordered) its first 2 steps equal the p = 1 run's (gradient accumulation over the same
+    microbatches; the per-layer loads named by their place in the model); its checkpoint at
+    step 2 (the empty dense stack left out of the write) resumes on p = 1 with that run's
+    steps 3 and 4 (rtol 2e-5)."""
+    moe = [
+        *(x for x in RUN_MOE if "n_dense_layers" not in x),
+        "model.moe.n_dense_layers=0",
+        "model.n_layers=4",
+    ]
+
+    def overrides(name, steps, mesh, **train):
+        return [*tiny_overrides(tmp_path, name, steps=steps, **FLAT, **train), *moe, *mesh]
+
+    p1 = ["mesh.p=1", *E2]
+    pipelined = ["mesh.p=2", "mesh.e=2", "mesh.d=2", "mesh.t=1"]
+    circular = {"pipeline_schedule": "circular", "pipeline_repeats": 2}
+    run(overrides("straight", 4, p1))
+    run(overrides("resumed", 2, pipelined, checkpoint_every=2, **circular))
+    straight = by_step(tmp_path / "straight")
+    keys = ["loss", "grad_norm", "moe_load_max_over_mean", "moe_bias_range"]
+    keys += [f"moe_load/{layer}/{j}" for layer in range(4) for j in range(8)]
+    for step in (1, 2):
+        for key in keys:
+            np.testing.assert_allclose(
+                by_step(tmp_path / "resumed")[step][key], straight[step][key], rtol=2e-5,
+                err_msg=f"{step} {key}",
+            )  # fmt: skip
+    run(overrides("resumed", 4, p1, **circular))  # the run's keys; unused at p = 1
+    resumed = by_step(tmp_path / "resumed")
+    for step in (3, 4):
+        for key in keys:
+            np.testing.assert_allclose(
+                resumed[step][key], straight[step][key], rtol=2e-5, err_msg=f"{step} {key}"
+            )
