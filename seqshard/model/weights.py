@@ -231,10 +231,15 @@ def _initializer(cfg: ModelConfig, mesh: Mesh):
     stds = treedef.flatten_up_to(_init_stds(cfg))
 
     def make(key: jax.Array) -> Weights:
-        keys = jax.random.split(key, len(leaves))
+        # A key per weight the config has: a zero-size one (q_norm without model.qk_norm)
+        # takes none, so adding such a field leaves every other weight's draw as it was.
+        keys = iter(jax.random.split(key, sum(math.prod(s.shape) > 0 for s in leaves)))
         out = []
-        for k, s, std in zip(keys, leaves, stds, strict=True):
-            if std == "ones":
+        for s, std in zip(leaves, stds, strict=True):
+            k = next(keys) if math.prod(s.shape) > 0 else None
+            if k is None:
+                out.append(jnp.zeros(s.shape, s.dtype))
+            elif std == "ones":
                 out.append(jnp.ones(s.shape, s.dtype))
             else:
                 out.append(std * jax.random.normal(k, s.shape, s.dtype))
