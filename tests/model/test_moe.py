@@ -215,7 +215,7 @@ def test_greedy_generation_with_experts_follows_the_reference():
     np.testing.assert_array_equal(out[:, 5:], np.argmax(ref, axis=-1))
 
 
-@pytest.mark.parametrize("backward", ["explicit", "autodiff"])
+@pytest.mark.parametrize("backward", ["explicit", pytest.param("autodiff", marks=pytest.mark.slow)])
 def test_bf16_matmuls_accumulate_in_f32(backward):
     """compute_dtype=bfloat16 on e2d2t2: no dot of the compiled loss-and-gradient outputs
     bf16; 60 are bf16 x bf16 -> f32 (seqshard/shardlib/matmul.py's fast path). The 12

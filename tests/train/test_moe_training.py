@@ -144,8 +144,15 @@ def moe_runs(tmp_path_factory, tiny_overrides):
         return [*tiny_overrides(root, name, steps=steps, **FLAT, **train), *RUN_MOE, *mesh]
 
     run(overrides("straight", 8, E2))
-    run(overrides("half", 4, E2, checkpoint_every=4))
     return root, overrides
+
+
+@pytest.fixture(scope="module")
+def moe_half(moe_runs):
+    """``moe_runs`` with "half" added: the same config's first 4 steps, checkpoint at 4."""
+    root, overrides = moe_runs
+    run(overrides("half", 4, E2, checkpoint_every=4))
+    return moe_runs
 
 
 def test_a_run_with_experts_logs_its_routing_each_step(moe_runs):
@@ -191,12 +198,14 @@ def test_the_expert_load_heatmap(moe_runs, tmp_path):
 @pytest.mark.parametrize(
     "mesh",
     [
-        pytest.param(["mesh.e=4", "mesh.d=2", "mesh.t=1"], id="e4"),
+        # (slow: the default run keeps the straight run's checks; tests/train/test_loop.py
+        # resumes the dense model across meshes)
+        pytest.param(["mesh.e=4", "mesh.d=2", "mesh.t=1"], id="e4", marks=pytest.mark.slow),
         pytest.param(["mesh.e=1", "mesh.d=4", "mesh.t=2"], id="e1", marks=pytest.mark.slow),
     ],
 )
-def test_a_checkpoint_written_on_e2_resumes_on_another_e(moe_runs, tmp_path, mesh):
-    root, overrides = moe_runs
+def test_a_checkpoint_written_on_e2_resumes_on_another_e(moe_half, tmp_path, mesh):
+    root, overrides = moe_half
     shutil.copytree(root / "half", tmp_path / "half")
     resumed_overrides = [
         *overrides("half", 8, mesh),
