@@ -22,6 +22,7 @@ shifts within the row and masks the pairs that cross a document start (``is_seq_
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import queue
 import threading
@@ -34,8 +35,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from seqshard.batch import TokenBatch
+from seqshard.data.mixture import Mixture, MixturePlan
 from seqshard.data.packing import PackedStream
-from seqshard.data.tokenfile import TokenSplit, check_tokenizer, open_split
+from seqshard.data.tokenfile import META_FILE, TokenSplit, check_tokenizer, open_split, read_meta
 from seqshard.shardlib.shardtypes import shardings
 
 __all__ = ["EVAL_SEED", "Loader", "unigram_entropy"]
@@ -62,6 +64,37 @@ def _local_row_ranges(sharding: NamedSharding, global_shape: tuple[int, int]) ->
     return [range(a, b) for a, b in sorted(rows)]
 
 
+def _token_batch(tokens: np.ndarray, starts: np.ndarray, mask: np.ndarray) -> TokenBatch:
+    if "loss_mask" in {f.name for f in dataclasses.fields(TokenBatch)}:
+        return TokenBatch(tokens=tokens, is_seq_start=starts, loss_mask=mask)
+    return TokenBatch(tokens=tokens, is_seq_start=starts)
+
+
+def _check_same_tokenizer(data_dirs: list[Path]) -> None:
+    """Every directory's tokenizer is the one that made its ids, and all are the same one."""
+    first = data_dirs[0]
+    check_tokenizer(first)
+    want = read_meta(first)["tokenizer_sha256"]
+    for data_dir in data_dirs[1:]:
+        check_tokenizer(data_dir)
+        got = read_meta(data_dir)["tokenizer_sha256"]
+        if got != want:
+            raise ValueError(
+                f"{data_dir / META_FILE} was tokenized with tokenizer sha256 {got[:16]}..., but "
+                f"{first / META_FILE} with {want[:16]}...: a mixture's sources must share one "
+                f"tokenizer (an id must mean one token). Re-run `seqshard prepare --out "
+                f"{data_dir} --tokenizer {first / 'tokenizer.json'}`."
+            )
+
+
+def _combined_hash(splits: list[TokenSplit], mixture: Mixture | None) -> str:
+    """The split's recorded hash; a mixture's: one hash of its sources' and stages'."""
+    if mixture is None:
+        return splits[0].sha256
+    text = repr([(s.data_dir.name, s.sha256) for s in splits]) + repr(mixture.stages)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 class Loader:
     """Batches of one split of a prepared data directory; iterate it, or call :meth:`batch_at`.
 
@@ -73,7 +106,7 @@ class Loader:
 
     def __init__(
         self,
-        data_dir: str | os.PathLike,
+        data: str | os.PathLike | Mixture,
         split: str,
         *,
         batch_size: int,
@@ -100,17 +133,23 @@ class Loader:
             raise ValueError(f"start_step must be an int >= 0, got {start_step!r}.")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}.")
-        self.data_dir, self.split_name = Path(data_dir), split
+        self.mixture = data if isinstance(data, Mixture) else None
+        self.data_dirs = (
+            [Path(s.path) for s in self.mixture.sources] if self.mixture else [Path(data)]
+        )
+        self.data_dir, self.split_name = self.data_dirs[0], split
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, int(seed)
         self.mesh, self.vocab, self.prefetch = mesh, vocab, prefetch
 
-        check_tokenizer(self.data_dir)
-        self.split = self._open_checked(split)
-        self.stream = PackedStream(self.split, seq_len, self.seed)
+        _check_same_tokenizer(self.data_dirs)
+        self.splits = [self._open_checked(d, split) for d in self.data_dirs]
+        self.streams = [PackedStream(s, seq_len, self.seed) for s in self.splits]
+        self.split, self.stream = self.splits[0], self.streams[0]
+        self.plan = MixturePlan(self.mixture, batch_size) if self.mixture else None
         self.shardings = shardings(TokenBatch, mesh)
         self._shape = (batch_size, seq_len)
         self._local_rows = _local_row_ranges(self.shardings.tokens, self._shape)
-        self._val_stream: PackedStream | None = None
+        self._val_streams: list[PackedStream] | None = None
 
         self._step = start_step  # the step the consumer gets next
         self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
@@ -118,10 +157,15 @@ class Loader:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
 
+    @property
+    def source_names(self) -> list[str]:
+        """The sources' names (their directories' names), in the order of :attr:`splits`."""
+        return [d.name for d in self.data_dirs]
+
     # -- reading -------------------------------------------------------------------------------
 
-    def _open_checked(self, split: str) -> TokenSplit:
-        data = open_split(self.data_dir, split)
+    def _open_checked(self, data_dir: Path, split: str) -> TokenSplit:
+        data = open_split(data_dir, split)
         if self.vocab is not None and data.max_id >= self.vocab:
             raise ValueError(
                 f"{data.path} holds token id {data.max_id}, but the model's vocab is "
@@ -132,13 +176,23 @@ class Loader:
             )
         return data
 
-    def _build(self, stream: PackedStream, step: int) -> TokenBatch:
-        first = step * self.batch_size
-        row_ids = np.concatenate(
-            [np.arange(first + r.start, first + r.stop) for r in self._local_rows]
-        )
-        tokens, starts = stream.rows(row_ids)
-        local = TokenBatch(tokens=tokens, is_seq_start=starts)
+    def _local_positions(self) -> np.ndarray:
+        """The positions in the global batch of the rows this process's devices hold."""
+        return np.concatenate([np.arange(r.start, r.stop) for r in self._local_rows])
+
+    def _build(self, streams: list[PackedStream], step: int) -> TokenBatch:
+        rows = self._local_positions()
+        if self.plan is None or len(streams) == 1:
+            tokens, starts, mask = streams[0].rows(step * self.batch_size + rows)
+        else:
+            source, source_rows = self.plan.locate(step, rows)
+            tokens = np.empty((len(rows), self.seq_len), np.int32)
+            starts = np.empty((len(rows), self.seq_len), np.bool_)
+            mask = np.empty((len(rows), self.seq_len), np.bool_)
+            for k in np.unique(source):
+                at = source == k
+                tokens[at], starts[at], mask[at] = streams[k].rows(source_rows[at])
+        local = _token_batch(tokens, starts, mask)
         return jax.tree.map(
             lambda x, sharding: jax.make_array_from_process_local_data(sharding, x, self._shape),
             local,
@@ -149,23 +203,47 @@ class Loader:
         """The batch at ``step``, built now (independent of the iterator's position)."""
         if not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}.")
-        return self._build(self.stream, int(step))
+        return self._build(self.streams, int(step))
 
-    def eval_batches(self, n: int) -> Iterator[TokenBatch]:
-        """``n`` batches of the val split, the same ones on every call and for every training
-        seed (shuffled with :data:`EVAL_SEED`): steps 0 .. n-1 of its stream."""
-        if self._val_stream is None:
-            self._val_stream = PackedStream(self._open_checked("val"), self.seq_len, EVAL_SEED)
-        stream = self._val_stream
-        if n * self.batch_size > stream.rows_per_epoch:
-            warnings.warn(
-                f"eval_batches({n}) needs {n * self.batch_size} rows of {self.seq_len} tokens "
-                f"but {stream.split.path} has {stream.rows_per_epoch}; rows repeat (in new "
-                f"orders). Use fewer eval batches or a larger --val-fraction.",
-                stacklevel=2,
+    def tokens_drawn(self, step: int) -> dict[str, int]:
+        """Tokens each source gave to steps ``0 .. step - 1``, by source name."""
+        if self.plan is None:
+            return {self.source_names[0]: step * self.batch_size * self.seq_len}
+        rows = self.plan.rows_drawn(step)
+        return {
+            name: int(n) * self.seq_len for name, n in zip(self.source_names, rows, strict=True)
+        }
+
+    def eval_sets(self, n: int) -> dict[str, list[TokenBatch]]:
+        """``n`` batches of each source's val split, by source name: the same ones on every
+        call and for every training seed (shuffled with :data:`EVAL_SEED`), steps 0 .. n-1 of
+        its stream."""
+        if self._val_streams is None:
+            self._val_streams = [
+                PackedStream(self._open_checked(d, "val"), self.seq_len, EVAL_SEED)
+                for d in self.data_dirs
+            ]
+        for stream in self._val_streams:
+            if n * self.batch_size > stream.rows_per_epoch:
+                warnings.warn(
+                    f"eval_batches({n}) needs {n * self.batch_size} rows of {self.seq_len} "
+                    f"tokens but {stream.split.path} has {stream.rows_per_epoch}; rows repeat "
+                    f"(in new orders). Use fewer eval batches or a larger --val-fraction.",
+                    stacklevel=2,
+                )
+        return {
+            name: [self._build([stream], step) for step in range(n)]
+            for name, stream in zip(self.source_names, self._val_streams, strict=True)
+        }
+
+    def eval_batches(self, n: int) -> list[TokenBatch]:
+        """:meth:`eval_sets` of a loader of one data directory: its ``n`` val batches."""
+        if self.mixture is not None:
+            raise ValueError(
+                "eval_batches is for a loader of one data directory; a mixture has a val set "
+                "per source: use eval_sets."
             )
-        for step in range(n):
-            yield self._build(stream, step)
+        return next(iter(self.eval_sets(n).values()))
 
     # -- iteration and the prefetch thread -----------------------------------------------------
 
@@ -254,7 +332,7 @@ class Loader:
             "split": self.split_name,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
-            "data_hash": self.split.sha256,
+            "data_hash": _combined_hash(self.splits, self.mixture),
         }
 
     def check_state(self, state: dict) -> None:
@@ -276,7 +354,8 @@ def unigram_entropy(data_dir: str | os.PathLike, split: str = "train") -> float:
     data = open_split(data_dir, split)
     counts = np.zeros(data.vocab_size, np.int64)
     chunk = 1 << 24
-    for i in range(0, data.n_tokens, chunk):
-        counts += np.bincount(data.tokens[i : i + chunk], minlength=data.vocab_size)
+    for shard in data.shards:
+        for i in range(0, shard.n_tokens, chunk):
+            counts += np.bincount(shard.tokens[i : i + chunk], minlength=data.vocab_size)
     p = counts[counts > 0] / data.n_tokens
     return float(-(p * np.log(p)).sum())

@@ -1,45 +1,48 @@
-"""Sequence packing with random access: the rows of a packed, shuffled token stream.
+"""Sequence packing with random access: the rows of a packed, shuffled token stream, in
+constant memory.
 
-The stream of a split is epoch after epoch. Epoch ``e`` is every document once, in the order of
-a permutation seeded by ``(seed, e)``, concatenated and cut into rows of ``seq_len`` tokens:
+The stream of a split is epoch after epoch. Epoch ``e`` reads the split's documents (all its
+shards, in order) as one ring of ``n_tokens`` tokens, starting at a seeded offset ``shift(e)``
+and cutting it into ``rows_per_epoch = n_tokens // seq_len`` rows of ``seq_len`` tokens:
 
-    epoch e:  | doc 7 ......| doc 2 ...| doc 9 .............| doc 4 ..|  ...  | tail |
-    rows:     | row 0         | row 1         | row 2         |  ...          |
+    ring:     | doc 0 ....| doc 1 ...| doc 2 ..............| doc 3 ..|  ...  | doc n-1 |
+    epoch e:              ^ shift(e)
+    rows:                 | row 0         | row 1         |  ...      | row R-1 | left |
 
-The last ``n_tokens % seq_len`` tokens of each epoch's order (the *tail*, the end of that
-epoch's last document or documents) are dropped, so every epoch has the same
-``rows_per_epoch = n_tokens // seq_len`` rows and a row never spans two epochs. Every other
-token appears exactly once per epoch. ``is_seq_start`` is True where a document begins; a row
-that begins inside a document has False at position 0.
+The ``n_tokens % seq_len`` tokens just before ``shift(e)`` (``left``) are not in epoch ``e``;
+the shift moves every epoch, so no token is left out twice in a row, and every other token is
+in exactly one row of the epoch. ``is_seq_start`` is True where a document begins (position 0
+of the ring included); a row that begins inside a document has False at position 0.
 
-The rows of an epoch are then emitted in a second seeded permutation, so consecutive rows of
-the stream (one batch) come from all over the corpus rather than from one or two long
-documents: a batch of neighbouring rows would make the loss swing with whichever file it
-landed in. Row ``r`` of the stream is packed row ``row_order(e)[r % rows_per_epoch]`` of epoch
-``e = r // rows_per_epoch``, found by a binary search over the cumulative document lengths of
-that epoch's order, so reading row ``r`` never needs rows ``0 .. r - 1``.
+The rows of an epoch are emitted in a seeded pseudo-random order, so one batch's rows come from
+all over the corpus: row ``r`` of the stream is packed row ``order_e(r % R)`` of epoch
+``e = r // R``, where ``order_e`` is Grain's ``index_shuffle`` (a bijection on ``0 .. R-1``
+computed per index, a Feistel-like network: no array of R entries). Finding a row's documents
+is a binary search in the shards' memory-mapped offsets. So reading row ``r`` needs neither the
+rows before it nor memory that grows with the corpus: the same start-up time and resident
+memory for 10^6 tokens as for 10^12.
 """
 
 from __future__ import annotations
 
-import collections
-import threading
-
 import numpy as np
+from grain.experimental import index_shuffle
 
 from seqshard.data.tokenfile import TokenSplit
 
 __all__ = ["PackedStream"]
 
+_ROUNDS = 8  # index_shuffle rounds: 4 leaves neighbouring rows close together at 10^12 rows
+_SEED_LIMIT = 2**31  # index_shuffle seeds are 32-bit
+
 
 class PackedStream:
-    """Rows ``[n, seq_len]`` of a split's packed stream (host numpy, int32 tokens, bool starts).
+    """Rows ``[n, seq_len]`` of a split's packed stream (host numpy: int32 tokens, bool
+    document starts, bool loss mask).
 
     stream = PackedStream(open_split("data/tokens", "train"), seq_len=256, seed=0)
-    tokens, is_seq_start = stream.rows(np.arange(8, 16))
+    tokens, is_seq_start, loss_mask = stream.rows(np.arange(8, 16))
     """
-
-    _CACHED_EPOCHS = 2  # consecutive steps use one epoch, or two at a boundary
 
     def __init__(self, split: TokenSplit, seq_len: int, seed: int) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
@@ -51,62 +54,50 @@ class PackedStream:
                 f"{split.path} holds {split.n_tokens} tokens, fewer than one row of seq_len "
                 f"{seq_len}; use a smaller seq_len or prepare more text."
             )
-        self._lengths = split.doc_lengths()
-        self._epochs: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = (
-            collections.OrderedDict()
-        )
-        self._lock = threading.Lock()  # the prefetch thread and batch_at may both read
 
     @property
     def dropped_per_epoch(self) -> int:
-        """Tokens of each epoch's tail that no row holds."""
+        """Tokens of each epoch that no row holds."""
         return self.split.n_tokens - self.rows_per_epoch * self.seq_len
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        with self._lock:
-            if epoch in self._epochs:
-                self._epochs.move_to_end(epoch)
-                return self._epochs[epoch]
+    def _epoch_keys(self, epoch: int) -> tuple[int, int]:
+        """``(shift, shuffle seed)`` of ``epoch``: a pure function of ``(seed, epoch)``."""
         rng = np.random.default_rng([self.seed, epoch])
-        perm = rng.permutation(self.split.n_docs)
-        cum = np.zeros(len(perm) + 1, np.int64)
-        np.cumsum(self._lengths[perm], out=cum[1:])
-        row_order = rng.permutation(self.rows_per_epoch)
-        with self._lock:
-            self._epochs[epoch] = (perm, cum, row_order)
-            while len(self._epochs) > self._CACHED_EPOCHS:
-                self._epochs.popitem(last=False)
-        return perm, cum, row_order
+        return int(rng.integers(self.split.n_tokens)), int(rng.integers(_SEED_LIMIT))
 
-    def epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """The document permutation of ``epoch`` and its cumulative lengths (n_docs + 1)."""
-        perm, cum, _ = self._epoch(epoch)
-        return perm, cum
+    def shift(self, epoch: int) -> int:
+        """Where ``epoch``'s first row starts in the ring of the split's tokens."""
+        return self._epoch_keys(epoch)[0]
 
-    def row_order(self, epoch: int) -> np.ndarray:
-        """Which packed row of ``epoch`` the stream emits j-th: a permutation of its rows."""
-        return self._epoch(epoch)[2]
+    def packed_row(self, epoch: int, j: int) -> int:
+        """Which packed row of ``epoch`` the stream emits ``j``-th (a bijection on its rows)."""
+        return self._shuffled(j, self._epoch_keys(epoch)[1])
 
-    def rows(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens (int32) and is_seq_start (bool), both ``[len(row_ids), seq_len]``."""
+    def _shuffled(self, j: int, seed: int) -> int:
+        if self.rows_per_epoch == 1:  # index_shuffle needs max_index >= 1
+            return 0
+        return int(index_shuffle(j, max_index=self.rows_per_epoch - 1, seed=seed, rounds=_ROUNDS))
+
+    def rows(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Tokens (int32), is_seq_start and loss_mask (bool), each ``[len(row_ids), seq_len]``."""
         row_ids = np.asarray(row_ids, np.int64)
         if row_ids.size and row_ids.min() < 0:
             raise ValueError(f"row ids must be >= 0, got min {row_ids.min()}.")
-        L = self.seq_len
+        L, n = self.seq_len, self.split.n_tokens
         tokens = np.empty((len(row_ids), L), np.int32)
-        starts = np.zeros((len(row_ids), L), np.bool_)
-        data, offsets = self.split.tokens, self.split.offsets
+        starts = np.empty((len(row_ids), L), np.bool_)
+        mask = np.empty((len(row_ids), L), np.bool_)
+        keys: dict[int, tuple[int, int]] = {}
         for out, row in enumerate(row_ids):
             epoch, j = divmod(int(row), self.rows_per_epoch)
-            perm, cum, row_order = self._epoch(epoch)
-            pos = int(row_order[j]) * L  # position in this epoch's concatenation
-            k = int(np.searchsorted(cum, pos, side="right")) - 1  # the document holding pos
-            filled = 0
-            while filled < L:
-                into_doc = pos - int(cum[k])
-                take = min(L - filled, int(cum[k + 1]) - pos)
-                src = int(offsets[perm[k]]) + into_doc
-                tokens[out, filled : filled + take] = data[src : src + take]
-                starts[out, filled] = into_doc == 0
-                filled, pos, k = filled + take, pos + take, k + 1
-        return tokens, starts
+            if epoch not in keys:
+                keys[epoch] = self._epoch_keys(epoch)
+            shift, seed = keys[epoch]
+            pos = (shift + self._shuffled(j, seed) * L) % n
+            first = min(L, n - pos)  # the part before the ring wraps to token 0
+            for lo, start, length in ((0, pos, first), (first, 0, L - first)):
+                if length:
+                    span = self.split.read(start, length)
+                    tokens[out, lo : lo + length], starts[out, lo : lo + length] = span[:2]
+                    mask[out, lo : lo + length] = span[2]
+        return tokens, starts, mask

@@ -17,7 +17,6 @@ of the ids against the vocabulary reads the .bin once per process (a chunked max
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -33,6 +32,7 @@ __all__ = [
     "FORMAT_VERSION",
     "META_FILE",
     "SPLITS",
+    "Shard",
     "SplitWriter",
     "TokenSplit",
     "bin_path",
@@ -48,7 +48,6 @@ FORMAT = "seqshard-tokens"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
-_SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin (32 MiB of uint16)
 
 
 def _fix(data_dir: Path) -> str:
@@ -166,6 +165,8 @@ def write_meta(data_dir: str | os.PathLike, meta: dict) -> Path:
     return path
 
 
+READABLE_VERSIONS = (1, 2)
+"""Version 1: one ``<split>.bin`` and ``<split>.offsets.npy`` a split; 2: shards (see above)."""
 _META_KEYS = ("format_version", "dtype", "vocab_size", "tokenizer", "tokenizer_sha256", "splits")
 
 
@@ -195,10 +196,10 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
             f"{path} lacks the keys {missing} (expected all of {list(_META_KEYS)}); it was not "
             f"written by `seqshard prepare` or is from an old version; {_fix(data_dir)}."
         )
-    if meta["format_version"] != FORMAT_VERSION:
+    if meta["format_version"] not in READABLE_VERSIONS:
         raise ValueError(
             f"{path} has format_version {meta['format_version']!r}, but this seqshard reads "
-            f"version {FORMAT_VERSION}; {_fix(data_dir)}."
+            f"versions {list(READABLE_VERSIONS)}; {_fix(data_dir)}."
         )
     expected = dtype_for_vocab(int(meta["vocab_size"]))
     if meta["dtype"] != expected.name:
@@ -209,56 +210,193 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
     return meta
 
 
-@functools.lru_cache(maxsize=64)
-def _scan_max(path: str, dtype: str, size: int, mtime_ns: int) -> int:
-    """Largest id in a .bin, read in chunks; cached on (path, size, mtime), so once a process."""
-    del size, mtime_ns  # cache key only: a rewritten file is scanned again
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    return max(int(tokens[i : i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK))
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shard:
+    """One shard of a split, memory-mapped (nothing is read until used): its tokens, document
+    offsets (int64 ``[n_docs + 1]``, from 0 to its token count) and, in fine-tuning data, its
+    loss mask (uint8, 1 where the token counts as a prediction target).
+    ``start`` is its first token's position in the split."""
+
+    name: str
+    path: Path
+    start: int
+    tokens: np.ndarray
+    offsets: np.ndarray
+    mask: np.ndarray | None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenSplit:
-    """One checked split of a data directory: its tokens (a read-only memmap, never loaded
-    whole) and document offsets. ``doc(i)`` is the ids of document ``i``."""
+    """One checked split of a data directory: its shards, read as one stream of documents.
+
+    Opening reads meta.json and each shard's sizes and end offsets, never the tokens, so it
+    takes the same time and memory for 10^6 tokens as for 10^12. What only a full read could
+    check (ids below the vocabulary) ``prepare`` recorded in meta.json (``max_id``), and
+    :meth:`read` checks each span it returns.
+
+        split = open_split("data/stdlib", "train")
+        tokens, is_doc_start, mask = split.read(1000, 128)   # tokens 1000 .. 1127
+    """
 
     data_dir: Path
     split: str
-    tokens: np.ndarray  # np.memmap [n_tokens], meta dtype
-    offsets: np.ndarray  # int64 [n_docs + 1]
+    shards: tuple[Shard, ...]
     meta: dict
-    max_id: int
+
+    def __post_init__(self) -> None:
+        starts = [s.start for s in self.shards] + [self.n_tokens]
+        object.__setattr__(self, "_starts", np.asarray(starts, np.int64))
+        doc_starts = np.cumsum([0] + [len(s.offsets) - 1 for s in self.shards])
+        object.__setattr__(self, "_doc_starts", doc_starts.astype(np.int64))
+
+    @property
+    def entry(self) -> dict:
+        return self.meta["splits"][self.split]
 
     @property
     def n_tokens(self) -> int:
-        return int(self.offsets[-1])
+        return int(self.entry["n_tokens"])
 
     @property
     def n_docs(self) -> int:
-        return len(self.offsets) - 1
+        return int(self.entry["n_docs"])
+
+    @property
+    def max_id(self) -> int:
+        """The largest id in the split, as prepare recorded it."""
+        return int(self.entry["max_id"])
 
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
 
     @property
+    def has_mask(self) -> bool:
+        return bool(self.entry.get("has_mask", False))
+
+    @property
     def sha256(self) -> str:
-        """The sha256 of the .bin recorded by prepare (not recomputed)."""
-        return str(self.meta["splits"][self.split].get("sha256", ""))
+        """The split's hash recorded by prepare (not recomputed)."""
+        return str(self.entry.get("sha256", ""))
 
     @property
     def path(self) -> Path:
-        return bin_path(self.data_dir, self.split)
+        """The split's token file, or a pattern naming its shards' files."""
+        if len(self.shards) == 1:
+            return self.shards[0].path
+        return self.data_dir / f"{self.split}-*.bin"
 
     def doc(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+        """The ids of document ``i`` (in shard order)."""
+        k = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
+        shard, j = self.shards[k], i - int(self._doc_starts[k])
+        return shard.tokens[shard.offsets[j] : shard.offsets[j + 1]]
 
-    def doc_lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+    def read(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Tokens ``start .. start + length - 1`` of the split (int32), whether a document
+        begins at each (bool) and the loss mask (bool; all True without a mask file); the span
+        may cross shards, not the split's end."""
+        if not 0 <= start <= start + length <= self.n_tokens:
+            raise ValueError(
+                f"span [{start}, {start + length}) is outside {self.split}'s {self.n_tokens} tokens."
+            )
+        tokens = np.empty(length, np.int32)
+        doc_start = np.zeros(length, np.bool_)
+        mask = np.ones(length, np.bool_)
+        k = int(np.searchsorted(self._starts, start, side="right")) - 1
+        done = 0
+        while done < length:
+            shard = self.shards[k]
+            lo = start + done - shard.start
+            hi = min(shard.n_tokens, lo + length - done)
+            tokens[done : done + hi - lo] = shard.tokens[lo:hi]
+            first, last = np.searchsorted(shard.offsets, [lo, hi], side="left")
+            doc_start[np.asarray(shard.offsets[first:last]) - lo + done] = True
+            if shard.mask is not None:
+                mask[done : done + hi - lo] = shard.mask[lo:hi]
+            done, k = done + hi - lo, k + 1
+        self._check_ids(tokens, start)
+        return tokens, doc_start, mask
+
+    def _check_ids(self, tokens: np.ndarray, start: int) -> None:
+        if len(tokens) and int(tokens.max()) >= self.vocab_size:
+            at = start + int(np.argmax(tokens >= self.vocab_size))
+            k = int(np.searchsorted(self._starts, at, side="right")) - 1
+            shard = self.shards[k]
+            raise ValueError(
+                f"{shard.path} holds token id {int(tokens.max())} at position "
+                f"{at - shard.start}, outside the vocabulary of {self.vocab_size} in meta.json "
+                f"(expected ids < {self.vocab_size}): the file is corrupt or from another "
+                f"tokenizer; {_fix(self.data_dir)}."
+            )
+
+
+def _shard_entries(meta: dict, split: str) -> list[dict]:
+    """The split's shards as meta.json lists them; a version-1 directory's split is one shard
+    named after the split (``train.bin``, ``train.offsets.npy``)."""
+    entry = meta["splits"][split]
+    if "shards" in entry:
+        return list(entry["shards"])
+    return [{key: entry[key] for key in ("n_tokens", "n_docs", "max_id")} | {"name": split}]
+
+
+def _open_shard(data_dir: Path, entry: dict, start: int, dtype: np.dtype, masked: bool) -> Shard:
+    """Map one shard's files, checking what is cheap: sizes, the offsets' dtype, shape and end
+    values (two entries read)."""
+    fix = _fix(data_dir)
+    name, n_tokens, n_docs = entry["name"], int(entry["n_tokens"]), int(entry["n_docs"])
+    path = data_dir / f"{name}.bin"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {fix}.")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ValueError(
+            f"{path} is {size} bytes, not a multiple of {dtype.itemsize} (the size of "
+            f"{dtype.name}, meta.json's dtype): the file is truncated or corrupt; {fix}."
+        )
+    if size // dtype.itemsize != n_tokens:
+        raise ValueError(
+            f"{path} holds {size // dtype.itemsize} tokens but meta.json says {n_tokens}: the "
+            f"file was changed or truncated after prepare; {fix}."
+        )
+    off_path = data_dir / f"{name}.offsets.npy"
+    if not off_path.is_file():
+        raise FileNotFoundError(f"{off_path} is missing; {fix}.")
+    try:
+        offsets = np.load(off_path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{off_path} is not a readable .npy file ({e}); {fix}.") from None
+    if offsets.dtype != np.int64 or offsets.shape != (n_docs + 1,):
+        raise ValueError(
+            f"{off_path}: expected int64 offsets of shape ({n_docs + 1},) (n_docs + 1 from "
+            f"meta.json), got {offsets.dtype} of shape {offsets.shape}; {fix}."
+        )
+    if offsets[0] != 0 or offsets[-1] != n_tokens:
+        raise ValueError(
+            f"{off_path} is inconsistent with {path}: expected offsets from 0 to {n_tokens} "
+            f"(the token count), got first {int(offsets[0])}, last {int(offsets[-1])}; {fix}."
+        )
+    mask = None
+    if masked:
+        mask_path = data_dir / f"{name}.mask.bin"
+        if not mask_path.is_file() or mask_path.stat().st_size != n_tokens:
+            actual = mask_path.stat().st_size if mask_path.is_file() else "no file"
+            raise ValueError(
+                f"{mask_path}: expected a loss mask of {n_tokens} bytes (one per token, "
+                f"meta.json's has_mask is true), got {actual}; {fix}."
+            )
+        mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    return Shard(name, path, start, tokens, offsets, mask)
 
 
 def open_split(data_dir: str | os.PathLike, split: str) -> TokenSplit:
-    """Open and check one split: meta, .bin size and dtype, offsets, ids < vocab_size."""
+    """Open and check one split: meta, each shard's sizes and end offsets, the recorded largest
+    id against the vocabulary. Reads no tokens (see :class:`TokenSplit`)."""
     _check_split_name(split)
     data_dir = Path(data_dir)
     meta = read_meta(data_dir)
@@ -269,62 +407,32 @@ def open_split(data_dir: str | os.PathLike, split: str) -> TokenSplit:
             f"{fix}."
         )
     entry = meta["splits"][split]
-    dtype = np.dtype(meta["dtype"])
-
-    path = bin_path(data_dir, split)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; {fix}.")
-    size = path.stat().st_size
-    if size % dtype.itemsize:
+    if int(entry["n_tokens"]) == 0:
         raise ValueError(
-            f"{path} is {size} bytes, not a multiple of {dtype.itemsize} (the size of "
-            f"{dtype.name}, meta.json's dtype): the file is truncated or corrupt; {fix}."
-        )
-    n_tokens = size // dtype.itemsize
-    if n_tokens != entry["n_tokens"]:
-        raise ValueError(
-            f"{path} holds {n_tokens} tokens but meta.json says {entry['n_tokens']}: the file "
-            f"was changed or truncated after prepare; {fix}."
-        )
-    if n_tokens == 0:
-        raise ValueError(
-            f"{path} is empty (0 tokens, {entry.get('n_docs', 0)} documents): nothing to read. "
-            f"Give prepare more text"
+            f"{data_dir}'s {split} split is empty (0 tokens, {entry.get('n_docs', 0)} "
+            f"documents): nothing to read. Give prepare more text"
             + (", or a larger --val-fraction" if split == "val" else "")
             + f"; {fix}."
         )
-
-    off_path = offsets_path(data_dir, split)
-    if not off_path.is_file():
-        raise FileNotFoundError(f"{off_path} is missing; {fix}.")
-    try:
-        offsets = np.load(off_path, allow_pickle=False)
-    except ValueError as e:
-        raise ValueError(f"{off_path} is not a readable .npy file ({e}); {fix}.") from None
-    n_docs = int(entry["n_docs"])
-    if offsets.dtype != np.int64 or offsets.shape != (n_docs + 1,):
+    dtype = np.dtype(meta["dtype"])
+    shards, start = [], 0
+    for shard_entry in _shard_entries(meta, split):
+        shard = _open_shard(data_dir, shard_entry, start, dtype, bool(entry.get("has_mask")))
+        shards.append(shard)
+        start += shard.n_tokens
+    if start != int(entry["n_tokens"]):
         raise ValueError(
-            f"{off_path}: expected int64 offsets of shape ({n_docs + 1},) (n_docs + 1 from "
-            f"meta.json), got {offsets.dtype} of shape {offsets.shape}; {fix}."
+            f"{data_dir / META_FILE}: the {split} split's shards hold {start} tokens but the "
+            f"split says {entry['n_tokens']}; {fix}."
         )
-    if offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) <= 0):
-        raise ValueError(
-            f"{off_path} is inconsistent with {path}: expected offsets rising strictly from 0 to "
-            f"{n_tokens} (the token count), got first {int(offsets[0])}, last "
-            f"{int(offsets[-1])}, {int(np.sum(np.diff(offsets) <= 0))} non-rising steps; {fix}."
-        )
-
-    stat = path.stat()
-    max_id = _scan_max(str(path.resolve()), dtype.name, stat.st_size, stat.st_mtime_ns)
     vocab_size = int(meta["vocab_size"])
-    if max_id >= vocab_size:
+    if int(entry["max_id"]) >= vocab_size:
         raise ValueError(
-            f"{path} holds token id {max_id}, outside the vocabulary of {vocab_size} in "
-            f"meta.json (expected ids < {vocab_size}): the file is corrupt or from another "
-            f"tokenizer; {fix}."
+            f"{data_dir / META_FILE}: the {split} split's largest id is {entry['max_id']}, "
+            f"outside the vocabulary of {vocab_size} (expected ids < {vocab_size}): the data is "
+            f"from another tokenizer; {fix}."
         )
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    return TokenSplit(data_dir, split, tokens, offsets, meta, max_id)
+    return TokenSplit(data_dir, split, tuple(shards), meta)
 
 
 def check_tokenizer(

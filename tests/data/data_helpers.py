@@ -79,3 +79,45 @@ def _loader(data_dir, mesh, **kw) -> Loader:
 
 def _host(batch: TokenBatch) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(batch.tokens), np.asarray(batch.is_seq_start)
+
+
+def reshard(data_dir, out, n_shards: int, masks: dict | None = None):
+    """A format-2 copy of the prepared directory ``data_dir`` at ``out``: each split's documents
+    cut into ``n_shards`` shards at document boundaries, with loss masks ``masks[split]``
+    (uint8 per token) when given. The same documents in the same order: a reader must see the
+    same split."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from seqshard.data.tokenfile import open_split
+
+    out = Path(out)
+    out.mkdir(parents=True)
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    shutil.copy(Path(data_dir) / meta["tokenizer"], out / meta["tokenizer"])
+    for split, entry in meta["splits"].items():
+        data = open_split(data_dir, split)
+        tokens, offsets = np.asarray(data.shards[0].tokens), np.asarray(data.shards[0].offsets)
+        cuts = np.linspace(0, len(offsets) - 1, n_shards + 1).astype(int)
+        shards = []
+        for k, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            name = f"{split}-{k:05d}"
+            lo, hi = int(offsets[a]), int(offsets[b])
+            tokens[lo:hi].tofile(out / f"{name}.bin")
+            np.save(out / f"{name}.offsets.npy", offsets[a : b + 1] - lo)
+            if masks is not None:
+                np.asarray(masks[split][lo:hi], np.uint8).tofile(out / f"{name}.mask.bin")
+            shards.append(
+                {
+                    "name": name,
+                    "n_tokens": hi - lo,
+                    "n_docs": int(b - a),
+                    "sha256": "x",
+                    "max_id": int(tokens[lo:hi].max()),
+                }
+            )
+        entry.update(shards=shards, has_mask=masks is not None)
+    meta["format_version"] = 2
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out

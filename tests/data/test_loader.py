@@ -41,7 +41,7 @@ def test_loader_batches_are_stream_rows_and_sharded(data_dir, mesh):
         for step, batch in enumerate(loader):  # cross an epoch boundary
             assert loader.step == step + 1
             tokens, starts = _host(batch)
-            want_t, want_s = stream.rows(np.arange(step * 4, step * 4 + 4))
+            want_t, want_s, _ = stream.rows(np.arange(step * 4, step * 4 + 4))
             assert np.array_equal(tokens, want_t) and np.array_equal(starts, want_s)
             if step * 4 > R + 8:
                 break
@@ -96,7 +96,8 @@ def test_eval_batches_are_fixed(data_dir, mesh):
         other = [_host(x) for x in b.eval_batches(2)]
     for x, y, z in zip(first, again, other, strict=True):
         assert np.array_equal(x[0], y[0]) and np.array_equal(x[0], z[0])
-    val_tokens = set(np.unique(np.asarray(open_split(data_dir, "val").tokens)))
+    val = open_split(data_dir, "val")
+    val_tokens = set(np.unique(val.read(0, val.n_tokens)[0]))
     assert set(np.unique(first[0][0])) <= val_tokens
 
 
@@ -137,7 +138,8 @@ def test_close_stops_a_blocked_prefetch_thread(data_dir, mesh):
 
 
 def test_unigram_entropy(data_dir):
-    tokens = np.asarray(open_split(data_dir, "train").tokens)
+    train = open_split(data_dir, "train")
+    tokens = train.read(0, train.n_tokens)[0]
     p = np.bincount(tokens) / len(tokens)
     p = p[p > 0]
     h = unigram_entropy(data_dir, "train")
@@ -159,7 +161,7 @@ from seqshard.data.tokenfile import open_split
 mesh = jax.make_mesh((4, 2), ("d", "t"), axis_types=(AxisType.Auto,) * 2)
 loader = Loader(data_dir, "train", batch_size=8, seq_len=16, mesh=mesh, prefetch=0, seed=5)
 batch = loader.batch_at(3)
-want, _ = PackedStream(open_split(data_dir, "train"), 16, 5).rows(np.arange(24, 32))
+want = PackedStream(open_split(data_dir, "train"), 16, 5).rows(np.arange(24, 32))[0]
 rows = sorted({s.index[0].start for s in batch.tokens.addressable_shards})
 assert all(np.array_equal(np.asarray(s.data), want[s.index]) for s in batch.tokens.addressable_shards)
 total = int(jax.jit(lambda x: x.sum())(batch.tokens))

@@ -49,7 +49,10 @@ def test_prepare_writes_files_and_meta(data_dir, text_dir):
     decoded = []
     for split in ("train", "val"):
         s = open_split(data_dir, split)
-        assert s.tokens.dtype == np.uint16 and s.n_tokens == meta["splits"][split]["n_tokens"]
+        assert (
+            s.shards[0].tokens.dtype == np.uint16
+            and s.n_tokens == meta["splits"][split]["n_tokens"]
+        )
         assert (data_dir / f"{split}.bin").stat().st_size == 2 * s.n_tokens
         for i in range(s.n_docs):
             ids = s.doc(i)

@@ -3,6 +3,8 @@ reported (the file, the expected and actual values, the fix)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from data_helpers import _loader
@@ -40,7 +42,7 @@ def test_missing_directory_meta_and_bin(tmp_path, data_copy):
 def test_empty_split(tmp_path, text_dir):
     no_val = PrepareConfig(vocab_size=300, val_fraction=0)
     out = prepare(tmp_path / "noval", path_corpus([text_dir]), no_val, log=None)
-    with pytest.raises(ValueError, match=r"val\.bin is empty \(0 tokens.*val-fraction"):
+    with pytest.raises(ValueError, match=r"val split is empty \(0 tokens.*val-fraction"):
         open_split(out, "val")
 
 
@@ -74,13 +76,22 @@ def test_offsets_inconsistent_with_tokens(data_copy):
 
 
 def test_ids_outside_vocab(data_copy):
+    """Opening trusts prepare's recorded largest id (it reads no tokens), and refuses one
+    outside the vocabulary; a corrupt id in the file is caught when its span is read."""
     vocab = read_meta(data_copy)["vocab_size"]
     tokens = np.fromfile(data_copy / "train.bin", dtype=np.uint16)
     tokens[17] = 65000
     tokens.tofile(data_copy / "train.bin")
+    split = open_split(data_copy, "train")
+    assert split.read(18, 100)[0].max() < vocab
     with pytest.raises(
-        ValueError, match=rf"train\.bin holds token id 65000.*expected ids < {vocab}"
+        ValueError, match=rf"train\.bin holds token id 65000 at position 17.*expected ids < {vocab}"
     ):
+        split.read(10, 20)
+    meta = json.loads((data_copy / "meta.json").read_text())
+    meta["splits"]["train"]["max_id"] = vocab
+    (data_copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"train split's largest id is {vocab}, outside"):
         open_split(data_copy, "train")
 
 
