@@ -27,7 +27,6 @@ import os
 import queue
 import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
