@@ -470,15 +470,16 @@ def _eval(args) -> int:
     from seqshard.data import Loader
     from seqshard.mesh import training_mesh
     from seqshard.train.checkpoint import latest_state
-    from seqshard.train.loop import evaluate
     from seqshard.train.step import make_eval_step
+    from seqshard.train.validation import make_validate
 
     cfg = _start(args, *_run_config_args(args.run_dir, args.overrides))
     mesh = training_mesh(cfg.mesh.sizes())
     state = latest_state(args.run_dir, cfg, mesh)
     train_cfg = cfg.train
+    n_batches = args.batches or train_cfg.eval_batches
     with Loader(
-        cfg.data.dir,
+        cfg.data.as_mixture() or cfg.data.dir,
         "train",
         batch_size=train_cfg.batch_size,
         seq_len=train_cfg.seq_len,
@@ -486,12 +487,16 @@ def _eval(args) -> int:
         vocab=cfg.model.vocab,
         prefetch=0,
     ) as loader:
-        batches = list(loader.eval_batches(args.batches or train_cfg.eval_batches))
-    loss = evaluate(make_eval_step(cfg, mesh), state.weights, batches)
+        validate = make_validate(loader, make_eval_step(cfg, mesh), n_batches)
+    step = int(state.step)
+    losses = validate(state.weights, step)
     _say(
-        f"{args.run_dir} step {int(state.step)}: val loss {loss:.4f} over {len(batches)} "
+        f"{args.run_dir} step {step}: val loss {losses.pop('val_loss'):.4f} over {n_batches} "
         f"batches of {train_cfg.batch_size}x{train_cfg.seq_len}"
+        + (" a source (the mixture's, weighted by its shares at this step)" if losses else "")
     )
+    for key, loss in losses.items():
+        _say(f"  {key.removeprefix('val_loss/')}: val loss {loss:.4f}")
     return 0
 
 

@@ -70,6 +70,7 @@ from seqshard.train.state import (
     relayered,
 )
 from seqshard.train.step import make_eval_step, make_train_step
+from seqshard.train.validation import evaluate, make_validate
 
 __all__ = [
     "RUN_INFO",
@@ -150,7 +151,13 @@ def ensure_data(
     cfg: Config, log: Callable[[str], None] = print, prepare_missing: bool = True
 ) -> Path:
     """The prepared data directory, preparing it from ``data.inputs`` (or the stdlib) if missing
-    (and ``prepare_missing``: in a multi-process run process 0 prepares, the others read)."""
+    (and ``prepare_missing``: in a multi-process run process 0 prepares, the others read).
+    With ``data.mixture``: each source checked (never prepared here); the first one's path."""
+    mixture = cfg.data.as_mixture()
+    if mixture is not None:
+        for source in mixture.sources:
+            _check_prepared(Path(source.path), cfg, f"data.mixture source {source.path}")
+        return Path(mixture.sources[0].path)
     data_dir = Path(cfg.data.dir)
     if not (data_dir / "meta.json").exists() and not prepare_missing:
         raise ConfigError(
@@ -179,12 +186,25 @@ def ensure_data(
             log=log,
             overwrite=True,  # at most an empty directory: nothing to lose
         )
+    _check_prepared(data_dir, cfg, f"data.dir={data_dir}")
+    return data_dir
+
+
+def _check_prepared(data_dir: Path, cfg: Config, what: str) -> None:
+    """A prepared directory fits the config: its tokenizer is data.tokenizer (when given) and
+    its vocabulary fits the model's."""
+    if not (data_dir / "meta.json").exists():
+        raise ConfigError(
+            f"{what} holds no prepared data (no {data_dir / 'meta.json'}); mixture sources are "
+            f"not prepared on first use: run `seqshard prepare --out {data_dir} --tokenizer "
+            f"TOKENIZER.json INPUTS...` with the tokenizer the other sources share."
+        )
     meta = read_meta(data_dir)
     if cfg.data.tokenizer is not None and Path(cfg.data.tokenizer).is_file():
         want = tokenizer_hash(cfg.data.tokenizer)
         if meta.get("tokenizer_sha256") not in (None, want):
             raise ConfigError(
-                f"data.dir={data_dir} was tokenized with {meta.get('tokenizer_source')}, not "
+                f"{what} was tokenized with {meta.get('tokenizer_source')}, not "
                 f"data.tokenizer={cfg.data.tokenizer} (the files differ): the ids would mean "
                 f"other tokens. Point data.dir at a new directory to prepare it with this tokenizer."
             )
@@ -195,7 +215,6 @@ def ensure_data(
             f"ids would fall outside the embedding. Set model.vocab={vocab} (or larger, e.g. a "
             f"multiple of mesh.t), or prepare the data with a smaller tokenizer."
         )
-    return data_dir
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
@@ -319,12 +338,6 @@ def _schedule_change(saved: TrainConfig, train_cfg: TrainConfig, step: int) -> s
         f"train.steps changed {saved.steps} -> {train_cfg.steps}: the {train_cfg.schedule} lr schedule now spans "
         f"{train_cfg.steps} steps; lr at step {step}: {before:.3g} -> {after:.3g}"
     )
-
-
-def evaluate(eval_step, weights: Weights, batches: Iterable[TokenBatch]) -> float:
-    """Mean next-token loss over ``batches`` (summed losses over summed counts)."""
-    totals = sum(np.asarray(eval_step(weights, b), np.float64) for b in batches)
-    return float(totals[0] / max(totals[1], 1.0))
 
 
 class _Throughput:
@@ -492,7 +505,7 @@ def _train_locked(
         run = _Run(cfg, run_dir, data_dir, mesh, opt, ckpt, log, tty, started)
         state, start, meta = _initial_state(run, resuming, initial_weights)
         loader = Loader(
-            data_dir,
+            cfg.data.as_mixture() or data_dir,
             "train",
             batch_size=cfg.train.batch_size,
             seq_len=cfg.train.seq_len,
@@ -504,9 +517,7 @@ def _train_locked(
         with loader:
             if meta is not None:
                 loader.check_state(meta["loader"])
-            eval_batches = list(loader.eval_batches(cfg.train.eval_batches))
-            eval_step = make_eval_step(cfg, mesh)
-            validate = lambda weights: evaluate(eval_step, weights, eval_batches)  # noqa: E731
+            validate = make_validate(loader, make_eval_step(cfg, mesh), cfg.train.eval_batches)
             if start >= cfg.train.steps:
                 loader.close()
                 return _finished_already(run, state, start, validate)
@@ -546,7 +557,7 @@ def _initial_state(
 
 
 def _finished_already(run: _Run, state: TrainState, step: int, validate) -> TrainResult:
-    val_loss = validate(state.weights)
+    val_loss = validate(state.weights, step)["val_loss"]
     run.log(
         f"{run.run_dir} is already at step {step} of train.steps={run.cfg.train.steps}: "
         f"nothing to train"
@@ -620,8 +631,11 @@ def _train_steps(
                 values.update(window_figures)
                 figures.update(window_figures)
                 nonfinite.check(guard, values)
+                if loader.mixture is not None:
+                    values.update({f"tokens/{k}": n for k, n in loader.tokens_drawn(step).items()})
                 if evaluate_now:
-                    val_loss = values["val_loss"] = validate(state.weights)
+                    values.update(validate(state.weights, step))
+                    val_loss = values["val_loss"]
                 loss = values["loss"]
                 metrics_log.log(step, values)
             if save_now:

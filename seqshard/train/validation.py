@@ -1,0 +1,46 @@
+"""The validation loss: over one data directory's val batches, or per source of a mixture.
+
+    validate = make_validate(loader, make_eval_step(cfg, mesh), n_batches=4)
+    validate(weights, step)   # {'val_loss': 4.61}
+                              # a mixture: {'val_loss': 4.3, 'val_loss/web': 4.9, 'val_loss/code': 3.1}
+
+A mixture's ``val_loss`` is its sources' val losses weighted by their shares at ``step`` (the
+stage the step trains in), so it tracks the loss of what the run is being trained to model;
+each ``val_loss/<source>`` is that source's own ``val`` split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from seqshard.batch import TokenBatch
+from seqshard.data import Loader
+from seqshard.model.weights import Weights
+
+__all__ = ["evaluate", "make_validate"]
+
+
+def evaluate(eval_step, weights: Weights, batches: Iterable[TokenBatch]) -> float:
+    """Mean next-token loss over ``batches`` (summed losses over summed counts)."""
+    totals = sum(np.asarray(eval_step(weights, b), np.float64) for b in batches)
+    return float(totals[0] / max(totals[1], 1.0))
+
+
+def make_validate(
+    loader: Loader, eval_step, n_batches: int
+) -> Callable[[Weights, int], dict[str, float]]:
+    """``validate(weights, step) -> metrics`` over ``n_batches`` val batches of each source (the
+    batches are built once, here: every source's val split must exist)."""
+    sets = loader.eval_sets(n_batches)
+
+    def validate(weights: Weights, step: int) -> dict[str, float]:
+        losses = {name: evaluate(eval_step, weights, batches) for name, batches in sets.items()}
+        if loader.mixture is None:
+            return {"val_loss": next(iter(losses.values()))}
+        shares = loader.mixture.weights_at(step)
+        mixed = sum(shares[name] * loss for name, loss in losses.items())
+        return {"val_loss": mixed, **{f"val_loss/{k}": v for k, v in losses.items()}}
+
+    return validate
