@@ -25,16 +25,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from seqshard.batch import TokenBatch
 from seqshard.config import (
     Config,
     ConfigError,
