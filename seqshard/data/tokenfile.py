@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -335,6 +336,35 @@ class TokenSplit:
             )
 
 
+def _mapped(path: Path, dtype: np.dtype, offset: int = 0) -> np.ndarray:
+    """The file from ``offset`` on as a read-only array, memory-mapped for random access: the
+    kernel reads only the pages touched (no read-ahead around them), so a row read from a
+    terabyte file costs its own pages, in I/O and in resident memory."""
+    with path.open("rb") as f:
+        if path.stat().st_size <= offset:
+            return np.empty(0, dtype)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype=dtype, offset=offset)
+
+
+def _mapped_npy(path: Path) -> np.ndarray:
+    """A 1-D .npy file through :func:`_mapped`; ValueError if it is not one."""
+    with path.open("rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran_order, dtype = read_header(f)
+        offset = f.tell()
+    if len(shape) != 1 or fortran_order:
+        raise ValueError(f"expected a 1-D array, got shape {shape}")
+    return _mapped(path, np.dtype(dtype), offset)[: shape[0]]
+
+
 def _shard_entries(meta: dict, split: str) -> list[dict]:
     """The split's shards as meta.json lists them; a version-1 directory's split is one shard
     named after the split (``train.bin``, ``train.offsets.npy``)."""
@@ -367,7 +397,7 @@ def _open_shard(data_dir: Path, entry: dict, start: int, dtype: np.dtype, masked
     if not off_path.is_file():
         raise FileNotFoundError(f"{off_path} is missing; {fix}.")
     try:
-        offsets = np.load(off_path, mmap_mode="r", allow_pickle=False)
+        offsets = _mapped_npy(off_path)
     except (ValueError, OSError) as e:
         raise ValueError(f"{off_path} is not a readable .npy file ({e}); {fix}.") from None
     if offsets.dtype != np.int64 or offsets.shape != (n_docs + 1,):
@@ -389,8 +419,8 @@ def _open_shard(data_dir: Path, entry: dict, start: int, dtype: np.dtype, masked
                 f"{mask_path}: expected a loss mask of {n_tokens} bytes (one per token, "
                 f"meta.json's has_mask is true), got {actual}; {fix}."
             )
-        mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
+        mask = _mapped(mask_path, np.dtype(np.uint8))
+    tokens = _mapped(path, dtype)
     return Shard(name, path, start, tokens, offsets, mask)
 
 
