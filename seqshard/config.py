@@ -135,7 +135,8 @@ class MixtureSource:
 
 @dataclasses.dataclass(frozen=True)
 class MixtureStage:
-    """From ``start_step`` on, draw from ``mixture``."""
+    """After ``start_step`` steps, draw from ``mixture``: the stage's first batch is the one
+    of the logged step ``start_step + 1``."""
 
     start_step: int = 0
     mixture: list[MixtureSource] = dataclasses.field(default_factory=list)

@@ -54,7 +54,8 @@ class Source:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """From ``start_step`` on (until the next stage), draw rows from ``sources``."""
+    """Batches ``start_step`` on (until the next stage) draw rows from ``sources``; batch ``s``
+    is the one of the step that follows ``s`` steps (logged as step ``s + 1``)."""
 
     start_step: int
     sources: tuple[Source, ...]

@@ -4,8 +4,9 @@
     validate(weights, step)   # {'val_loss': 4.61}
                               # a mixture: {'val_loss': 4.3, 'val_loss/web': 4.9, 'val_loss/code': 3.1}
 
-A mixture's ``val_loss`` is its sources' val losses weighted by their shares at ``step`` (the
-stage the step trains in), so it tracks the loss of what the run is being trained to model;
+A mixture's ``val_loss`` is its sources' val losses weighted by their shares in the batches
+after ``step`` steps (the stage the next step draws from), so it tracks the loss of what the
+run is being trained to model;
 each ``val_loss/<source>`` is that source's own ``val`` split.
 """
 
