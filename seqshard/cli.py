@@ -470,6 +470,7 @@ def _eval(args) -> int:
     from seqshard.data import Loader
     from seqshard.mesh import training_mesh
     from seqshard.train.checkpoint import latest_state
+    from seqshard.train.loop import data_mixture
     from seqshard.train.step import make_eval_step
     from seqshard.train.validation import make_validate
 
@@ -479,7 +480,7 @@ def _eval(args) -> int:
     train_cfg = cfg.train
     n_batches = args.batches or train_cfg.eval_batches
     with Loader(
-        cfg.data.as_mixture() or cfg.data.dir,
+        data_mixture(cfg) or cfg.data.dir,
         "train",
         batch_size=train_cfg.batch_size,
         seq_len=train_cfg.seq_len,

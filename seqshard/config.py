@@ -27,7 +27,6 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from seqshard.data.mixture import Mixture, Source, Stage
 from seqshard.mesh import MESH_AXES, axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.model.pipeline.schedule import Pipeline, make_schedule
@@ -150,7 +149,7 @@ class DataConfig:
     """Where the tokens come from: ``dir``, prepared on first use if it does not exist, or a
     weighted ``mixture`` of prepared directories (which replaces ``dir``; ``dir`` is then
     ignored), its weights changed at steps by ``stages``
-    (:mod:`seqshard.data.mixture`)."""
+    (:mod:`seqshard.data.mixture`; :func:`seqshard.train.loop.data_mixture` reads them)."""
 
     dir: str = "data/stdlib"  # a `seqshard prepare` output directory
     mixture: list[MixtureSource] = dataclasses.field(default_factory=list)  # [{path, weight}]
@@ -164,32 +163,6 @@ class DataConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mixture", tuple(self.mixture))
         object.__setattr__(self, "stages", tuple(self.stages))
-
-    def as_mixture(self) -> Mixture | None:
-        """The mixture and stages as one :class:`~seqshard.data.mixture.Mixture` (None without
-        a mixture: read ``dir``). ``mixture`` is the stage at step 0 unless a stage starts
-        there. Raises ConfigError for bad weights or steps, naming the key."""
-        stages = [
-            (st.start_step, st.mixture, f"data.stages[{i}]") for i, st in enumerate(self.stages)
-        ]
-        if self.mixture:
-            if stages and stages[0][0] == 0:
-                raise ConfigError(
-                    "data.mixture and data.stages[0] (start_step 0) both say what step 0 reads; "
-                    "drop data.mixture, or start the first stage later."
-                )
-            stages.insert(0, (0, self.mixture, "data.mixture"))
-        if not stages:
-            return None
-        try:
-            return Mixture(
-                tuple(
-                    Stage(start, tuple(Source(m.path, float(m.weight)) for m in sources))
-                    for start, sources, _ in stages
-                )
-            )
-        except ValueError as e:
-            raise ConfigError(f"data.mixture / data.stages: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,7 +568,6 @@ def _check_runtime(runtime: RuntimeConfig) -> None:
 def _check_data(cfg: Config) -> None:
     """The data keys, and the tokenizer to train against the model's vocabulary."""
     data = cfg.data
-    data.as_mixture()  # its checks
     if not 0 < data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}.")
     if data.tokenizer is None and data.vocab_size > cfg.model.vocab:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PERIOD", "Mixture", "MixturePlan", "Source", "Stage"]
+__all__ = ["PERIOD", "Mixture", "MixturePlan", "Source", "Stage", "mixture_of"]
 
 PERIOD = 1 << 16
 """Rows in which a stage's weights are met exactly; the smallest weight a source may have is
@@ -121,6 +121,28 @@ class Mixture:
         for s in stage.sources:
             shares[s.name] += s.weight / total
         return shares
+
+
+def mixture_of(mixture: Sequence, stages: Sequence) -> Mixture | None:
+    """The :class:`Mixture` of a config's ``data.mixture`` (items with ``path`` and ``weight``)
+    and ``data.stages`` (items with ``start_step`` and ``mixture``); None if both are empty.
+    ``mixture`` is the stage at step 0 unless a stage starts there (then it must be empty)."""
+    listed = [(st.start_step, st.mixture) for st in stages]
+    if mixture:
+        if listed and listed[0][0] == 0:
+            raise ValueError(
+                "data.mixture and data.stages[0] (start_step 0) both say what step 0 reads; "
+                "drop data.mixture, or start the first stage later."
+            )
+        listed.insert(0, (0, mixture))
+    if not listed:
+        return None
+    return Mixture(
+        tuple(
+            Stage(start, tuple(Source(str(m.path), float(m.weight)) for m in sources))
+            for start, sources in listed
+        )
+    )
 
 
 def _check_weights(stage: Stage) -> None:

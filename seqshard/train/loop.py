@@ -43,6 +43,7 @@ from seqshard.config import (
     read_run_config,
 )
 from seqshard.data import Loader, path_corpus, prepare, read_meta, stdlib_corpus, tokenizer_hash
+from seqshard.data.mixture import Mixture, mixture_of
 from seqshard.data.prepare import PrepareConfig
 from seqshard.hardware import peak_flops
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
@@ -72,6 +73,7 @@ from seqshard.train.validation import evaluate, make_validate
 
 __all__ = [
     "RUN_INFO",
+    "data_mixture",
     "InitialWeights",
     "NonfiniteError",
     "StopRequested",
@@ -145,13 +147,22 @@ def run_dir_of(cfg: Config) -> Path:
     return Path(cfg.run.dir) / cfg.run.name
 
 
+def data_mixture(cfg: Config) -> Mixture | None:
+    """``data.mixture`` and ``data.stages`` as one Mixture (None: the run reads ``data.dir``);
+    ConfigError for bad weights or steps."""
+    try:
+        return mixture_of(cfg.data.mixture, cfg.data.stages)
+    except ValueError as e:
+        raise ConfigError(f"data.mixture / data.stages: {e}") from None
+
+
 def ensure_data(
     cfg: Config, log: Callable[[str], None] = print, prepare_missing: bool = True
 ) -> Path:
     """The prepared data directory, preparing it from ``data.inputs`` (or the stdlib) if missing
     (and ``prepare_missing``: in a multi-process run process 0 prepares, the others read).
     With ``data.mixture``: each source checked (never prepared here); the first one's path."""
-    mixture = cfg.data.as_mixture()
+    mixture = data_mixture(cfg)
     if mixture is not None:
         for source in mixture.sources:
             _check_prepared(Path(source.path), cfg, f"data.mixture source {source.path}")
@@ -503,7 +514,7 @@ def _train_locked(
         run = _Run(cfg, run_dir, data_dir, mesh, opt, ckpt, log, tty, started)
         state, start, meta = _initial_state(run, resuming, initial_weights)
         loader = Loader(
-            cfg.data.as_mixture() or data_dir,
+            data_mixture(cfg) or data_dir,
             "train",
             batch_size=cfg.train.batch_size,
             seq_len=cfg.train.seq_len,

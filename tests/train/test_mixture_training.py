@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from run_helpers import FLAT, by_step, run
 
-from seqshard.config import ConfigError, load_config
+from seqshard.config import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +59,19 @@ def test_staged_mixture_run_logs_per_source_and_resumes_exactly(mixture_override
 
 
 def test_mixture_bad_sources_fail_before_compiling(mixture_overrides, tmp_path):
-    _, make = mixture_overrides
+    root, make = mixture_overrides
+    other = root / "other"
     missing = [*make("bad"), f"data.mixture=[{{path: {tmp_path / 'nowhere'}, weight: 1}}]"]
     with pytest.raises(
         ConfigError, match=r"nowhere holds no prepared data.*seqshard prepare --out"
     ):
         run(missing)
     with pytest.raises(ConfigError, match=r"data\.mixture and data\.stages\[0\]"):
-        load_config(None, [*make("bad"), "data.stages=[{start_step: 0, mixture: [{path: x}]}]"])
+        run([*make("bad"), "data.stages=[{start_step: 0, mixture: [{path: x}]}]"])
+    with pytest.raises(ConfigError, match=r"source .*other has weight -1.0"):
+        run(
+            [
+                *make("bad"),
+                f"data.stages=[{{start_step: 2, mixture: [{{path: {other}, weight: -1}}]}}]",
+            ]
+        )
