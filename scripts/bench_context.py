@@ -88,7 +88,9 @@ def build(v: Variant, impl: str, tokens, starts) -> None:
     mesh = mesh_of_sizes(cfg.mesh.sizes())
     opt = make_optimizer(cfg.train)
     v.state = init_train_state(cfg.model, mesh, opt, jax.random.key(0))
-    v.batch = jax.device_put(TokenBatch(tokens=tokens, is_seq_start=starts))
+    v.batch = jax.device_put(
+        TokenBatch(tokens=tokens, is_seq_start=starts, loss_mask=np.ones_like(starts))
+    )
     step = make_train_step(cfg, mesh, opt)
     compiled = step.lower(v.state, v.batch).compile()
     mem = compiled.memory_analysis()

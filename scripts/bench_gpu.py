@@ -217,7 +217,7 @@ def synthetic_batch(cfg: Config, mean_doc_len: int, seed: int = 0) -> TokenBatch
     tokens = rng.integers(0, cfg.model.vocab, size=shape, dtype=np.int32)
     starts = rng.random(shape) < 1 / max(mean_doc_len, 1)
     starts[:, 0] = True
-    return TokenBatch(tokens=tokens, is_seq_start=starts)
+    return TokenBatch(tokens=tokens, is_seq_start=starts, loss_mask=np.ones_like(starts))
 
 
 def compile_and_warm(v: Variant, jitted, warmup: int) -> None:

@@ -416,7 +416,7 @@ def make_batch(vocab: int, rows: int, length: int, seed: int = 0) -> TokenBatch:
     tokens = rng.integers(0, vocab, size=(rows, length), dtype=np.int32)
     starts = rng.random((rows, length)) < 1 / 48
     starts[:, 0] = True
-    return TokenBatch(tokens, starts)
+    return TokenBatch(tokens, starts, np.ones_like(starts))
 
 
 def build(v: Variant, batch: TokenBatch, warmup: int, hlo_dir: Path | None) -> None:

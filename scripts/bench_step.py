@@ -292,7 +292,9 @@ def build(v: Variant, tokens: np.ndarray, starts: np.ndarray, warmup: int, hlo_d
     make = v.make or IMPLS[v.impl]
     jitted = make(v.cfg, v.mesh, opt)
     state = init_train_state(v.cfg.model, v.mesh, opt, jax.random.key(v.cfg.train.seed))
-    batch = jax.device_put(TokenBatch(tokens, starts), shardings(TokenBatch, v.mesh))
+    batch = jax.device_put(
+        TokenBatch(tokens, starts, np.ones_like(starts)), shardings(TokenBatch, v.mesh)
+    )
     start = time.perf_counter()
     compiled = jitted.lower(state, batch).compile()
     v.compile_s = time.perf_counter() - start

@@ -4,6 +4,13 @@
     class TokenBatch:
         tokens: i32[b'B/d/e L/c']          # packed token ids: rows over d, positions over c
         is_seq_start: bool_[b'B/d/e L/c']  # True at the first token of each packed document
+        loss_mask: bool_[b'B/d/e L/c']     # True where the token counts as a prediction target
+
+The next-token pair (position ``i - 1`` predicts token ``i``) counts in the loss iff token
+``i`` is in the same document (``not is_seq_start[i]``) and ``loss_mask[i]``: fine-tuning data
+masks out its prompts (``seqshard prepare`` of prompt/completion or chat records); pretraining
+data counts every token (all True). The loss is the sum over the counted pairs of the whole
+global batch (every microbatch, every device) divided by their number, never a mean of means.
 
 Every batch sharding comes from these types: the loader's arrays
 (``shardings(TokenBatch, mesh)``), the train and eval steps' in_shardings, the model's
@@ -40,25 +47,32 @@ class TokenBatch:
 
     tokens: i32[b"B/d/e L/c"]
     is_seq_start: bool_[b"B/d/e L/c"]
+    loss_mask: bool_[b"B/d/e L/c"]
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
 
 
-def token_batch(tokens, is_seq_start) -> TokenBatch:
-    """A TokenBatch from any arrays of ids and starts (cast to int32 and bool), checked.
+def token_batch(tokens, is_seq_start, loss_mask=None) -> TokenBatch:
+    """A TokenBatch from any arrays of ids, starts and loss mask (None: every token counts),
+    cast to int32 and bool, checked.
 
     Raises TypeError for non-integer ids and ValueError for shapes that are not one [B, L]."""
     tokens, is_seq_start = jnp.asarray(tokens), jnp.asarray(is_seq_start)
+    loss_mask = jnp.ones(tokens.shape, bool) if loss_mask is None else jnp.asarray(loss_mask)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}.")
-    if tokens.shape != is_seq_start.shape or tokens.ndim != 2:
+    if not tokens.shape == is_seq_start.shape == loss_mask.shape or tokens.ndim != 2:
         raise ValueError(
-            f"tokens and is_seq_start must both be [batch, seq_len]; got {tokens.shape} and "
-            f"{is_seq_start.shape}."
+            f"tokens, is_seq_start and loss_mask must all be [batch, seq_len]; got "
+            f"{tokens.shape}, {is_seq_start.shape} and {loss_mask.shape}."
         )
-    return TokenBatch(tokens=tokens.astype(jnp.int32), is_seq_start=is_seq_start.astype(jnp.bool_))
+    return TokenBatch(
+        tokens=tokens.astype(jnp.int32),
+        is_seq_start=is_seq_start.astype(jnp.bool_),
+        loss_mask=loss_mask.astype(jnp.bool_),
+    )
 
 
 def batch_structs(batch_size: int, seq_len: int, mesh: Mesh | None = None) -> TokenBatch:

@@ -157,7 +157,8 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
         nargs="*",
         metavar="INPUTS",
         help="text files or directories (recursive: .txt .md .py .jsonl; a .jsonl line is one "
-        "document, its --text-field)",
+        "document: its --text-field, or a fine-tuning record with 'prompt' and 'completion' or "
+        "chat 'messages', whose loss mask counts only the completion / assistant turns)",
     )
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
     p.add_argument(
@@ -179,6 +180,13 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hf-split", default="train", help="split of --hf-dataset to read")
     p.add_argument("--text-field", default="text", help="text field of .jsonl / HF records")
+    p.add_argument(
+        "--chat-template",
+        metavar="PATH",
+        help="chat template for .jsonl records with 'messages': a .jinja file, a "
+        "tokenizer_config.json or a Hugging Face model directory (default: the "
+        "tokenizer_config.json beside --tokenizer)",
+    )
     p.add_argument(
         "--val-fraction", type=float, default=0.01, help="fraction of documents held out as val"
     )
@@ -204,10 +212,12 @@ def _prepare_corpus(args):
     """The documents the prepare flags name: INPUTS and/or --hf-dataset, one after the other
     (the Python stdlib if neither), the first --max-docs of them."""
     from seqshard.data.corpus import Corpus, hf_corpus, path_corpus, stdlib_corpus
+    from seqshard.data.sft import find_chat_template
 
     parts = []
     if args.inputs:
-        parts.append(path_corpus(args.inputs, text_field=args.text_field))
+        template = find_chat_template(args.chat_template, args.tokenizer)
+        parts.append(path_corpus(args.inputs, text_field=args.text_field, chat_template=template))
     if args.hf_dataset:
         parts.append(hf_corpus(args.hf_dataset, split=args.hf_split, text_field=args.text_field))
     if not parts:

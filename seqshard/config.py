@@ -157,6 +157,7 @@ class DataConfig:
     inputs: tuple[str, ...] = ()  # text files/dirs to prepare from; empty: the Python stdlib
     vocab_size: int = 4096  # BPE vocab trained when preparing
     tokenizer: str | None = None  # an existing tokenizer.json to use instead of training one
+    chat_template: str | None = None  # for chat 'messages' in inputs (default: beside tokenizer)
     val_fraction: float = 0.01
     seed: int = 0  # document order
 

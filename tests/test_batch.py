@@ -15,7 +15,9 @@ from seqshard.testing import count_collectives, fake_cpu_mesh
 
 def test_the_batch_layout_is_its_types():
     rows = ("d", "e")  # the batch rows over d and e
-    assert partition_specs(TokenBatch) == TokenBatch(tokens=P(rows, "c"), is_seq_start=P(rows, "c"))
+    assert partition_specs(TokenBatch) == TokenBatch(
+        tokens=P(rows, "c"), is_seq_start=P(rows, "c"), loss_mask=P(rows, "c")
+    )
     stacked = partition_specs(Array["microbatches", TokenBatch])
     assert stacked.tokens == P(None, rows, "c")
 
@@ -23,10 +25,13 @@ def test_the_batch_layout_is_its_types():
 def test_token_batch_casts_and_checks():
     b = token_batch(np.zeros((4, 8), np.int64), np.zeros((4, 8), np.int8))
     assert b.tokens.dtype == jnp.int32 and b.is_seq_start.dtype == jnp.bool_ and b.shape == (4, 8)
+    assert b.loss_mask.dtype == jnp.bool_ and bool(b.loss_mask.all())  # None: every token counts
     with pytest.raises(TypeError, match="integer ids, got dtype float32"):
         token_batch(np.zeros((4, 8), np.float32), np.zeros((4, 8), bool))
-    with pytest.raises(ValueError, match=r"both be \[batch, seq_len\]; got \(4, 8\) and \(4, 7\)"):
+    with pytest.raises(ValueError, match=r"all be \[batch, seq_len\]; got \(4, 8\), \(4, 7\)"):
         token_batch(np.zeros((4, 8), np.int32), np.zeros((4, 7), bool))
+    with pytest.raises(ValueError, match=r"got \(4, 8\), \(4, 8\) and \(4, 9\)"):
+        token_batch(np.zeros((4, 8), np.int32), np.zeros((4, 8), bool), np.ones((4, 9), bool))
 
 
 def test_batch_structs_are_sharded_as_declared():

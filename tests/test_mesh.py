@@ -153,7 +153,9 @@ def test_a_mesh_built_by_hand_behaves_as_if_its_missing_axes_had_size_one():
         run = Config(model=cfg, mesh=MeshConfig(d=2, t=2), train=TrainConfig(batch_size=4))
         opt = make_optimizer(run.train)
         state = init_train_state(cfg, mesh, opt, jax.random.key(0))
-        _, metrics = make_train_step(run, mesh, opt)(state, TokenBatch(tokens, starts))
+        _, metrics = make_train_step(run, mesh, opt)(
+            state, TokenBatch(tokens, starts, np.ones_like(starts))
+        )
 
         @functools.partial(typed_shard_map, mesh=mesh)
         def gathered(x: f32[b"B/d/c M/t"]) -> f32[b"B/d/c M"]:

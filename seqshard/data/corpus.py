@@ -3,7 +3,8 @@ optionally a Hugging Face dataset.
 
 Every source is a *re-iterable* :class:`Corpus`: ``prepare`` reads it twice (once to train the
 tokenizer, once to encode), and each ``iter(corpus)`` yields the same documents in the same
-order. A document is one ``str``; empty documents are skipped.
+order. A document is one ``str``, or a fine-tuning record's :class:`~seqshard.data.sft.Pieces`
+(text counted in the loss or not); empty documents are skipped.
 
     corpus = stdlib_corpus()                       # ~730 .py files, ~12 MB, no network needed
     corpus = path_corpus(["notes/", "a.jsonl"])    # .txt .md .py files; .jsonl: one doc a line
@@ -21,6 +22,8 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+
+from seqshard.data.sft import ChatTemplate, Pieces, record_kind, record_pieces
 
 __all__ = [
     "STDLIB_EXCLUDED_DIRS",
@@ -141,7 +144,9 @@ def _walk_text_files(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
 
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+def _jsonl_documents(
+    path: Path, text_field: str, chat_template: ChatTemplate | None = None
+) -> Iterator[str | Pieces]:
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -153,11 +158,16 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                     f"{path}:{lineno}: not valid JSON ({e.msg}); each line of a .jsonl file must "
                     f'be one JSON object with a "{text_field}" field.'
                 ) from None
+            kind = record_kind(record) if isinstance(record, dict) else None
+            if kind in ("prompt_completion", "messages"):
+                yield record_pieces(record, chat_template, f"{path}:{lineno}")
+                continue
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 got = type(record).__name__ if not isinstance(record, dict) else sorted(record)
                 raise ValueError(
                     f'{path}:{lineno}: expected a JSON object with a string "{text_field}" '
-                    f"field, got {got}; fix the line or convert the file."
+                    f'field, "prompt" and "completion", or chat "messages"; got {got}. Fix the '
+                    f"line or convert the file."
                 )
             yield record[text_field]
 
@@ -183,21 +193,31 @@ def _resolve_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
 
 
 def iter_path_documents(
-    paths: Sequence[str | os.PathLike], *, text_field: str = "text"
-) -> Iterator[str]:
+    paths: Sequence[str | os.PathLike],
+    *,
+    text_field: str = "text",
+    chat_template: ChatTemplate | None = None,
+) -> Iterator[str | Pieces]:
     """Documents from files and directories, in the order given (directories: sorted, recursive,
-    files with :data:`TEXT_SUFFIXES`). A ``.jsonl`` file gives one document per line (its
-    ``text_field``); any other file is one document. Non-UTF-8 files are skipped."""
+    files with :data:`TEXT_SUFFIXES`). A ``.jsonl`` file gives one document per line: its
+    ``text_field``, or a fine-tuning record's :class:`~seqshard.data.sft.Pieces` (prompt and
+    completion, or chat messages rendered by ``chat_template``); any other file is one
+    document. Non-UTF-8 files are skipped."""
     for path in _resolve_inputs(paths):
         if path.suffix == ".jsonl":
-            yield from _jsonl_documents(path, text_field)
+            yield from _jsonl_documents(path, text_field, chat_template)
         else:
             text = _read_text(path)
             if text is not None:
                 yield text
 
 
-def path_corpus(paths: Sequence[str | os.PathLike], *, text_field: str = "text") -> Corpus:
+def path_corpus(
+    paths: Sequence[str | os.PathLike],
+    *,
+    text_field: str = "text",
+    chat_template: ChatTemplate | None = None,
+) -> Corpus:
     """A :class:`Corpus` over :func:`iter_path_documents` (inputs are checked now)."""
     paths = [Path(p) for p in paths]
     if not paths:
@@ -206,7 +226,7 @@ def path_corpus(paths: Sequence[str | os.PathLike], *, text_field: str = "text")
     shown = ", ".join(str(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
     return Corpus(
         f"{n_files} files from {shown}",
-        lambda: iter_path_documents(paths, text_field=text_field),
+        lambda: iter_path_documents(paths, text_field=text_field, chat_template=chat_template),
     )
 
 

@@ -1,7 +1,7 @@
 """Global batches of packed tokens, sharded ``B/d/e L/c`` on the mesh, with a prefetch thread.
 
     with Loader("data/tokens", "train", batch_size=32, seq_len=256, mesh=mesh) as loader:
-        for batch in loader:             # TokenBatch(tokens i32['B/d/e L/c'], is_seq_start bool['B/d/e L/c'])
+        for batch in loader:    # TokenBatch(tokens, is_seq_start, loss_mask), each 'B/d/e L/c'
             state = step_fn(state, batch)
             ckpt["data"] = loader.state()  # {'step': next step, 'seed': ..., ...}
     # resume: Loader(..., seed=ckpt["data"]["seed"], start_step=ckpt["data"]["step"])
@@ -61,12 +61,6 @@ def _local_row_ranges(sharding: NamedSharding, global_shape: tuple[int, int]) ->
         start, stop, _ = index[0].indices(global_shape[0])
         rows.add((start, stop))
     return [range(a, b) for a, b in sorted(rows)]
-
-
-def _token_batch(tokens: np.ndarray, starts: np.ndarray, mask: np.ndarray) -> TokenBatch:
-    if "loss_mask" in {f.name for f in dataclasses.fields(TokenBatch)}:
-        return TokenBatch(tokens=tokens, is_seq_start=starts, loss_mask=mask)
-    return TokenBatch(tokens=tokens, is_seq_start=starts)
 
 
 def _check_same_tokenizer(data_dirs: list[Path]) -> None:
@@ -191,7 +185,7 @@ class Loader:
             for k in np.unique(source):
                 at = source == k
                 tokens[at], starts[at], mask[at] = streams[k].rows(source_rows[at])
-        local = _token_batch(tokens, starts, mask)
+        local = TokenBatch(tokens=tokens, is_seq_start=starts, loss_mask=mask)
         return jax.tree.map(
             lambda x, sharding: jax.make_array_from_process_local_data(sharding, x, self._shape),
             local,

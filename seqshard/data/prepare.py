@@ -26,7 +26,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from seqshard.data.corpus import Corpus
+from seqshard.data.sft import Pieces
 from seqshard.data.tokenfile import (
     FORMAT,
     FORMAT_VERSION,
@@ -179,7 +182,7 @@ def _tokenizer_pass(
             if is_val_doc(i, val_fraction, seed):
                 n_val += 1
             else:
-                yield doc
+                yield doc.text if isinstance(doc, Pieces) else doc
 
     t0 = time.perf_counter()
     if tokenizer_path is None:
@@ -234,14 +237,12 @@ def _encode_pass(
     }
     done = 0
     for chunk in _chunks(enumerate(corpus), _ENCODE_CHARS):
-        encodings = tok.encode_batch([doc for _, doc in chunk], add_special_tokens=False)
+        encoded = _encode(tok, [doc for _, doc in chunk], eot)
         for split in ("train", "val"):
-            ids = [
-                e.ids + [eot] if eot is not None else e.ids
-                for (i, _), e in zip(chunk, encodings, strict=True)
-                if in_val(i) == (split == "val")
+            mine = [
+                e for (i, _), e in zip(chunk, encoded, strict=True) if in_val(i) == (split == "val")
             ]
-            writers[split].add(ids)
+            writers[split].add([ids for ids, _ in mine], [mask for _, mask in mine])
         done += len(chunk)
         if time.perf_counter() - last > 5:
             last = time.perf_counter()
@@ -257,6 +258,33 @@ def _encode_pass(
     if splits["val"]["n_docs"] == 0:
         log("prepare: warning: the val split is empty (raise --val-fraction for evaluation)")
     return splits
+
+
+def _encode(
+    tok: Tokenizer, docs: list[str | Pieces], eot: int | None
+) -> list[tuple[list[int], np.ndarray | None]]:
+    """Each document's ids (then ``eot``) and loss mask (None for plain text: all count). A
+    fine-tuning document's pieces are encoded one by one (one batch for the chunk), so no token
+    straddles a counted and an uncounted span."""
+    texts = [text for doc in docs for text in _texts(doc)]
+    encodings = iter(tok.encode_batch(texts, add_special_tokens=False))
+    end = [] if eot is None else [eot]
+    out = []
+    for doc in docs:
+        if isinstance(doc, str):
+            out.append((next(encodings).ids + end, None))
+            continue
+        ids, mask = [], []
+        for _, counted in doc.parts:
+            piece = next(encodings).ids
+            ids += piece
+            mask += [counted] * len(piece)
+        out.append((ids + end, np.asarray(mask + [doc.end_counted] * len(end), np.uint8)))
+    return out
+
+
+def _texts(doc: str | Pieces) -> list[str]:
+    return [doc] if isinstance(doc, str) else [text for text, _ in doc.parts]
 
 
 def _write_meta(

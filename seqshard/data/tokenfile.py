@@ -86,7 +86,7 @@ class SplitWriter:
 
         with SplitWriter(out_dir, "train", np.uint16) as w:
             w.add([[5, 9, 0], [7, 0]])
-        w.summary   # {'n_tokens': 5, 'n_docs': 2, 'max_id': 9, 'sha256': '...'}
+        w.summary   # {'n_tokens': 5, 'n_docs': 2, 'max_id': 9, 'sha256': '...', 'has_mask': False}
     """
 
     def __init__(self, data_dir: str | os.PathLike, split: str, dtype: np.dtype | type) -> None:
@@ -99,13 +99,33 @@ class SplitWriter:
         self._lengths: list[np.ndarray] = []
         self._n_tokens = 0
         self._max_id = -1
+        self._mask_tmp = self._bin.with_name(f"{split}.mask.bin.tmp")
+        self._mask_file = None  # opened at the first masked document
         self.summary: dict | None = None
 
-    def add(self, docs: Iterable[Sequence[int] | np.ndarray]) -> None:
-        """Append documents (each a sequence of ids); empty documents are skipped."""
-        docs = [d for d in docs if len(d)]
-        if not docs:
+    def add(
+        self,
+        docs: Iterable[Sequence[int] | np.ndarray],
+        masks: Sequence[np.ndarray | None] | None = None,
+    ) -> None:
+        """Append documents (each a sequence of ids) and, for fine-tuning data, their loss masks
+        (1 where a token counts; None: every token counts). Once any document has a mask the
+        split has a mask file (``has_mask``): documents without one count every token."""
+        docs = list(docs)
+        masks = [None] * len(docs) if masks is None else list(masks)
+        kept = [(d, m) for d, m in zip(docs, masks, strict=True) if len(d)]
+        if not kept:
             return
+        docs = [d for d, _ in kept]
+        if self._mask_file is None and any(m is not None for _, m in kept):
+            self._mask_file = self._mask_tmp.open("wb")
+            self._mask_file.write(b"\x01" * self._n_tokens)  # the earlier documents: all count
+        if self._mask_file is not None:
+            for d, m in kept:
+                m = np.ones(len(d), np.uint8) if m is None else np.asarray(m, np.uint8)
+                if len(m) != len(d):
+                    raise ValueError(f"a loss mask of {len(m)} entries for {len(d)} tokens.")
+                self._mask_file.write(m.tobytes())
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
         flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
         lo, hi = int(flat.min()), int(flat.max())
@@ -126,6 +146,9 @@ class SplitWriter:
         if self.summary is not None:
             return self.summary
         self._file.close()
+        if self._mask_file is not None:
+            self._mask_file.close()
+            os.replace(self._mask_tmp, self._bin.with_name(f"{self.split}.mask.bin"))
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         off = offsets_path(self.data_dir, self.split)
@@ -139,6 +162,7 @@ class SplitWriter:
             "n_docs": len(lengths),
             "max_id": self._max_id,
             "sha256": self._sha.hexdigest(),
+            "has_mask": self._mask_file is not None,
         }
         return self.summary
 
@@ -146,6 +170,9 @@ class SplitWriter:
         """Close and delete the temporary files."""
         self._file.close()
         self._tmp.unlink(missing_ok=True)
+        if self._mask_file is not None:
+            self._mask_file.close()
+            self._mask_tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> SplitWriter:
         return self

@@ -574,15 +574,23 @@ _RECOMPUTE = "rematted_computation"
 
 
 def explicit_loss_terms(
-    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    loss_mask: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`~seqshard.model.transformer.forward_loss_terms` (per-device blocks in, f32[2]
     out), whose gradient is the hand-written backward pass of this module."""
-    return explicit_terms_and_stats(cfg, w, tokens, is_seq_start)[0]
+    return explicit_terms_and_stats(cfg, w, tokens, is_seq_start, loss_mask)[0]
 
 
 def explicit_terms_and_stats(
-    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    loss_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, RouterStats | None]:
     """:func:`~seqshard.model.transformer.forward_terms_and_stats`, whose gradient is the
     hand-written backward pass of this module (the MoE layers' FFN differentiated by
@@ -594,14 +602,14 @@ def explicit_terms_and_stats(
             "(loss_fn, batch_loss_terms); it was called outside one."
         )
     return _with_explicit_backward(
-        cfg, (tuple(axes.sizes.items()), axes.manual), w, tokens, is_seq_start
+        cfg, (tuple(axes.sizes.items()), axes.manual), w, tokens, is_seq_start, loss_mask
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start):
+def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start, loss_mask):
     # Not differentiated (eval): the model's forward pass itself.
-    return forward_terms_and_stats(cfg, w, tokens, is_seq_start)
+    return forward_terms_and_stats(cfg, w, tokens, is_seq_start, loss_mask)
 
 
 def _layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer):
@@ -674,12 +682,12 @@ def _stack_size(layers) -> tuple[int]:
     return jax.tree.leaves(layers)[0].shape[:1]
 
 
-def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start: jax.Array):
+def _forward(cfg: ModelConfig, axes, w: Weights, tokens, is_seq_start, loss_mask):
     """The forward pass for differentiation: the loss terms, the MoE layers' statistics, and
     what the backward reads."""
     sizes = cfg.dim_sizes()
     with collective_log.hand_differentiated():  # _backward logs its own collectives
-        rows = sequence_rows(tokens, is_seq_start)
+        rows = sequence_rows(tokens, is_seq_start, loss_mask)
         x = embed(cfg, w, rows.tokens)
         kept_layers = kept_moe = stats = None
         if sizes["layers"]:
@@ -693,7 +701,8 @@ def _forward(cfg: ModelConfig, axes, w: Weights, tokens: jax.Array, is_seq_start
 
 
 def _backward(cfg: ModelConfig, axes, residuals, cotangents):
-    """The backward pass: Weights of gradients in their own layouts; ids get none."""
+    """The backward pass: Weights of gradients in their own layouts; ids, starts and the loss
+    mask get none."""
     w, rows, kept_layers, kept_moe, head, count = residuals
     d_total = cotangents[0][0]
     sizes, manual = axes
@@ -712,7 +721,7 @@ def _backward(cfg: ModelConfig, axes, residuals, cotangents):
         else:  # no dense layers: an empty stack's gradient
             grads["layers"] = jax.tree.map(jnp.zeros_like, w.layers)
         grads["embed"] = embed_backward(cfg, rows.tokens, d_x)
-    return type(w)(**grads), None, None
+    return type(w)(**grads), None, None, None
 
 
 _with_explicit_backward.defvjp(_forward, _backward)

@@ -69,7 +69,8 @@ class SequenceRows(NamedTuple):
 
     tokens: jax.Array  # i32 'B/d/e L@zigzag/c': the ids to embed
     targets: jax.Array  # i32 'B/d/e L@zigzag/c': each position's next token
-    counted: jax.Array  # bool 'B/d/e L@zigzag/c': the next token exists in the same document
+    counted: jax.Array  # bool 'B/d/e L@zigzag/c': the next token is in the same document
+    #   and counts (its loss_mask)
     positions: jax.Array  # i32 'B/d/e L@zigzag/c': position within its document (RoPE)
     is_seq_start: jax.Array  # bool 'B/d/e L/c' (natural order, as the batch has it)
     segments: jax.Array  # i32 'B/d/e L': document number along the whole row (masks)
@@ -82,23 +83,36 @@ def _local(x: jax.Array) -> jax.Array:
     )
 
 
-def next_token_targets(tokens: jax.Array, is_seq_start: jax.Array) -> tuple[jax.Array, jax.Array]:
+def next_token_targets(
+    tokens: jax.Array, is_seq_start: jax.Array, loss_mask: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """The next token at each position and whether it counts: ``[B, L]`` each.
 
     A position counts when a next token exists in the same document (the last position of a
-    row and the last token of each packed document have no target).
+    row and the last token of each packed document have no target) and, with a
+    ``loss_mask``, that next token is masked in.
     """
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-    has_next = jnp.concatenate([~is_seq_start[:, 1:], jnp.zeros_like(is_seq_start[:, :1])], axis=1)
+    counts = ~is_seq_start[:, 1:] if loss_mask is None else ~is_seq_start[:, 1:] & loss_mask[:, 1:]
+    has_next = jnp.concatenate([counts, jnp.zeros_like(is_seq_start[:, :1])], axis=1)
     return targets, has_next
 
 
-def sequence_rows(tokens: jax.Array, is_seq_start: jax.Array) -> SequenceRows:
-    """The batch's 'B/d/e L/c' ids and document starts -> :class:`SequenceRows` (inside the
-    model's shard_map). One all-gather over c of each (none when c = 1)."""
+def sequence_rows(
+    tokens: jax.Array, is_seq_start: jax.Array, loss_mask: jax.Array | None = None
+) -> SequenceRows:
+    """The batch's 'B/d/e L/c' ids, document starts and loss mask (None: all counted) ->
+    :class:`SequenceRows` (inside the model's shard_map). One all-gather over c of the ids and
+    one of the starts and mask, packed in one int8 (none when c = 1)."""
     whole = shardops.all_gather("B/d/e L/c -> B/d/e L", tokens)
-    starts = shardops.all_gather("B/d/e L/c -> B/d/e L", is_seq_start)
-    targets, counted = next_token_targets(whole, starts)
+    if loss_mask is None:
+        starts = shardops.all_gather("B/d/e L/c -> B/d/e L", is_seq_start)
+        mask = None
+    else:
+        flags = is_seq_start.astype(jnp.int8) | (loss_mask.astype(jnp.int8) << 1)
+        flags = shardops.all_gather("B/d/e L/c -> B/d/e L", flags)
+        starts, mask = (flags & 1).astype(bool), (flags & 2).astype(bool)
+    targets, counted = next_token_targets(whole, starts, mask)
     return SequenceRows(
         tokens=_local(whole),
         targets=_local(targets),

@@ -248,22 +248,28 @@ def reference_logits_fn(weights: Weights, tokens, is_seq_start, cfg: ModelConfig
 
 
 def reference_loss_terms(
-    logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array
+    logits: jax.Array, tokens: jax.Array, is_seq_start: jax.Array, loss_mask=None
 ) -> jax.Array:
     """f32[2]: (summed next-token cross-entropy, positions counted) over the batch.
 
-    A position counts when its next token is in the same document."""
+    A position counts when its next token is in the same document and masked in by
+    ``loss_mask`` (None: every token counts)."""
     log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
     counted = ~is_seq_start[:, 1:]
+    if loss_mask is not None:
+        counted = counted & jnp.asarray(loss_mask, bool)[:, 1:]
     return jnp.stack([jnp.sum(jnp.where(counted, nll, 0.0)), jnp.sum(counted, dtype=jnp.float32)])
 
 
-def reference_loss_fn(weights: Weights, tokens, is_seq_start, cfg: ModelConfig) -> jax.Array:
-    """f32[]: mean next-token cross-entropy over positions whose next token is in the same
-    document, plus the MoE layers' balancing terms over the batch (with experts)."""
+def reference_loss_fn(
+    weights: Weights, tokens, is_seq_start, cfg: ModelConfig, loss_mask=None
+) -> jax.Array:
+    """f32[]: mean next-token cross-entropy over the counted positions (the next token in the
+    same document and masked in), plus the MoE layers' balancing terms over the batch (with
+    experts)."""
     tokens = jnp.asarray(tokens).astype(jnp.int32)
     is_seq_start = jnp.asarray(is_seq_start).astype(bool)
     logits, balancing = _logits_and_balancing(weights, tokens, is_seq_start, cfg)
-    total, count = reference_loss_terms(logits, tokens, is_seq_start)
+    total, count = reference_loss_terms(logits, tokens, is_seq_start, loss_mask)
     return total / jnp.maximum(count, 1.0) + balancing

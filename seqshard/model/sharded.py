@@ -65,13 +65,17 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
 
     def loss_terms(w, batch: TokenBatch):
         if axis_size(mesh, "p") > 1:
-            out = pipelined_terms_and_stats(cfg, pipeline, w, batch.tokens, batch.is_seq_start)
+            out = pipelined_terms_and_stats(
+                cfg, pipeline, w, batch.tokens, batch.is_seq_start, batch.loss_mask
+            )
             return out if moe else out[0]
         if cfg.backward == "explicit":
             # The same forward value; jax.grad runs backward.py's hand-written backward.
-            out = explicit_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start)
+            out = explicit_terms_and_stats(
+                cfg, w, batch.tokens, batch.is_seq_start, batch.loss_mask
+            )
         else:
-            out = forward_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start)
+            out = forward_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start, batch.loss_mask)
         return out if moe else out[0]
 
     def logits(w, batch: TokenBatch):
@@ -128,21 +132,32 @@ def batch_loss_terms(
 
 
 def loss_sum_and_count(
-    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
+    weights: Weights,
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    loss_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """:func:`batch_loss_terms` of ``token_batch(tokens, is_seq_start)``: f32[2]."""
-    return batch_loss_terms(weights, token_batch(tokens, is_seq_start), cfg, mesh)
+    """:func:`batch_loss_terms` of ``token_batch(tokens, is_seq_start, loss_mask)``: f32[2]."""
+    return batch_loss_terms(weights, token_batch(tokens, is_seq_start, loss_mask), cfg, mesh)
 
 
 def loss_fn(
-    weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
+    weights: Weights,
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    loss_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """f32[]: mean next-token cross-entropy over positions whose next token is in the same document.
+    """f32[]: mean next-token cross-entropy over the counted positions: whose next token is in
+    the same document and masked in by ``loss_mask`` (None: every token counts).
 
-    ``tokens: i32['B L']`` and ``is_seq_start: bool['B L']`` are global arrays in any sharding;
-    B must be divisible by the mesh's d axis.
+    ``tokens: i32['B L']``, ``is_seq_start`` and ``loss_mask: bool['B L']`` are global arrays
+    in any sharding; B must be divisible by the mesh's d axis.
     """
-    total, count = loss_sum_and_count(weights, tokens, is_seq_start, cfg, mesh)
+    total, count = loss_sum_and_count(weights, tokens, is_seq_start, cfg, mesh, loss_mask)
     return total / jnp.maximum(count, 1.0)
 
 

@@ -336,12 +336,17 @@ def loss_terms_and_softmax(
 
 
 def forward_terms_and_stats(
-    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    loss_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, RouterStats | None]:
     """The forward pass on per-device blocks 'B/d/e L/c' (inside the shard_map): (f32[2], the
     summed loss, balancing terms included, and the positions counted; the MoE layers'
-    routing statistics, or None without experts)."""
-    rows = sequence_rows(tokens, is_seq_start)
+    routing statistics, or None without experts). ``loss_mask``: see
+    :class:`~seqshard.batch.TokenBatch` (None: every token counts)."""
+    rows = sequence_rows(tokens, is_seq_start, loss_mask)
     x, stats = all_layers(cfg, w, rows, embed(cfg, w, rows.tokens))
     logits = unembed(cfg, w, final_norm(cfg, w, x))
     terms = loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
@@ -349,7 +354,11 @@ def forward_terms_and_stats(
 
 
 def forward_loss_terms(
-    cfg: ModelConfig, w: Weights, tokens: jax.Array, is_seq_start: jax.Array
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    loss_mask: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`forward_terms_and_stats`'s loss terms f32[2]."""
-    return forward_terms_and_stats(cfg, w, tokens, is_seq_start)[0]
+    return forward_terms_and_stats(cfg, w, tokens, is_seq_start, loss_mask)[0]

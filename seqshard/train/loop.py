@@ -45,6 +45,7 @@ from seqshard.config import (
 from seqshard.data import Loader, path_corpus, prepare, read_meta, stdlib_corpus, tokenizer_hash
 from seqshard.data.mixture import Mixture, mixture_of
 from seqshard.data.prepare import PrepareConfig
+from seqshard.data.sft import find_chat_template
 from seqshard.hardware import peak_flops
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
@@ -188,9 +189,10 @@ def ensure_data(
             val_fraction=data.val_fraction,
             tokenizer_path=data.tokenizer,
         )
+        template = find_chat_template(data.chat_template, data.tokenizer)
         prepare(
             data_dir,
-            path_corpus(data.inputs) if data.inputs else stdlib_corpus(),
+            path_corpus(data.inputs, chat_template=template) if data.inputs else stdlib_corpus(),
             prepare_config,
             log=log,
             overwrite=True,  # at most an empty directory: nothing to lose

@@ -92,8 +92,8 @@ def grads_and_loss(
         )
         if stats is not None:  # the balancing terms: each microbatch's, their mean
             stats = dataclasses.replace(stats, aux=stats.aux / k, z=stats.z / k)
-    count = jnp.maximum(count, 1.0)
-    return jax.tree.map(lambda g: g / count, grads), total / count, count, stats
+    divisor = jnp.maximum(count, 1.0)  # a batch with nothing counted: loss 0, gradient 0
+    return jax.tree.map(lambda g: g / divisor, grads), total / divisor, count, stats
 
 
 def moe_metrics(cfg: Config, stats: RouterStats, weights, p: int = 1) -> dict[str, jax.Array]:
@@ -156,8 +156,12 @@ def make_train_step(
         # A step whose loss or gradient norm is not finite, or whose gradient is zero, applies
         # no update: the state stays as it was, on device, and the guard records the step for
         # the loop to act on.
-        finite = step_is_healthy(loss, grad_norm)
-        apply = finite & _may_update(state.guard, cfg.train)
+        # A batch whose loss mask counts nothing (fine-tuning rows of prompts alone) has a zero
+        # gradient by right, not by fault: no update, no guard record.
+        nothing_counted = count == 0
+        idle = nothing_counted & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = step_is_healthy(loss, grad_norm) | idle
+        apply = finite & ~nothing_counted & _may_update(state.guard, cfg.train)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(apply, new, old))
         metrics = {
             "loss": loss,

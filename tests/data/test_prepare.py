@@ -92,7 +92,7 @@ def test_prepare_default_corpus_and_cli(tmp_path, capsys):
 
 
 def test_interrupted_prepare_leaves_nothing_that_looks_prepared(tmp_path, text_dir, monkeypatch):
-    def crash(self, docs):
+    def crash(self, docs, masks=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(SplitWriter, "add", crash)
