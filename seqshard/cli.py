@@ -129,7 +129,13 @@ def _run_config_args(run_dir: str, overrides: Sequence[str]) -> tuple[str, list[
         data = [f"data.dir={json.loads(info.read_text())['data_dir']}"]
     location = [f"run.dir={run.parent}", f"run.name={run.name}"]
     # The run's weights are in its checkpoints: where they first came from is not read again.
-    return str(run / "config.yaml"), [*location, "init.from_hf=null", *data, *overrides]
+    return str(run / "config.yaml"), [
+        *location,
+        "init.from_hf=null",
+        "init.from_run=null",
+        *data,
+        *overrides,
+    ]
 
 
 def _run_config(run_dir: str, overrides: Sequence[str]):

@@ -229,9 +229,14 @@ class InitConfig:
     its weights, read into the sharded layout (:mod:`seqshard.hf.load`), its model sizes
     (model fields the config leaves to its bases are filled from config.json; those written in
     the file that names from_hf, or in overrides, must agree), and its tokenizer (unless
-    data.tokenizer names one). None: random weights (``train.seed``)."""
+    data.tokenizer names one). None: random weights (``train.seed``).
+
+    from_run: a seqshard run directory (e.g. ``runs/tiny-cpu``): the weights of its newest good
+    checkpoint (not its optimizer state or step), for fine-tuning a run; the model must have
+    the same weight shapes, and the data the same tokenizer."""
 
     from_hf: str | None = None
+    from_run: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,6 +574,11 @@ def _check_runtime(runtime: RuntimeConfig) -> None:
 def _check_data(cfg: Config) -> None:
     """The data keys, and the tokenizer to train against the model's vocabulary."""
     data = cfg.data
+    if cfg.init.from_hf and cfg.init.from_run:
+        raise ConfigError(
+            f"init.from_hf={cfg.init.from_hf} and init.from_run={cfg.init.from_run} both say "
+            f"where the weights come from; set one."
+        )
     if not 0 < data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}.")
     if data.tokenizer is None and data.vocab_size > cfg.model.vocab:

@@ -50,11 +50,12 @@ from seqshard.hardware import peak_flops
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
 from seqshard.model.cost import flops_per_token
-from seqshard.model.weights import Weights, init_weights
+from seqshard.model.weights import Weights, init_weights, weight_structs
 from seqshard.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     checkpoint_steps,
+    latest_state,
     step_directories,
 )
 from seqshard.train.metrics import MetricsLogger, SilentMetricsLogger
@@ -74,6 +75,7 @@ from seqshard.train.validation import evaluate, make_validate
 
 __all__ = [
     "RUN_INFO",
+    "run_weights",
     "data_mixture",
     "InitialWeights",
     "NonfiniteError",
@@ -549,6 +551,8 @@ def _initial_state(
         key = jax.random.key(cfg.train.seed)
         if cfg.init.from_hf:
             weights = initial_weights(cfg, run.mesh, run.log)
+        elif cfg.init.from_run:
+            weights = run_weights(cfg, run.mesh, run.log)
         else:
             weights = init_weights(cfg.model, run.mesh, key)
         # In the model's layer order; the circular pipeline stores every p-th block per stage.
@@ -565,6 +569,29 @@ def _initial_state(
     if note:
         run.log(note)
     return restored.state, start, restored.meta
+
+
+def run_weights(cfg: Config, mesh: Mesh, log: Callable[[str], None]) -> Weights:
+    """``init.from_run``: the weights of that run's newest good checkpoint, in the model's layer
+    order, on ``mesh``. ConfigError if it is not a run directory or its weights have other
+    shapes (naming the model keys that differ)."""
+    source = Path(cfg.init.from_run)
+    other = read_run_config(source)
+    mine, theirs = weight_structs(cfg.model), weight_structs(other.model)
+    if jax.tree.map(lambda s: (s.shape, s.dtype), mine) != jax.tree.map(
+        lambda s: (s.shape, s.dtype), theirs
+    ):
+        differ = {k: v for k, v in config_changes(other, cfg).items() if k.startswith("model.")}
+        shown = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+        raise ConfigError(
+            f"init.from_run={source}: its weights do not fit this model ({shown}). Use its "
+            f"model settings (its config.yaml), or start from random weights."
+        )
+    restore_cfg = dataclasses.replace(other, mesh=cfg.mesh)
+    state = latest_state(source, restore_cfg, mesh, log=log)
+    order = layer_order(restore_cfg, mesh.shape["p"])
+    log(f"starting from the weights of {source} at step {int(jax.device_get(state.step))}")
+    return relayered(state.weights, order, range(cfg.model.n_layers))
 
 
 def _finished_already(run: _Run, state: TrainState, step: int, validate) -> TrainResult:
