@@ -156,7 +156,7 @@ def _config_arguments(p: argparse.ArgumentParser, what: str = "config") -> None:
 
 
 def _prepare_arguments(p: argparse.ArgumentParser) -> None:
-    from seqshard.data.prepare import DEFAULT_OUT, DEFAULT_VOCAB
+    from seqshard.data.prepare import DEFAULT_OUT, DEFAULT_SHARD_TOKENS, DEFAULT_VOCAB
 
     p.add_argument(
         "inputs",
@@ -198,6 +198,15 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     p.add_argument("--max-docs", type=int, help="read at most this many documents")
+    p.add_argument(
+        "--workers", type=int, default=1, help="tokenizing processes (the output is the same)"
+    )
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help="bound of a shard (a unit of documents of at most this many UTF-8 bytes)",
+    )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
@@ -209,6 +218,8 @@ def _prepare(args) -> int:
         val_fraction=args.val_fraction,
         tokenizer_path=args.tokenizer,
         seed=args.seed,
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
     )
     prepare(args.out, _prepare_corpus(args), config, overwrite=args.force)
     return 0
@@ -637,7 +648,7 @@ COMMANDS: tuple[Command, ...] = (
         "tokenize text into a data directory",
         _prepare_arguments,
         _prepare,
-        "Tokenize text into a seqshard data directory (train.bin, val.bin, offsets, meta.json, "
+        "Tokenize text into a seqshard data directory (shards of token ids and document offsets, meta.json, "
         "tokenizer.json). With no INPUTS and no --hf-dataset, the corpus is the Python standard "
         "library's own source (~12 MB, no network needed).",
     ),

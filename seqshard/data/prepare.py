@@ -6,9 +6,12 @@
 
 Passes over a :class:`~seqshard.data.corpus.Corpus`: (1) read the documents once to train a
 tokenizer on the train documents (or, with a given tokenizer, only to count them); (2) read
-them again, encode them in parallel batches and append each, followed by ``<|endoftext|>``, to
-``train.bin`` or ``val.bin``; (3) write meta.json. All of it happens in ``<out>.tmp``, renamed
-to ``<out>`` at the end, so an interrupted run never leaves a directory that looks prepared.
+them again in units of at most ``shard_tokens``, each encoded by one of ``workers`` processes,
+followed by ``<|endoftext|>``, into its ``train-NNNNN`` and ``val-NNNNN`` shards
+(:mod:`seqshard.data.shards`: the same files for any number of workers); (3) write meta.json.
+All of it happens in ``<out>.tmp``, renamed to ``<out>`` at the end, so an unfinished run never
+leaves a directory that looks prepared; run again with the same inputs and settings, it
+resumes: the tokenizer, the counts and every finished shard are kept.
 
 Document ``i`` (in corpus order) goes to val iff a hash of ``(seed, i)`` falls below
 ``val_fraction``: deterministic, independent of the text, and about ``val_fraction`` of the
@@ -20,23 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
-
 from seqshard.data.corpus import Corpus
 from seqshard.data.sft import Pieces
-from seqshard.data.tokenfile import (
-    FORMAT,
-    FORMAT_VERSION,
-    SplitWriter,
-    dtype_for_vocab,
-    write_meta,
-)
+from seqshard.data.shards import RECORDS, UnitSpec, document_units, encode_units, split_entry
+from seqshard.data.tokenfile import FORMAT, FORMAT_VERSION, dtype_for_vocab, write_meta
 from seqshard.data.tokenizer import (
     Tokenizer,
     eot_id,
@@ -49,6 +46,9 @@ __all__ = ["DEFAULT_OUT", "DEFAULT_VOCAB", "PrepareConfig", "is_val_doc", "prepa
 
 DEFAULT_OUT = "data/tokens"
 DEFAULT_VOCAB = 4096
+DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB of uint16 a shard
+_PLAN_FILE = "prepare-plan.json"  # in <out>.tmp: the inputs and settings being prepared
+_COUNT_FILE = "prepare-count.json"  # in <out>.tmp: pass 1's document counts
 TOKENIZER_FILE = "tokenizer.json"
 _MASK64 = (1 << 64) - 1
 _ENCODE_CHARS = 1 << 20  # characters per encode_batch call: big enough to use every core
@@ -67,10 +67,17 @@ class PrepareConfig:
     val_fraction: float = 0.01
     tokenizer_path: str | os.PathLike | None = None
     seed: int = 0
+    workers: int = 1  # encoding processes (the output is the same for any number)
+    shard_tokens: int = DEFAULT_SHARD_TOKENS  # a shard's bound (see seqshard.data.shards)
 
     def __post_init__(self) -> None:
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}; e.g. 0.01.")
+        if self.workers < 1 or self.shard_tokens < 1:
+            raise ValueError(
+                f"workers and shard_tokens must be >= 1, got {self.workers} and "
+                f"{self.shard_tokens}; e.g. --workers 8 --shard-tokens {DEFAULT_SHARD_TOKENS}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +148,9 @@ def prepare(
         )
     t_start = time.perf_counter()
     log(f"prepare: source {corpus.description}")
-    with _staged(out_dir) as tmp:
+    with _staged(out_dir, _plan(corpus, config), log) as tmp:
         tok, count = _tokenizer_pass(corpus, config, tmp, log)
-        splits = _encode_pass(corpus, tok, _val_rule(count, config), count, tmp, log)
+        splits = _encode_pass(corpus, tok, _val_rule(count, config), count, config, tmp, log)
         _write_meta(tmp, tok, corpus, count, splits, config)
     _swap_into_place(tmp, out_dir)
     log(f"prepare: wrote {out_dir} in {time.perf_counter() - t_start:.1f}s")
@@ -151,18 +158,33 @@ def prepare(
 
 
 @contextlib.contextmanager
-def _staged(out_dir: Path) -> Iterator[Path]:
-    """A fresh ``<out>.tmp`` to write in, removed if the block fails: an interrupted run never
-    leaves a directory that looks prepared."""
+def _staged(out_dir: Path, plan: dict, log: Callable[[str], None]) -> Iterator[Path]:
+    """``<out>.tmp`` to write in: the one an interrupted prepare of the same ``plan`` (inputs
+    and settings) left, to resume, else a fresh one. It stays when the block fails (a rerun
+    resumes it); only the final rename makes ``<out>``, so nothing unfinished looks prepared."""
     tmp = Path(f"{out_dir}.tmp")
+    plan_file = tmp / _PLAN_FILE
     if tmp.exists():
-        shutil.rmtree(tmp)  # left by an interrupted run
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        same = plan_file.is_file() and json.loads(plan_file.read_text() or "{}") == plan
+        if same:
+            log(f"prepare: resuming the unfinished {tmp}")
+        else:
+            log(f"prepare: {tmp} is from a prepare of other inputs or settings; starting over")
+            shutil.rmtree(tmp)
+    if not tmp.exists():
+        tmp.mkdir(parents=True)
+        plan_file.write_text(json.dumps(plan, indent=1, sort_keys=True))
+    yield tmp
+
+
+def _plan(corpus: Corpus, config: PrepareConfig) -> dict:
+    """What decides the output (not ``workers``): a resumed prepare must have the same."""
+    plan = dataclasses.asdict(config)
+    del plan["workers"]
+    if config.tokenizer_path is not None:
+        plan["tokenizer_path"] = str(config.tokenizer_path)
+        plan["tokenizer_sha256"] = tokenizer_hash(config.tokenizer_path)
+    return {**plan, "source": corpus.description, "format_version": FORMAT_VERSION}
 
 
 def _tokenizer_pass(
@@ -170,6 +192,10 @@ def _tokenizer_pass(
 ) -> tuple[Tokenizer, _Count]:
     """Pass 1: train the tokenizer on the train documents (or copy the given one into ``tmp``),
     counting the documents and the val documents (for the small-corpus rule) on the way."""
+    counted = tmp / _COUNT_FILE
+    if counted.is_file() and (tmp / TOKENIZER_FILE).is_file():  # resuming: pass 1 was done
+        log("prepare: the tokenizer and document counts of the unfinished run are reused")
+        return load_tokenizer(tmp / TOKENIZER_FILE), _Count(**json.loads(counted.read_text()))
     val_fraction, seed, tokenizer_path = config.val_fraction, config.seed, config.tokenizer_path
     n_docs = n_val = n_chars = 0
     smallest = (2.0, -1)  # (hash, index) of the document nearest to val
@@ -203,7 +229,9 @@ def _tokenizer_pass(
             f"inputs with text in them."
         )
     log(f"prepare: {n_docs} documents, {_fmt(n_chars)} characters")
-    return tok, _Count(n_docs, n_val, n_chars, smallest[1])
+    count = _Count(n_docs, n_val, n_chars, smallest[1])
+    counted.write_text(json.dumps(dataclasses.asdict(count)))
+    return tok, count
 
 
 def _val_rule(count: _Count, config: PrepareConfig) -> Callable[[int], bool]:
@@ -223,68 +251,32 @@ def _encode_pass(
     tok: Tokenizer,
     in_val: Callable[[int], bool],
     count: _Count,
+    config: PrepareConfig,
     tmp: Path,
     log: Callable[[str], None],
 ) -> dict[str, dict]:
-    """Pass 2: encode in batches (parallel in Rust) and append each document, followed by
-    ``<|endoftext|>``, to ``tmp``'s train or val files; each split's entry for meta.json."""
+    """Pass 2: the documents in units (:mod:`seqshard.data.shards`), each encoded, followed by
+    ``<|endoftext|>``, into its train and val shards by ``config.workers`` processes; each
+    split's entry for meta.json."""
     eot = eot_id(tok)
     if eot is None:
         log("prepare: the tokenizer has no <|endoftext|>; documents are not terminated")
-    t0 = last = time.perf_counter()
-    writers = {
-        s: SplitWriter(tmp, s, dtype_for_vocab(tok.get_vocab_size())) for s in ("train", "val")
-    }
-    done = 0
-    for chunk in _chunks(enumerate(corpus), _ENCODE_CHARS):
-        encoded = _encode(tok, [doc for _, doc in chunk], eot)
-        for split in ("train", "val"):
-            mine = [
-                e for (i, _), e in zip(chunk, encoded, strict=True) if in_val(i) == (split == "val")
-            ]
-            writers[split].add([ids for ids, _ in mine], [mask for _, mask in mine])
-        done += len(chunk)
-        if time.perf_counter() - last > 5:
-            last = time.perf_counter()
-            log(f"prepare: encoded {done}/{count.n_docs} documents")
-    splits = {s: w.close() for s, w in writers.items()}
+    t0 = time.perf_counter()
+    spec = UnitSpec(tmp, tmp / TOKENIZER_FILE, eot, dtype_for_vocab(tok.get_vocab_size()).name)
+    units = document_units(enumerate(corpus), config.shard_tokens)
+    done = encode_units(units, spec, in_val, config.workers, log)
+    splits = {s: split_entry([u[s] for u in done if s in u], tmp) for s in ("train", "val")}
     n_tok = sum(s["n_tokens"] for s in splits.values())
     log(
         f"prepare: encoded {_fmt(n_tok)} tokens ({count.n_chars / max(n_tok, 1):.2f} chars/token) "
-        f"in {time.perf_counter() - t0:.1f}s: train {_fmt(splits['train']['n_tokens'])} "
-        f"tokens / {splits['train']['n_docs']} docs, val {_fmt(splits['val']['n_tokens'])} "
-        f"tokens / {splits['val']['n_docs']} docs"
+        f"in {time.perf_counter() - t0:.1f}s with {config.workers} worker(s), "
+        f"{len(done)} unit(s): train {_fmt(splits['train']['n_tokens'])} tokens / "
+        f"{splits['train']['n_docs']} docs, val {_fmt(splits['val']['n_tokens'])} tokens / "
+        f"{splits['val']['n_docs']} docs"
     )
     if splits["val"]["n_docs"] == 0:
         log("prepare: warning: the val split is empty (raise --val-fraction for evaluation)")
     return splits
-
-
-def _encode(
-    tok: Tokenizer, docs: list[str | Pieces], eot: int | None
-) -> list[tuple[list[int], np.ndarray | None]]:
-    """Each document's ids (then ``eot``) and loss mask (None for plain text: all count). A
-    fine-tuning document's pieces are encoded one by one (one batch for the chunk), so no token
-    straddles a counted and an uncounted span."""
-    texts = [text for doc in docs for text in _texts(doc)]
-    encodings = iter(tok.encode_batch(texts, add_special_tokens=False))
-    end = [] if eot is None else [eot]
-    out = []
-    for doc in docs:
-        if isinstance(doc, str):
-            out.append((next(encodings).ids + end, None))
-            continue
-        ids, mask = [], []
-        for _, counted in doc.parts:
-            piece = next(encodings).ids
-            ids += piece
-            mask += [counted] * len(piece)
-        out.append((ids + end, np.asarray(mask + [doc.end_counted] * len(end), np.uint8)))
-    return out
-
-
-def _texts(doc: str | Pieces) -> list[str]:
-    return [doc] if isinstance(doc, str) else [text for text, _ in doc.parts]
 
 
 def _write_meta(
@@ -320,7 +312,10 @@ def _write_meta(
 
 def _swap_into_place(tmp: Path, out_dir: Path) -> None:
     """``tmp`` becomes ``out_dir``; the old directory (if any) goes only once the new one is
-    complete."""
+    complete. The bookkeeping of resumption is dropped first."""
+    for name in (_PLAN_FILE, _COUNT_FILE):
+        (tmp / name).unlink(missing_ok=True)
+    shutil.rmtree(tmp / RECORDS, ignore_errors=True)
     old = Path(f"{out_dir}.old")
     if out_dir.exists():
         shutil.rmtree(old, ignore_errors=True)

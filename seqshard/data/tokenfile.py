@@ -1,17 +1,23 @@
 """The on-disk token format: one directory per prepared data set.
 
-    <dir>/meta.json              format, dtype, vocab_size, tokenizer (+ sha256), source, splits
-    <dir>/tokenizer.json         the tokenizer that produced the ids (path in meta is relative)
-    <dir>/<split>.bin            all token ids of the split, flat, in meta's dtype (no header)
-    <dir>/<split>.offsets.npy    int64 [n_docs + 1]: document i is bin[offsets[i]:offsets[i+1]]
+    <dir>/meta.json                  format_version 2, dtype, vocab_size, tokenizer (+ sha256),
+                                     source, per split: n_tokens, n_docs, max_id, sha256,
+                                     has_mask, shards [{name, n_tokens, n_docs, max_id, sha256}]
+    <dir>/tokenizer.json             the tokenizer that produced the ids (path in meta is relative)
+    <dir>/<split>-NNNNN.bin          a shard's token ids, flat, in meta's dtype (no header)
+    <dir>/<split>-NNNNN.offsets.npy  int64 [n_docs + 1]: document i is bin[offsets[i]:offsets[i+1]]
+    <dir>/<split>-NNNNN.mask.bin     uint8 per token, 1 = counts in the loss (has_mask only)
 
-Splits are ``train`` and ``val``. The dtype is the smallest unsigned one that holds every id
-(uint8 for vocab <= 256, uint16 for <= 65536, else uint32), so the .bin of a 4096-token vocab
-takes 2 bytes a token. Each document ends with ``<|endoftext|>`` when meta's ``eot_id`` is set.
+Splits are ``train`` and ``val``, each its shards' documents in shard order; the split's
+``sha256`` is its one shard's, or the sha256 of the lines ``name:sha256`` of its shards. A
+format-1 directory (``<split>.bin`` and ``<split>.offsets.npy``, no shards) is read as one shard
+named after the split. The dtype is the smallest unsigned one that holds every id (uint8 for
+vocab <= 256, uint16 for <= 65536, else uint32), so a 4096-token vocab takes 2 bytes a token.
+Each document ends with ``<|endoftext|>`` when meta's ``eot_id`` is set.
 
 Files are written under temporary names and renamed when complete. :func:`open_split` checks
-everything a corrupt or mismatched directory could get wrong and says how to fix it; the check
-of the ids against the vocabulary reads the .bin once per process (a chunked max).
+everything a corrupt or mismatched directory could get wrong that sizes and meta.json show,
+and says how to fix it, without reading the tokens (see :class:`TokenSplit`).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ __all__ = [
 ]
 
 FORMAT = "seqshard-tokens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 
@@ -81,25 +87,35 @@ def _check_split_name(split: str) -> None:
 
 
 class SplitWriter:
-    """Appends documents to ``<split>.bin`` and ``<split>.offsets.npy`` under temporary names;
-    :meth:`close` renames them into place and returns the split's entry for meta.json.
+    """Appends documents to one shard of a split, ``<name>.bin`` and ``<name>.offsets.npy``
+    (and ``<name>.mask.bin``) under temporary names; :meth:`close` renames them into place and
+    returns the shard's entry for meta.json. ``name`` defaults to the split's (format 1's one
+    file a split); ``prepare`` writes ``train-00000``, ``train-00001``, ...
 
-        with SplitWriter(out_dir, "train", np.uint16) as w:
+        with SplitWriter(out_dir, "train", np.uint16, name="train-00000") as w:
             w.add([[5, 9, 0], [7, 0]])
-        w.summary   # {'n_tokens': 5, 'n_docs': 2, 'max_id': 9, 'sha256': '...', 'has_mask': False}
+        w.summary   # {'name': 'train-00000', 'n_tokens': 5, 'n_docs': 2, 'max_id': 9,
+                    #  'sha256': '...', 'has_mask': False}
     """
 
-    def __init__(self, data_dir: str | os.PathLike, split: str, dtype: np.dtype | type) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        split: str,
+        dtype: np.dtype | type,
+        name: str | None = None,
+    ) -> None:
         _check_split_name(split)
         self.data_dir, self.split, self.dtype = Path(data_dir), split, np.dtype(dtype)
-        self._bin = bin_path(data_dir, split)
+        self.name = name or split
+        self._bin = self.data_dir / f"{self.name}.bin"
         self._tmp = self._bin.with_name(self._bin.name + ".tmp")
         self._file = self._tmp.open("wb")
         self._sha = hashlib.sha256()
         self._lengths: list[np.ndarray] = []
         self._n_tokens = 0
         self._max_id = -1
-        self._mask_tmp = self._bin.with_name(f"{split}.mask.bin.tmp")
+        self._mask_tmp = self._bin.with_name(f"{self.name}.mask.bin.tmp")
         self._mask_file = None  # opened at the first masked document
         self.summary: dict | None = None
 
@@ -148,16 +164,17 @@ class SplitWriter:
         self._file.close()
         if self._mask_file is not None:
             self._mask_file.close()
-            os.replace(self._mask_tmp, self._bin.with_name(f"{self.split}.mask.bin"))
+            os.replace(self._mask_tmp, self._bin.with_name(f"{self.name}.mask.bin"))
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        off = offsets_path(self.data_dir, self.split)
+        off = self.data_dir / f"{self.name}.offsets.npy"
         off_tmp = off.with_name(off.name + ".tmp")
         with off_tmp.open("wb") as f:
             np.save(f, offsets)
         os.replace(off_tmp, off)
         os.replace(self._tmp, self._bin)
         self.summary = {
+            "name": self.name,
             "n_tokens": self._n_tokens,
             "n_docs": len(lengths),
             "max_id": self._max_id,

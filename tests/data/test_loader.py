@@ -23,7 +23,7 @@ from seqshard.testing import fake_cpu_mesh
 def test_loader_argument_errors(data_dir, mesh):
     max_id = open_split(data_dir, "train").max_id
     with pytest.raises(
-        ValueError, match=rf"train\.bin holds token id {max_id}.*model's vocab is 10"
+        ValueError, match=rf"train-00000\.bin holds token id {max_id}.*model's vocab is 10"
     ):
         _loader(data_dir, mesh, vocab=10)
     with pytest.raises(ValueError, match=r"multiple of the mesh's d axis \(2\).*got 5"):

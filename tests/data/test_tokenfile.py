@@ -31,8 +31,8 @@ def test_dtype_for_vocab():
 def test_missing_directory_meta_and_bin(tmp_path, data_copy):
     with pytest.raises(FileNotFoundError, match=r"nothere does not exist.*seqshard prepare"):
         open_split(tmp_path / "nothere", "train")
-    (data_copy / "train.bin").unlink()
-    with pytest.raises(FileNotFoundError, match=r"train\.bin is missing.*seqshard prepare"):
+    (data_copy / "train-00000.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"train-00000\.bin is missing.*seqshard prepare"):
         open_split(data_copy, "train")
     (data_copy / "meta.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"meta\.json is missing.*seqshard prepare"):
@@ -47,24 +47,24 @@ def test_empty_split(tmp_path, text_dir):
 
 
 def test_bin_size_not_a_multiple_of_dtype(data_copy):
-    with (data_copy / "train.bin").open("ab") as f:
+    with (data_copy / "train-00000.bin").open("ab") as f:
         f.write(b"\x01")
-    with pytest.raises(ValueError, match=r"train\.bin is \d+ bytes, not a multiple of 2.*uint16"):
+    with pytest.raises(ValueError, match=r"train-00000\.bin is \d+ bytes, not a multiple of 2.*uint16"):
         open_split(data_copy, "train")
 
 
 def test_bin_token_count_differs_from_meta(data_copy):
-    path = data_copy / "train.bin"
+    path = data_copy / "train-00000.bin"
     n = path.stat().st_size // 2
     path.write_bytes(path.read_bytes()[:-4])
     with pytest.raises(
-        ValueError, match=rf"train\.bin holds {n - 2} tokens but meta\.json says {n}"
+        ValueError, match=rf"train-00000\.bin holds {n - 2} tokens but meta\.json says {n}"
     ):
         open_split(data_copy, "train")
 
 
 def test_offsets_inconsistent_with_tokens(data_copy):
-    path = data_copy / "train.offsets.npy"
+    path = data_copy / "train-00000.offsets.npy"
     offsets = np.load(path)
     offsets[-1] += 5
     np.save(path, offsets)
@@ -79,13 +79,13 @@ def test_ids_outside_vocab(data_copy):
     """Opening trusts prepare's recorded largest id (it reads no tokens), and refuses one
     outside the vocabulary; a corrupt id in the file is caught when its span is read."""
     vocab = read_meta(data_copy)["vocab_size"]
-    tokens = np.fromfile(data_copy / "train.bin", dtype=np.uint16)
+    tokens = np.fromfile(data_copy / "train-00000.bin", dtype=np.uint16)
     tokens[17] = 65000
-    tokens.tofile(data_copy / "train.bin")
+    tokens.tofile(data_copy / "train-00000.bin")
     split = open_split(data_copy, "train")
     assert split.read(18, 100)[0].max() < vocab
     with pytest.raises(
-        ValueError, match=rf"train\.bin holds token id 65000 at position 17.*expected ids < {vocab}"
+        ValueError, match=rf"train-00000\.bin holds token id 65000 at position 17.*expected ids < {vocab}"
     ):
         split.read(10, 20)
     meta = json.loads((data_copy / "meta.json").read_text())

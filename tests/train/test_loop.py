@@ -298,7 +298,7 @@ def test_an_unpreparable_data_dir(tmp_path, tiny_overrides):
 def test_a_truncated_token_file_is_named(tmp_path, data_dir, tiny_overrides):
     broken = tmp_path / "data"
     shutil.copytree(data_dir, broken)
-    train_bin = broken / "train.bin"
+    train_bin = broken / "train-00000.bin"
     with open(train_bin, "r+b") as f:
         f.truncate(train_bin.stat().st_size - 1)
     with pytest.raises(ValueError, match="not a multiple of 2") as e:
