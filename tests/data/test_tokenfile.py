@@ -49,7 +49,9 @@ def test_empty_split(tmp_path, text_dir):
 def test_bin_size_not_a_multiple_of_dtype(data_copy):
     with (data_copy / "train-00000.bin").open("ab") as f:
         f.write(b"\x01")
-    with pytest.raises(ValueError, match=r"train-00000\.bin is \d+ bytes, not a multiple of 2.*uint16"):
+    with pytest.raises(
+        ValueError, match=r"train-00000\.bin is \d+ bytes, not a multiple of 2.*uint16"
+    ):
         open_split(data_copy, "train")
 
 
@@ -85,7 +87,8 @@ def test_ids_outside_vocab(data_copy):
     split = open_split(data_copy, "train")
     assert split.read(18, 100)[0].max() < vocab
     with pytest.raises(
-        ValueError, match=rf"train-00000\.bin holds token id 65000 at position 17.*expected ids < {vocab}"
+        ValueError,
+        match=rf"train-00000\.bin holds token id 65000 at position 17.*expected ids < {vocab}",
     ):
         split.read(10, 20)
     meta = json.loads((data_copy / "meta.json").read_text())

@@ -223,7 +223,7 @@ def test_ring_passes_k_and_v_around_c_and_never_gathers_them():
     assert _activation_calls(found, "all-gather") == 0  # only the ids 'B/d/e L/c' are gathered
 
 
-@pytest.mark.parametrize("impl", ["allgather", "ring"])
+@pytest.mark.parametrize("impl", ["allgather", pytest.param("ring", marks=pytest.mark.slow)])
 def test_counts_do_not_grow_with_the_layer_count(impl):
     two, three = compiled(_config(impl, n_layers=2))[1], compiled(_config(impl, n_layers=3))[1]
     assert len(two) == len(three)

@@ -181,6 +181,7 @@ def test_bench_baseline_equals_reference():
     assert_trees_close(got_grads, ref_grads, **GRADS)
 
 
+@pytest.mark.slow  # the plain-jit baseline's equality runs by default (test_bench_baseline_...)
 def test_bench_gspmd_act_step_first_loss_equals_reference():
     """The gspmd-act variant's jitted train step (make_gspmd_step, as the benchmark builds it;
     the residual constrained to 'B/d/e L M') reports the reference's loss of its start weights."""

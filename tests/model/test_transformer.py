@@ -180,6 +180,7 @@ def test_sequence_parallel_residual_equals_reference(shape, backward):
     )
 
 
+@pytest.mark.slow  # bf16 runs by default in tests/train/test_step.py and tests/model/test_moe.py
 def test_sharded_equals_reference_bf16():
     """bf16 matmul inputs round differently in the two programs (the sharded one sums
     psum_scatter partials and vocab blocks in its own order, in bf16 where the activations are

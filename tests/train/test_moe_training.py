@@ -78,7 +78,10 @@ PIPELINED = tiny_model(n_layers=4, n_kv=4, moe=dataclasses.replace(MOE, n_dense_
 
 @pytest.mark.parametrize(
     "model,sizes",
-    [(MODEL, {"e": 2, "d": 2, "t": 2}), (PIPELINED, {"p": 2, "e": 2, "d": 2})],
+    [
+        pytest.param(MODEL, {"e": 2, "d": 2, "t": 2}, marks=pytest.mark.slow),
+        (PIPELINED, {"p": 2, "e": 2, "d": 2}),  # accumulation and pipelining with experts
+    ],
     ids=["e2d2t2", "p2e2d2"],
 )
 def test_accumulated_gradients_with_experts_equal_the_reference_per_microbatch(model, sizes):

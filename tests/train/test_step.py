@@ -112,7 +112,7 @@ def test_microbatches_count_different_numbers_of_positions(k):
     assert len(set(counts)) > 1, counts
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_accumulated_gradients_equal_the_full_batch(k):
     """Sums over microbatches, divided once: the full-batch mean up to f32 summation order
     (measured: equal losses, gradients within 1.8e-7 of entries up to 0.19)."""
@@ -301,7 +301,7 @@ def test_skip_goes_on_and_stops_updating_after_max_in_a_row():
 # bf16: every matmul of the step on the fast path
 
 
-@pytest.mark.parametrize("backward", ["explicit", "autodiff"])
+@pytest.mark.parametrize("backward", ["explicit", pytest.param("autodiff", marks=pytest.mark.slow)])
 def test_bf16_step_runs_every_matmul_bf16_in_f32_out(backward):
     """With compute_dtype=bfloat16, each dot of the compiled loss-and-gradient (forward,
     backward, attention, head) is bf16 x bf16 -> f32 (seqshard/shardlib/matmul.py: the fast

@@ -188,7 +188,12 @@ def _train_step_and_args(shape, schedule, m, batch=BATCH, backward="autodiff"):
 
 
 @pytest.mark.parametrize(
-    "schedule, backward", [("gpipe", "explicit"), ("1f1b", "autodiff"), ("circular", "explicit")]
+    "schedule, backward",
+    [
+        ("gpipe", "explicit"),
+        ("1f1b", "autodiff"),
+        pytest.param("circular", "explicit", marks=pytest.mark.slow),
+    ],
 )
 def test_only_the_schedules_shifts_and_the_replicated_weights_sums_cross_p(schedule, backward):
     """On (p, d, c, t) = (2, 2, 1, 2), each schedule (circular: 2 blocks per stage): two
@@ -330,7 +335,10 @@ def test_twenty_steps_of_each_schedule_track_the_unpipelined_run(tmp_path, tiny_
         )
 
 
-@pytest.mark.parametrize("schedule", ["circular", pytest.param("1f1b", marks=pytest.mark.slow)])
+# Both slow (a minute each on 2 cores): the layer orders across p are checked by default by
+# test_the_circular_layer_order_and_its_inverse and the resumes on other meshes by test_loop.
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["circular", "1f1b"])
 def test_a_pipelined_checkpoint_restores_with_other_p_and_trains_on(
     tmp_path, tiny_overrides, schedule
 ):
