@@ -89,7 +89,9 @@ def _combined_hash(splits: list[TokenSplit], mixture: Mixture | None) -> str:
 
 
 class Loader:
-    """Batches of one split of a prepared data directory; iterate it, or call :meth:`batch_at`.
+    """Batches of one split of a prepared data directory, or of a
+    :class:`~seqshard.data.mixture.Mixture` of several (each row from its source's own stream,
+    as the mixture's plan locates it); iterate it, or call :meth:`batch_at`.
 
     ``vocab`` (the model's vocabulary size), if given, is checked against the largest id in the
     split. ``prefetch`` batches are built ahead by a background thread (0: none, build on
