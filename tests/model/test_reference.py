@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from model_weights import packed_batch as shared_packed_batch
 from model_weights import random_weights, tiny_model
 
