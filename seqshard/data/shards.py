@@ -18,6 +18,7 @@ again.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -182,7 +183,12 @@ def encode_units(
             results.append(done or _encode_unit((spec, k, unit, [in_val(i) for i, _ in unit])))
             report()
     else:
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        # Each worker's tokenizer encodes on a Rust thread pool: share the cores among them.
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        with (
+            _environment(RAYON_NUM_THREADS=threads),
+            multiprocessing.get_context("spawn").Pool(workers) as pool,
+        ):
             pending: collections.deque = collections.deque()
             for k, unit, done in jobs():
                 val = [in_val(i) for i, _ in unit]
@@ -195,6 +201,21 @@ def encode_units(
     if reused:
         log(f"prepare: reused {reused} of {len(results)} units finished by an earlier run")
     return results
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """Environment variables set while the block runs (spawned workers inherit them)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _result(item):
