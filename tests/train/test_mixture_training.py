@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from run_helpers import FLAT, by_step, run
 
+from seqshard.cli import main
 from seqshard.config import ConfigError
 
 
@@ -27,7 +28,9 @@ def mixture_overrides(tmp_path_factory, data_dir, tiny_overrides):
     return root, make
 
 
-def test_staged_mixture_run_logs_per_source_and_resumes_exactly(mixture_overrides, data_dir):
+def test_staged_mixture_run_logs_per_source_and_resumes_exactly(
+    mixture_overrides, data_dir, capsys
+):
     root, make = mixture_overrides
     straight = run(make("straight"))
     records = by_step(straight.run_dir)
@@ -56,6 +59,14 @@ def test_staged_mixture_run_logs_per_source_and_resumes_exactly(mixture_override
     for step in (3, 4):
         assert again[step]["loss"] == records[step]["loss"], step
     assert np.isfinite(again[4]["val_loss"])
+
+    # seqshard eval: the mixture's val loss and each source's, as the run logged them.
+    capsys.readouterr()
+    assert main(["eval", str(straight.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"val loss {at4['val_loss']:.4f}" in out, out
+    assert f"tokens: val loss {at4['val_loss/tokens']:.4f}" in out
+    assert f"other: val loss {at4['val_loss/other']:.4f}" in out
 
 
 def test_mixture_bad_sources_fail_before_compiling(mixture_overrides, tmp_path):
