@@ -79,7 +79,13 @@ def test_decode_mesh_fills_t_then_divides_the_batch():
 
 @pytest.mark.parametrize(
     "batch, shape",
-    [(1, (1, 1)), (1, (1, 2)), (4, (1, 1)), (4, (2, 2)), (4, (1, 2))],
+    [
+        (1, (1, 1)),
+        pytest.param(1, (1, 2), marks=pytest.mark.slow),
+        pytest.param(4, (1, 1), marks=pytest.mark.slow),
+        (4, (2, 2)),
+        (4, (1, 2)),
+    ],
     ids=lambda x: str(x),
 )
 def test_greedy_equals_step_by_step_reference_argmax(weights, host_weights, batch, shape):

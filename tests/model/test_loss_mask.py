@@ -10,6 +10,7 @@ rtol 1e-5 / atol 1e-6)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -43,17 +44,27 @@ def _placed(cfg, mesh):
     )
 
 
-def _sharded(cfg, mesh, batch, pipe=None):
-    def loss(w):
+@functools.cache
+def _sharded_fn(cfg, mesh, pipe):
+    """jit of (weights, batch) -> (loss, gradients): one compile per model, mesh and pipeline."""
+
+    def loss(w, batch):
         total, count = batch_loss_terms(w, batch, cfg, mesh, pipe)
         return total / count
 
-    return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(loss))(_placed(cfg, mesh)))
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def _sharded(cfg, mesh, batch, pipe=None):
+    return jax.tree.map(np.asarray, _sharded_fn(cfg, mesh, pipe)(_placed(cfg, mesh), batch))
+
+
+_reference_fn = jax.jit(jax.value_and_grad(reference_loss_fn), static_argnums=3)
 
 
 def _reference(cfg, mask):
-    fn = jax.value_and_grad(reference_loss_fn)
-    return jax.tree.map(np.asarray, fn(WEIGHTS, TOKENS, STARTS, cfg, mask))
+    mask = np.ones_like(STARTS) if mask is None else mask  # one compiled program for both
+    return jax.tree.map(np.asarray, _reference_fn(WEIGHTS, TOKENS, STARTS, cfg, mask))
 
 
 @pytest.mark.parametrize(
