@@ -61,14 +61,13 @@ def main() -> None:
 
     import jax
     import numpy as np
-    from jax.sharding import AxisType
 
     from seqshard.batch import token_batch
     from seqshard.config import load_config
     from seqshard.data import Loader
     from seqshard.data.prepare import PrepareConfig
     from seqshard.data.tokenfile import read_meta
-    from seqshard.mesh import training_mesh
+    from seqshard.mesh import mesh_of_sizes, training_mesh
     from seqshard.train.optimizer import make_optimizer
     from seqshard.train.state import init_train_state
     from seqshard.train.step import make_train_step
@@ -95,9 +94,7 @@ def main() -> None:
 
         cfg = load_config("configs/tiny-cpu.yaml")
         B, L = cfg.train.batch_size, cfg.train.seq_len
-        one_device = jax.make_mesh(
-            (1, 1), ("d", "t"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1]
-        )
+        one_device = mesh_of_sizes({}, jax.devices()[:1])
         with Loader(
             Path(tmp) / "one", "train", batch_size=B, seq_len=L, mesh=one_device, prefetch=0
         ) as loader:

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import multiprocessing
 import os
@@ -246,6 +247,4 @@ def split_entry(shards: list[dict], tmp: Path) -> dict:
 
 
 def _sha256(text: str) -> str:
-    import hashlib
-
     return hashlib.sha256(text.encode()).hexdigest()

@@ -9,13 +9,12 @@ reader still accepts and earlier seqshard versions read too, so the same set mea
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from seqshard.data.tokenfile import META_FILE, dtype_for_vocab
+from seqshard.data.tokenfile import dtype_for_vocab, write_meta
 
 __all__ = ["write_synthetic"]
 
@@ -60,5 +59,5 @@ def write_synthetic(
         "source": f"synthetic {n_tokens} tokens",
         "splits": splits,
     }
-    (out / META_FILE).write_text(json.dumps(meta, indent=1))
+    write_meta(out, meta)
     return out

@@ -20,9 +20,9 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) / 1024
 import jax, numpy as np
-from jax.sharding import AxisType
 from seqshard.data import Loader
-mesh = jax.make_mesh((1, 1), ("d", "t"), axis_types=(AxisType.Auto,) * 2)
+from seqshard.mesh import mesh_of_sizes
+mesh = mesh_of_sizes({}, jax.devices()[:1])
 anon0, peak0 = status("RssAnon"), status("VmHWM")
 loader = Loader(sys.argv[1], "train", batch_size=32, seq_len=2048, mesh=mesh, prefetch=0)
 tokens = np.asarray(loader.batch_at(0).tokens)
