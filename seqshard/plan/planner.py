@@ -119,13 +119,20 @@ it near 1.1-1.5 after the first steps). It scales the routed experts' compute ti
 dropless buffers are sized for the worst case, so memory and the exchange's bytes do not
 depend on it; with ``capacity_factor`` f > 0 a shard takes at most f x the mean."""
 
-CPU_MASKED_BUFFERS = 6
-"""How many E/e-fold masked copies of an exchange buffer XLA:CPU holds at once in an MoE
-layer's backward (see :func:`_exchange_working_set`): fitted to ``memory_analysis`` of the
-step compiled for 8 fake CPU devices (tests/plan/test_planner.py; six configs, e = 1, 2, 4,
-top_k 1 and 2, dropless and capacity_factor 1.25, remat saved and full: planner / XLA 0.88
-to 1.04), not derived: the inputs of the three grouped matmuls and their cotangents, masked
-per local expert, would be six, but XLA fuses and frees some of them."""
+CPU_TILE_BUFFERS = 8
+"""How many exchange-buffer-sized arrays ``[e, C, M]`` XLA:CPU holds at once in an MoE
+layer's backward beyond :data:`MOE_EXCHANGE_BUFFERS`, where the grouped matmuls walk row
+tiles (:data:`seqshard.shardlib.matmul.ROW_TILES`: the rows sorted and padded by a tile, each
+projection's output and cotangent); and :data:`CPU_EXPERT_COPIES`, how many f32 copies of
+this shard's expert matrices (one projection's ``E/e M X/t``: the walk's weight-gradient
+accumulators and their casts). Both fitted to ``memory_analysis`` of the step compiled for 8
+fake CPU devices (tests/plan/test_planner.py; five configs, e = 1, 2, 4, top_k 1 and 2,
+dropless and capacity_factor 1.25, remat saved and full, batch 8 and 16: planner / XLA 0.88
+to 0.99), not derived: XLA fuses and frees some of them, and two of the five configs peak in
+the head, not here."""
+
+CPU_EXPERT_COPIES = 8
+"""See :data:`CPU_TILE_BUFFERS`."""
 
 
 def attention_impl_on(impl: str, platform: str) -> str:
@@ -323,13 +330,16 @@ def _exchange_working_set(cfg: Config, platform: str) -> int:
     """What an MoE layer's exchange holds in its backward, beyond its declared activations
     (the block is re-run whole, :mod:`seqshard.model.moe`): :data:`MOE_EXCHANGE_BUFFERS` of
     the fixed ``[e, C, M]`` buffers, sized for the worst case when dropless whatever the
-    routing. On CPU, XLA runs each grouped matmul (``lax.ragged_dot``) as one dense matmul
-    per local expert over every row, its input masked to the group's rows: E/e masked copies
-    of a buffer per :data:`CPU_MASKED_BUFFERS` (grouped kernels on GPU and TPU make none)."""
+    routing. On CPU the grouped matmuls walk row tiles (:mod:`seqshard.shardlib.matmul`),
+    holding :data:`CPU_TILE_BUFFERS` more buffers and :data:`CPU_EXPERT_COPIES` f32 copies of
+    one projection's local experts (GPU and TPU run grouped kernels: none)."""
     buffer = moe_buffer_bytes(cfg)
-    local = cfg.model.moe.n_experts // cfg.mesh.sizes()["e"]
-    masked = CPU_MASKED_BUFFERS * local * buffer if platform == "cpu" else 0
-    return MOE_EXCHANGE_BUFFERS * buffer + masked
+    walk = 0
+    if platform == "cpu":
+        moe, sizes = cfg.model.moe, cfg.mesh.sizes()
+        experts = 4 * (moe.n_experts // sizes["e"]) * cfg.model.d_model * (moe.d_ff // sizes["t"])
+        walk = CPU_TILE_BUFFERS * buffer + CPU_EXPERT_COPIES * experts
+    return MOE_EXCHANGE_BUFFERS * buffer + walk
 
 
 def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:

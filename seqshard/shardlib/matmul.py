@@ -51,7 +51,7 @@ from jax import lax
 
 from seqshard.shardlib.vma import varying_axes
 
-__all__ = ["ACCUMULATE", "accumulation", "einsum", "ragged_dot"]
+__all__ = ["ACCUMULATE", "ROW_TILES", "accumulation", "einsum", "ragged_dot"]
 
 ACCUMULATE: Mapping[str, Mapping[jnp.dtype, jnp.dtype]] = {
     "cpu": {
@@ -136,16 +136,33 @@ def _einsum_fast_bwd(equation, out, res, ct):
 _einsum_fast.defvjp(_einsum_fast_fwd, _einsum_fast_bwd)
 
 
+ROW_TILES: Mapping[str, int] = {"cpu": 128}
+"""Backend -> rows per tile for :func:`ragged_dot` where the backend has no grouped matmul.
+
+XLA:CPU lowers ``lax.ragged_dot`` to one dense matmul of every group against every row (each
+masked to its group), G times the grouped work; a mixture of experts' exchange buffer is also
+sized for the worst case, mostly empty rows. There :func:`ragged_dot` walks the rows actually
+in a group, ``ROW_TILES`` at a time, one ``[tile, M] x [M, N]`` matmul with that group's matrix
+each (a ``lax.while_loop`` that stops after the last group's rows): the work is the rows the
+groups hold, rounded up to a tile per group. Measured in ``scripts/bench_moe.py`` (see its
+docstring); GPU and TPU have grouped kernels (megablox, cuBLAS grouped GEMM) and keep
+``lax.ragged_dot``."""
+
+
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
     """``lax.ragged_dot(x, w, group_sizes)``: x 'T M' (rows sorted by group), w 'G M N',
-    ``group_sizes`` 'G' -> 'T N', each group's rows times its own matrix, accumulated as
-    :data:`ACCUMULATE` says and cast to ``out_dtype`` (default: the operands' result type)."""
+    ``group_sizes`` 'G' -> 'T N', each group's rows times its own matrix (rows past the last
+    group's: 0), accumulated as :data:`ACCUMULATE` says and cast to ``out_dtype`` (default:
+    the operands' result type); in row tiles where :data:`ROW_TILES` lists the backend."""
     acc = accumulation(x, w)
-    if acc is None:
+    tile = ROW_TILES.get(jax.default_backend())
+    if acc is None and tile is None:
         return lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype)
     out = jnp.dtype(out_dtype or jnp.result_type(x, w))
     x, w = _same_vma(x, w)
-    return _ragged_fast(out, x, w, group_sizes)
+    if tile is None:
+        return _ragged_fast(out, x, w, group_sizes)
+    return _ragged_tiled(out, tile, x, w, group_sizes)
 
 
 # The weight gradient: for each group g, x_g^T . ct_g, i.e. x 'T M' and ct 'T N' contracted
@@ -177,3 +194,92 @@ def _ragged_fast_bwd(out, res, ct):
 
 
 _ragged_fast.defvjp(_ragged_fast_fwd, _ragged_fast_bwd)
+
+
+def _vary_like(value: jax.Array, *refs: jax.Array) -> jax.Array:
+    """``value`` made to vary over every mesh axis one of ``refs`` varies over (a loop's carry
+    must keep its type while the body mixes it with them)."""
+    missing = frozenset().union(*(varying_axes(r) for r in refs)) - varying_axes(value)
+    return lax.pcast(value, tuple(sorted(missing)), to="varying") if missing else value
+
+
+def _tile_walk(sizes: jax.Array, tile: int, body, init):
+    """Fold ``body(g, start, valid, carry)`` over the row tiles of the groups: tile after tile
+    of group g's rows (``start`` its first row, ``valid`` i32 the rows of the tile in g), empty
+    groups skipped, until the last group's rows are done."""
+    ends = jnp.cumsum(sizes.astype(jnp.int32))
+    total = ends[-1]
+    n_groups = sizes.shape[0]
+
+    def next_group(g, start):  # the first group ending after row `start`
+        return lax.while_loop(lambda g: (g < n_groups - 1) & (ends[g] <= start), lambda g: g + 1, g)
+
+    def step(state):
+        g, start, carry = state
+        g = next_group(g, start)
+        valid = jnp.minimum(ends[g] - start, tile)
+        return g, start + valid, body(g, start, valid, carry)
+
+    zero = _vary_like(jnp.zeros((), jnp.int32), sizes)
+    _, _, carry = lax.while_loop(lambda s: s[1] < total, step, (zero, zero, init))
+    return carry
+
+
+def _padded(x: jax.Array, tile: int) -> jax.Array:
+    """``x`` with ``tile`` zero rows after its last: a tile read at any start row fits."""
+    return jnp.concatenate([x, jnp.zeros((tile, *x.shape[1:]), x.dtype)])
+
+
+def _tiled_product(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int, out) -> jax.Array:
+    """x 'T M' sorted by group, w 'G M N' -> 'T N': each tile's rows times its group's matrix."""
+    acc = accumulation(x, w)
+    rows, n = x.shape[0], w.shape[-1]
+    xp = _padded(x, tile)
+    init = _vary_like(jnp.zeros((rows + tile, n), out), x, w, sizes)
+
+    def body(g, start, valid, y):
+        xt = lax.dynamic_slice_in_dim(xp, start, tile)
+        wg = lax.dynamic_index_in_dim(w, g, keepdims=False)
+        yt = jnp.dot(xt, wg, preferred_element_type=acc).astype(out)
+        keep = (jnp.arange(tile) < valid)[:, None]
+        old = lax.dynamic_slice_in_dim(y, start, tile)
+        return lax.dynamic_update_slice_in_dim(y, jnp.where(keep, yt, old), start, 0)
+
+    return _tile_walk(sizes, tile, body, init)[:rows]
+
+
+def _tiled_weight_grad(x: jax.Array, ct: jax.Array, sizes: jax.Array, tile: int, out):
+    """x 'T M', ct 'T N' sorted by group -> 'G M N': each group's x_g^T . ct_g, tile by tile."""
+    acc = accumulation(x, ct)
+    n_groups, m, n = sizes.shape[0], x.shape[1], ct.shape[1]
+    xp, cp = _padded(x, tile), _padded(ct, tile)
+    init = _vary_like(jnp.zeros((n_groups, m, n), jnp.float32 if acc else out), x, ct, sizes)
+
+    def body(g, start, valid, dw):
+        keep = (jnp.arange(tile) < valid)[:, None]
+        xt = jnp.where(keep, lax.dynamic_slice_in_dim(xp, start, tile), 0)
+        part = jnp.dot(xt.T, lax.dynamic_slice_in_dim(cp, start, tile), preferred_element_type=acc)
+        old = lax.dynamic_index_in_dim(dw, g, keepdims=True)
+        return lax.dynamic_update_index_in_dim(dw, old + part.astype(dw.dtype)[None], g, 0)
+
+    return _tile_walk(sizes, tile, body, init).astype(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ragged_tiled(out: jnp.dtype, tile: int, x: jax.Array, w: jax.Array, sizes: jax.Array):
+    return _tiled_product(x, w, sizes, tile, out)
+
+
+def _ragged_tiled_fwd(out, tile, x, w, sizes):
+    return _ragged_tiled(out, tile, x, w, sizes), (x, w, sizes)
+
+
+def _ragged_tiled_bwd(out, tile, res, ct):
+    x, w, sizes = res
+    ct = ct.astype(x.dtype)  # the cotangent in the operands' dtype: the fast path (docstring)
+    dx = _tiled_product(ct, jnp.swapaxes(w, 1, 2), sizes, tile, x.dtype)
+    dw = _tiled_weight_grad(x, ct, sizes, tile, w.dtype)
+    return dx, dw, None
+
+
+_ragged_tiled.defvjp(_ragged_tiled_fwd, _ragged_tiled_bwd)
