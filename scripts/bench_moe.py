@@ -25,7 +25,8 @@ expert shard's share x 1.25):
 
 * **seqshard**: :func:`seqshard.train.step.make_train_step`, the model's one ``shard_map``
   (``seqshard/model/moe.py``: the token copies sorted by expert into fixed buffers, one
-  ``all_to_all`` over e there and one back, ``lax.ragged_dot`` per expert projection).
+  ``all_to_all`` over e there and one back, one grouped matmul per expert projection, in row
+  tiles on CPU).
 * **gspmd** (the baseline): one plain single-program forward jitted with in/out shardings only
   (the same ``make_train_step`` with its ``loss_terms`` swapped, as in ``bench_step.py``):
   weights and optimizer state in the shardings of their types (routed experts
@@ -50,7 +51,7 @@ expert shard's share x 1.25):
   GShard/MaxText capacity einsum (dispatch [G, T, E, C] one-hot) computes E x C rows per
   group, which dropless needs at C = T (dense routing's work plus the dispatch and combine
   einsums), and with a per-expert capacity it is another model (its drops differ from
-  seqshard's per-shard buffers). The same lowering costs seqshard too (its measured cost below).
+  seqshard's per-shard buffers). seqshard avoids that lowering on CPU (row tiles, below).
 * **seqshard-dense**, **gspmd-dense** (``--no-dense`` skips them): the dense model of equal
   active parameters on the same devices, mesh d = e x d (the dense model has no experts to
   split over e; e is data parallelism anyway), t as given; gspmd-dense is
@@ -68,18 +69,12 @@ count), temp memory, the first-step loss and the fraction of copies dropped. The
 seqshard over gspmd; the last line is ``ratio_vs_gspmd_moe=X``: the smallest over the meshes
 of seqshard's tokens/s over the baseline's, dropless.
 
-**Measured** (JAX 0.10.2, 2 cores, docs/benchmarks.md): ``ratio_vs_gspmd_moe=0.551``.
-seqshard wins dropless on e8 d1 t1 (1.36) and e2 d4 t1 (1.56), ties on e4 d2 t1 (0.99), and
-loses on e2 d2 t2 (0.55); with capacity 1.25 it wins on every mesh (1.06 to 2.59), the dense
-model 2.3x and 7.3x. Why it loses: XLA:CPU has no grouped matmul, so each ``ragged_dot``
-computes every local expert on every buffer row (E/e x e x C rows, C = T x min(k, E/e) when
-dropless: at e = 2, 4 experts on 2 x 3 x T rows, 8x the active work; the compiled dot is
-[3072, 512] x [512, 64] per device where a grouped kernel would do 4 x [~400, 128] x [128,
-64]: 2.7 ms against 0.4 ms measured alone; ``jax_ragged_dot_use_ragged_dot_instruction`` gets
-the same dense dot from XLA:CPU). Dense routing costs E x T rows, so seqshard's dropless
-expert work is min(k, E/e) times the baseline's per device: 3x at e = 2, 2x at e = 4, 1x at
-e = 8, matching where it loses, ties and wins. On an accelerator ``ragged_dot`` is a grouped
-kernel (``--gpu``), and on CPU the cure is a grouped matmul in ``moe.py``, not the benchmark.
+**Measured** (JAX 0.10.2, 2 cores, docs/benchmarks.md): ``ratio_vs_gspmd_moe=1.524``.
+seqshard wins dropless on every mesh (e2 d2 t2 1.52, e4 d2 t1 1.94, e8 d1 t1 1.62, e2 d4 t1
+4.17), with capacity 1.25 1.93 to 3.97, the dense model 2.1x and 6.3x. seqshard's grouped
+matmuls on CPU walk the rows each expert holds in tiles (:data:`seqshard.shardlib.matmul.
+ROW_TILES`); before that, XLA:CPU's own ``ragged_dot`` (a dense dot of every local expert
+against every row of the worst-case-sized buffer, 8x the active work at e = 2) made it 0.551.
 
 **--gpu**: on the first device only (``CUDA_VISIBLE_DEVICES=0`` on a node with several), mesh
 1 x 1 x 1, bf16, attention as ``auto`` resolves it (cuDNN on GPU, einsum on CPU): 8 layers

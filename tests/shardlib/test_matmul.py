@@ -113,7 +113,9 @@ def test_row_tiles_in_shard_map_with_operands_varying_differently(monkeypatch):
         np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5 * np.abs(h).max())
 
 
-@pytest.mark.skipif(jax.default_backend() not in matmul.ROW_TILES, reason="backend keeps ragged_dot")
+@pytest.mark.skipif(
+    jax.default_backend() not in matmul.ROW_TILES, reason="backend keeps ragged_dot"
+)
 def test_the_compiled_product_multiplies_tiles_not_the_buffer():
     """Every dot of the compiled value and gradient is one tile's (128 rows) or a tile's
     contraction into one group's matrix: none spans the 4096-row buffer, which is what XLA:CPU's
