@@ -258,10 +258,13 @@ QK_CASES = [
     ("explicit", "none", (2, 4)),
     ("autodiff", "saved", (2, 4)),
 ]
+QK_SLOW = {("explicit", "saved", (4, 2)), ("explicit", "none", (2, 4))}  # -m slow
 
 
 @pytest.mark.parametrize(
-    "backward, remat, shape", QK_CASES, ids=[f"{b}-{r}-{d}x{t}" for b, r, (d, t) in QK_CASES]
+    "backward, remat, shape",
+    [pytest.param(*c, marks=pytest.mark.slow) if c in QK_SLOW else c for c in QK_CASES],
+    ids=[f"{b}-{r}-{d}x{t}" for b, r, (d, t) in QK_CASES],
 )
 def test_qk_norm_gradients_equal_the_reference(backward, remat, shape):
     """model.qk_norm: the loss and every gradient, the gains q_norm and k_norm among them

@@ -136,7 +136,7 @@ def test_split_sequence_equals_reference(shape, impl, residual, mask):
     assert_matches_reference(sharded_outputs(cfg, shape), reference_outputs(mask))
 
 
-@pytest.mark.parametrize("impl", ["allgather", "ring"])
+@pytest.mark.parametrize("impl", ["allgather", pytest.param("ring", marks=pytest.mark.slow)])
 def test_autodiff_backward_equals_reference(impl):
     """model.backward=autodiff: JAX differentiates the forward (the ring through its custom
     VJP, the all-gathers by transposing them)."""

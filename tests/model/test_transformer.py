@@ -233,7 +233,7 @@ def test_auto_attention_is_einsum_on_cpu():
     assert resolve_impl("xla") == "xla"
 
 
-@pytest.mark.parametrize("mask", ["document", "causal"])
+@pytest.mark.parametrize("mask", ["document", pytest.param("causal", marks=pytest.mark.slow)])
 def test_xla_attention_equals_einsum(mask):
     einsum = dataclasses.replace(CFG, attention_mask=mask)
     xla = dataclasses.replace(einsum, attention_impl="xla")
@@ -469,10 +469,18 @@ def loss_and_grad_2x4(remat: str, n_layers: int):
     return fn, args, mesh
 
 
-@pytest.mark.parametrize("n_layers", [2, 4])
-@pytest.mark.parametrize("remat", ["saved", "full", "none"])
+@pytest.mark.parametrize(
+    "remat, n_layers",
+    [
+        *((r, 2) for r in ("saved", "full", "none")),
+        ("saved", 4),
+        *(pytest.param(r, 4, marks=pytest.mark.slow) for r in ("full", "none")),
+    ],
+    ids=lambda v: str(v),
+)
 def test_compiled_collectives_are_the_ones_the_code_writes(remat, n_layers):
-    """A 1-layer scan may be unrolled away, hence 2 and 4 layers; the counts are the same."""
+    """A 1-layer scan may be unrolled away, hence 2 and 4 layers; the counts are the same
+    (4 layers with each remat policy under -m slow)."""
     fn, args, mesh = loss_and_grad_2x4(remat, n_layers)
     expected = expected_collectives(remat)
     counts = count_collectives(fn, *args)

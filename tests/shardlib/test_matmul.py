@@ -58,10 +58,15 @@ def assert_ragged_dot_is_laxs(x, w, ct, sizes):
     """Value and VJP equal lax.ragged_dot's: bit for bit where the backend keeps it; in row
     tiles, to f32 rounding (the tile's matmul sums M in another order: measured within 1.2e-5
     of entries up to 30)."""
-    ours, vjp = jax.vjp(lambda x, w: matmul.ragged_dot(x, w, sizes), x, w)
-    plain, plain_vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+
+    def value_and_vjp(ragged):
+        out, vjp = jax.vjp(lambda x, w: ragged(x, w, sizes), x, w)
+        return (out, *vjp(ct))
+
+    ours = jax.jit(value_and_vjp, static_argnums=0)(matmul.ragged_dot)
+    plain = jax.jit(value_and_vjp, static_argnums=0)(jax.lax.ragged_dot)
     tiled = jax.default_backend() in matmul.ROW_TILES
-    for got, want in zip((ours, *vjp(ct)), (plain, *plain_vjp(ct)), strict=True):
+    for got, want in zip(ours, plain, strict=True):
         if tiled:
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
         else:
@@ -103,7 +108,7 @@ def test_row_tiles_in_shard_map_with_operands_varying_differently(monkeypatch):
             return jax.lax.psum(jnp.sum(y * y), "d")
 
         run = jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P(), P("d")), out_specs=P())
-        return jax.value_and_grad(run, (0, 1))
+        return jax.jit(jax.value_and_grad(run, (0, 1)))
 
     (got, got_g), (want, want_g) = (
         loss(f)(x, w, sizes) for f in (matmul.ragged_dot, jax.lax.ragged_dot)
