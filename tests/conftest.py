@@ -14,16 +14,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # start (they inherit the environment): the run-level tests compile the same programs again and
 # again (a train step in a module's fixture, then in a subprocess of the CLI, ...), and a hit
 # costs a read instead of a compile (measured on 2 cores: -31 s for test_checkpoint, test_loop
-# and hf together, -6 s for test_cli; nothing won or lost for the model tests). One directory
-# for both xdist workers and their subprocesses, made by the first process (the controller,
-# before it starts the workers), removed at its end; set JAX_COMPILATION_CACHE_DIR to keep one.
-# A size limit turns on JAX's file lock around every read and write of the cache, so that no
-# process reads an entry another is still writing.
+# and hf together, -6 s for test_cli; nothing won or lost for the model tests). A fresh
+# directory per session, removed at its end; set JAX_COMPILATION_CACHE_DIR to keep one.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="seqshard-tests-jax-cache-")
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
+if "PYTEST_XDIST_WORKER" in os.environ:  # a directory per worker: the writes are not atomic
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"]
+    )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -31,7 +31,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 # -- a tiny prepared corpus and model for the run-level tests (config, checkpoint, loop, cli) --
