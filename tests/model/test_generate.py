@@ -84,7 +84,7 @@ def test_decode_mesh_fills_t_then_divides_the_batch():
         pytest.param(1, (1, 2), marks=pytest.mark.slow),
         pytest.param(4, (1, 1), marks=pytest.mark.slow),
         (4, (2, 2)),
-        (4, (1, 2)),
+        pytest.param(4, (1, 2), marks=pytest.mark.slow),
     ],
     ids=lambda x: str(x),
 )
