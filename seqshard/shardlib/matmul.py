@@ -144,8 +144,10 @@ masked to its group), G times the grouped work; a mixture of experts' exchange b
 sized for the worst case, mostly empty rows. There :func:`ragged_dot` walks the rows actually
 in a group, ``ROW_TILES`` at a time, one ``[tile, M] x [M, N]`` matmul with that group's matrix
 each (a ``lax.while_loop`` that stops after the last group's rows): the work is the rows the
-groups hold, rounded up to a tile per group. Measured in ``scripts/bench_moe.py`` (see its
-docstring); GPU and TPU have grouped kernels (megablox, cuBLAS grouped GEMM) and keep
+groups hold, rounded up to a tile per group. Measured (``scripts/bench_moe.py``, 8 fake CPU
+devices, 2 cores): the MoE train step on e2 d2 t2, dropless, 1,934 -> 8,762 tokens/s, from
+0.55x to 1.52x the plain-jit GSPMD baseline; tiles of 64 / 128 / 256 rows within 4% of each
+other. GPU and TPU have grouped kernels (megablox, cuBLAS grouped GEMM) and keep
 ``lax.ragged_dot``."""
 
 
