@@ -49,7 +49,7 @@ from jax import lax
 from seqshard.model.attention import attention, document_positions
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
-from seqshard.shardlib.vma import varying_axes
+from seqshard.shardlib.vma import vary_like
 
 __all__ = [
     "SequenceRows",
@@ -211,13 +211,6 @@ def _pairs(segments, mine, theirs, size: int, causal_only: bool):
             yield a, b, _pair(segments, mine[a], theirs[b], size, causal_only)
 
 
-def _vary(x: jax.Array, like: tuple[jax.Array, ...]) -> jax.Array:
-    """``x`` typed as varying over every axis ``like`` varies over (a cast, no data moves):
-    both branches of a ``lax.cond`` must return the same types."""
-    axes = frozenset().union(*(varying_axes(a) for a in like))
-    return lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
-
-
 def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """One chunk pair's scores, f32 'B/d/e K/t Q Qc Kc' (Qc, Kc: a chunk of queries, of keys)."""
     scores = shardops.einsum_unreduced(
@@ -258,9 +251,9 @@ def ring_forward(q, k, v, segments, causal_only: bool):
     qs = _chunks(q)
     size = qs.shape[2]
     state = (
-        _vary(jnp.full((2, q.shape[0], q.shape[3], q.shape[2], size), -1e30, jnp.float32), (q, k)),
-        _vary(jnp.zeros((2, q.shape[0], q.shape[3], q.shape[2], size), jnp.float32), (q, k)),
-        _vary(jnp.zeros(qs.shape, jnp.float32), (q, k, v)),
+        vary_like(jnp.full((2, q.shape[0], q.shape[3], q.shape[2], size), -1e30, jnp.float32), q, k),
+        vary_like(jnp.zeros((2, q.shape[0], q.shape[3], q.shape[2], size), jnp.float32), q, k),
+        vary_like(jnp.zeros(qs.shape, jnp.float32), q, k, v),
     )
     mine = _chunk_ids(me, c)
 
@@ -311,7 +304,7 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
     delta = jnp.sum(gs.astype(jnp.float32) * _chunks(out).astype(jnp.float32), axis=-1)
     delta = jnp.swapaxes(delta, -1, -3)
     mine = _chunk_ids(me, c)
-    dq = _vary(jnp.zeros(qs.shape, jnp.float32), (q, k, v, g))
+    dq = vary_like(jnp.zeros(qs.shape, jnp.float32), q, k, v, g)
 
     def fold(dq, ks, vs, dks, dvs, source):
         for a, b, pair in _pairs(segments, mine, _chunk_ids(source, c), size, causal_only):
@@ -336,7 +329,7 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
         return dq, dks, dvs
 
     spec = "B/d/e L@zigzag/c K/t D"
-    zeros = _vary(jnp.zeros(k.shape, jnp.float32), (q, k, v, g))
+    zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q, k, v, g)
 
     def visit(dq, k, v, dk, dv, source):
         """Fold in the block of shard ``source``: dq, and that block's dk, dv."""

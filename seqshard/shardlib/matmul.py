@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqshard.shardlib.vma import varying_axes
+from seqshard.shardlib.vma import vary_like
 
 __all__ = ["ACCUMULATE", "ROW_TILES", "accumulation", "einsum", "ragged_dot"]
 
@@ -75,13 +75,7 @@ def accumulation(*operands: jax.Array, platform: str | None = None) -> jnp.dtype
 def _same_vma(*operands: jax.Array) -> tuple[jax.Array, ...]:
     """The operands made to vary over the same mesh axes (inside a checked shard_map), as a
     matmul would make them implicitly: a custom VJP's cotangents must match its inputs'."""
-    union = frozenset().union(*(varying_axes(x) for x in operands))
-    return tuple(
-        lax.pcast(x, tuple(sorted(union - varying_axes(x))), to="varying")
-        if union - varying_axes(x)
-        else x
-        for x in operands
-    )
+    return tuple(vary_like(x, *operands) for x in operands)
 
 
 def einsum(equation: str, a: jax.Array, b: jax.Array, *, out_dtype=None) -> jax.Array:
@@ -198,13 +192,6 @@ def _ragged_fast_bwd(out, res, ct):
 _ragged_fast.defvjp(_ragged_fast_fwd, _ragged_fast_bwd)
 
 
-def _vary_like(value: jax.Array, *refs: jax.Array) -> jax.Array:
-    """``value`` made to vary over every mesh axis one of ``refs`` varies over (a loop's carry
-    must keep its type while the body mixes it with them)."""
-    missing = frozenset().union(*(varying_axes(r) for r in refs)) - varying_axes(value)
-    return lax.pcast(value, tuple(sorted(missing)), to="varying") if missing else value
-
-
 def _tile_walk(sizes: jax.Array, tile: int, body, init):
     """Fold ``body(g, start, valid, carry)`` over the row tiles of the groups: tile after tile
     of group g's rows (``start`` its first row, ``valid`` i32 the rows of the tile in g), empty
@@ -222,7 +209,7 @@ def _tile_walk(sizes: jax.Array, tile: int, body, init):
         valid = jnp.minimum(ends[g] - start, tile)
         return g, start + valid, body(g, start, valid, carry)
 
-    zero = _vary_like(jnp.zeros((), jnp.int32), sizes)
+    zero = vary_like(jnp.zeros((), jnp.int32), sizes)
     _, _, carry = lax.while_loop(lambda s: s[1] < total, step, (zero, zero, init))
     return carry
 
@@ -237,7 +224,7 @@ def _tiled_product(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int, out)
     acc = accumulation(x, w)
     rows, n = x.shape[0], w.shape[-1]
     xp = _padded(x, tile)
-    init = _vary_like(jnp.zeros((rows + tile, n), out), x, w, sizes)
+    init = vary_like(jnp.zeros((rows + tile, n), out), x, w, sizes)
 
     def body(g, start, valid, y):
         xt = lax.dynamic_slice_in_dim(xp, start, tile)
@@ -255,7 +242,7 @@ def _tiled_weight_grad(x: jax.Array, ct: jax.Array, sizes: jax.Array, tile: int,
     acc = accumulation(x, ct)
     n_groups, m, n = sizes.shape[0], x.shape[1], ct.shape[1]
     xp, cp = _padded(x, tile), _padded(ct, tile)
-    init = _vary_like(jnp.zeros((n_groups, m, n), jnp.float32 if acc else out), x, ct, sizes)
+    init = vary_like(jnp.zeros((n_groups, m, n), jnp.float32 if acc else out), x, ct, sizes)
 
     def body(g, start, valid, dw):
         keep = (jnp.arange(tile) < valid)[:, None]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import jax
 from jax import lax
 
-__all__ = ["replication_checked", "varying_axes"]
+__all__ = ["replication_checked", "vary_like", "varying_axes"]
 
 
 def varying_axes(x) -> frozenset[str]:
@@ -24,6 +24,14 @@ def varying_axes(x) -> frozenset[str]:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))  # JAX 0.7 - 0.9
+
+
+def vary_like(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over every mesh axis one of ``like`` varies over (a cast, no data
+    moves): what a loop's carry, both branches of a ``lax.cond`` or a custom VJP's cotangent
+    must match. ``x`` itself when it already does."""
+    missing = frozenset().union(*(varying_axes(a) for a in like)) - varying_axes(x)
+    return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
 def replication_checked(axes: Iterable[str] | None = None) -> bool:
