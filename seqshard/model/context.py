@@ -251,7 +251,9 @@ def ring_forward(q, k, v, segments, causal_only: bool):
     qs = _chunks(q)
     size = qs.shape[2]
     state = (
-        vary_like(jnp.full((2, q.shape[0], q.shape[3], q.shape[2], size), -1e30, jnp.float32), q, k),
+        vary_like(
+            jnp.full((2, q.shape[0], q.shape[3], q.shape[2], size), -1e30, jnp.float32), q, k
+        ),
         vary_like(jnp.zeros((2, q.shape[0], q.shape[3], q.shape[2], size), jnp.float32), q, k),
         vary_like(jnp.zeros(qs.shape, jnp.float32), q, k, v),
     )
