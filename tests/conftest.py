@@ -1,13 +1,19 @@
-"""Test set-up: 8 fake CPU devices before JAX starts, strict numpy rank promotion."""
+"""Test set-up: 8 fake CPU devices and -O0 code generation before JAX starts, strict numpy rank
+promotion."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from process_helpers import TEST_COMPILE_FLAGS  # no JAX import there
+
+# 8 fake devices, and LLVM at -O0 (process_helpers.TEST_COMPILE_FLAGS says why) unless the
+# environment already chooses an optimization level.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_backend_optimization_level" not in _flags:
+    _flags += " " + TEST_COMPILE_FLAGS
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # JAX's persistent compilation cache, for this session and the `seqshard` processes its tests

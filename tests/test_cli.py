@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from process_helpers import SEQSHARD, xla_flags
 
 from seqshard.cli import _load, main
 
 REPO = Path(__file__).resolve().parent.parent
-SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -24,7 +24,7 @@ def seqshard(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*SEQSHARD, *map(str, args)],
         cwd=cwd,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        env={**os.environ, "XLA_FLAGS": xla_flags(8)},
         capture_output=True,
         text=True,
         timeout=300,

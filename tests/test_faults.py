@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from process_helpers import SEQSHARD, xla_flags
 
 from seqshard.cli import EXIT_ERROR, EXIT_NONFINITE, main
 from seqshard.config import ConfigError, load_config
@@ -31,8 +32,7 @@ from seqshard.train.loop import NonfiniteError, train
 from seqshard.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+ENV = {**os.environ, "XLA_FLAGS": xla_flags(8)}
 FLAT = {"min_lr_ratio": 1.0}  # a schedule that does not depend on train.steps
 
 

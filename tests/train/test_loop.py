@@ -8,13 +8,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from process_helpers import SEQSHARD, xla_flags
 from run_helpers import FLAT, by_step, latest_state, quiet, run
 
 from seqshard.config import ConfigError, load_config
@@ -24,7 +24,6 @@ from seqshard.train.loop import train
 from seqshard.train.metrics import MetricsLogger
 
 REPO = Path(__file__).resolve().parents[2]
-SEQSHARD = [sys.executable, "-m", "seqshard.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +206,7 @@ def test_sigterm_checkpoints_and_resuming_loses_nothing(tmp_path, tiny_overrides
     overrides = tiny_overrides(
         tmp_path / "runs", "killed", steps=steps, eval_every=40, checkpoint_every=0
     )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
     cmd = [*SEQSHARD, "train", str(config), *overrides, "--sample-tokens", "0"]
     metrics = tmp_path / "runs" / "killed" / "metrics.jsonl"
 

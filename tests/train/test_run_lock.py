@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import xla_flags
 
 from seqshard.train import run_lock
 from seqshard.train.run_lock import LOCK_FILE, STALE_S, RunLock, RunLockedError
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+ENV = {**os.environ, "XLA_FLAGS": xla_flags(8)}
 
 
 def test_a_second_training_stops_at_once_naming_the_holder(tmp_path, tiny_overrides):
