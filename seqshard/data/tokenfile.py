@@ -274,6 +274,11 @@ class Shard:
         return len(self.tokens)
 
 
+def _entry_count(key: str, doc: str) -> property:
+    """A TokenSplit property: the int ``key`` of its split's entry in meta.json."""
+    return property(lambda split: int(split.entry[key]), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenSplit:
     """One checked split of a data directory: its shards, read as one stream of documents.
@@ -302,18 +307,9 @@ class TokenSplit:
     def entry(self) -> dict:
         return self.meta["splits"][self.split]
 
-    @property
-    def n_tokens(self) -> int:
-        return int(self.entry["n_tokens"])
-
-    @property
-    def n_docs(self) -> int:
-        return int(self.entry["n_docs"])
-
-    @property
-    def max_id(self) -> int:
-        """The largest id in the split, as prepare recorded it."""
-        return int(self.entry["max_id"])
+    n_tokens = _entry_count("n_tokens", "The tokens in the split.")
+    n_docs = _entry_count("n_docs", "The documents in the split.")
+    max_id = _entry_count("max_id", "The largest id in the split, as prepare recorded it.")
 
     @property
     def vocab_size(self) -> int:

@@ -118,7 +118,7 @@ def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig, names) -> 
             f"{tensors.directory}: {len(missing)} tensors a {cfg.n_layers}-layer "
             f"{hf.architecture} of {hf.path.name} needs are missing, e.g. "
             f"{', '.join(missing[:3])}. Download or copy the whole model directory."
-            + _fewer_experts_said(missing, hf, cfg)
+            + _expert_count_said(missing, False, hf, cfg)
         )
     extra = sorted(have - set(expected))
     if extra:
@@ -126,7 +126,7 @@ def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig, names) -> 
             f"{tensors.directory} has tensors seqshard's {hf.architecture} does not compute: "
             f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''} ({len(extra)} in all; "
             f"biases and extra layers or experts are not supported)."
-            + _more_experts_said(extra, hf, cfg)
+            + _expert_count_said(extra, True, hf, cfg)
             + " seqshard will not drop weights silently."
         )
     for name, row in expected.items():
@@ -166,31 +166,23 @@ def _expert_counts(names: list[str]) -> dict[int, set[int]]:
     return out
 
 
-def _more_experts_said(extra: list[str], hf: HFModel, cfg: ModelConfig) -> str:
-    """What to say when the files hold experts beyond config.json's count."""
-    found = _expert_counts(extra)
+def _expert_count_said(names: list[str], more: bool, hf: HFModel, cfg: ModelConfig) -> str:
+    """What to say when ``names`` (tensors the files have beyond config.json's count of experts
+    if ``more``, else those it counts that the files lack) name experts; "" when none do."""
+    found = _expert_counts(names)
     if not found:
         return ""
     key = hf_keys(hf.architecture)["experts"]
     layer, numbers = min(found.items())
+    said = f"{hf.path.name} says {key}={cfg.moe.n_experts}"
+    if more:
+        return (
+            f" Layer {layer} has experts up to {max(numbers)}, but {said}: set {key} to the "
+            f"number of experts the files hold ({max(numbers) + 1}?)."
+        )
     return (
-        f" Layer {layer} has experts up to {max(numbers)}, but {hf.path.name} says {key}="
-        f"{cfg.moe.n_experts}: set {key} to the number of experts the files hold "
-        f"({max(numbers) + 1}?)."
-    )
-
-
-def _fewer_experts_said(missing: list[str], hf: HFModel, cfg: ModelConfig) -> str:
-    """What to say when config.json counts experts the files do not have."""
-    found = _expert_counts(missing)
-    if not found:
-        return ""
-    key = hf_keys(hf.architecture)["experts"]
-    layer, numbers = min(found.items())
-    return (
-        f" Layer {layer} lacks experts {min(numbers)}..{max(numbers)}: {hf.path.name} says "
-        f"{key}={cfg.moe.n_experts}; if the files hold only {min(numbers)}, set {key} to "
-        f"{min(numbers)}."
+        f" Layer {layer} lacks experts {min(numbers)}..{max(numbers)}: {said}; if the files "
+        f"hold only {min(numbers)}, set {key} to {min(numbers)}."
     )
 
 

@@ -3,7 +3,7 @@
     cfg = ModelConfig(..., backward="explicit")                     # model.backward=explicit
     jax.grad(loss_fn)(weights, tokens, is_seq_start, cfg, mesh)     # runs the backward below
 
-Inside the model's shard_map, :func:`explicit_loss_terms` is a ``jax.custom_vjp`` over the
+Inside the model's shard_map, :func:`explicit_terms_and_stats` is a ``jax.custom_vjp`` over the
 whole model. Its value is transformer.py's forward pass, unchanged (so eval and generation
 are the same programs whichever backward is chosen); under differentiation its forward keeps
 per layer what ``cfg.remat`` says (:func:`kept_activations`), and its backward is written out here, layer
@@ -84,6 +84,7 @@ is cast to f32, the weights' dtype. In f32 the gradients equal autodiff's to rou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -94,6 +95,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqshard.batch import TokenBatch
 from seqshard.model import attention_block, moe
 from seqshard.model.attention import apply_rope, attention_vjp, resolve_impl
 from seqshard.model.block import Activations as BlockActivations
@@ -125,7 +127,6 @@ __all__ = [
     "ACTIVATIONS",
     "attention_backward",
     "embed_backward",
-    "explicit_loss_terms",
     "explicit_run_moe_layers",
     "explicit_terms_and_stats",
     "explicit_run_layers",
@@ -138,6 +139,8 @@ __all__ = [
     "swiglu_backward",
     "attention_half_backward",
     "norm_backward",
+    "normed_projections_backward",
+    "output_projection_backward",
     "projections_backward",
     "qk_norm_backward",
     "rms_norm_backward",
@@ -307,7 +310,7 @@ def projections_backward(
         dw_i = einsum_unreduced('B/d/e L@zigzag/c M, Y_i -> W_i{U_d,e,c}', x, dy_i)
         dw_i = psum_scatter('W_i{U_d,e,c} -> W_i with M/d/e/c', dw_i)
     """
-    rows = "B/d/e L@zigzag/c M"
+    rows = f"{_ROWS} M"
     d_x = functools.reduce(
         operator.add,
         (
@@ -328,6 +331,60 @@ def projections_backward(
     return d_x, d_ws
 
 
+# A block's rows, as its projections see them (a microbatch's, zigzagged over c).
+_ROWS = "B/d/e L@zigzag/c"
+# The activations of a block's input side (x, norm(x)), its gain and the norm's part.
+_ATTENTION_INPUT = ("gx", "nx", "ln1", "attn_norm")
+_FFN_INPUT = ("gh", "nh", "ln2", "ffn_norm")
+
+
+def normed_projections_backward(
+    cfg: ModelConfig,
+    a: Activations,
+    norm: tuple[str, str, str, str],
+    projections: Sequence[tuple[str, str, jax.Array]],
+    part_name: str,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The backward of a block's input side, ``y_i = norm(x) . w_i``: ``norm`` names the
+    activations x and norm(x), the gain and the norm's part (``_ATTENTION_INPUT``); each
+    projection is (its weight's name, the gathered weight's spec 'W_i', dL/dy_i), y_i's spec
+    being W_i with M replaced by the rows. Returns dL/dx (whole: the norm's backward sums the
+    t shards) and the gradients {gain, w_i} (the w_i in f32)."""
+    x, normed, gain, norm_part = norm
+    d_n, d_ws = projections_backward(
+        a[normed],
+        [(w.replace("M", _ROWS, 1), w, dy, a[n]) for n, w, dy in projections],
+        part_name,
+    )
+    # d_n still owes the sum over t of the contracted t-split dims.
+    with part(norm_part):
+        d_x, d_gain = norm_backward(cfg, a[x], a[gain], d_n)
+    d_ws = {name: dw.astype(jnp.float32) for (name, *_), dw in zip(projections, d_ws, strict=True)}
+    return d_x, {gain: d_gain, **d_ws}
+
+
+def output_projection_backward(
+    cfg: ModelConfig, d_out: jax.Array, x: jax.Array, w: jax.Array, dims: str, part_name: str
+) -> tuple[jax.Array, jax.Array]:
+    """The backward of an output projection ``out = psum_scatter(x . w)`` (attention's o, the
+    FFN's down) of ``x`` 'B/d/e L@zigzag/c X' (``dims`` is X, t-split) and the gathered ``w``
+    'M X': (dL/dx, dL/dw in FSDP's layout 'M/d/e/c X'). The forward reduce-scattered over t;
+    its transpose gathers dL/d(out) over t, so each t shard has all of M against its X::
+
+        g  = all_gather('<residual> -> B/d/e L@zigzag/c M', d_out)
+        dx = einsum_unreduced('B/d/e L@zigzag/c M, M X -> B/d/e L@zigzag/c X', g, w)
+        dw = einsum_unreduced('B/d/e L@zigzag/c X, B/d/e L@zigzag/c M -> M X{U_d,e,c}', x, g)
+        dw = psum_scatter('M X{U_d,e,c} -> M/d/e/c X', dw)
+    """
+    with part(part_name):
+        g = shardops.all_gather(f"{cfg.residual_spec} -> {_ROWS} M", d_out)
+        d_x = shardops.einsum_unreduced(f"{_ROWS} M, M {dims} -> {_ROWS} {dims}", g, w)
+        d_w = shardops.einsum_unreduced(f"{_ROWS} {dims}, {_ROWS} M -> M {dims}{{U_d,e,c}}", x, g)
+        # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
+        d_w = shardops.psum_scatter(f"M {dims}{{U_d,e,c}} -> M/d/e/c {dims}", d_w)
+    return d_x, d_w
+
+
 def swiglu_backward(
     cfg: ModelConfig, a: Activations, d_out: jax.Array
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -337,39 +394,16 @@ def swiglu_backward(
     # --- out = h + psum_scatter(swiglu(nh) . w_down) --------------------------------------
     # The forward reduce-scattered the down projection over t; its transpose gathers the
     # gradient over t, so each t shard has all of M against its slice of F.
-    with part("down"):
-        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d/e L@zigzag/c M", d_out)
-        gate, up, y = a["gate"], a["up"], a["y"]
-        d_y = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", g, a["w_down"]
-        )
-        d_w_down = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c F/t, B/d/e L@zigzag/c M -> M F/t{U_d,e,c}", y, g
-        )
-        # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
-        d_w_down = shardops.psum_scatter("M F/t{U_d,e,c} -> M/d/e/c F/t", d_w_down)
+    d_y, d_w_down = output_projection_backward(cfg, d_out, a["y"], a["w_down"], "F/t", "down")
+    gate, up = a["gate"], a["up"]
     # y = silu(gate) * up, silu(z) = z * sigmoid(z)
     sig = jax.nn.sigmoid(gate)
     d_up = d_y * (gate * sig)
     d_gate = d_y * up * (sig * (1 + gate * (1 - sig)))
-    d_nh, (d_w_gate, d_w_up) = projections_backward(
-        a["nh"],
-        [
-            ("B/d/e L@zigzag/c F/t", "M F/t", d_gate, a["w_gate"]),
-            ("B/d/e L@zigzag/c F/t", "M F/t", d_up, a["w_up"]),
-        ],
-        "gate_up",
+    d_gh, grads = normed_projections_backward(
+        cfg, a, _FFN_INPUT, [("w_gate", "M F/t", d_gate), ("w_up", "M F/t", d_up)], "gate_up"
     )
-    # d_nh still owes the sum over the F/t shards.
-    with part("ffn_norm"):
-        d_gh, d_ln2 = norm_backward(cfg, a["gh"], a["ln2"], d_nh)
-    grads = {
-        "ln2": d_ln2,
-        "w_gate": d_w_gate.astype(f32),
-        "w_up": d_w_up.astype(f32),
-        "w_down": d_w_down.astype(f32),
-    }
-    return d_out + d_gh, grads
+    return d_out + d_gh, {**grads, "w_down": d_w_down.astype(f32)}
 
 
 def attention_half_backward(
@@ -386,16 +420,7 @@ def attention_half_backward(
     cos, sin = rope
     # --- h = x + psum_scatter(attn . w_o) --------------------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
-    with part("o"):
-        g = shardops.all_gather(f"{cfg.residual_spec} -> B/d/e L@zigzag/c M", d_h)
-        d_attn = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, M Q K/t D -> B/d/e L@zigzag/c Q K/t D", g, a["w_o"]
-        )
-        d_w_o = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c Q K/t D, B/d/e L@zigzag/c M -> M Q K/t D{U_d,e,c}", a["attn"], g
-        )
-        # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
-        d_w_o = shardops.psum_scatter("M Q K/t D{U_d,e,c} -> M/d/e/c Q K/t D", d_w_o)
+    d_attn, d_w_o = output_projection_backward(cfg, d_h, a["attn"], a["w_o"], "Q K/t D", "o")
     d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
     # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
     d_q = apply_rope(d_q, cos, -sin)
@@ -408,25 +433,10 @@ def attention_half_backward(
         empty = varying_over_stages(jnp.zeros((0,), f32))
         qk_grads = {"q_norm": empty, "k_norm": empty}
     d_kv = jnp.stack([d_k, d_v])
-    d_nx, (d_w_q, d_w_kv) = projections_backward(
-        a["nx"],
-        [
-            ("B/d/e L@zigzag/c Q K/t D", "M Q K/t D", d_q, a["w_q"]),
-            ("2 B/d/e L@zigzag/c K/t D", "2 M K/t D", d_kv, a["w_kv"]),
-        ],
-        "q_kv",
+    d_gx, grads = normed_projections_backward(
+        cfg, a, _ATTENTION_INPUT, [("w_q", "M Q K/t D", d_q), ("w_kv", "2 M K/t D", d_kv)], "q_kv"
     )
-    # d_nx owes the sum over the K/t shards (heads).
-    with part("attn_norm"):
-        d_gx, d_ln1 = norm_backward(cfg, a["gx"], a["ln1"], d_nx)
-    grads = {
-        "ln1": d_ln1,
-        "w_q": d_w_q.astype(f32),
-        "w_kv": d_w_kv.astype(f32),
-        "w_o": d_w_o.astype(f32),
-        **qk_grads,
-    }
-    return d_h + d_gx, grads
+    return d_h + d_gx, {**grads, "w_o": d_w_o.astype(f32), **qk_grads}
 
 
 def qk_norm_backward(
@@ -573,24 +583,8 @@ def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.A
 _RECOMPUTE = "rematted_computation"
 
 
-def explicit_loss_terms(
-    cfg: ModelConfig,
-    w: Weights,
-    tokens: jax.Array,
-    is_seq_start: jax.Array,
-    loss_mask: jax.Array | None = None,
-) -> jax.Array:
-    """:func:`~seqshard.model.transformer.forward_loss_terms` (per-device blocks in, f32[2]
-    out), whose gradient is the hand-written backward pass of this module."""
-    return explicit_terms_and_stats(cfg, w, tokens, is_seq_start, loss_mask)[0]
-
-
 def explicit_terms_and_stats(
-    cfg: ModelConfig,
-    w: Weights,
-    tokens: jax.Array,
-    is_seq_start: jax.Array,
-    loss_mask: jax.Array | None = None,
+    cfg: ModelConfig, w: Weights, batch: TokenBatch
 ) -> tuple[jax.Array, RouterStats | None]:
     """:func:`~seqshard.model.transformer.forward_terms_and_stats`, whose gradient is the
     hand-written backward pass of this module (the MoE layers' FFN differentiated by
@@ -598,18 +592,17 @@ def explicit_terms_and_stats(
     axes = block_axes()
     if axes is None:
         raise ValueError(
-            "explicit_loss_terms runs on per-device blocks, inside the model's shard_map "
+            "explicit_terms_and_stats runs on per-device blocks, inside the model's shard_map "
             "(loss_fn, batch_loss_terms); it was called outside one."
         )
-    return _with_explicit_backward(
-        cfg, (tuple(axes.sizes.items()), axes.manual), w, tokens, is_seq_start, loss_mask
-    )
+    sizes = (tuple(axes.sizes.items()), axes.manual)
+    return _with_explicit_backward(cfg, sizes, w, batch.tokens, batch.is_seq_start, batch.loss_mask)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start, loss_mask):
     # Not differentiated (eval): the model's forward pass itself.
-    return forward_terms_and_stats(cfg, w, tokens, is_seq_start, loss_mask)
+    return forward_terms_and_stats(cfg, w, TokenBatch(tokens, is_seq_start, loss_mask))
 
 
 def _layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer):
@@ -731,53 +724,33 @@ _with_explicit_backward.defvjp(_forward, _backward)
 # A pipeline stage's layers
 
 
+def _stage_static(name: str):
+    """What a stage's custom VJP needs to reopen its scopes: (the block's axes, the log's
+    place). ``name``, the entry point, runs inside the model's shard_map only."""
+    axes = block_axes()
+    if axes is None:
+        raise ValueError(f"{name} runs inside the model's shard_map.")
+    return ((tuple(axes.sizes.items()), axes.manual), collective_log.place())
+
+
+@contextlib.contextmanager
+def _stage_scopes(static, scope: contextlib.AbstractContextManager):
+    """The scopes of a stage's forward or backward, where JAX traces it after the tick loop's
+    body closed them: the block's axes and shapes, the log's place, and ``scope`` (the log's
+    hand-differentiated marker or its backward phase)."""
+    (sizes, manual), where = static
+    with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.at(where), scope:
+        yield
+
+
 def explicit_run_layers(
     cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer
 ) -> jax.Array:
     """:func:`~seqshard.model.transformer.run_layers` (the residual through a stack of
     layers: a pipeline stage's block), whose gradient is this module's layer backward, the
     layers in reverse. ``rows`` are the rows' ids and positions (no gradient)."""
-    axes = block_axes()
-    if axes is None:
-        raise ValueError("explicit_run_layers runs inside the model's shard_map.")
-    static = ((tuple(axes.sizes.items()), axes.manual), collective_log.place())
+    static = _stage_static("explicit_run_layers")
     return _stage_with_explicit_backward(cfg, static, layers, x, rows)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _stage_with_explicit_backward(cfg, static, layers, x, rows):
-    with collective_log.hand_differentiated(), collective_log.custom_vjp_primal():
-        return run_layers(cfg, rows, x, layers)
-
-
-def _stage_forward(cfg: ModelConfig, static, layers: Layer, x: jax.Array, rows: SequenceRows):
-    (sizes, manual), where = static
-    # Traced when JAX differentiates the tick loop (the stage's scopes closed): reopen them.
-    with (
-        block_axes_scope(dict(sizes), manual),
-        shape_scope(),
-        collective_log.at(where),
-        collective_log.hand_differentiated(),
-    ):
-        y, kept = _layers_keeping(cfg, rows, x, layers)
-    return y, (layers, rows, kept)
-
-
-def _stage_backward(cfg: ModelConfig, static, residuals, d_y: jax.Array):
-    layers, rows, kept = residuals
-    (sizes, manual), where = static
-    # Traced when JAX transposes the tick loop, after the body's scopes closed: reopen them.
-    with (
-        block_axes_scope(dict(sizes), manual),
-        shape_scope(),
-        collective_log.at(where),
-        collective_log.phase("backward"),
-    ):
-        d_x, d_layers = _layers_backward(cfg, rows, layers, kept, d_y)
-    return d_layers, d_x, None
-
-
-_stage_with_explicit_backward.defvjp(_stage_forward, _stage_backward)
 
 
 def explicit_run_moe_layers(
@@ -787,48 +760,44 @@ def explicit_run_moe_layers(
     the residual and their stacked statistics), whose gradient is this module's MoE layer
     backward, the layers in reverse; the statistics' aux and z take their cotangents (the
     loss adds them), the rest (counts) have none."""
-    axes = block_axes()
-    if axes is None:
-        raise ValueError("explicit_run_moe_layers runs inside the model's shard_map.")
-    static = ((tuple(axes.sizes.items()), axes.manual), collective_log.place())
-    return _moe_stage_with_explicit_backward(cfg, static, layers, x, rows)
+    static = _stage_static("explicit_run_moe_layers")
+    return _stage_with_explicit_backward(cfg, static, layers, x, rows)
+
+
+# A stage's layers: the MoE layers when the model has experts (the stage's whole stack then,
+# see pipelined._stack), else the dense ones.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _moe_stage_with_explicit_backward(cfg, static, layers, x, rows):
+def _stage_with_explicit_backward(cfg, static, layers, x, rows):
     with collective_log.hand_differentiated(), collective_log.custom_vjp_primal():
-        return run_moe_layers(cfg, rows, x, layers)
+        return (run_moe_layers if cfg.moe.enabled else run_layers)(cfg, rows, x, layers)
 
 
-def _moe_stage_forward(cfg: ModelConfig, static, layers: MoELayer, x: jax.Array, rows):
-    (sizes, manual), where = static
+def _stage_forward(cfg: ModelConfig, static, layers, x: jax.Array, rows: SequenceRows):
     # Traced when JAX differentiates the tick loop (the stage's scopes closed): reopen them.
-    with (
-        block_axes_scope(dict(sizes), manual),
-        shape_scope(),
-        collective_log.at(where),
-        collective_log.hand_differentiated(),
-    ):
-        y, kept_values, stats = _moe_layers_keeping(cfg, rows, x, layers)
-    return (y, stats), (layers, rows, kept_values)
+    with _stage_scopes(static, collective_log.hand_differentiated()):
+        if cfg.moe.enabled:
+            y, kept_values, stats = _moe_layers_keeping(cfg, rows, x, layers)
+            return (y, stats), (layers, rows, kept_values)
+        y, kept_values = _layers_keeping(cfg, rows, x, layers)
+    return y, (layers, rows, kept_values)
 
 
-def _moe_stage_backward(cfg: ModelConfig, static, residuals, cotangents):
+def _stage_backward(cfg: ModelConfig, static, residuals, cotangents):
     layers, rows, kept_values = residuals
-    d_y, d_stats = cotangents
-    (sizes, manual), where = static
     # Traced when JAX transposes the tick loop, after the body's scopes closed: reopen them.
-    with (
-        block_axes_scope(dict(sizes), manual),
-        shape_scope(),
-        collective_log.at(where),
-        collective_log.phase("backward"),
-    ):
-        d_x, d_layers = _moe_layers_backward(
-            cfg, rows, layers, kept_values, d_y, (d_stats.aux, d_stats.z)
-        )
-    # The router bias is read without a gradient (its own update is the train step's).
+    with _stage_scopes(static, collective_log.phase("backward")):
+        if cfg.moe.enabled:
+            d_y, d_stats = cotangents
+            d_x, d_layers = _moe_layers_backward(
+                cfg, rows, layers, kept_values, d_y, (d_stats.aux, d_stats.z)
+            )
+        else:
+            d_x, d_layers = _layers_backward(cfg, rows, layers, kept_values, cotangents)
+    # rows: ids and positions, no gradient (the router bias, read without one, is among the
+    # layers: its own update is the train step's).
     return d_layers, d_x, None
 
 
-_moe_stage_with_explicit_backward.defvjp(_moe_stage_forward, _moe_stage_backward)
+_stage_with_explicit_backward.defvjp(_stage_forward, _stage_backward)

@@ -85,6 +85,13 @@ _LAYER = "model.layers.{i}."
 _EXPERT = _LAYER + "mlp.experts.{x}."
 
 
+def _expert(init, proj: str):
+    """A routed expert's weight, Hugging Face's ``mlp.experts.{x}.<proj>.weight`` (stored as
+    nn.Linear's [out, in])."""
+    layout = "d_model d_expert" if proj == "down_proj" else "d_expert d_model"
+    return weight(init, hf=f"{_EXPERT}{proj}.weight", layout=layout)
+
+
 def _fan_in(cfg: ModelConfig) -> float:
     return 1 / math.sqrt(cfg.d_model)
 
@@ -112,15 +119,9 @@ class ExpertFfnWeights:
     router_bias: f32["experts"] = weight(0.0, decay=False, gathered_in="f32")
     # One Hugging Face tensor per expert ({x}); Mixtral names them w1, w3, w2
     # (seqshard.hf.table).
-    w_gate: f32["experts/e d_model/d/c d_expert/t"] = weight(
-        _fan_in, hf=_EXPERT + "gate_proj.weight", layout="d_expert d_model"
-    )
-    w_up: f32["experts/e d_model/d/c d_expert/t"] = weight(
-        _fan_in, hf=_EXPERT + "up_proj.weight", layout="d_expert d_model"
-    )
-    w_down: f32["experts/e d_model/d/c d_expert/t"] = weight(
-        _w_down_std, hf=_EXPERT + "down_proj.weight", layout="d_model d_expert"
-    )
+    w_gate: f32["experts/e d_model/d/c d_expert/t"] = _expert(_fan_in, "gate_proj")
+    w_up: f32["experts/e d_model/d/c d_expert/t"] = _expert(_fan_in, "up_proj")
+    w_down: f32["experts/e d_model/d/c d_expert/t"] = _expert(_w_down_std, "down_proj")
     s_gate: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in)
     s_up: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in)
     s_down: f32["d_model/d/e/c d_shared/t"] = weight(_w_down_std)
@@ -312,17 +313,22 @@ def _experts(cfg: ModelConfig, w, rows: jax.Array, local: jax.Array) -> jax.Arra
     sizes = jnp.bincount(local, length=n_local + 1)[:n_local].astype(jnp.int32)
     x = rows[order]
     # FSDP: this shard's experts gathered over d and c (they are split over e already).
-    with part("expert_gate"):
-        w_gate = shardops.all_gather("E/e M/d/c X/t -> E/e M X/t", w.w_gate.astype(dt))
-    with part("expert_up"):
-        w_up = shardops.all_gather("E/e M/d/c X/t -> E/e M X/t", w.w_up.astype(dt))
-    with part("expert_down"):
-        w_down = shardops.all_gather("E/e M/d/c X/t -> E/e M X/t", w.w_down.astype(dt))
+    w_gate, w_up, w_down = _gathered_swiglu(w, "w", "expert", "E/e M/d/c X/t -> E/e M X/t", dt)
     # Grouped matmuls summed as shardlib.matmul decides (bf16 in f32), outputs in dt.
     gate = ragged_dot(x, w_gate, sizes)
     up = ragged_dot(x, w_up, sizes)
     y = ragged_dot(jax.nn.silu(gate) * up, jnp.swapaxes(w_down, 1, 2), sizes)
     return jnp.zeros_like(y).at[order].set(y).reshape(shape)
+
+
+def _gathered_swiglu(w, weights: str, parts: str, spec: str, dt) -> list[jax.Array]:
+    """The SwiGLU weights ``{weights}_gate``, ``_up`` and ``_down`` of ``w`` in compute dtype
+    ``dt``, each gathered by ``spec`` (FSDP) in its own part ``{parts}_gate``, ..."""
+    out = []
+    for kind in ("gate", "up", "down"):
+        with part(f"{parts}_{kind}"):
+            out.append(shardops.all_gather(spec, getattr(w, f"{weights}_{kind}").astype(dt)))
+    return out
 
 
 def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, RouterStats]:
@@ -370,12 +376,7 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, Rout
         y = einsum("tkm,tk->tm", copies, (gates * kept).astype(copies.dtype))
 
     if moe.n_shared:  # shared experts: a dense SwiGLU every token passes through
-        with part("shared_gate"):
-            s_gate = shardops.all_gather("M/d/e/c Sh/t -> M Sh/t", w.s_gate.astype(dt))
-        with part("shared_up"):
-            s_up = shardops.all_gather("M/d/e/c Sh/t -> M Sh/t", w.s_up.astype(dt))
-        with part("shared_down"):
-            s_down = shardops.all_gather("M/d/e/c Sh/t -> M Sh/t", w.s_down.astype(dt))
+        s_gate, s_up, s_down = _gathered_swiglu(w, "s", "shared", "M/d/e/c Sh/t -> M Sh/t", dt)
         sg = shardops.einsum_unreduced("T M, M Sh/t -> T Sh/t", x, s_gate)
         su = shardops.einsum_unreduced("T M, M Sh/t -> T Sh/t", x, s_up)
         y = y + shardops.einsum_unreduced("T Sh/t, M Sh/t -> T M", jax.nn.silu(sg) * su, s_down)

@@ -180,12 +180,10 @@ def reference_moe_layer(
     x = reference_attention_half(cfg, w, x, positions, mask)
     nx = reference_norm(x, w.ln2, cfg.norm_eps).astype(dt)
     logits = jnp.einsum("blm,me->ble", nx.astype(jnp.float32), w.router)
-    if moe.router == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-        probs = scores
-    else:
-        scores = jax.nn.sigmoid(logits)
-        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    # Softmax scores (Mixtral, Qwen3-MoE) or sigmoid ones (DeepSeek-V3); the aux loss averages
+    # them normalized to sum 1 (a no-op on a softmax's, up to rounding).
+    scores = (jax.nn.softmax if moe.router == "softmax" else jax.nn.sigmoid)(logits)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     bias = jnp.broadcast_to(jax.lax.stop_gradient(w.router_bias), scores.shape)
     _, ids = jax.lax.top_k(scores + bias, moe.top_k)
     chosen = jax.nn.one_hot(ids, moe.n_experts, dtype=jnp.float32).sum(axis=-2)  # [B, L, E]

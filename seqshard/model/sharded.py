@@ -65,17 +65,13 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
 
     def loss_terms(w, batch: TokenBatch):
         if axis_size(mesh, "p") > 1:
-            out = pipelined_terms_and_stats(
-                cfg, pipeline, w, batch.tokens, batch.is_seq_start, batch.loss_mask
-            )
+            out = pipelined_terms_and_stats(cfg, pipeline, w, batch)
             return out if moe else out[0]
         if cfg.backward == "explicit":
             # The same forward value; jax.grad runs backward.py's hand-written backward.
-            out = explicit_terms_and_stats(
-                cfg, w, batch.tokens, batch.is_seq_start, batch.loss_mask
-            )
+            out = explicit_terms_and_stats(cfg, w, batch)
         else:
-            out = forward_terms_and_stats(cfg, w, batch.tokens, batch.is_seq_start, batch.loss_mask)
+            out = forward_terms_and_stats(cfg, w, batch)
         return out if moe else out[0]
 
     def logits(w, batch: TokenBatch):

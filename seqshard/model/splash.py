@@ -28,6 +28,7 @@ logsumexp.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -173,20 +174,17 @@ def _from_heads_major(x, shape):
     return jnp.transpose(x.reshape(batch, n_kv, n_q, length, d_head), (0, 3, 2, 1, 4))
 
 
+# Every block size of the kernel's forward and backward (block_q, block_kv_dkv, ...).
+_BLOCK_FIELDS = tuple(
+    f.name for f in dataclasses.fields(splash.BlockSizes) if f.name.startswith("block_")
+)
+
+
 def _kernel(q_shape, segment_ids):
     """The splash kernel for q of ``q_shape``, vmapped over B: (qh, kh, vh) -> out heads-major."""
     _, length, n_q, n_kv, _ = q_shape
     block = block_size(length)
-    blocks = splash.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
-        block_q_dq=block,
-        block_kv_dq=block,
-    )
+    blocks = splash.BlockSizes(**dict.fromkeys(_BLOCK_FIELDS, block))  # one size for all
     causal = splash.MultiHeadMask([splash.CausalMask((length, length))] * (n_kv * n_q))
     kernel = splash.make_splash_mha(
         causal,

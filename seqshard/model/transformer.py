@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqshard.batch import TokenBatch
 from seqshard.model import attention_block, moe, swiglu
 from seqshard.model.attention import attention_mask, rope_frequencies, rope_tables
 from seqshard.model.block import Activation, Activations, Block, elementwise, matmul
@@ -66,7 +67,6 @@ __all__ = [
     "final_hidden",
     "final_norm",
     "all_layers",
-    "forward_loss_terms",
     "forward_terms_and_stats",
     "moe_layer",
     "moe_layer_forward",
@@ -336,29 +336,13 @@ def loss_terms_and_softmax(
 
 
 def forward_terms_and_stats(
-    cfg: ModelConfig,
-    w: Weights,
-    tokens: jax.Array,
-    is_seq_start: jax.Array,
-    loss_mask: jax.Array | None = None,
+    cfg: ModelConfig, w: Weights, batch: TokenBatch
 ) -> tuple[jax.Array, RouterStats | None]:
-    """The forward pass on per-device blocks 'B/d/e L/c' (inside the shard_map): (f32[2], the
-    summed loss, balancing terms included, and the positions counted; the MoE layers'
-    routing statistics, or None without experts). ``loss_mask``: see
-    :class:`~seqshard.batch.TokenBatch` (None: every token counts)."""
-    rows = sequence_rows(tokens, is_seq_start, loss_mask)
+    """The forward pass on the per-device blocks 'B/d/e L/c' of ``batch`` (inside the
+    shard_map): (f32[2], the summed loss, balancing terms included, and the positions counted;
+    the MoE layers' routing statistics, or None without experts)."""
+    rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)
     x, stats = all_layers(cfg, w, rows, embed(cfg, w, rows.tokens))
     logits = unembed(cfg, w, final_norm(cfg, w, x))
     terms = loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
     return with_balancing_terms(terms, stats), stats
-
-
-def forward_loss_terms(
-    cfg: ModelConfig,
-    w: Weights,
-    tokens: jax.Array,
-    is_seq_start: jax.Array,
-    loss_mask: jax.Array | None = None,
-) -> jax.Array:
-    """:func:`forward_terms_and_stats`'s loss terms f32[2]."""
-    return forward_terms_and_stats(cfg, w, tokens, is_seq_start, loss_mask)[0]

@@ -124,6 +124,9 @@ class _State:
     vjp_in_backward: bool = False
 
 
+# The fields of the state that a logged call copies (all but the log).
+_PLACE_FIELDS = ("phase", "loops", "part", "autodiff", "vjp_primal", "vjp_in_backward")
+
 _local = threading.local()
 
 
@@ -260,14 +263,10 @@ def emit(
             operand_shape=tuple(operand.shape),
             result_shape=tuple(result.shape),
             dtype=np.dtype(result.dtype).name,
-            phase=state.phase,
-            loops=state.loops,
-            part=state.part,
             checked=checked,
             invarying=invarying,
-            autodiff=state.autodiff,
-            vjp_primal=state.vjp_primal,
-            vjp_in_backward=state.vjp_in_backward,
+            # Where the call is: phase, loops, part and how it is differentiated.
+            **{k: getattr(state, k) for k in _PLACE_FIELDS},
         )
     )
 

@@ -68,6 +68,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqshard.batch import TokenBatch
 from seqshard.model.backward import explicit_run_layers, explicit_run_moe_layers
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
@@ -92,7 +93,6 @@ from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = [
-    "pipelined_loss_terms",
     "pipelined_terms_and_stats",
     "to_microbatches",
 ]
@@ -138,30 +138,13 @@ def _on_last_stage_summed(terms: jax.Array, own: jax.Array | None = None) -> jax
     return shardops.psum("2{U_p} -> 2", terms)
 
 
-def pipelined_loss_terms(
-    cfg: ModelConfig,
-    pipe: Pipeline,
-    w: Weights,
-    tokens: jax.Array,
-    is_seq_start: jax.Array,
-    loss_mask: jax.Array | None = None,
-) -> jax.Array:
-    """The loss terms f32[2] of per-device blocks 'B/d/e L/c', pipelined over p (inside the
-    model's shard_map; :func:`~seqshard.model.transformer.forward_loss_terms`'s value)."""
-    return pipelined_terms_and_stats(cfg, pipe, w, tokens, is_seq_start, loss_mask)[0]
-
-
 def pipelined_terms_and_stats(
-    cfg: ModelConfig,
-    pipe: Pipeline,
-    w: Weights,
-    tokens: jax.Array,
-    is_seq_start: jax.Array,
-    loss_mask: jax.Array | None = None,
+    cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch
 ) -> tuple[jax.Array, RouterStats | None]:
     """(the loss terms f32[2], each microbatch's balancing terms included; the step's
     :class:`~seqshard.model.moe.RouterStats` in the stored stack's order, replicated, or None
     without experts), pipelined over p (see the module docstring)."""
+    tokens, is_seq_start, loss_mask = batch.tokens, batch.is_seq_start, batch.loss_mask
     if pipe.schedule == "1f1b":
         out = _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start, loss_mask)
     else:
