@@ -296,6 +296,10 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
     return dq, dk, dv
 
 
+# A block's rows, as its projections see them (a microbatch's, zigzagged over c).
+_ROWS = "B/d/e L@zigzag/c"
+
+
 def projections_backward(
     x: jax.Array,
     projections: Sequence[tuple[str, str, jax.Array, jax.Array]],
@@ -331,8 +335,6 @@ def projections_backward(
     return d_x, d_ws
 
 
-# A block's rows, as its projections see them (a microbatch's, zigzagged over c).
-_ROWS = "B/d/e L@zigzag/c"
 # The activations of a block's input side (x, norm(x)), its gain and the norm's part.
 _ATTENTION_INPUT = ("gx", "nx", "ln1", "attn_norm")
 _FFN_INPUT = ("gh", "nh", "ln2", "ffn_norm")
