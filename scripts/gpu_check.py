@@ -114,6 +114,8 @@ def compare(got, want) -> dict[str, float]:
     for (path, r), g in zip(
         jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
     ):
+        if r.size == 0:  # a switched-off weight (model.qk_norm's gains are [0])
+            continue
         rel = float(np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30))
         if rel >= worst_grad:
             worst_grad, worst_leaf = rel, jax.tree_util.keystr(path)
@@ -378,7 +380,8 @@ def main(argv: list[str]) -> int:
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
         result["seconds"] = time.perf_counter() - t0
         summary["stages"][stage] = result
-        print(f"=== {stage} ok={result['ok']} in {result['seconds']:.0f} s", flush=True)
+        error = f" error={result['error']}" if "error" in result else ""
+        print(f"=== {stage} ok={result['ok']} in {result['seconds']:.0f} s{error}", flush=True)
     summary["ok"] = all(s["ok"] for s in summary["stages"].values())
     (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(

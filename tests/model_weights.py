@@ -1,5 +1,6 @@
-"""The tests' tiny model and random weights for it (imported by the model, step, remat,
-generation and comms tests; ``conftest.py``'s ``tiny_model_config`` fixture hands out the same)."""
+"""The tests' tiny model, random weights for it and tree comparisons (imported by the model,
+step, remat, generation and comms tests; ``conftest.py``'s ``tiny_model_config`` fixture hands
+out the same model)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,15 @@ def packed_batch(vocab: int, batch: int, length: int, seed: int = 0):
     is_seq_start[1:, 0] = True
     is_seq_start[0, 0] = False
     return tokens, is_seq_start
+
+
+def to_numpy(tree):
+    """Every leaf of ``tree`` as a numpy array (fetched from its devices)."""
+    return jax.tree.map(np.asarray, tree)
+
+
+def assert_trees_close(actual, expected, **tol) -> None:
+    """allclose leaf by leaf, naming the leaf that differs."""
+    paths = jax.tree_util.tree_leaves_with_path(expected)
+    for (path, e), a in zip(paths, jax.tree.leaves(actual), strict=True):
+        np.testing.assert_allclose(a, e, err_msg=jax.tree_util.keystr(path), **tol)

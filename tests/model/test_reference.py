@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_weights import assert_trees_close, random_weights, tiny_model
 from model_weights import packed_batch as shared_packed_batch
-from model_weights import random_weights, tiny_model
 
 from seqshard.batch import TokenBatch, token_batch
 from seqshard.config import Config, MeshConfig, TrainConfig
@@ -80,13 +80,6 @@ def reference_outputs():
         return loss, grads, reference_logits_fn(w, tokens, is_seq_start, CFG)
 
     return jax.tree.map(np.asarray, jax.jit(outputs)(WEIGHTS, TOKENS, IS_SEQ_START))
-
-
-def assert_trees_close(actual, expected, **tol) -> None:
-    """allclose leaf by leaf, naming the leaf that differs."""
-    paths = jax.tree_util.tree_leaves_with_path(expected)
-    for (path, e), a in zip(paths, jax.tree.leaves(actual), strict=True):
-        np.testing.assert_allclose(a, e, err_msg=jax.tree_util.keystr(path), **tol)
 
 
 # ---------------------------------------------------------------------------------------------

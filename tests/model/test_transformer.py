@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from model_weights import assert_trees_close, random_weights, tiny_model, to_numpy
 from model_weights import packed_batch as shared_packed_batch
-from model_weights import random_weights, tiny_model
 
 from seqshard.config import ConfigError, load_config
 from seqshard.model import (
@@ -105,10 +105,6 @@ def _reference(w, tokens, is_seq_start, cfg):
 reference_fn = jax.jit(_reference, static_argnums=3)
 
 
-def to_numpy(tree):
-    return jax.tree.map(np.asarray, tree)
-
-
 @functools.cache
 def sharded_outputs(cfg: ModelConfig, shape: tuple[int, int]):
     """((loss, grads), logits) as numpy for the module's batch, on a d x t mesh."""
@@ -119,13 +115,6 @@ def sharded_outputs(cfg: ModelConfig, shape: tuple[int, int]):
 @functools.cache
 def reference_outputs(cfg: ModelConfig):
     return to_numpy(reference_fn(WEIGHTS, TOKENS, IS_SEQ_START, cfg))
-
-
-def assert_trees_close(actual, expected, **tol) -> None:
-    """allclose leaf by leaf, naming the leaf that differs."""
-    paths = jax.tree_util.tree_leaves_with_path(expected)
-    for (path, e), a in zip(paths, jax.tree.leaves(actual), strict=True):
-        np.testing.assert_allclose(a, e, err_msg=jax.tree_util.keystr(path), **tol)
 
 
 def assert_matches_reference(got, want, loss_tol, logits_tol, grads_tol) -> None:

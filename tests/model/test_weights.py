@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from model_weights import tiny_model
+from model_weights import assert_trees_close, tiny_model, to_numpy
 
 from seqshard.model import ModelConfig, Weights, init_weights, param_count, weight_structs
 from seqshard.shardlib.shardtypes import partition_specs
