@@ -361,8 +361,8 @@ def normed_projections_backward(
     # d_n still owes the sum over t of the contracted t-split dims.
     with part(norm_part):
         d_x, d_gain = norm_backward(cfg, a[x], a[gain], d_n)
-    d_ws = {name: dw.astype(jnp.float32) for (name, *_), dw in zip(projections, d_ws, strict=True)}
-    return d_x, {gain: d_gain, **d_ws}
+    named = {name: dw.astype(jnp.float32) for (name, *_), dw in zip(projections, d_ws, strict=True)}
+    return d_x, {gain: d_gain, **named}
 
 
 def output_projection_backward(
@@ -598,13 +598,13 @@ def explicit_terms_and_stats(
             "(loss_fn, batch_loss_terms); it was called outside one."
         )
     sizes = (tuple(axes.sizes.items()), axes.manual)
-    return _with_explicit_backward(cfg, sizes, w, batch.tokens, batch.is_seq_start, batch.loss_mask)
+    return _with_explicit_backward(cfg, sizes, w, batch)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _with_explicit_backward(cfg, axes, w, tokens, is_seq_start, loss_mask):
+def _with_explicit_backward(cfg, axes, w, batch):
     # Not differentiated (eval): the model's forward pass itself.
-    return forward_terms_and_stats(cfg, w, TokenBatch(tokens, is_seq_start, loss_mask))
+    return forward_terms_and_stats(cfg, w, batch)
 
 
 def _layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer):
@@ -677,12 +677,12 @@ def _stack_size(layers) -> tuple[int]:
     return jax.tree.leaves(layers)[0].shape[:1]
 
 
-def _forward(cfg: ModelConfig, axes, w: Weights, tokens, is_seq_start, loss_mask):
+def _forward(cfg: ModelConfig, axes, w: Weights, batch: TokenBatch):
     """The forward pass for differentiation: the loss terms, the MoE layers' statistics, and
     what the backward reads."""
     sizes = cfg.dim_sizes()
     with collective_log.hand_differentiated():  # _backward logs its own collectives
-        rows = sequence_rows(tokens, is_seq_start, loss_mask)
+        rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)
         x = embed(cfg, w, rows.tokens)
         kept_layers = kept_moe = stats = None
         if sizes["layers"]:
@@ -696,8 +696,8 @@ def _forward(cfg: ModelConfig, axes, w: Weights, tokens, is_seq_start, loss_mask
 
 
 def _backward(cfg: ModelConfig, axes, residuals, cotangents):
-    """The backward pass: Weights of gradients in their own layouts; ids, starts and the loss
-    mask get none."""
+    """The backward pass: Weights of gradients in their own layouts; the batch (ids, starts
+    and the loss mask) gets none."""
     w, rows, kept_layers, kept_moe, head, count = residuals
     d_total = cotangents[0][0]
     sizes, manual = axes
@@ -716,7 +716,7 @@ def _backward(cfg: ModelConfig, axes, residuals, cotangents):
         else:  # no dense layers: an empty stack's gradient
             grads["layers"] = jax.tree.map(jnp.zeros_like, w.layers)
         grads["embed"] = embed_backward(cfg, rows.tokens, d_x)
-    return type(w)(**grads), None, None, None
+    return type(w)(**grads), None
 
 
 _with_explicit_backward.defvjp(_forward, _backward)

@@ -144,11 +144,10 @@ def pipelined_terms_and_stats(
     """(the loss terms f32[2], each microbatch's balancing terms included; the step's
     :class:`~seqshard.model.moe.RouterStats` in the stored stack's order, replicated, or None
     without experts), pipelined over p (see the module docstring)."""
-    tokens, is_seq_start, loss_mask = batch.tokens, batch.is_seq_start, batch.loss_mask
     if pipe.schedule == "1f1b":
-        out = _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start, loss_mask)
+        out = _with_one_f_one_b(cfg, pipe, w, batch)
     else:
-        out = _gpipe_terms(cfg, pipe, w, tokens, is_seq_start, loss_mask)
+        out = _gpipe_terms(cfg, pipe, w, batch)
     return out if cfg.moe.enabled else (out, None)
 
 
@@ -158,10 +157,10 @@ def _stack(cfg: ModelConfig, w: Weights):
     return w.moe_layers if cfg.moe.enabled else w.layers
 
 
-def _stages(cfg: ModelConfig, pipe: Pipeline, tokens, is_seq_start, loss_mask):
+def _stages(cfg: ModelConfig, pipe: Pipeline, batch: TokenBatch):
     """(the rows, the rows as microbatches 'm b ...', the stage function ``(block, x, i) ->
     (y, the block's RouterStats or None)``)."""
-    rows = sequence_rows(tokens, is_seq_start, loss_mask)
+    rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)
     micro = jax.tree.map(functools.partial(to_microbatches, m=pipe.microbatches), rows)
     explicit = cfg.backward == "explicit"
 
@@ -242,10 +241,10 @@ def _embedded(cfg: ModelConfig, pipe: Pipeline, table: jax.Array, rows: Sequence
     return to_microbatches(x, pipe.microbatches)
 
 
-def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_start, loss_mask):
+def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch):
     """GPipe (and the 1F1B step's value when not differentiated): all forwards, then the
     head over the m outputs, one microbatch at a time (rematerialized: only ys are kept)."""
-    rows, micro, stage = _stages(cfg, pipe, tokens, is_seq_start, loss_mask)
+    rows, micro, stage = _stages(cfg, pipe, batch)
     # The replicated weights, made per stage before use: their gradients are summed over p
     # once, here, not by autodiff once per tick and microbatch.
     axes = block_axes()
@@ -310,19 +309,17 @@ _per_stage.defvjp(_per_stage_forward, _per_stage_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _with_one_f_one_b(cfg, pipe, w, tokens, is_seq_start, loss_mask):
+def _with_one_f_one_b(cfg, pipe, w, batch):
     # Not differentiated (eval): the forward ticks alone. With experts, (terms, statistics):
     # the statistics are reported, not differentiated (their aux and z reach the gradient
     # through the terms).
     with collective_log.custom_vjp_primal():
-        return _gpipe_terms(cfg, pipe, w, tokens, is_seq_start, loss_mask)
+        return _gpipe_terms(cfg, pipe, w, batch)
 
 
-def _one_f_one_b_forward(
-    cfg: ModelConfig, pipe: Pipeline, w: Weights, tokens, is_seq_start, loss_mask
-):
+def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch):
     """The 1F1B ticks: the loss terms and every weight's gradient of the summed loss."""
-    rows, micro, stage = _stages(cfg, pipe, tokens, is_seq_start, loss_mask)
+    rows, micro, stage = _stages(cfg, pipe, batch)
     # Differentiated per stage (stage 0's input gradients are the only non-zero ones): the
     # table's gradient varies over p until summed below.
     table = varying_over_stages(w.embed)
@@ -373,7 +370,7 @@ def _one_f_one_b_backward(cfg, pipe, grads: Weights, cotangents):
     """The gradients the forward made, times the cotangent of the summed loss (with experts,
     the statistics' cotangents are dropped: they are reported, not differentiated)."""
     d_terms = cotangents[0] if cfg.moe.enabled else cotangents
-    return jax.tree.map(lambda g: g * d_terms[0], grads), None, None, None
+    return jax.tree.map(lambda g: g * d_terms[0], grads), None
 
 
 _with_one_f_one_b.defvjp(_one_f_one_b_forward, _one_f_one_b_backward)
