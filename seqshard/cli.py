@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -63,9 +62,10 @@ def _load(path: str, overrides: Sequence[str], devices: int | None = None, proce
     held to the count), and this machine's devices left alone. Otherwise, before JAX's backend
     starts, each of ``processes`` CPU processes gets its share of the mesh's devices (unless
     XLA_FLAGS sets a count, which wins)."""
-    from seqshard.config import load_config
+    from seqshard.config import check_overrides_once, load_config
     from seqshard.launch import use_cpu_devices
 
+    check_overrides_once(overrides)
     cfg = load_config(path, overrides)
     if devices is not None:
         from seqshard.plan.planner import target_config
@@ -90,8 +90,9 @@ def _process_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=int, metavar="I", help="this process: 0 .. N-1")
 
 
-def _start(args, config_path: str, overrides: Sequence[str]):
-    """Join the run's processes and resolve the config on their devices.
+def _start(args, config_path: str, overrides: Sequence[str], run_dir: str | None = None):
+    """Join the run's processes and resolve the config on their devices (with ``run_dir``:
+    reading the data that run trained on, see :func:`_with_run_data`).
 
     Before JAX's backend starts: the collective-overlap XLA flags, and on CPU each process's
     share of the mesh's devices (unless XLA_FLAGS sets a count, which wins)."""
@@ -100,6 +101,8 @@ def _start(args, config_path: str, overrides: Sequence[str]):
 
     processes = find_processes(args.coordinator, args.num_processes, args.process_id)
     cfg = _load(config_path, overrides, processes=processes.num_processes or 1)
+    if run_dir is not None:
+        cfg = _with_run_data(cfg, run_dir, overrides)
     set_overlap_flags(cfg.runtime.overlap_collectives)
     start_processes(processes, cfg.runtime)
     import jax
@@ -115,31 +118,46 @@ def _say(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].strip()
+
+
 def _run_config_args(run_dir: str, overrides: Sequence[str]) -> tuple[str, list[str]]:
-    """A run's own config file and ``overrides``; ``data.dir`` is the directory the run trained
-    on (saved resolved in its ``run.json``) unless an override names another."""
+    """A run's own config file and ``overrides`` (which win over where the run is and where
+    its weights first came from)."""
     from seqshard.config import read_run_config
-    from seqshard.train.loop import RUN_INFO
 
     read_run_config(run_dir)  # a clear error if run_dir is not a run directory
     run = Path(run_dir)
-    data = []
-    info = run / RUN_INFO
-    if info.is_file() and not any(o.startswith("data.dir=") for o in overrides):
-        data = [f"data.dir={json.loads(info.read_text())['data_dir']}"]
-    location = [f"run.dir={run.parent}", f"run.name={run.name}"]
+    given = {_override_key(o) for o in overrides}
     # The run's weights are in its checkpoints: where they first came from is not read again.
-    return str(run / "config.yaml"), [
-        *location,
+    own = [
+        f"run.dir={run.parent}",
+        f"run.name={run.name}",
         "init.from_hf=null",
         "init.from_run=null",
-        *data,
+    ]
+    return str(run / "config.yaml"), [
+        *(o for o in own if _override_key(o) not in given),
         *overrides,
     ]
 
 
+_DATA_KEYS = ("dir", "mixture", "stages")  # data.* keys that say which data a run reads
+
+
+def _with_run_data(cfg: Config, run_dir: str, overrides: Sequence[str]) -> Config:
+    """``cfg`` reading the data its run trained on (``data.dir`` and each mixture source,
+    resolved in its ``run.json``), unless an override names other data."""
+    from seqshard.train.loop import with_run_data
+
+    if any(_override_key(o).split(".")[:2] == ["data", k] for o in overrides for k in _DATA_KEYS):
+        return cfg
+    return with_run_data(cfg, run_dir)
+
+
 def _run_config(run_dir: str, overrides: Sequence[str]):
-    return _load(*_run_config_args(run_dir, overrides))
+    return _with_run_data(_load(*_run_config_args(run_dir, overrides)), run_dir, overrides)
 
 
 def _config_arguments(p: argparse.ArgumentParser, what: str = "config") -> None:
@@ -338,15 +356,15 @@ def _train_run(args) -> int:
         raise _StopBeforeStart(_received[-1])
     _say(f"run directory: {run_dir_of(cfg)}", flush=True)
     result = train(cfg, initial_weights=hf_initial_weights)
-    val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
+    val = _loss_text(result.val_loss)
     if result.already_finished:
         _say(f"step {result.step}: val loss {val} (train.steps={cfg.train.steps} already reached)")
-    elif result.train_loss is None:
+    elif result.steps_run == 0:
         _say("stopped before the first step; nothing was saved.")
         _end_abandoned_work()
     else:
         _say(
-            f"step {result.step}: train loss {result.train_loss:.4f}, val loss {val}, "
+            f"step {result.step}: train loss {_loss_text(result.train_loss)}, val loss {val}, "
             f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.2%}, wall {result.wall_s:.0f} s"
         )
     if result.interrupted:
@@ -360,6 +378,11 @@ def _train_run(args) -> int:
         _say(args.sample_prompt + samples[0])
     _say(f"run directory: {result.run_dir}")
     return 0
+
+
+def _loss_text(loss: float | None) -> str:
+    """A loss as the summaries print it; None: none was measured, or it counted no token."""
+    return "n/a" if loss is None else f"{loss:.4f}"
 
 
 def hf_initial_weights(cfg: Config, mesh: Mesh, log: Callable[[str], None]) -> Weights:
@@ -424,7 +447,7 @@ def _byte_size(text: str) -> int:
 def _export(args) -> int:
     from seqshard.mesh import training_mesh
 
-    cfg = _start(args, *_run_config_args(args.run_dir, args.overrides))
+    cfg = _start(args, *_run_config_args(args.run_dir, args.overrides), args.run_dir)
     export = export_config(
         cfg,
         args.out_dir,
@@ -501,7 +524,7 @@ def _eval(args) -> int:
     from seqshard.train.step import make_eval_step
     from seqshard.train.validation import make_validate
 
-    cfg = _start(args, *_run_config_args(args.run_dir, args.overrides))
+    cfg = _start(args, *_run_config_args(args.run_dir, args.overrides), args.run_dir)
     mesh = training_mesh(cfg.mesh.sizes())
     state = latest_state(args.run_dir, cfg, mesh)
     train_cfg = cfg.train
@@ -519,12 +542,12 @@ def _eval(args) -> int:
     step = int(state.step)
     losses = validate(state.weights, step)
     _say(
-        f"{args.run_dir} step {step}: val loss {losses.pop('val_loss'):.4f} over {n_batches} "
+        f"{args.run_dir} step {step}: val loss {_loss_text(losses.pop('val_loss'))} over {n_batches} "
         f"batches of {train_cfg.batch_size}x{train_cfg.seq_len}"
         + (" a source (the mixture's, weighted by its shares at this step)" if losses else "")
     )
     for key, loss in losses.items():
-        _say(f"  {key.removeprefix('val_loss/')}: val loss {loss:.4f}")
+        _say(f"  {key.removeprefix('val_loss/')}: val loss {_loss_text(loss)}")
     return 0
 
 

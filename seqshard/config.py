@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -46,6 +47,7 @@ __all__ = [
     "TrainConfig",
     "config_changes",
     "config_from_yaml",
+    "check_overrides_once",
     "check_run_name",
     "config_to_yaml",
     "load_config",
@@ -321,10 +323,45 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
 def _merge(schema, layer, where: str):
     try:
         return OmegaConf.merge(schema, layer)
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, TypeError) as e:  # TypeError: a list against a mapping
         key = getattr(e, "full_key", None)
         problem = str(e).splitlines()[0]
+        plain = OmegaConf.to_container(layer) if OmegaConf.is_config(layer) else layer
+        shape = _container_mismatch(plain, Config) if isinstance(plain, dict) else None
+        if shape is not None:  # omegaconf's "Cannot merge incompatible container types"
+            raise ConfigError(f"{where}: {shape}") from None
         raise ConfigError(f"{where}: {problem}" + (f" (key: {key})" if key else "")) from None
+
+
+def _container_mismatch(layer: dict, cls: type, prefix: str = "") -> str | None:
+    """Where ``layer`` writes a mapping for a list field of ``cls`` or a list for a section:
+    the key, what it expects (an example item) and what it got; None if nowhere."""
+    hints = typing.get_type_hints(cls)
+    for key, value in layer.items():
+        hint = hints.get(key)
+        if hint is None:
+            continue  # an unknown key: omegaconf names it with a close match
+        name = f"{prefix}{key}"
+        if dataclasses.is_dataclass(hint):
+            if isinstance(value, dict):
+                found = _container_mismatch(value, hint, f"{name}.")
+                if found is not None:
+                    return found
+            elif isinstance(value, list):
+                fields = ", ".join(f.name for f in dataclasses.fields(hint))
+                return f"{name} must be a mapping of {{{fields}}}, got a list {value!r}."
+        elif typing.get_origin(hint) in (list, tuple) and isinstance(value, dict):
+            (item,) = typing.get_args(hint)[:1]
+            example = (
+                "{" + ", ".join(f"{f.name}: ..." for f in dataclasses.fields(item)) + "}"
+                if dataclasses.is_dataclass(item)
+                else getattr(item, "__name__", str(item))
+            )
+            return (
+                f"{name} must be a list, each item {example}, got a mapping {value!r}. Write "
+                f"it as a YAML list: one '- ' line per item (or [{example}, ...])."
+            )
+    return None
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -348,12 +385,51 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         cfg = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as e:
         raise ConfigError(f"{path or 'config'}: {str(e).splitlines()[0]}") from None
+    _check_data_dir_beside_mixture(cfg, layers, path)
     if not cfg.run.name and path is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=Path(path).stem))
     if cfg.init.from_hf:
         cfg = _with_hf_model(cfg, layers)
     check_config(cfg)
     return cfg
+
+
+def check_overrides_once(overrides: Sequence[str]) -> None:
+    """ConfigError if a command line gives one key twice (``train.steps=5 train.steps=600``):
+    an error, as a key written twice in a YAML file is. (:func:`load_config` itself lets a
+    later override win, which is how code layers its own over a user's.)"""
+    given: dict[str, str] = {}
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        if key in given:
+            raise ConfigError(
+                f"override {key} is given twice ({given[key]!r}, then {override!r}): a key "
+                f"written twice is an error, on the command line as in a YAML file. Keep the "
+                f"one you mean."
+            )
+        given[key] = override
+
+
+def _check_data_dir_beside_mixture(cfg: Config, layers: Sequence[dict], path) -> None:
+    """A mixture run reads its sources, not ``data.dir``: a data.dir written where the mixture
+    is or after it (a later file, an override) would be ignored, so it is an error. One
+    inherited from a file the mixture's file is based on (base.yaml's default) is not."""
+    if not (cfg.data.mixture or cfg.data.stages):
+        return
+
+    def writes(layer: dict, keys: tuple[str, ...]) -> bool:
+        data = layer.get("data")
+        return isinstance(data, dict) and any(data.get(k) not in (None, [], ()) for k in keys)
+
+    sets_dir = [i for i, layer in enumerate(layers) if writes(layer, ("dir",))]
+    sets_mixture = [i for i, layer in enumerate(layers) if writes(layer, ("mixture", "stages"))]
+    if sets_dir and sets_mixture and sets_dir[-1] >= sets_mixture[-1]:
+        raise ConfigError(
+            f"{path or 'config'}: data.dir={cfg.data.dir} is set beside data.mixture (or "
+            f"data.stages), where it would be ignored: a mixture run reads its sources and "
+            f"nothing else. Drop data.dir, or drop data.mixture and data.stages "
+            f"(data.mixture=[] data.stages=[]) to train on data.dir alone."
+        )
 
 
 def _with_hf_model(cfg: Config, layers: Sequence[dict]) -> Config:

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from seqshard.config import Config, ConfigError, config_to_yaml, load_config
+from seqshard.config import (
+    Config,
+    ConfigError,
+    check_overrides_once,
+    config_to_yaml,
+    load_config,
+)
 from seqshard.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -433,3 +439,73 @@ def test_a_saved_config_reads_back_equal_and_diffs_by_dotted_key(tmp_path):
         read_run_config(run)
     with pytest.raises(ConfigError, match="saved: expected a saved seqshard config"):
         config_from_yaml("[1, 2]", "saved")
+
+
+# -- the second fault campaign (issue 40): config errors that named nothing ------------------
+
+
+def test_an_override_given_twice_on_the_command_line_is_an_error(capsys):
+    """Fault 18: `train.steps=5 train.steps=600` was last-wins, silently."""
+    from seqshard.cli import EXIT_ERROR, main
+
+    with pytest.raises(ConfigError, match=r"override train\.steps is given twice") as e:
+        check_overrides_once(["train.steps=5", "train.lr=1", "train.steps=600"])
+    assert "'train.steps=5', then 'train.steps=600'" in str(e.value)
+    check_overrides_once(["train.steps=5", "train.lr=1e-3"])  # other keys: fine
+    args = ["show", str(CONFIGS / "tiny-cpu.yaml"), "train.steps=5", "train.steps=600"]
+    assert main([*args, "--no-compile"]) == EXIT_ERROR
+    assert "error: override train.steps is given twice" in capsys.readouterr().err
+
+
+def test_a_mixture_written_as_a_mapping_names_the_key_and_the_expected_list(tmp_path):
+    """Fault 7: only "Cannot merge incompatible container types" (a TypeError inside
+    omegaconf), with no file, no key and no hint of the list of {path, weight} expected."""
+    path = write(
+        tmp_path / "mix.yaml",
+        f"""\
+        base: {CONFIGS / "tiny-cpu.yaml"}
+        data:
+          mixture:
+            web: 0.7
+            code: 0.3
+        """,
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert msg.startswith(
+        f"{path}: data.mixture must be a list, each item {{path: ..., weight: ...}}"
+    )
+    assert "got a mapping {'web': 0.7, 'code': 0.3}" in msg
+    with pytest.raises(ConfigError, match=r"override 'train=\[1\]': train must be a mapping of"):
+        load("train=[1]")
+
+
+def test_an_explicit_data_dir_beside_a_mixture_is_an_error(tmp_path):
+    """Fault 17: data.dir set with data.mixture was ignored silently. Inherited from a base
+    (base.yaml's default) it is still fine, as docs/data.md says."""
+    mixture = "data.mixture=[{path: data/web, weight: 1}]"
+    assert load(mixture, path=CONFIGS / "tiny-cpu.yaml").data.dir == "data/stdlib"
+    with pytest.raises(ConfigError, match=r"data\.dir=data/x is set beside data\.mixture") as e:
+        load(mixture, "data.dir=data/x", path=CONFIGS / "tiny-cpu.yaml")
+    assert "Drop data.dir, or drop data.mixture and data.stages" in str(e.value)
+    both = write(
+        tmp_path / "both.yaml",
+        f"""\
+        base: {CONFIGS / "tiny-cpu.yaml"}
+        data: {{dir: data/x, stages: [{{start_step: 5, mixture: [{{path: data/web}}]}}]}}
+        """,
+    )
+    with pytest.raises(ConfigError, match=r"both\.yaml: data\.dir=data/x is set beside"):
+        load_config(both)
+    # A data.dir before the file or override that sets the mixture is inherited: fine.
+    assert load("data.dir=data/x", mixture).data.mixture[0].path == "data/web"
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_a_capacity_factor_that_is_not_finite_and_non_negative_is_refused(value):
+    """Fault 2: capacity_factor=inf reached moe.py (OverflowError: cannot convert float
+    infinity to integer); NaN and negatives were already refused."""
+    moe = ["model.moe.n_experts=4", "model.moe.top_k=2", "mesh.d=8", "mesh.t=1"]
+    with pytest.raises(ConfigError, match=r"model\.moe\.capacity_factor must be finite and >= 0"):
+        load(*moe, f"model.moe.capacity_factor={value}")

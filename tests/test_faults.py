@@ -8,6 +8,7 @@ killed on the test's own timeout (:func:`launch`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -352,3 +353,120 @@ def test_an_empty_data_dir_is_prepared_and_a_foreign_one_refused(
     with pytest.raises(ConfigError, match=r"exists but is not a prepared data directory"):
         train(cfg, log=quiet, tty=False)
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+# -- the second campaign (issue 40): run directories, bad data, run.json -----------------------
+
+
+def copy_of_trained(trained_run, root: Path, name: str) -> Path:
+    """A private copy of the conftest's trained run (6 steps, checkpoints 4 and 6)."""
+    _, run_dir = trained_run
+    return Path(shutil.copytree(run_dir, root / name))
+
+
+def moved(cfg, run_dir: Path, name: str, **train_changes):
+    """``cfg`` of the run ``run_dir / name``, with ``train_changes``."""
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, dir=str(run_dir), name=name),
+        train=dataclasses.replace(cfg.train, **train_changes),
+    )
+
+
+def test_a_run_dir_without_its_config_is_never_taken_for_a_fresh_run(tmp_path, trained_run):
+    """Fault 1: `cp -r runs/a runs/b && rm runs/b/config.yaml`, then a train with another lr:
+    exit 0, metrics.jsonl truncated to the new run's lines, its checkpoints pruned among the
+    old ones, and the next command resumed the old trajectory under the new lr. Now the
+    config saved with the checkpoint is compared, the mismatch refused by key, and nothing
+    the run did not write is truncated or pruned; the same config resumes."""
+    run_dir = copy_of_trained(trained_run, tmp_path, "b")
+    (run_dir / "config.yaml").unlink()
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    other = moved(trained_run[0], tmp_path, "b", lr=1e-3, steps=12)
+    with pytest.raises(ConfigError) as e:
+        train(other, log=quiet, tty=False)
+    msg = str(e.value)
+    assert f"{run_dir} holds a run of another config (train.lr: 0.003 -> 0.001" in msg
+    assert f"saved in checkpoint {run_dir / 'checkpoints' / '6'})" in msg
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert checkpoint_steps(run_dir) == [4, 6]
+
+    # Metrics alone (no checkpoint, no config): not this run's to truncate either.
+    shutil.rmtree(run_dir / "checkpoints")
+    with pytest.raises(ConfigError, match=r"holds metrics\.jsonl but no config\.yaml"):
+        train(other, log=quiet, tty=False)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+    # The run's own config resumes (and writes config.yaml again).
+    again = copy_of_trained(trained_run, tmp_path, "c")
+    (again / "config.yaml").unlink()
+    result = train(moved(trained_run[0], tmp_path, "c", steps=8), log=quiet, tty=False)
+    assert result.step == 8 and (again / "config.yaml").is_file()
+    assert [s for s in losses(again)] == list(range(1, 9))
+
+
+def corrupt_an_offset_read_at_a_later_step(data: Path, cfg) -> int:
+    """Corrupt one inner offset of ``data``'s train split that the loader of ``cfg`` first
+    reads at a step >= 2 (found with the loader itself); returns that step (0-based)."""
+    from seqshard.data import Loader
+
+    path = next(data.glob("train*.offsets.npy"))
+    clean = np.load(path)
+    mesh = training_mesh(cfg.mesh.sizes())
+    for k in range(len(clean) // 2, len(clean) - 1):
+        offsets = clean.copy()
+        offsets[k] = 10**9
+        np.save(path, offsets)
+        args = {"batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len, "mesh": mesh}
+        with Loader(data, "train", prefetch=0, seed=cfg.data.seed, **args) as loader:
+            for step in range(40):
+                try:
+                    loader.batch_at(step)
+                except ValueError:
+                    break
+        if 2 <= step < 39:
+            return step
+    raise AssertionError("no offset entry is first read at a later step")
+
+
+def test_bad_data_found_mid_run_saves_the_steps_trained_and_names_the_file(
+    tmp_path, tiny_overrides, data_dir
+):
+    """Fault 3: a corrupted inner offset raised IndexError from data/tokenfile.py at step 3,
+    after two steps trained and nothing saved. Now the run stops with the file and the entry,
+    after saving the steps it trained."""
+    data = Path(shutil.copytree(data_dir, tmp_path / "data"))
+    overrides = [
+        *tiny_overrides(tmp_path / "runs", "bad", steps=40, eval_every=0),
+        f"data.dir={data}",
+    ]
+    cfg = load_config(None, overrides)
+    bad = corrupt_an_offset_read_at_a_later_step(data, cfg)
+    with pytest.raises(ValueError) as e:
+        train(cfg, log=quiet, tty=False)
+    msg = str(e.value)
+    assert msg.startswith(f"step {bad + 1}: bad data: {data}/train")
+    assert "offsets.npy is corrupt: entry" in msg
+    assert f"Steps up to {bad} were saved first" in msg
+    assert checkpoint_steps(tmp_path / "runs" / "bad") == [bad]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("{}", r"holds \{\}; expected \{\"data_dir\": \"/abs/path\"\}"),
+        ("garbage", "is not readable JSON"),
+    ],
+)
+def test_a_damaged_run_json_names_the_file_and_the_fix(
+    tmp_path, trained_run, content, needle, capsys
+):
+    """Faults 6 and 11: run.json holding {} gave `KeyError: 'data_dir'` (a traceback) from
+    seqshard eval, holding garbage "Expecting value: line 1 column 1" with no file."""
+    run_dir = copy_of_trained(trained_run, tmp_path, "r")
+    (run_dir / "run.json").write_text(content)
+    assert main(["eval", str(run_dir)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(rf"error: {re.escape(str(run_dir / 'run.json'))}.*{needle}", err), err
+    assert "pass the data the run trained on as an override (data.dir=DIR" in err

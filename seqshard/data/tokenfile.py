@@ -335,7 +335,28 @@ class TokenSplit:
         """The ids of document ``i`` (in shard order)."""
         k = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
         shard, j = self.shards[k], i - int(self._doc_starts[k])
+        self._checked_offsets(shard, j, j + 1, int(shard.offsets[j]), int(shard.offsets[j + 1]) + 1)
         return shard.tokens[shard.offsets[j] : shard.offsets[j + 1]]
+
+    def long_prompts(self, seq_len: int, sample: int = 4096) -> tuple[int, int]:
+        """(records, of those examined) whose loss mask counts none of their first ``seq_len``
+        tokens but some later one: a prompt of at least ``seq_len`` tokens, so no row of
+        ``seq_len`` holds it with its completion. Fine-tuning data only ((0, 0) without a
+        mask). At most ``sample`` records, evenly spread, are examined: the same start-up
+        time for any size of split."""
+        if not self.has_mask or self.n_docs == 0:
+            return 0, 0
+        picked = np.unique(np.linspace(0, self.n_docs - 1, min(sample, self.n_docs)).astype(int))
+        long = 0
+        for i in picked:
+            k = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
+            shard, j = self.shards[k], int(i) - int(self._doc_starts[k])
+            if shard.mask is None:
+                continue
+            lo, hi = int(shard.offsets[j]), int(shard.offsets[j + 1])
+            mask = shard.mask[lo:hi]
+            long += bool(not mask[:seq_len].any() and mask[seq_len:].any())
+        return long, len(picked)
 
     def read(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tokens ``start .. start + length - 1`` of the split (int32), whether a document
@@ -356,12 +377,39 @@ class TokenSplit:
             hi = min(shard.n_tokens, lo + length - done)
             tokens[done : done + hi - lo] = shard.tokens[lo:hi]
             first, last = np.searchsorted(shard.offsets, [lo, hi], side="left")
-            doc_start[np.asarray(shard.offsets[first:last]) - lo + done] = True
+            starts = self._checked_offsets(shard, first, last, lo, hi)
+            doc_start[starts - lo + done] = True
             if shard.mask is not None:
                 mask[done : done + hi - lo] = shard.mask[lo:hi]
             done, k = done + hi - lo, k + 1
         self._check_ids(tokens, start)
         return tokens, doc_start, mask
+
+    def _checked_offsets(self, shard: Shard, first: int, last: int, lo: int, hi: int) -> np.ndarray:
+        """The document starts in tokens ``[lo, hi)`` of ``shard``: its offsets ``first ..
+        last - 1`` (a binary search found them), checked with their neighbours: rising, and
+        inside the span. Opening checked only the first and last offset (reading them all would
+        make start-up grow with the corpus); a corrupt inner one is caught here, by name."""
+        base = max(first - 1, 0)
+        around = np.asarray(shard.offsets[base : min(last + 1, len(shard.offsets))])
+        starts = np.asarray(shard.offsets[first:last])
+        outside = (around < 0) | (around > shard.n_tokens)
+        falling = np.append(np.diff(around) < 0, False)
+        in_span = len(starts) == 0 or (starts[0] >= lo and starts[-1] < hi)
+        if not outside.any() and not falling.any() and in_span:
+            return starts
+        flagged = np.flatnonzero(outside) if outside.any() else np.flatnonzero(falling)
+        bad = base + int(flagged[0]) if len(flagged) else base
+        near = ", ".join(
+            f"[{k}] {int(shard.offsets[k])}"
+            for k in range(max(bad - 1, 0), min(bad + 2, len(shard.offsets)))
+        )
+        path = shard.path.with_name(f"{shard.name}.offsets.npy")
+        raise ValueError(
+            f"{path} is corrupt: entry {bad} of {len(shard.offsets)} is out of order or range "
+            f"({near}); expected document offsets rising from 0 to the shard's "
+            f"{shard.n_tokens} tokens; {_fix(self.data_dir)}."
+        )
 
     def _check_ids(self, tokens: np.ndarray, start: int) -> None:
         if len(tokens) and int(tokens.max()) >= self.vocab_size:

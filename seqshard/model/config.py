@@ -7,6 +7,7 @@ every weight's global shape through :meth:`ModelConfig.dim_sizes`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Literal
 
@@ -86,7 +87,9 @@ class MoEConfig:
     z_loss_weight: ``weight`` x mean of logsumexp(router logits)^2 (ST-MoE), 0: off.
     capacity_factor: 0 (dropless: no token copy is ever dropped, the exchange buffers sized
         for the worst case); > 0: each expert shard takes at most ``capacity_factor`` x its
-        even share of the token copies, the rest are dropped (their gate's output is 0).
+        even share of the token copies, the rest are dropped (their gate's output is 0). A
+        factor at or above the worst case (e x min(top_k, n_experts / e) / top_k: every copy
+        to one shard) drops nothing and sizes the buffers as 0 does, however large it is.
     """
 
     n_experts: int = 0
@@ -133,10 +136,15 @@ class MoEConfig:
         _check_choice("moe.balance", self.balance, Balance)
         for name in ("aux_loss_weight", "bias_rate", "z_loss_weight", "capacity_factor"):
             value = getattr(self, name)
-            if not value >= 0:
+            if not 0 <= value < math.inf:
                 raise ValueError(
-                    f"model.moe.{name} must be >= 0, got {value!r}"
-                    + (" (0 means dropless)." if name == "capacity_factor" else ".")
+                    f"model.moe.{name} must be finite and >= 0, got {value!r}"
+                    + (
+                        " (0 means dropless: no token copy is ever dropped; a factor at or "
+                        "above the dropless bound sizes the buffers as 0 does)."
+                        if name == "capacity_factor"
+                        else "."
+                    )
                 )
 
 

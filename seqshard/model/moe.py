@@ -224,9 +224,11 @@ def capacity(cfg: ModelConfig, tokens: int, e: int) -> int:
     (see the module docstring: dropless sizes it for the worst case)."""
     moe = cfg.moe
     k = moe.top_k
+    worst = tokens * min(k, moe.n_experts // e)  # every copy to one shard
     if moe.capacity_factor == 0:
-        return tokens * min(k, moe.n_experts // e)
-    return max(1, math.ceil(moe.capacity_factor * tokens * k / e))
+        return worst
+    # A larger buffer would only hold padding: a factor past the worst case is dropless.
+    return min(worst, max(1, math.ceil(moe.capacity_factor * tokens * k / e)))
 
 
 def buffer_bytes(cfg: ModelConfig, tokens: int, e: int) -> int:

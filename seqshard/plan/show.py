@@ -193,13 +193,17 @@ def moe_report(cfg: Config) -> str:
     tokens = moe_tokens_per_device(cfg)
     cap = capacity(m, tokens, e)
     buffer = moe_buffer_bytes(cfg)
+    worst = f"T x min(top_k, E/e) = {tokens:,} x {min(moe.top_k, moe.n_experts // e)}"
     sizing = (
-        f"dropless: C = T x min(top_k, E/e) = {tokens:,} x {min(moe.top_k, moe.n_experts // e)}, "
-        f"the worst case"
+        f"dropless: C = {worst}, the worst case"
         if moe.capacity_factor == 0
         else f"C = ceil(capacity_factor x T x top_k / e) = ceil({moe.capacity_factor:g} x "
         f"{tokens:,} x {moe.top_k} / {e})"
     )
+    if moe.capacity_factor and cap == tokens * min(moe.top_k, moe.n_experts // e):
+        sizing = (
+            f"capacity_factor {moe.capacity_factor:g} reaches the worst case: C = {worst}, dropless"
+        )
     calls = [c for c in collectives_per_step(cfg) if c.kind == "all-to-all"]
     lines = [
         f"experts: {moe.n_experts} routed (top-{moe.top_k}, {moe.router} router, d_ff "

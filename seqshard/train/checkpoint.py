@@ -285,8 +285,9 @@ class Checkpointer:
             with contextlib.suppress(Exception):  # a failure _finish_pending reported already
                 self.manager.close()
             self._held.close()
-            for logger in ORBAX_LOGGERS:
-                logging.getLogger(logger).removeFilter(self._held)
+            if not self._held.failed:  # else it keeps orbax's late leftovers quiet (close)
+                for logger in ORBAX_LOGGERS:
+                    logging.getLogger(logger).removeFilter(self._held)
 
     def _finish_pending(self, *, block: bool) -> None:
         """If the save in flight is done (or ``block``): on success apply retention, on

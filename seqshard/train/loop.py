@@ -58,7 +58,7 @@ from seqshard.train.checkpoint import (
     latest_state,
     step_directories,
 )
-from seqshard.train.metrics import MetricsLogger, SilentMetricsLogger
+from seqshard.train.metrics import METRICS_FILE, MetricsLogger, SilentMetricsLogger
 from seqshard.train.optimizer import lr_schedule, make_optimizer
 from seqshard.train.run_files import RunWriteError, atomic_write_text
 from seqshard.train.run_lock import RunLock, RunLockedError
@@ -83,8 +83,10 @@ __all__ = [
     "TrainResult",
     "ensure_data",
     "evaluate",
+    "read_run_info",
     "run_dir_of",
     "train",
+    "with_run_data",
 ]
 
 # Train-config keys that may change between a run and its resumption; anything else changing
@@ -111,7 +113,9 @@ _RESUMABLE_CHANGES = {
 
 
 RUN_INFO = "run.json"
-"""A run directory's record of where its inputs are: ``{"data_dir": "/abs/path"}``."""
+"""A run directory's record of where its inputs are, resolved when it started:
+``{"data_dir": "/abs/path"}``, and for a mixture ``"sources": {"data/web": "/abs/data/web"}``
+(each source as the config writes it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +124,15 @@ class TrainResult:
 
     run_dir: Path
     step: int  # the step the run is at now
-    train_loss: float | None  # the last logged train loss; None when no step ran
-    val_loss: float | None  # the last validation loss
+    train_loss: float | None  # the last logged train loss; None when no step ran or it
+    # counted no token (a batch of fine-tuning prompts alone)
+    val_loss: float | None  # the last validation loss; None if none ran or it counted no token
     tokens_per_s: float  # over the last logging window (0 when no step ran)
     mfu: float
     wall_s: float  # of this call, start-up included
     interrupted: bool = False  # SIGTERM / Ctrl-C stopped it before train.steps
     already_finished: bool = False  # the run was at train.steps already: nothing trained
+    steps_run: int = 0  # steps this call trained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,37 +243,134 @@ def _has_checkpoint(run_dir: Path) -> bool:
 
 
 def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
-    """True if ``run_dir`` holds a checkpoint of this run (resume); raise if of another config.
+    """True if ``run_dir`` holds a checkpoint of this run (resume); raise if it holds another
+    run's work.
 
-    A run directory without a finished checkpoint (a run that failed before saving) is fresh:
-    nothing in it would be lost, so it does not hold its old config against a new one."""
-    if not (run_dir / "config.yaml").exists() or not _has_checkpoint(run_dir):
+    A directory holding step checkpoints or metrics is never taken for a fresh run: its
+    checkpoints would be pruned and its metrics truncated under a config they were not
+    trained with. Each saved config there (``config.yaml``, and the newest readable
+    checkpoint's own, which is what a resume continues) must equal ``cfg`` in every key that
+    changes the trajectory. A directory with neither (a run that failed before logging a
+    step) is fresh: nothing in it would be lost."""
+    has_checkpoint = _has_checkpoint(run_dir)
+    metrics = run_dir / METRICS_FILE
+    has_metrics = metrics.is_file() and metrics.stat().st_size > 0
+    if not has_checkpoint and not has_metrics:
         return False
-    changes = config_changes(read_run_config(run_dir), cfg)
-    diff = [
-        f"{k}: {old!r} -> {new!r}"
-        for k, (old, new) in changes.items()
-        if k.split(".")[0] not in _RESUMABLE_CHANGES and k not in _RESUMABLE_CHANGES
-    ]
-    if diff:
+    saved: dict[str, Config] = {}
+    if (run_dir / "config.yaml").is_file():
+        saved[str(run_dir / "config.yaml")] = read_run_config(run_dir)
+    if has_checkpoint:
+        saved.update(_checkpoint_config(run_dir / "checkpoints"))
+    if not saved:
+        held = "step checkpoints" if has_checkpoint else f"{METRICS_FILE}"
         raise ConfigError(
-            f"{run_dir} holds a run of another config ({'; '.join(diff)}). Choose another "
-            f"run.name, resume with its own config ({run_dir / 'config.yaml'}), or delete the "
-            f"directory."
+            f"{run_dir} holds {held} but no config.yaml and no checkpoint whose saved config "
+            f"can be read, so seqshard cannot tell whether it is this run's work, and will not "
+            f"truncate or prune it. Choose another run.name, or move the directory away."
         )
-    return True
+    for source, old in saved.items():
+        changes = config_changes(old, cfg)
+        diff = [
+            f"{k}: {was!r} -> {now!r}"
+            for k, (was, now) in changes.items()
+            if k.split(".")[0] not in _RESUMABLE_CHANGES and k not in _RESUMABLE_CHANGES
+        ]
+        if diff:
+            raise ConfigError(
+                f"{run_dir} holds a run of another config ({'; '.join(diff)}; saved in "
+                f"{source}). Choose another run.name, resume with the run's own config, or "
+                f"delete the directory."
+            )
+    return has_checkpoint
+
+
+def _checkpoint_config(directory: Path) -> dict[str, Config]:
+    """{where: config} of the newest complete checkpoint in ``directory`` whose metadata reads
+    (the one a resume starts from, unless its arrays turn out damaged); {} if none does."""
+    ckpt = Checkpointer(directory, read_only=True, log=lambda _: None)
+    try:
+        for step in reversed(checkpoint_steps(directory)):
+            try:
+                meta = ckpt.read_meta(step)
+            except CheckpointError:
+                continue
+            where = f"checkpoint {directory / str(step)}"
+            return {where: config_from_yaml(meta["config"], f"{where} metadata")}
+        return {}
+    finally:
+        ckpt.close()
 
 
 def _write_run_files(run_dir: Path, cfg: Config, data_dir: Path) -> None:
-    """The resolved config, and the resolved data directory the run trains on (each replaced
-    whole: a kill or a full disk leaves the old file or the new one)."""
+    """The resolved config, and where the run's data is (each replaced whole: a kill or a full
+    disk leaves the old file or the new one)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunWriteError(run_dir, e, 0) from None
     atomic_write_text(run_dir / "config.yaml", config_to_yaml(cfg))
-    info = {"data_dir": str(data_dir.resolve())}
+    info: dict[str, Any] = {"data_dir": str(data_dir.resolve())}
+    mixture = data_mixture(cfg)
+    if mixture is not None:  # each source as the config writes it -> where it resolved
+        info["sources"] = {s.path: str(Path(s.path).resolve()) for s in mixture.sources}
     atomic_write_text(run_dir / RUN_INFO, json.dumps(info, indent=1) + "\n")
+
+
+def read_run_info(run_dir: str | Path) -> dict[str, Any] | None:
+    """``RUN_DIR/run.json`` (see :data:`RUN_INFO`), checked; None if the run has none (a run of
+    an older seqshard: its config's own paths are used). ConfigError naming the file, what it
+    should hold and the fix if it is unreadable or incomplete."""
+    path = Path(run_dir) / RUN_INFO
+    if not path.is_file():
+        return None
+    fix = (
+        "`seqshard train` writes it again at the next start; until then pass the data the run "
+        "trained on as an override (data.dir=DIR, or data.mixture=[...] for a mixture)."
+    )
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f'{path} is not readable JSON ({e}); expected {{"data_dir": "/abs/path"}}. {fix}'
+        ) from None
+    sources = info.get("sources", {}) if isinstance(info, dict) else None
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("data_dir"), str)
+        or not isinstance(sources, dict)
+        or not all(isinstance(v, str) for v in sources.values())
+    ):
+        raise ConfigError(
+            f'{path} holds {json.dumps(info)[:120]}; expected {{"data_dir": "/abs/path"}} '
+            f'(and "sources": {{path: /abs/path}} for a mixture). {fix}'
+        )
+    return info
+
+
+def with_run_data(cfg: Config, run_dir: str | Path) -> Config:
+    """``cfg`` reading the data the run in ``run_dir`` trained on, wherever it is read from:
+    ``data.dir`` and every mixture source as ``run.json`` recorded them resolved (a relative
+    path in the config meant the directory `seqshard train` ran in)."""
+    info = read_run_info(run_dir)
+    if info is None:
+        return cfg
+    sources = info.get("sources", {})
+
+    def moved(source):
+        return dataclasses.replace(source, path=sources.get(str(source.path), source.path))
+
+    data = cfg.data
+    data = dataclasses.replace(
+        data,
+        dir=info["data_dir"],
+        mixture=tuple(moved(s) for s in data.mixture),
+        stages=tuple(
+            dataclasses.replace(st, mixture=tuple(moved(s) for s in st.mixture))
+            for st in data.stages
+        ),
+    )
+    return dataclasses.replace(cfg, data=data)
 
 
 def _newest_checkpoint(directory: Path, ckpt: Checkpointer | None = None) -> str:
@@ -530,6 +633,7 @@ def _train_locked(
         with loader:
             if meta is not None:
                 loader.check_state(meta["loader"])
+            _warn_of_long_prompts(loader, cfg.train.seq_len, log)
             validate = make_validate(loader, make_eval_step(cfg, mesh), cfg.train.eval_batches)
             if start >= cfg.train.steps:
                 loader.close()
@@ -539,6 +643,23 @@ def _train_locked(
         raise e.with_checkpoint(_newest_checkpoint(ckpt.directory, ckpt)) from None
     finally:
         ckpt.close()
+
+
+def _warn_of_long_prompts(loader: Loader, seq_len: int, log: Callable[[str], None]) -> None:
+    """A note for each fine-tuning source whose records have prompts of ``seq_len`` tokens or
+    more: their rows inside the prompt count no token (a step of such rows has no loss), and
+    each completion is learned without the start of its prompt."""
+    for split in loader.splits:
+        long, seen = split.long_prompts(seq_len)
+        if long:
+            share = "" if seen == split.n_docs else f" (a sample of {seen} of {split.n_docs})"
+            log(
+                f"warning: {long} of {seen} fine-tuning records in {split.data_dir}{share} "
+                f"have a prompt of train.seq_len={seq_len} tokens or more: no row holds such a "
+                f"prompt with its completion, so the completion is learned without the start of "
+                f"its prompt, and rows inside the prompt count no token (their loss shows as "
+                f"n/a). Raise train.seq_len or shorten the prompts."
+            )
 
 
 def _initial_state(
@@ -642,7 +763,8 @@ def _train_steps(
     try:
         window.restart()
         for step in range(start + 1, train_cfg.steps + 1):
-            state, metrics = step_fn(state, next(loader))
+            batch = _next_batch(run, loader, state, step, nonfinite.seen)
+            state, metrics = step_fn(state, batch)
             window.steps += 1
             run.ckpt.raise_if_save_failed()  # a flag read: a failed save stops the next step
             if step == start + 1:  # the first step compiles: keep it out of the throughput
@@ -669,6 +791,8 @@ def _train_steps(
                 values.update(window_figures)
                 figures.update(window_figures)
                 nonfinite.check(guard, values)
+                if values.get("tokens_counted") == 0:
+                    values["loss"] = None  # a loss over no token: none, not 0 (logged as n/a)
                 if loader.mixture is not None:
                     values.update({f"tokens/{k}": n for k, n in loader.tokens_drawn(step).items()})
                 if evaluate_now:
@@ -692,7 +816,36 @@ def _train_steps(
         mfu=figures["mfu"],
         wall_s=time.perf_counter() - run.started,
         interrupted=interrupted,
+        steps_run=step - start,
     )
+
+
+def _next_batch(run: _Run, loader: Loader, state: TrainState, step: int, nonfinite_seen: int):
+    """The batch of ``step``. Bad data (a corrupt token or offsets file, found as it is read)
+    stops the run, but first the steps trained since the last checkpoint are saved, when that
+    is safe: one process (each process reads its own rows, so another may not have failed),
+    and no non-finite step since the guard was last read."""
+    try:
+        return next(loader)
+    except ValueError as e:
+        error = str(e)
+    done = step - 1
+    saved = ""
+    run.ckpt.wait()
+    latest = run.ckpt.latest_step()
+    if jax.process_count() == 1 and done > (latest or 0):
+        guard_total = int(jax.device_get(state.guard.total))
+        if guard_total == nonfinite_seen:
+            run.ckpt.save(state, run.cfg, loader.state())
+            run.ckpt.wait()
+            latest = done
+            saved = f" Steps up to {done} were saved first."
+    where = (
+        f"The newest checkpoint is {run.ckpt.directory / str(latest)} (step {latest})."
+        if latest is not None
+        else "There is no checkpoint yet."
+    )
+    raise ValueError(f"step {step}: bad data: {error}{saved} {where}") from None
 
 
 class _NonfiniteWatch:

@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -59,13 +59,16 @@ def tb_tag(key: str) -> str:
     return "train/" + key
 
 
-def format_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> str:
+def format_line(
+    step: int, total_steps: int, metrics: Mapping[str, float], absent: Sequence[str] = ()
+) -> str:
     """The plain (non-TTY) progress line, e.g.
 
     ``step 120/300  loss 3.412  val_loss 3.5  lr 2.9e-03  grad_norm 0.61  tok/s 4,512  mfu 1.2%
     (0.91 s/step)``. Missing keys are left out; keys without a known format follow as
     ``key 0.1234`` or, for whole numbers, ``key 16,384``. ``mfu`` is a fraction (``0.012``
-    prints as ``1.2%``).
+    prints as ``1.2%``). Keys in ``absent`` have no value (a loss over no counted token):
+    ``loss n/a``.
     """
     known = {
         "loss": ("loss", "{:.4g}"),
@@ -78,11 +81,11 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> st
     parts = [f"step {step}/{total_steps}"]
     for key, (label, fmt) in known.items():
         if key in metrics:
-            parts.append(f"{label} {_fmt(fmt, metrics[key])}")
+            parts.append(f"{label} {_value(fmt, metrics[key], key in absent)}")
     for key, value in metrics.items():
         # Per-layer and per-expert figures (``moe_load/3/17``) go to the files only.
         if key not in known and key != "step_time_s" and "/" not in key:
-            parts.append(f"{key} {_general(value)}")
+            parts.append(f"{key} {'n/a' if key in absent else _general(value)}")
     if "step_time_s" in metrics:
         parts.append(f"({_fmt('{:.2f}', metrics['step_time_s'])} s/step)")
     return "  ".join(parts)
@@ -93,6 +96,10 @@ def _general(value: float) -> str:
     if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
         return f"{int(value):,}"
     return _fmt("{:.4g}", value)
+
+
+def _value(fmt: str, value: float, absent: bool) -> str:
+    return "n/a" if absent else _fmt(fmt, value)
 
 
 def _fmt(fmt: str, value: float) -> str:
@@ -226,12 +233,14 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Append ``{"step": step, **metrics, "time": now}`` to metrics.jsonl and TensorBoard."""
         self._check_open("log")
-        values = _as_floats(metrics)
+        # None: no value (a loss over no counted token): left out of the files, "n/a" on screen.
+        absent = [k for k, v in metrics.items() if v is None]
+        values = _as_floats({k: v for k, v in metrics.items() if v is not None})
         record: dict[str, Any] = {"step": int(step), **values, "time": time.time()}
         # One write per line: a kill leaves at most this line torn, a full disk none of it.
         append_whole(self._fd, (json.dumps(record) + "\n").encode("utf-8"), self.path)
         self._events().scalars(int(step), values)
-        self._show(int(step), values)
+        self._show(int(step), {**values, **dict.fromkeys(absent, math.nan)}, absent)
 
     def message(self, text: str) -> None:
         """Print a line above the progress bar without breaking it (plain print when no bar)."""
@@ -311,16 +320,18 @@ class MetricsLogger:
             self._purge_step = None
         return self._tb
 
-    def _show(self, step: int, values: dict[str, float]) -> None:
+    def _show(self, step: int, values: dict[str, float], absent: Sequence[str] = ()) -> None:
+        """``absent``: keys of ``values`` that have no value (NaN here), shown as n/a."""
         self._last_val.update({k: v for k, v in values.items() if k.startswith("val_")})
         if self._bar is None:
-            print(format_line(step, self.total_steps, values), flush=True)
+            print(format_line(step, self.total_steps, values, absent), flush=True)
             return
         postfix = []
         if "loss" in values:
-            postfix.append(f"loss {_fmt('{:.4g}', values['loss'])}")
+            postfix.append(f"loss {_value('{:.4g}', values['loss'], 'loss' in absent)}")
         if "val_loss" in self._last_val:
-            postfix.append(f"val_loss {_fmt('{:.4g}', self._last_val['val_loss'])}")
+            shown = _value("{:.4g}", self._last_val["val_loss"], "val_loss" in absent)
+            postfix.append(f"val_loss {shown}")
         if "tokens_per_s" in values:
             postfix.append(f"tok/s {_fmt('{:,.0f}', values['tokens_per_s'])}")
         self._bar.set_postfix_str("  ".join(postfix), refresh=False)

@@ -88,11 +88,7 @@ class OrbaxQuiet(logging.Filter):
             self.held.append(record)
             return False
         # asyncio's "Task exception was never retrieved" of an orbax task orbax abandoned.
-        if (
-            self in _QUIET
-            and record.name == "asyncio"
-            and f"{os.sep}orbax{os.sep}" in record.getMessage()
-        ):
+        if self in _QUIET and record.name == "asyncio" and _from_orbax(record):
             _silenced += 1
             return False
         return True
@@ -111,8 +107,24 @@ class OrbaxQuiet(logging.Filter):
                 logging.getLogger(record.name).handle(record)
 
     def close(self) -> None:
+        """Stop holding. After a failure, orbax's abandoned tasks and callbacks report when
+        they are collected, which can be as late as the interpreter's exit, after the one
+        line the run printed: those stay silenced for the rest of the process."""
         self.holding, self.held = False, []
-        _quiet(self, False)
+        if not self.failed:
+            _quiet(self, False)
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    """Whether a log record is about orbax's work: its message or its traceback names orbax."""
+    if f"{os.sep}orbax{os.sep}" in record.getMessage():
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _quiet(owner: OrbaxQuiet, on: bool) -> None:

@@ -77,6 +77,29 @@ def test_offsets_inconsistent_with_tokens(data_copy):
         open_split(data_copy, "train")
 
 
+@pytest.mark.parametrize("value", [10**9, -7, "swap"])
+def test_a_corrupt_inner_offset_is_caught_when_its_span_is_read(data_copy, value):
+    """Fault 3 of the second campaign: an inner offset corrupted (first, last and length
+    intact, so opening passes) raised a bare IndexError from read(); now the error names the
+    file, the entry and what offsets must be."""
+    path = data_copy / "train-00000.offsets.npy"
+    offsets = np.load(path)
+    k = len(offsets) // 2
+    lo, hi = int(offsets[k - 1]), int(offsets[k + 1])
+    if value == "swap":  # out of order, each value in range
+        offsets[k], offsets[k + 1] = offsets[k + 1], offsets[k]
+    else:
+        offsets[k] = value
+    np.save(path, offsets)
+    split = open_split(data_copy, "train")
+    with pytest.raises(ValueError, match=rf"train-00000\.offsets\.npy is corrupt: entry {k}") as e:
+        split.read(lo, hi - lo)
+    assert "expected document offsets rising from 0 to the shard's" in str(e.value)
+    assert f"run `seqshard prepare --out {data_copy}`" in str(e.value)
+    with pytest.raises(ValueError, match=r"offsets\.npy is corrupt"):
+        split.doc(k)
+
+
 def test_ids_outside_vocab(data_copy):
     """Opening trusts prepare's recorded largest id (it reads no tokens), and refuses one
     outside the vocabulary; a corrupt id in the file is caught when its span is read."""

@@ -151,6 +151,10 @@ def test_capacity_is_the_worst_case_when_dropless():
     assert capacity(CFG, tokens=64, e=8) == 64 * 1  # one expert per shard
     tight = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, capacity_factor=1.25))
     assert capacity(tight, tokens=64, e=2) == 80  # ceil(1.25 * 64 * 2 / 2)
+    # Fault 2 of the second campaign: 1e6 planned 732 GiB of buffers per device. A factor past
+    # the worst case sizes them as dropless does: more would only hold padding.
+    huge = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, capacity_factor=1e6))
+    assert capacity(huge, tokens=64, e=2) == capacity(CFG, tokens=64, e=2)
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
