@@ -57,16 +57,22 @@ class Command:
     description: str = ""
 
 
-def _load(path: str, overrides: Sequence[str], devices: int | None = None, processes: int = 1):
-    """The config. With ``devices``: planned for that many (``-1`` sizes resolved, the mesh
-    held to the count), and this machine's devices left alone. Otherwise, before JAX's backend
-    starts, each of ``processes`` CPU processes gets its share of the mesh's devices (unless
-    XLA_FLAGS sets a count, which wins)."""
+def _load(
+    path: str,
+    overrides: Sequence[str],
+    devices: int | None = None,
+    processes: int = 1,
+    saved: bool = False,
+):
+    """The config (``saved``: ``path`` is a run's own config.yaml). With ``devices``: planned
+    for that many (``-1`` sizes resolved, the mesh held to the count), and this machine's
+    devices left alone. Otherwise, before JAX's backend starts, each of ``processes`` CPU
+    processes gets its share of the mesh's devices (unless XLA_FLAGS sets a count, which wins)."""
     from seqshard.config import check_overrides_once, load_config
     from seqshard.launch import use_cpu_devices
 
     check_overrides_once(overrides)
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, overrides, saved=saved)
     if devices is not None:
         from seqshard.plan.planner import target_config
 
@@ -100,7 +106,8 @@ def _start(args, config_path: str, overrides: Sequence[str], run_dir: str | None
     from seqshard.launch import find_processes, set_overlap_flags, start_processes
 
     processes = find_processes(args.coordinator, args.num_processes, args.process_id)
-    cfg = _load(config_path, overrides, processes=processes.num_processes or 1)
+    saved = run_dir is not None
+    cfg = _load(config_path, overrides, processes=processes.num_processes or 1, saved=saved)
     if run_dir is not None:
         cfg = _with_run_data(cfg, run_dir, overrides)
     set_overlap_flags(cfg.runtime.overlap_collectives)
@@ -157,7 +164,8 @@ def _with_run_data(cfg: Config, run_dir: str, overrides: Sequence[str]) -> Confi
 
 
 def _run_config(run_dir: str, overrides: Sequence[str]):
-    return _with_run_data(_load(*_run_config_args(run_dir, overrides)), run_dir, overrides)
+    cfg = _load(*_run_config_args(run_dir, overrides), saved=True)
+    return _with_run_data(cfg, run_dir, overrides)
 
 
 def _config_arguments(p: argparse.ArgumentParser, what: str = "config") -> None:

@@ -364,8 +364,13 @@ def _container_mismatch(layer: dict, cls: type, prefix: str = "") -> str | None:
     return None
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Load ``path`` (and its ``base`` chain) and apply ``key=value`` overrides, then check it."""
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, saved: bool = False
+) -> Config:
+    """Load ``path`` (and its ``base`` chain) and apply ``key=value`` overrides, then check it.
+
+    ``saved``: ``path`` is a run's own ``config.yaml``, which writes every key, a mixture
+    run's ignored ``data.dir`` included (not an error there, as it is in a user's file)."""
     merged = OmegaConf.structured(Config)
     layers: list[dict] = []  # each YAML file's and override's keys, bases first
     if path is not None:
@@ -385,7 +390,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         cfg = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as e:
         raise ConfigError(f"{path or 'config'}: {str(e).splitlines()[0]}") from None
-    _check_data_dir_beside_mixture(cfg, layers, path)
+    if not saved:
+        _check_data_dir_beside_mixture(cfg, layers, path)
     if not cfg.run.name and path is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=Path(path).stem))
     if cfg.init.from_hf:

@@ -212,6 +212,37 @@ def test_a_run_finds_the_data_it_trained_on_from_any_directory(
     assert main(["eval", "proj/runs/tiny", "--batches", "1"]) == 0
 
 
+def test_a_mixture_run_finds_every_source_from_any_directory(
+    tmp_path, tiny_yaml, monkeypatch, data_dir, capsys
+):
+    """Fault 16 of the second campaign: run.json held only the first source's path, the
+    others resolved against the working directory, so `seqshard eval` of a mixture run worked
+    only where it was trained. Now every source's resolved path is recorded and used."""
+    from seqshard.cli import _run_config
+    from seqshard.train.loop import train
+
+    project = tmp_path / "proj"
+    for name in ("web", "code"):
+        shutil.copytree(data_dir, project / "data" / name)
+    monkeypatch.chdir(project)
+    config = tiny_yaml(project / "tiny.yaml", Path("runs"), Path("data/web"))
+    mixture = "data.mixture=[{path: data/web, weight: 3}, {path: data/code, weight: 1}]"
+    cfg = _load(str(config), ["train.steps=1", "train.eval_every=0", mixture])
+    train(cfg, log=lambda _: None, tty=False)
+    info = json.loads((project / "runs" / "tiny" / "run.json").read_text())
+    assert info["sources"] == {
+        "data/web": str(project / "data" / "web"),
+        "data/code": str(project / "data" / "code"),
+    }
+
+    monkeypatch.chdir(tmp_path)
+    paths = [s.path for s in _run_config("proj/runs/tiny", []).data.mixture]
+    assert paths == [str(project / "data" / "web"), str(project / "data" / "code")]
+    assert main(["eval", "proj/runs/tiny", "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "  web: val loss" in out and "  code: val loss" in out
+
+
 def test_options_and_overrides_come_in_any_order(tmp_path, tiny_yaml, capsys):
     """argparse alone stops collecting overrides at the first option; seqshard does not."""
     config = tiny_yaml(tmp_path / "tiny.yaml", tmp_path / "runs")

@@ -5,6 +5,8 @@ on the tests' tiny model and corpus)."""
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import jax
 import numpy as np
@@ -12,6 +14,8 @@ import pytest
 from run_helpers import by_step, latest_state, run
 
 from seqshard.config import ConfigError, load_config
+from seqshard.train.loop import train
+from seqshard.train.metrics import format_line
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
@@ -68,3 +72,63 @@ def test_from_run_refuses_a_model_of_other_shapes(sft_overrides):
     make, _ = sft_overrides
     with pytest.raises(ConfigError, match=r"init\.from_run=.*do not fit this model \(model\.d_ff"):
         run([*make("other"), "model.d_ff=128"])
+
+
+def test_prompts_longer_than_a_row_are_warned_of_and_a_loss_over_no_token_is_na(
+    tmp_path, data_dir, tiny_overrides
+):
+    """Fault 15 of the second campaign: records whose prompt is longer than seq_len gave no
+    warning, and the steps whose rows held only prompt tokens logged `loss 0` (and a val loss
+    of 0.0000), which reads as a perfect model. Now the start warns how many records have
+    such prompts, and a loss over no counted token is absent from metrics.jsonl and shown n/a."""
+    import random
+
+    rng = random.Random(0)
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "for",
+        "on",
+        "that",
+        "with",
+        "as",
+        "by",
+        "at",
+        "from",
+        "data",
+        "model",
+        "train",
+    ]
+    records = [
+        {"prompt": " ".join(rng.choice(words) for _ in range(400)), "completion": " ok."}
+        for _ in range(30)
+    ]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    overrides = [
+        *tiny_overrides(tmp_path / "runs", "long", steps=6, eval_batches=1),
+        f"data.dir={tmp_path / 'long-tokens'}",
+        f"data.inputs=[{tmp_path / 'long.jsonl'}]",
+        f"data.tokenizer={data_dir / 'tokenizer.json'}",
+        "data.val_fraction=0.2",
+    ]
+    lines: list[str] = []
+    result = train(load_config(None, overrides), log=lines.append, tty=False)
+    warning = [line for line in lines if "fine-tuning records" in line]
+    assert len(warning) == 1, lines
+    assert re.search(
+        r"warning: 2[0-9] of 2[0-9] fine-tuning records in .*long-tokens have a "
+        r"prompt of train\.seq_len=32 tokens or more",
+        warning[0],
+    ), warning
+    records = by_step(result.run_dir)
+    empty = [s for s, r in records.items() if r["tokens_counted"] == 0]
+    assert empty and all("loss" not in records[s] for s in empty), records
+    assert all("loss" in r for r in records.values() if r["tokens_counted"] > 0)
+    assert format_line(1, 6, {"loss": math.nan, "tokens_counted": 0}, ["loss"]).startswith(
+        "step 1/6  loss n/a"
+    )
