@@ -8,8 +8,10 @@ nothing of orbax's on stderr, no temporary directory left, and the earlier check
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
+import gc
 import os
 import re
 import shutil
@@ -173,3 +175,46 @@ def test_a_failing_finalize_is_reported_quietly(fresh, tmp_path, monkeypatch, ca
     finally:
         ckpt.close()
     _restores_to(cfg, directory, at_step(state, 2))
+
+
+def _abandon_a_task(package: str) -> None:
+    """What orbax leaves behind after a failed save (``package`` "orbax"), collected late (at
+    the interpreter's exit in a run): an asyncio task whose exception nobody retrieved. Its
+    coroutine is compiled as if from ``package``'s source (asyncio names where it was
+    defined)."""
+    source = "async def commit():\n    raise OSError(28, 'RESOURCE_EXHAUSTED: No space left')\n"
+    namespace: dict = {}
+    where = os.sep.join(["", "site-packages", package, "commit.py"])
+    exec(compile(source, where, "exec"), namespace)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(namespace["commit"]())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()
+    del task
+    gc.collect()  # Task.__del__: asyncio logs "Task exception was never retrieved"
+
+
+def test_orbax_leftovers_collected_after_a_failed_save_stay_quiet(
+    fresh, tmp_path, monkeypatch, caplog
+):
+    """Fault 5 of the second campaign: after the one-line error of a failed later save, 1 run
+    in 2 also printed `ERROR:asyncio:Task exception was never retrieved` and orbax's
+    RESOURCE_EXHAUSTED traceback: orbax's abandoned task was collected after close() had
+    taken the filter off. After a failure it stays on for the process, for orbax's leftovers
+    only: another library's unretrieved task still reports."""
+    cfg, state = fresh
+    ckpt = _with_step_2(tmp_path / "ck", cfg, state)
+
+    async def no_space(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
+
+    monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "finalize", no_space)
+    ckpt.save(at_step(state, 4), cfg, {"step": 4})
+    with pytest.raises(CheckpointSaveError):
+        ckpt.close()
+    ckpt.close()
+    for package, reported in [("orbax", 0), ("elsewhere", 1)]:
+        caplog.clear()
+        _abandon_a_task(package)
+        leftovers = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+        assert len(leftovers) == reported, (package, caplog.text)

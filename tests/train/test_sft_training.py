@@ -14,7 +14,7 @@ import pytest
 from run_helpers import by_step, latest_state, run
 
 from seqshard.config import ConfigError, load_config
-from seqshard.train.loop import train
+from seqshard.train.loop import evaluate, train
 from seqshard.train.metrics import format_line
 
 TEMPLATE = (
@@ -132,3 +132,6 @@ def test_prompts_longer_than_a_row_are_warned_of_and_a_loss_over_no_token_is_na(
     assert format_line(1, 6, {"loss": math.nan, "tokens_counted": 0}, ["loss"]).startswith(
         "step 1/6  loss n/a"
     )
+    # Validation over rows that count nothing: no loss (printed n/a), not 0.
+    nothing = lambda weights, batch: np.zeros(2)  # noqa: E731 (summed loss, count)
+    assert evaluate(nothing, None, [None, None]) is None
