@@ -271,6 +271,7 @@ def _prepare_corpus(args):
         corpus = Corpus(
             " + ".join(p.description for p in parts),
             lambda: itertools.chain.from_iterable(parts),
+            lambda: [skipped for p in parts for skipped in p.skipped()],
         )
     return corpus.take(args.max_docs)
 

@@ -4,7 +4,9 @@ optionally a Hugging Face dataset.
 Every source is a *re-iterable* :class:`Corpus`: ``prepare`` reads it twice (once to train the
 tokenizer, once to encode), and each ``iter(corpus)`` yields the same documents in the same
 order. A document is one ``str``, or a fine-tuning record's :class:`~seqshard.data.sft.Pieces`
-(text counted in the loss or not); empty documents are skipped.
+(text counted in the loss or not); empty documents are skipped. A text file that is not UTF-8
+(or cannot be read) is skipped too, and said so: ``corpus.skipped()`` lists it; a ``.jsonl``
+line that is not UTF-8 is an error naming ``file:line``.
 
     corpus = stdlib_corpus()                       # ~730 .py files, ~12 MB, no network needed
     corpus = path_corpus(["notes/", "a.jsonl"])    # .txt .md .py files; .jsonl: one doc a line
@@ -56,15 +58,21 @@ STDLIB_EXCLUDED_DIRS = frozenset(
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 
 
+def _nothing_skipped() -> list[str]:
+    return []
+
+
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     """A re-iterable sequence of documents with a human-readable description (kept in meta.json).
 
     ``iter(corpus)`` calls ``open()`` afresh each time, so a corpus can be read more than once.
+    ``skipped()``: the input files the latest read passed over, each ``"path (why)"``.
     """
 
     description: str
     open: Callable[[], Iterator[str]]
+    skipped: Callable[[], list[str]] = _nothing_skipped
 
     def __iter__(self) -> Iterator[str]:
         return (doc for doc in self.open() if doc)
@@ -78,6 +86,7 @@ class Corpus:
         return Corpus(
             f"{self.description} (first {max_docs} docs)",
             lambda: itertools.islice(iter(self), max_docs),
+            self.skipped,
         )
 
 
@@ -112,28 +121,45 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_text(path: Path) -> str | None:
-    """The file's text as UTF-8, or None if it cannot be read or is not UTF-8."""
+def _read_text(path: Path, skip: Callable[[str], None]) -> str | None:
+    """The file's text as UTF-8, or None (after ``skip("path (why)")``) if it cannot be read or
+    is not UTF-8."""
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
+    except OSError as e:
+        skip(f"{path} (unreadable: {e.strerror or e})")
+    except UnicodeDecodeError as e:
+        skip(f"{path} (not UTF-8: byte 0x{e.object[e.start]:02x} at offset {e.start})")
+    return None
+
+
+def _skipping(read: Callable[[Callable[[str], None]], Iterator]) -> tuple[Callable, Callable]:
+    """(``open``, ``skipped``) of a :class:`Corpus` whose reader ``read(skip)`` reports the files
+    it passes over: each read starts the list afresh."""
+    skipped: list[str] = []
+
+    def documents() -> Iterator:
+        skipped.clear()
+        yield from read(skipped.append)
+
+    return documents, lambda: list(skipped)
 
 
 def stdlib_corpus() -> Corpus:
     """The default corpus: one document per standard-library source file (see
-    :func:`stdlib_files`); unreadable or non-UTF-8 files are skipped."""
+    :func:`stdlib_files`); unreadable or non-UTF-8 files are skipped (``corpus.skipped()``)."""
     root = stdlib_dir()
     files = stdlib_files(root)
     version = ".".join(map(str, sys.version_info[:3]))
 
-    def documents() -> Iterator[str]:
+    def read(skip: Callable[[str], None]) -> Iterator[str]:
         for path in files:
-            text = _read_text(path)
+            text = _read_text(path, skip)
             if text is not None:
                 yield text
 
-    return Corpus(f"python {version} stdlib ({len(files)} .py files under {root})", documents)
+    description = f"python {version} stdlib ({len(files)} .py files under {root})"
+    return Corpus(description, *_skipping(read))
 
 
 def _walk_text_files(directory: Path) -> list[Path]:
@@ -147,8 +173,16 @@ def _walk_text_files(directory: Path) -> list[Path]:
 def _jsonl_documents(
     path: Path, text_field: str, chat_template: ChatTemplate | None = None
 ) -> Iterator[str | Pieces]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded line by line, so a bad byte is reported at its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                    f"{e.start + 1}); a .jsonl file must be UTF-8 text: fix the line, or convert "
+                    f"the file (e.g. `iconv -f latin1 -t utf-8`)."
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -197,17 +231,18 @@ def iter_path_documents(
     *,
     text_field: str = "text",
     chat_template: ChatTemplate | None = None,
+    skip: Callable[[str], None] = lambda _why: None,
 ) -> Iterator[str | Pieces]:
     """Documents from files and directories, in the order given (directories: sorted, recursive,
     files with :data:`TEXT_SUFFIXES`). A ``.jsonl`` file gives one document per line: its
     ``text_field``, or a fine-tuning record's :class:`~seqshard.data.sft.Pieces` (prompt and
     completion, or chat messages rendered by ``chat_template``); any other file is one
-    document. Non-UTF-8 files are skipped."""
+    document. A non-UTF-8 (or unreadable) file is skipped, and ``skip("path (why)")`` called."""
     for path in _resolve_inputs(paths):
         if path.suffix == ".jsonl":
             yield from _jsonl_documents(path, text_field, chat_template)
         else:
-            text = _read_text(path)
+            text = _read_text(path, skip)
             if text is not None:
                 yield text
 
@@ -224,10 +259,13 @@ def path_corpus(
         raise ValueError("path_corpus: no input paths given; pass files or directories.")
     n_files = len(_resolve_inputs(paths))
     shown = ", ".join(str(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
-    return Corpus(
-        f"{n_files} files from {shown}",
-        lambda: iter_path_documents(paths, text_field=text_field, chat_template=chat_template),
-    )
+
+    def read(skip: Callable[[str], None]) -> Iterator[str | Pieces]:
+        return iter_path_documents(
+            paths, text_field=text_field, chat_template=chat_template, skip=skip
+        )
+
+    return Corpus(f"{n_files} files from {shown}", *_skipping(read))
 
 
 _FILE_BUILDERS = ("json", "text", "csv", "parquet", "arrow")

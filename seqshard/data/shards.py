@@ -11,8 +11,13 @@ byte-level BPE never makes more tokens than bytes, so its shards hold at most ``
 tokens; other tokenizers may exceed it slightly. Units depend on the text alone and each is
 encoded the same way wherever it runs, so the output is the same files for any number of
 workers. Unit ``k`` writes ``train-k`` and ``val-k`` (a split's shard only when it has
-documents), then ``units/k.json``; a unit whose record and files are in place is not encoded
-again.
+documents), then ``units/k.json``; a unit whose record and files are in place, each ``.bin``
+hashing to its recorded sha256, is not encoded again (a damaged one is, with a line saying so).
+
+The workers ignore SIGINT: Ctrl-C reaches the whole process group, and only this process acts
+on it (the pool is terminated as the KeyboardInterrupt leaves :func:`encode_units`). A full
+disk is one line, :class:`PrepareWriteError`: the file, the OS error, the bytes the write
+needed and the space free.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
 import multiprocessing
 import os
+import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -34,10 +43,54 @@ import numpy as np
 from seqshard.data.sft import Pieces
 from seqshard.data.tokenfile import SPLITS, SplitWriter
 from seqshard.data.tokenizer import Tokenizer, load_tokenizer
+from seqshard.shardlib.tables import format_bytes
 
-__all__ = ["UnitSpec", "document_units", "encode_units", "split_entry"]
+__all__ = [
+    "PrepareWriteError",
+    "UnitSpec",
+    "document_units",
+    "encode_units",
+    "split_entry",
+    "writing",
+]
 
 RECORDS = "units"  # <tmp>/units/<k>.json: a finished unit's shard entries
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class PrepareWriteError(OSError):
+    """A write of ``prepare`` found the disk (or the quota) full; its message is the whole
+    line. Made of ``(errno, message)`` alone, so it comes back from a worker process intact."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _free(path: Path) -> str:
+    for where in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            return f"{format_bytes(shutil.disk_usage(where).free)} free"
+    return "an unknown amount free"
+
+
+@contextlib.contextmanager
+def writing(path: Path, needed: int) -> Iterator[None]:
+    """The block writes ``path`` (about ``needed`` bytes): a full disk there raises
+    :class:`PrepareWriteError` naming the file, the bytes and the space free."""
+    try:
+        yield
+    except PrepareWriteError:
+        raise
+    except OSError as e:
+        if e.errno not in _DISK_FULL:
+            raise
+        raise PrepareWriteError(
+            e.errno,
+            f"could not write {path}: [Errno {e.errno}] {e.strerror}. The write needed about "
+            f"{format_bytes(needed)}; {path.parent} has {_free(path.parent)}. Free space there "
+            f"and rerun the same command (it keeps the shards already finished), or prepare "
+            f"into another --out.",
+        ) from None
 
 
 def _size(doc: str | Pieces) -> int:
@@ -111,43 +164,75 @@ def _encode_unit(spec_and_unit: tuple[UnitSpec, int, list[tuple[int, str | Piece
     """One unit's shards (in a worker): {split: shard entry}, recorded when complete."""
     spec, k, unit, val = spec_and_unit
     encoded = encode(_tokenizer(str(spec.tokenizer)), [doc for _, doc in unit], spec.eot)
+    itemsize = np.dtype(spec.dtype).itemsize
     out = {}
     for split in SPLITS:
         mine = [e for e, v in zip(encoded, val, strict=True) if v == (split == "val")]
         if not mine:
             continue
-        with SplitWriter(spec.tmp, split, spec.dtype, name=f"{split}-{k:05d}") as writer:
+        name = f"{split}-{k:05d}"
+        n_tokens = sum(len(ids) for ids, _ in mine)
+        mask_bytes = n_tokens if any(mask is not None for _, mask in mine) else 0
+        needed = n_tokens * itemsize + mask_bytes + 8 * (len(mine) + 1)  # .bin, mask, offsets
+        with (
+            writing(spec.tmp / f"{name}.bin", needed),
+            SplitWriter(spec.tmp, split, spec.dtype, name=name) as writer,
+        ):
             writer.add([ids for ids, _ in mine], [mask for _, mask in mine])
         out[split] = writer.summary
     record = _record_path(spec.tmp, k)
     record.parent.mkdir(exist_ok=True)
     partial = record.with_name(record.name + ".tmp")
-    partial.write_text(json.dumps(out))
+    text = json.dumps(out)
+    with writing(record, len(text)):
+        partial.write_text(text)
     os.replace(partial, record)
     return out
 
 
-def _finished(tmp: Path, k: int, itemsize: int) -> dict | None:
-    """Unit ``k``'s shard entries if its record and files are complete (sizes as recorded)."""
+def _finished(tmp: Path, k: int, itemsize: int, log: Callable[[str], None]) -> dict | None:
+    """Unit ``k``'s shard entries if its record and files are complete: sizes as recorded, each
+    ``.bin`` hashing to its recorded sha256, offsets ending at its token count. A unit that
+    was recorded but no longer holds is said so (it is encoded again)."""
     path = _record_path(tmp, k)
     if not path.is_file():
         return None
     try:
         out = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        log(f"prepare: {path} is damaged (not JSON); encoding unit {k} again")
         return None
     for entry in out.values():
-        name, n = entry["name"], entry["n_tokens"]
-        files = {f"{name}.bin": n * itemsize} | (
-            {f"{name}.mask.bin": n} if entry["has_mask"] else {}
-        )
-        if any(
-            not (tmp / f).is_file() or (tmp / f).stat().st_size != size for f, size in files.items()
-        ):
-            return None
-        if not (tmp / f"{name}.offsets.npy").is_file():
+        damage = _shard_damage(tmp, entry, itemsize)
+        if damage:
+            log(f"prepare: {tmp / entry['name']}{damage}; encoding unit {k} again")
             return None
     return out
+
+
+def _shard_damage(tmp: Path, entry: dict, itemsize: int) -> str:
+    """What is wrong with a recorded shard's files (``''``: nothing)."""
+    name, n = entry["name"], entry["n_tokens"]
+    sizes = {".bin": n * itemsize} | ({".mask.bin": n} if entry["has_mask"] else {})
+    for suffix, size in sizes.items():
+        file = tmp / f"{name}{suffix}"
+        if not file.is_file():
+            return f"{suffix} is missing"
+        if file.stat().st_size != size:
+            return f"{suffix} holds {file.stat().st_size} bytes, not the {size} recorded"
+    try:
+        offsets = np.load(tmp / f"{name}.offsets.npy")
+    except (OSError, ValueError) as e:
+        return f".offsets.npy is unreadable ({e})"
+    if offsets.shape != (entry["n_docs"] + 1,) or offsets[-1] != n:
+        return f".offsets.npy does not fit the {entry['n_docs']} documents recorded"
+    sha = hashlib.sha256()
+    with open(tmp / f"{name}.bin", "rb") as f:
+        while block := f.read(1 << 24):
+            sha.update(block)
+    if sha.hexdigest() != entry["sha256"]:
+        return ".bin does not match its recorded sha256 (damaged since it was written)"
+    return ""
 
 
 def encode_units(
@@ -168,7 +253,7 @@ def encode_units(
     def jobs():
         nonlocal reused
         for k, unit in enumerate(units):
-            done = _finished(spec.tmp, k, itemsize)
+            done = _finished(spec.tmp, k, itemsize, log)
             if done is not None:
                 reused += 1
             yield k, unit, done
@@ -186,22 +271,43 @@ def encode_units(
     else:
         # Each worker's tokenizer encodes on a Rust thread pool: share the cores among them.
         threads = str(max(1, (os.cpu_count() or 1) // workers))
-        with (
-            _environment(RAYON_NUM_THREADS=threads),
-            multiprocessing.get_context("spawn").Pool(workers) as pool,
-        ):
-            pending: collections.deque = collections.deque()
-            for k, unit, done in jobs():
-                val = [in_val(i) for i, _ in unit]
-                pending.append(done or pool.apply_async(_encode_unit, ((spec, k, unit, val),)))
-                while len(pending) > 2 * workers:
+        with _environment(RAYON_NUM_THREADS=threads):
+            with _sigint_ignored():  # while the workers start (they inherit it): _ignore_sigint
+                pool = multiprocessing.get_context("spawn").Pool(workers, _ignore_sigint)
+            # Leaving the block in any way (Ctrl-C here included) terminates the workers.
+            with pool:
+                pending: collections.deque = collections.deque()
+                for k, unit, done in jobs():
+                    val = [in_val(i) for i, _ in unit]
+                    pending.append(done or pool.apply_async(_encode_unit, ((spec, k, unit, val),)))
+                    while len(pending) > 2 * workers:
+                        results.append(_result(pending.popleft()))
+                        report()
+                while pending:
                     results.append(_result(pending.popleft()))
-                    report()
-            while pending:
-                results.append(_result(pending.popleft()))
     if reused:
         log(f"prepare: reused {reused} of {len(results)} units finished by an earlier run")
     return results
+
+
+def _ignore_sigint() -> None:
+    """A worker's initializer: Ctrl-C goes to the whole process group, and only the parent acts
+    on it (else every worker prints its own KeyboardInterrupt traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while the block runs: a process started in it ignores SIGINT from its
+    first instruction (Python keeps an ignored SIGINT ignored), before its initializer runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; its own handler decides then
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @contextlib.contextmanager
@@ -229,7 +335,9 @@ def split_entry(shards: list[dict], tmp: Path) -> dict:
     has_mask = any(s["has_mask"] for s in shards)
     for s in shards:
         if has_mask and not s["has_mask"]:
-            (tmp / f"{s['name']}.mask.bin").write_bytes(b"\x01" * s["n_tokens"])
+            path = tmp / f"{s['name']}.mask.bin"
+            with writing(path, s["n_tokens"]):
+                path.write_bytes(b"\x01" * s["n_tokens"])
             s["has_mask"] = True
     sha = (
         shards[0]["sha256"]

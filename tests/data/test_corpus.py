@@ -71,3 +71,48 @@ def test_hf_datasets_read_local_json_and_text_files_offline(tmp_path, monkeypatc
     meta = read_meta(out)
     assert sum(split["n_docs"] for split in meta["splits"].values()) == 2
     assert meta["source"] == f"huggingface json:{tmp_path / 'a.jsonl'} split=train field=text"
+
+
+def test_a_jsonl_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path):
+    """Fault 8: a byte that is not UTF-8 in a .jsonl input said only `'utf-8' codec can't
+    decode byte 0xff in position 34`. Now the error names file:line, like bad JSON."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"text": "one"}\n\n{"text": "caf\xff"}\n{"text": "three"}\n')
+    with pytest.raises(ValueError) as caught:
+        list(corpus_lib.path_corpus([path]))
+    assert str(caught.value) == (
+        f"{path}:3: not valid UTF-8 (byte 0xff at column 14); a .jsonl file must be UTF-8 text: "
+        f"fix the line, or convert the file (e.g. `iconv -f latin1 -t utf-8`)."
+    )
+
+
+def test_text_files_that_are_not_utf8_are_skipped_and_named(tmp_path):
+    """Fault 14: text inputs that are not UTF-8 were dropped without a word, and with only such
+    files the error said they "gave no non-empty documents". Now each read lists them
+    (``corpus.skipped()``), prepare says so in one line, and the error names them."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "good.txt").write_text("plain words " * 30)
+    for name in ("latin1.txt", "old.py"):
+        (tmp_path / "d" / name).write_bytes("caf\xe9 ".encode("latin-1") * 30)
+    corpus = corpus_lib.path_corpus([tmp_path / "d"])
+    assert list(corpus) == ["plain words " * 30]
+    latin1, old = (
+        f"{tmp_path / 'd' / n} (not UTF-8: byte 0xe9 at offset 3)" for n in ("latin1.txt", "old.py")
+    )
+    assert corpus.skipped() == [latin1, old] and corpus.take(5).skipped() == [latin1, old]
+
+    messages = []
+    prepare(tmp_path / "out", corpus, PrepareConfig(vocab_size=300), log=messages.append)
+    assert (
+        f"prepare: skipped 2 input files that are not UTF-8 text or unreadable: {latin1}; {old}; "
+        f"convert such files to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) to include them"
+    ) in messages, messages
+
+    only = corpus_lib.path_corpus([tmp_path / "d" / "latin1.txt"])
+    with pytest.raises(ValueError) as caught:
+        prepare(tmp_path / "none", only, PrepareConfig(vocab_size=300), log=None)
+    assert str(caught.value) == (
+        f"source {only.description} gave no non-empty documents: it skipped 1 input file that "
+        f"is not UTF-8 text or unreadable: {latin1}; convert such files to UTF-8 (e.g. "
+        f"`iconv -f latin1 -t utf-8`) to include them."
+    )
