@@ -151,7 +151,7 @@ def test_a_bad_config_exits_2_with_the_error_and_no_traceback(tmp_path):
         (["train", "{tiny}", "train.steps"], ["seqshard train: error:", "not key=value"]),
         (
             ["train", "{tiny}", "data.dir={file}/data", "data.inputs=[{corpus}]"],
-            ["seqshard train: error:", "Not a directory", "data.tmp"],
+            ["seqshard train: error:", "cannot prepare", "cannot be made a directory", "a-file"],
         ),
         (["show", "{tiny}", "model.d_modle=3"], ["seqshard show: error:", "d_model"]),
         (

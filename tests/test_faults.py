@@ -300,7 +300,8 @@ def test_a_disk_full_outside_a_save_stops_with_one_line(tmp_path, tiny_overrides
     assert train(load_config(config, overrides), log=quiet, tty=False).step == 2
     fill_leaving(small_disk, pages=2)
     more = ["train.steps=400", "train.checkpoint_every=0", "train.eval_every=0"]
-    args = [*overrides, *more, "--sample-tokens=0"]
+    keys = {m.split("=")[0] for m in more}  # (a key given twice on the command line: an error)
+    args = [*(o for o in overrides if o.split("=")[0] not in keys), *more, "--sample-tokens=0"]
     proc = subprocess.run(
         [*SEQSHARD, "train", str(config), *args],
         cwd=tmp_path,

@@ -249,7 +249,15 @@ def _one_writer(out_dir: Path, log: Callable[[str], None]) -> Iterator[None]:
     locks a fresh one: see :func:`_lock_file`); one that died holds nothing (the kernel drops
     its ``flock``), and the next prepare takes the file it left."""
     path = Path(f"{out_dir}.lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a directory of the path should be, say
+        raise OSError(
+            e.errno,
+            f"cannot prepare {out_dir}: {path.parent} cannot be made a directory ({e.strerror}: "
+            f"{e.filename}); choose an --out (data.dir) whose parents are directories or "
+            f"can be made",
+        ) from None
     fd = _lock_file(path, out_dir, log)
     if fd is None:
         yield

@@ -263,7 +263,7 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
     if has_checkpoint:
         saved.update(_checkpoint_config(run_dir / "checkpoints"))
     if not saved:
-        held = "step checkpoints" if has_checkpoint else f"{METRICS_FILE}"
+        held = "step checkpoints" if has_checkpoint else METRICS_FILE
         raise ConfigError(
             f"{run_dir} holds {held} but no config.yaml and no checkpoint whose saved config "
             f"can be read, so seqshard cannot tell whether it is this run's work, and will not "
