@@ -110,13 +110,19 @@ files, total = export_weights(weights, cfg, out, "bfloat16", 2**30)
 export_s, export_peak = time.perf_counter() - t, peak.peak
 weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
 largest = 4 * max(int(np.prod(row.hf_shape(cfg))) for row, _, _ in hf_tensor_names(cfg))
-index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+def file_of(directory, name):
+    # The file of tensor `name`: per the index of a split model, or the one file (a model
+    # below the shard size is saved whole, without an index).
+    index = directory / "model.safetensors.index.json"
+    if not index.exists():
+        return directory / "model.safetensors"
+    return directory / json.loads(index.read_text())["weight_map"][name]
+
 checked = 0
 for name in ["model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight",
              "model.layers.7.mlp.down_proj.weight", "model.norm.weight"]:
-    with safe_open(str(src / index[name]), "np") as a:
-        new_index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-        with safe_open(str(out / new_index[name]), "np") as b:
+    with safe_open(str(file_of(src, name)), "np") as a:
+        with safe_open(str(file_of(out, name)), "np") as b:
             assert np.array_equal(a.get_tensor(name).view(np.uint16), b.get_tensor(name).view(np.uint16)), name
             checked += 1
 print(json.dumps(dict(import_s=import_s, export_s=export_s, before=before, import_peak=import_peak,

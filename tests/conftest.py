@@ -30,6 +30,12 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # a directory per worker: the writes ar
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
         os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"]
     )
+# The CPU's measured peak (MFU's denominator) is kept per machine: in a directory of the
+# session's, not the user's ~/.cache (tests/test_hardware.py gives each of its tests its own).
+if "SEQSHARD_CACHE_DIR" not in os.environ:
+    _seqshard_cache = tempfile.mkdtemp(prefix="seqshard-tests-cache-")
+    atexit.register(shutil.rmtree, _seqshard_cache, ignore_errors=True)
+    os.environ["SEQSHARD_CACHE_DIR"] = _seqshard_cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -72,7 +72,7 @@ __all__ = [
     "prepare",
 ]
 
-DEFAULT_OUT = "data/tokens"
+DEFAULT_OUT = "data/stdlib"  # where the configs look (base.yaml's data.dir) for the default corpus
 DEFAULT_VOCAB = 4096
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB of uint16 a shard
 _PLAN_FILE = "prepare-plan.json"  # in <out>.tmp: the inputs and settings being prepared
@@ -502,7 +502,7 @@ def _encode_pass(
     t0 = time.perf_counter()
     spec = UnitSpec(tmp, tmp / TOKENIZER_FILE, eot, dtype_for_vocab(tok.get_vocab_size()).name)
     units = document_units(enumerate(corpus), config.shard_tokens)
-    done = encode_units(units, spec, in_val, config.workers, log)
+    done = encode_units(units, spec, in_val, config.workers, log, count.n_docs)
     splits = {s: split_entry([u[s] for u in done if s in u], tmp) for s in ("train", "val")}
     n_tok = sum(s["n_tokens"] for s in splits.values())
     log(

@@ -54,6 +54,7 @@ __all__ = [
     "writing",
 ]
 
+PROGRESS_EVERY_S = 5.0  # seconds between prepare's progress lines while it encodes
 RECORDS = "units"  # <tmp>/units/<k>.json: a finished unit's shard entries
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -241,14 +242,17 @@ def encode_units(
     in_val: Callable[[int], bool],
     workers: int,
     log: Callable[[str], None],
+    n_docs: int | None = None,
 ) -> list[dict[str, dict]]:
     """Every unit's ``{split: shard entry}``, in unit order: finished ones read back, the others
     encoded by ``workers`` processes (1: in this one), at most two per worker in flight (the
-    corpus is read as they finish, never held whole)."""
+    corpus is read as they finish, never held whole). ``n_docs``: the corpus's documents (pass
+    1 counted them), for the progress line's total."""
     itemsize = np.dtype(spec.dtype).itemsize
     results: list[dict[str, dict]] = []
     reused = 0
     t_last = time.perf_counter()
+    ends: list[int] = []  # per unit: the documents up to its end
 
     def jobs():
         nonlocal reused
@@ -256,13 +260,19 @@ def encode_units(
             done = _finished(spec.tmp, k, itemsize, log)
             if done is not None:
                 reused += 1
+            ends.append(unit[-1][0] + 1 if unit else 0)
             yield k, unit, done
 
     def report():
         nonlocal t_last
-        if time.perf_counter() - t_last > 5:
+        if time.perf_counter() - t_last > PROGRESS_EVERY_S:
             t_last = time.perf_counter()
-            log(f"prepare: {len(results)} shards done ({reused} from an earlier run)")
+            docs = ends[len(results) - 1] if results else 0
+            total = f" of {n_docs:,} ({docs / max(n_docs, 1):.0%})" if n_docs else ""
+            log(
+                f"prepare: {len(results)} shards done, {docs:,}{total} documents ({reused} "
+                f"shards from an earlier run)"
+            )
 
     if workers == 1:
         for k, unit, done in jobs():

@@ -65,7 +65,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from seqshard import hardware
 from seqshard.config import Config, ConfigError, check_config, resolve_mesh
@@ -97,6 +99,7 @@ __all__ = [
     "Suggestion",
     "attention_impl_on",
     "collectives_per_step",
+    "config_target",
     "describe_memory",
     "memory_plan",
     "moe_buffer_bytes",
@@ -142,6 +145,30 @@ def attention_impl_on(impl: str, platform: str) -> str:
     if impl == "auto":
         return {"tpu": "splash", "gpu": "cudnn"}.get(platform, "einsum")
     return impl
+
+
+TARGET_LINE = re.compile(r"^# target: --devices (\d+) --chip (\S+)\s*$", re.M)
+"""A config file's header line naming the machine it is written for, e.g. ``# target:
+--devices 8 --chip h100``: what ``seqshard show CONFIG`` plans for without flags."""
+
+
+def config_target(path: str | Path) -> tuple[int, str] | None:
+    """(devices, chip) of the ``# target:`` line of the config file ``path`` (see
+    :data:`TARGET_LINE`), or of the nearest base that has one; None if none does."""
+    path = Path(path)
+    for _ in range(16):  # a base chain (a loop is the config loader's error, not ours)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+        found = TARGET_LINE.search(text)
+        if found:
+            return int(found.group(1)), found.group(2)
+        base = re.search(r"^base:\s*(\S+)\s*$", text, re.M)
+        if base is None:
+            return None
+        path = path.parent / base.group(1)
+    return None
 
 
 def target_config(cfg: Config, n_devices: int) -> Config:

@@ -89,16 +89,26 @@ def weight_table(cfg: Config) -> list[tuple[str, str, str, str, str]]:
     return rows
 
 
+def _scaled(n: float, units: tuple[tuple[str, float], ...]) -> str:
+    """``n`` in three digits and the largest of ``units`` it reaches, exact below them all."""
+    for unit, scale in units:
+        if n >= scale:
+            x = n / scale
+            return f"{x:.{2 if x < 10 else 1 if x < 100 else 0}f} {unit}"
+    return f"{int(n):,}"
+
+
 def _count(n: float) -> str:
     """FLOPs in a table cell: ``-`` for none, exact below a million, else three digits and a
     unit: ``'2.10 M'``, ``'15.7 G'``, ``'563 T'``."""
     if n == 0:
         return "-"
-    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
-        if n >= scale:
-            x = n / scale
-            return f"{x:.{2 if x < 10 else 1 if x < 100 else 0}f} {unit}"
-    return f"{int(n):,}"
+    return _scaled(n, (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)))
+
+
+def _params(n: int) -> str:
+    """A parameter count as people write it: ``'675 B'``, ``'41.4 B'``, ``'1.79 M'``."""
+    return _scaled(n, (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)))
 
 
 def flops_table(cfg: Config) -> str:
@@ -477,8 +487,8 @@ def _plan_target(p: Plan) -> list[str]:
         e = cfg.mesh.sizes()["e"]
         lines.append(
             f"  experts: {moe.n_experts // e} of {moe.n_experts} per device (e={e}), top-"
-            f"{moe.top_k}; parameters {counts.total / 1e9:.2f} B total, "
-            f"{counts.active / 1e9:.2f} B active per token (FLOPs and MFU on the active); "
+            f"{moe.top_k}; parameters {_params(counts.total)} total, "
+            f"{_params(counts.active)} active per token (FLOPs and MFU on the active); "
             f"routed compute at the busiest shard's {p.busiest_shard_load:g} x the mean "
             f"(imbalance {p.imbalance:g}"
             + (f", capacity_factor {moe.capacity_factor:g}" if moe.capacity_factor else "")

@@ -57,12 +57,15 @@ class RunWriteError(OSError):
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` (a temporary file renamed over it): a kill or a full disk
-    leaves the old file or the new one, never a torn one, and no temporary file."""
+    leaves the old file or the new one, never a torn one, and no temporary file. The file is
+    readable by all (0644 under the usual umask), like the run's other files: mkstemp's 0600
+    would hide config.yaml and run.json from the rest of a team."""
     path = Path(path)
     data = text.encode("utf-8")
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -78,6 +81,13 @@ def atomic_write_text(path: Path, text: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def append_whole(fd: int, data: bytes, path: Path) -> None:

@@ -24,6 +24,7 @@ from data_helpers import VOCAB, _documents
 from process_helpers import SEQSHARD, ProcessGroup, cpu_env
 
 from seqshard.cli import main
+from seqshard.data import shards
 from seqshard.data.corpus import path_corpus, stdlib_corpus
 from seqshard.data.prepare import PrepareConfig, PrepareInterrupted, prepare
 from seqshard.data.tokenfile import (
@@ -91,6 +92,30 @@ def test_prepare_tiny_corpus_still_gets_a_val_doc(tmp_path):
         tmp_path / "out", path_corpus([tmp_path]), PrepareConfig(vocab_size=300), log=None
     )
     assert read_meta(out)["splits"]["val"]["n_docs"] == 1
+
+
+def test_the_progress_line_says_how_far_of_the_total(tmp_path, monkeypatch, data_dir, text_dir):
+    """Issue 41, item 14: the progress line said how many shards were done, not of how many
+    documents; pass 1's count is the total."""
+    monkeypatch.setattr(shards, "PROGRESS_EVERY_S", 0.0)  # a line after every shard
+    lines: list[str] = []
+    config = PrepareConfig(tokenizer_path=data_dir / "tokenizer.json", shard_tokens=4096)
+    out = prepare(tmp_path / "p", path_corpus([text_dir]), config, log=lines.append)
+    n_docs = sum(s["n_docs"] for s in read_meta(out)["splits"].values())
+    progress = [line for line in lines if "shards done" in line]
+    assert progress and all(f" of {n_docs:,} (" in line for line in progress), lines
+    assert re.search(r"^prepare: 1 shards done, [0-9,]+ of [0-9,]+ \(\d+%\) documents", progress[0])
+
+
+def test_the_default_out_is_where_the_configs_read(capsys):
+    """--out's default is base.yaml's data.dir, where `seqshard train` looks for the stdlib."""
+    from seqshard.config import load_config
+
+    assert main(["prepare", "--help"]) == 0
+    assert "(default: data/stdlib)" in " ".join(capsys.readouterr().out.split())
+    assert load_config(Path(__file__).parents[2] / "configs" / "base.yaml").data.dir.endswith(
+        "data/stdlib"
+    )
 
 
 def test_prepare_default_corpus_and_cli(tmp_path, capsys):
