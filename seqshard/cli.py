@@ -7,6 +7,7 @@
     seqshard plot RUN_DIR [RUN_DIR ...]                loss curves -> PNG
     seqshard show CONFIG [--devices N --chip NAME]     sizes, layouts, FLOPs, memory, a plan
     seqshard export RUN_DIR OUT_DIR                    a checkpoint as a Hugging Face Llama
+    seqshard config [SECTION] [--markdown]             every config key: type, default, meaning
 
 ``train`` and ``eval`` join a multi-process run with ``--coordinator HOST:PORT
 --num-processes N --process-id I`` (or find it under SLURM and on Cloud TPU VMs:
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import shlex
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -284,12 +286,17 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     _process_arguments(p)
     p.add_argument(
         "--sample-prompt",
-        default="def __init__(self",
-        help="prompt for the text sample printed at the end",
+        help="prompt for the text sample printed at the end (default: "
+        f"{_SAMPLE_PROMPT!r}; for a run whose data has a chat template, a user message, "
+        f"default {_SAMPLE_QUESTION!r}, whose reply stops at the end of turn)",
     )
     p.add_argument(
         "--sample-tokens", type=int, default=64, help="tokens to sample at the end (0: none)"
     )
+
+
+_SAMPLE_PROMPT = "def __init__(self"
+_SAMPLE_QUESTION = "What does `os.path.join` do?"  # the style of configs/sft/chat-stdlib.jsonl
 
 
 class _StopBeforeStart(BaseException):
@@ -377,16 +384,32 @@ def _train_run(args) -> int:
             f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.2%}, wall {result.wall_s:.0f} s"
         )
     if result.interrupted:
-        _say(f"stopped early; `seqshard train {args.config}` resumes from the checkpoint.")
+        again = shlex.join(["seqshard", "train", args.config, *args.overrides])
+        _say(f"stopped early; `{again}` resumes from the checkpoint.")
         return 0
     if args.sample_tokens > 0 and joined():
         _say(f"no sample in a multi-process run: `seqshard generate {result.run_dir}` samples.")
     elif args.sample_tokens > 0:
-        samples = _sample(cfg, result.run_dir, [args.sample_prompt], args.sample_tokens, 0.8, 40, 0)
-        _say(f"sample ({args.sample_tokens} tokens after {args.sample_prompt!r}):")
-        _say(args.sample_prompt + samples[0])
+        _end_of_run_sample(cfg, result.run_dir, args.sample_prompt, args.sample_tokens)
     _say(f"run directory: {result.run_dir}")
     return 0
+
+
+def _end_of_run_sample(cfg: Config, run_dir: Path, prompt: str | None, tokens: int) -> None:
+    """Print a sample of ``tokens`` tokens: after ``prompt``, or for a run whose data has a
+    chat template, a reply to the user message ``prompt``, stopped at the end of turn."""
+    template = _run_chat_template(cfg)
+    if template is None:
+        prompt = _SAMPLE_PROMPT if prompt is None else prompt
+        _say(f"sample ({tokens} tokens after {prompt!r}):")
+        _say(prompt + _sample(cfg, run_dir, [prompt], tokens, 0.8, 40, 0)[0])
+        return
+    question = _SAMPLE_QUESTION if prompt is None else prompt
+    end = template.end_of_turn()
+    stop = [end] if end is not None else []
+    chat = template.user_turn(question)
+    _say(f"sample (a reply of at most {tokens} tokens to {question!r}, stopped at {end!r}):")
+    _say(chat + _sample(cfg, run_dir, [chat], tokens, 0.8, 40, 0, stop)[0])
 
 
 def _loss_text(loss: float | None) -> str:
@@ -471,8 +494,9 @@ def _export(args) -> int:
 
 def export_config(cfg: Config, out_dir: str | Path, **options) -> ExportConfig:
     """The :class:`~seqshard.hf.export.ExportConfig` of the run ``cfg`` into ``out_dir``: its
-    model, the tokenizer of its ``data.dir`` and the positions it trained on; ``options`` set
-    the other fields (``dtype``, ``max_file_bytes``, ``overwrite``, ``tokenizer``)."""
+    model, the tokenizer of its ``data.dir``, the chat template of its data (if any) and the
+    positions it trained on; ``options`` set the other fields (``dtype``, ``max_file_bytes``,
+    ``overwrite``, ``tokenizer``, ``chat_template``)."""
     from seqshard.hf.export import ExportConfig, max_position
 
     fields = {
@@ -480,6 +504,8 @@ def export_config(cfg: Config, out_dir: str | Path, **options) -> ExportConfig:
         "max_position": max_position(cfg.model, cfg.train.seq_len),
         **options,
     }
+    if "chat_template" not in fields:
+        fields["chat_template"] = _run_chat_template(cfg)
     return ExportConfig(out_dir=Path(out_dir), model=cfg.model, **fields)
 
 
@@ -560,8 +586,9 @@ def _eval(args) -> int:
     return 0
 
 
-def _sample(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -> list[str]:
-    """Continuations of ``prompts`` by the latest checkpoint of ``run_dir``."""
+def _sample(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed, stop=()) -> list[str]:
+    """Continuations of ``prompts`` by the latest checkpoint of ``run_dir``, in one batch, each
+    cut before the first of the ``stop`` strings (seqshard.sample.generate_text)."""
     import jax
 
     from seqshard.data import load_tokenizer
@@ -574,29 +601,113 @@ def _sample(cfg, run_dir, prompts, max_new_tokens, temperature, top_k, seed) -> 
     weights = latest_state(run_dir, cfg, training_mesh(cfg.mesh.sizes())).weights
     tokenizer = load_tokenizer(Path(cfg.data.dir) / "tokenizer.json")
     # mesh None: generate_text picks a decode mesh the batch and model fit
-    return generate_text(weights, tokenizer, prompts, cfg.model, None, sampling)
+    return generate_text(weights, tokenizer, prompts, cfg.model, None, sampling, stop=stop)
+
+
+def _run_chat_template(cfg: Config):
+    """The chat template the run's data was rendered with (seqshard.data.sft.ChatTemplate),
+    or None: ``data.chat_template``, else a tokenizer_config.json with one beside
+    ``data.tokenizer`` or in ``data.dir``."""
+    from seqshard.data.sft import find_chat_template
+
+    data = cfg.data
+    try:
+        template = find_chat_template(data.chat_template, data.tokenizer)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"the run's chat template data.chat_template={data.chat_template} does not exist "
+            f"(moved or deleted since the run trained?); pass data.chat_template=PATH (a .jinja "
+            f"file, a tokenizer_config.json or a Hugging Face model directory)."
+        ) from None
+    return template or find_chat_template(None, Path(data.dir) / "tokenizer.json")
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     _config_arguments(p, "run_dir")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", help="the text to continue (with --chat: the user's message)")
+    prompts.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="one prompt per line (blank lines skipped), all generated in one batch; the "
+        "outputs come in the file's order",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message, rendered by the run's chat template "
+        "(data.chat_template, or the tokenizer_config.json beside data.tokenizer) with the "
+        "generation prompt; each reply stops at the template's end of turn (e.g. <|end|>)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="STR",
+        help="stop a row once its text contains STR, cut before it (repeatable; rows also stop "
+        "at <|endoftext|>)",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=100, help="tokens generated per row, at most"
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
     p.add_argument("--top-k", type=int, default=40, help="0 for no top-k cut")
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        help="samples of each prompt, generated in the same batch",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the sampling (the same seed gives the same text on any mesh; unused at "
+        "--temperature 0)",
+    )
 
 
 def _generate(args) -> int:
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}.")
     cfg = _run_config(args.run_dir, args.overrides)
-    prompts = [args.prompt] * args.num_samples
+    prompts = [args.prompt] if args.prompts_file is None else _prompts_file(args.prompts_file)
+    stop = list(args.stop or [])
+    if args.chat:
+        template = _run_chat_template(cfg)
+        if template is None:
+            raise ValueError(
+                f"--chat needs the chat template of {args.run_dir}'s data, and it has none "
+                f"(data.chat_template is unset, and no tokenizer_config.json with one is beside "
+                f"data.tokenizer or in data.dir={cfg.data.dir}); pass data.chat_template=PATH "
+                f"(a .jinja file, a tokenizer_config.json or a Hugging Face model directory)."
+            )
+        prompts = [template.user_turn(p) for p in prompts]
+        end = template.end_of_turn()
+        stop += [end] if end is not None else []
+    prompts = [p for p in prompts for _ in range(args.num_samples)]
     top_k = args.top_k or None
-    for text in _sample(
-        cfg, args.run_dir, prompts, args.max_new_tokens, args.temperature, top_k, args.seed
-    ):
-        print(args.prompt + text)
+    texts = _sample(
+        cfg, args.run_dir, prompts, args.max_new_tokens, args.temperature, top_k, args.seed, stop
+    )
+    for prompt, text in zip(prompts, texts, strict=True):
+        print(prompt + text)
         print("-" * 40)
     return 0
+
+
+def _prompts_file(path: str) -> list[str]:
+    """The prompts of ``--prompts-file``: its lines, blank ones skipped."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"--prompts-file {path} is not a file; pass a text file with one prompt per line."
+        )
+    prompts = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(
+            f"--prompts-file {path} holds no prompt; write one prompt per line (blank lines "
+            f"are skipped)."
+        )
+    return prompts
 
 
 # -- plot and show ----------------------------------------------------------------------------
@@ -646,11 +757,20 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
 def _show(args) -> int:
     from seqshard.config import ConfigError
     from seqshard.hardware import chip
-    from seqshard.plan.planner import target_config
+    from seqshard.plan.planner import config_target, target_config
     from seqshard.plan.show import describe
 
     if args.chip is not None:
         chip(args.chip)  # an unknown name fails here, before anything compiles
+    target = config_target(args.config) if args.devices is None and args.chip is None else None
+    if target is not None:  # the machine the config is written for
+        devices, args.chip = target
+        print(
+            f"(planning for the config's target: --devices {devices} --chip {args.chip}; pass "
+            f"--devices N --chip NAME to plan for other hardware)\n"
+        )
+        if args.chip != "cpu":  # fake CPU devices are made here: compile as for no flags
+            args.devices = devices
     cfg = _load(args.config, args.overrides, args.devices)
     compile_step = not args.no_compile
     if compile_step:
@@ -671,6 +791,29 @@ def _show(args) -> int:
             f"--devices N to say how many devices to plan for."
         )
     print(describe(cfg, compile_step=compile_step, chip=args.chip))
+    return 0
+
+
+# -- config: the reference of every key -------------------------------------------------------
+
+
+def _config_keys_arguments(p: argparse.ArgumentParser) -> None:
+    from seqshard.config import SECTIONS
+
+    p.add_argument(
+        "section",
+        nargs="?",
+        help=f"one section ({', '.join(SECTIONS)}) or a part of one (model.moe); default: all",
+    )
+    p.add_argument(
+        "--markdown", action="store_true", help="as Markdown (docs/config.md is all of it)"
+    )
+
+
+def _config_keys(args) -> int:
+    from seqshard.config import config_reference
+
+    print(config_reference(args.section, markdown=args.markdown), end="")
     return 0
 
 
@@ -699,13 +842,17 @@ COMMANDS: tuple[Command, ...] = (
         _eval_arguments,
         _eval,
         "Validation loss of RUN_DIR's latest checkpoint, on the data it trained on (or "
-        "data.dir=...), on its mesh or another (mesh.d=2 mesh.t=4).",
+        "data.dir=...), on its mesh or another (mesh.d=8 mesh.t=1).",
     ),
     Command(
         "generate",
         "sample text from a run's latest checkpoint",
         _generate_arguments,
         _generate,
+        "Continue --prompt, or each line of --prompts-file (one batch), with RUN_DIR's latest "
+        "checkpoint. --chat sends each as a user message through the run's chat template and "
+        "stops the reply at its end of turn; --stop STR stops a row at a string of your own. "
+        "A row that has stopped generates nothing more, and generation ends when every row has.",
     ),
     Command(
         "export",
@@ -714,7 +861,8 @@ COMMANDS: tuple[Command, ...] = (
         _export,
         "Write RUN_DIR's newest good checkpoint (or --step) to OUT_DIR as a Hugging Face Llama "
         "(config.json, safetensors weights split above --max-file-size with their index, and "
-        "the run's tokenizer), which transformers' AutoModelForCausalLM and AutoTokenizer load. "
+        "the run's tokenizer, with its chat template for a chat-tuned run), which "
+        "transformers' AutoModelForCausalLM and AutoTokenizer (apply_chat_template) load. "
         "Start a run from such a directory with the config key init.from_hf: PATH.",
     ),
     Command(
@@ -738,7 +886,27 @@ COMMANDS: tuple[Command, ...] = (
         "it plans for that hardware without it; on this machine's own device count it also "
         "compiles the step and reports XLA's collectives and memory.",
     ),
+    Command(
+        "config",
+        "every config key: its type, default and meaning",
+        _config_keys_arguments,
+        _config_keys,
+        "Every key a config file or a dotted override sets, by section: its type, its default "
+        "(configs/base.yaml sets some others) and what it means, read from the dataclasses of "
+        "seqshard/config.py. A relative path is relative to the config file that names it (in "
+        "an override: to the working directory). docs/config.md is `seqshard config --markdown`.",
+    ),
 )
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("seqshard")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -751,17 +919,29 @@ def _top_parser() -> argparse.ArgumentParser:
         "after saving), 2 an error, 3 training stopped on a non-finite loss or gradient norm or "
         "a zero gradient (train.nonfinite).",
     )
+    p.add_argument("--version", action="version", version=f"seqshard {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         sub.add_parser(command.name, help=command.help, add_help=False)
     return p
 
 
+class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, once: not where the help says its default itself
+    (``(default: train.eval_batches)``), nor for an unset or off one (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False):
+            return text
+        return super()._get_help_string(action)
+
+
 def _command_parser(command: Command) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"seqshard {command.name}",
         description=command.description or command.help,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnce,
     )
     command.arguments(p)
     return p
@@ -784,9 +964,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             _top_parser().parse_args(argv)  # prints usage (or --help) and exits
             return EXIT_ERROR
         command = by_name[argv[0]]
+        parser = _command_parser(command)
         # Intermixed: options may come after the dotted overrides (plain parse_args stops
         # collecting a positional list at the first option).
-        args = _command_parser(command).parse_intermixed_args(argv[1:])
+        args, unknown = parser.parse_known_intermixed_args(argv[1:])
+        if unknown:
+            dashed = _dashed_override(unknown, argv) if hasattr(args, "overrides") else None
+            if dashed is not None:
+                print(f"seqshard {command.name}: error: {dashed}", file=sys.stderr)
+                return EXIT_ERROR
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:  # --help exits 0, usage errors 2: return the status instead
         return e.code if isinstance(e.code, int) else EXIT_ERROR
     try:
@@ -802,6 +989,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:
         _exit_now_if_joined(traceback=True)
         raise
+
+
+def _dashed_override(unknown: Sequence[str], argv: Sequence[str]) -> str | None:
+    """The hint for a dotted override written as an option (``--train.steps=10`` or
+    ``--train.steps 10``, the torchtitan / draccus habit), for a command that takes overrides;
+    None if no unknown argument is one."""
+    for arg in unknown:
+        key, eq, value = arg.partition("=")
+        if not (key.startswith("--") and "." in key and key[2:3].isalpha()):
+            continue
+        if not eq:  # the value, if any, is the next argument
+            at = argv.index(arg) + 1
+            value = argv[at] if at < len(argv) and not argv[at].startswith("--") else "VALUE"
+            arg = f"{arg} {value}" if value != "VALUE" else arg
+        return (
+            f"{arg} is not an option: a config override is written without dashes, as "
+            f"{key[2:]}={value}."
+        )
+    return None
 
 
 def _process() -> str:

@@ -7,6 +7,18 @@
 
     cfg = load_config("configs/tiny-cpu.yaml", ["train.steps=10", "model.remat=full"])
 
+Paths: a relative path in a config file (``base``, ``data.dir``, ``data.inputs``,
+``data.tokenizer``, ``data.chat_template``, mixture sources, ``init.from_run``,
+``init.from_hf``, ``run.dir``) is relative to the file that names it; one in a dotted override
+is relative to the working directory, and so is a default no file names. A loaded Config
+holds every path absolute (a Hub tokenizer name stays a name), so a run's saved
+``config.yaml`` means the same from anywhere. A run's own ``config.yaml`` loaded with
+``saved=True`` is read as written, overrides included: its paths are absolute, or, saved
+before this rule, relative to the working directory, as they meant then (and as the keys of
+its ``run.json`` are). The fields holding paths are marked (:func:`_path`); the rule and its
+one exception (a Hugging Face Hub tokenizer name) are in :mod:`seqshard.paths`.
+``seqshard config [SECTION]`` lists every key, its type, default and meaning (:func:`config_keys`).
+
 Loading goes through omegaconf structured configs, so an unknown key is an error with a
 close-match suggestion and a wrong type names the key, the expected type and the value.
 Cross-field checks (mesh vs model sizes, batch vs mesh and microbatches) run before anything
@@ -16,9 +28,15 @@ compiles. Keys users rely on: ``model.<any ModelConfig field>``, ``mesh.d``, ``m
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import io
 import math
 import re
+import textwrap
+import tokenize
+import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,21 +50,28 @@ from seqshard.mesh import MESH_AXES, axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.model.pipeline.schedule import Pipeline, make_schedule
 from seqshard.model.weights import check_mesh
+from seqshard.paths import is_hub_name, rebase
 
 __all__ = [
     "Config",
     "ConfigError",
+    "ConfigKey",
     "DataConfig",
     "InitConfig",
     "MeshConfig",
     "MixtureSource",
     "MixtureStage",
+    "ProfileConfig",
     "REMAINING",
+    "SECTIONS",
+    "TRACKERS",
     "RunConfig",
     "RuntimeConfig",
     "TrainConfig",
     "config_changes",
     "config_from_yaml",
+    "config_keys",
+    "config_reference",
     "check_overrides_once",
     "check_run_name",
     "config_to_yaml",
@@ -107,7 +132,10 @@ class _MeshSizes:
 
 MeshConfig = dataclasses.make_dataclass(
     "MeshConfig",
-    [(axis.name, int, dataclasses.field(default=1)) for axis in MESH_AXES],
+    [
+        (axis.name, int, dataclasses.field(default=1, metadata={"doc": axis.meaning}))
+        for axis in MESH_AXES
+    ],
     bases=(_MeshSizes,),
     frozen=True,
     namespace={
@@ -126,12 +154,19 @@ REMAINING = -1
 """A mesh size that means "the devices the other axes leave"."""
 
 
+def _path(default: object = None, *, hub: bool = False):
+    """A field that holds a path, or a list of paths: relative in a config file, it is
+    relative to that file (:func:`_rebase_paths`). ``hub``: or a Hugging Face Hub name
+    (:func:`seqshard.paths.is_hub_name`)."""
+    return dataclasses.field(default=default, metadata={"path": "hub" if hub else "path"})
+
+
 @dataclasses.dataclass(frozen=True)
 class MixtureSource:
     """One source of a mixture: a prepared directory and its weight (normalized per stage)."""
 
-    path: str = "???"  # a `seqshard prepare` output directory (required)
-    weight: float = 1.0
+    path: str = _path("???")  # a `seqshard prepare` output directory (required)
+    weight: float = 1.0  # its share of the batches (the weights of a stage are normalized)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +174,8 @@ class MixtureStage:
     """After ``start_step`` steps, draw from ``mixture``: the stage's first batch is the one
     of the logged step ``start_step + 1``."""
 
-    start_step: int = 0
-    mixture: list[MixtureSource] = dataclasses.field(default_factory=list)
+    start_step: int = 0  # the stage starts after this many steps
+    mixture: list[MixtureSource] = dataclasses.field(default_factory=list)  # the stage's sources
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mixture", tuple(self.mixture))  # hashable, like the rest
@@ -153,14 +188,20 @@ class DataConfig:
     ignored), its weights changed at steps by ``stages``
     (:mod:`seqshard.data.mixture`; :func:`seqshard.train.loop.data_mixture` reads them)."""
 
-    dir: str = "data/stdlib"  # a `seqshard prepare` output directory
-    mixture: list[MixtureSource] = dataclasses.field(default_factory=list)  # [{path, weight}]
-    stages: list[MixtureStage] = dataclasses.field(default_factory=list)  # [{start_step, mixture}]
-    inputs: tuple[str, ...] = ()  # text files/dirs to prepare from; empty: the Python stdlib
+    dir: str = _path("data/stdlib")  # a `seqshard prepare` output directory
+    mixture: list[MixtureSource] = dataclasses.field(default_factory=list)  # prepared
+    #   directories drawn from by weight, in place of dir
+    stages: list[MixtureStage] = dataclasses.field(default_factory=list)  # mixtures that take
+    #   over at later steps
+    inputs: tuple[str, ...] = _path(())  # text files/dirs to prepare from; empty: the
+    #   Python standard library's source
     vocab_size: int = 4096  # BPE vocab trained when preparing
-    tokenizer: str | None = None  # an existing tokenizer.json to use instead of training one
-    chat_template: str | None = None  # for chat 'messages' in inputs (default: beside tokenizer)
-    val_fraction: float = 0.01
+    tokenizer: str | None = _path(hub=True)  # an existing tokenizer.json to use instead of
+    #   training one, or a Hugging Face Hub name (ORG/NAME, e.g. meta-llama/Llama-3.2-1B: no
+    #   such path exists), fetched by tokenizers where there is network
+    chat_template: str | None = _path()  # for chat 'messages' in inputs: a .jinja file, a
+    #   tokenizer_config.json or a model directory (default: the one beside the tokenizer)
+    val_fraction: float = 0.01  # share of the documents held out for validation
     seed: int = 0  # document order
 
     def __post_init__(self) -> None:
@@ -169,32 +210,45 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A ``jax.profiler`` trace of some steps, written to ``RUN_DIR/profile/``
+    (:mod:`seqshard.train.profile`; ``scripts/profile_summary.py RUN_DIR`` sums it by op kind)."""
+
+    start_step: int = 10  # the first step traced (the first step of a run compiles: start later)
+    steps: int = 0  # steps traced; 0: no profile
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The optimization: AdamW with clipping, a warmup + cosine or warmup-stable-decay schedule."""
 
-    steps: int = 1000
+    steps: int = 1000  # optimizer steps in all (the schedule's length; a resumed run with
+    #   more steps trains on)
     batch_size: int = 32  # global sequences per step
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per sequence
     microbatches: int = 1  # gradient accumulation: batch_size / microbatches per pass; with
     #   mesh.p > 1, the pipeline's microbatches (all in flight in one pass)
-    pipeline_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # with mesh.p > 1
+    pipeline_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # with mesh.p > 1:
+    #   the order of the microbatches' passes through the stages
     pipeline_repeats: int = 1  # circular: layer blocks per stage (virtual stages)
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    warmup_steps: int = 100
-    schedule: Literal["cosine", "wsd"] = "cosine"
+    warmup_steps: int = 100  # linear warmup from 0
+    schedule: Literal["cosine", "wsd"] = "cosine"  # the decay after warmup: cosine, or
+    #   warmup-stable-decay (constant, then linear over decay_fraction)
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
-    weight_decay: float = 0.1  # not applied to norm gains
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # global norm; 0 disables
-    seed: int = 0  # weight init
-    log_every: int = 10
-    eval_every: int = 100  # 0: only at the end
-    eval_batches: int = 8
-    checkpoint_every: int = 100  # 0: only at the end (and on SIGTERM / Ctrl-C)
-    keep_checkpoints: int = 3
+    weight_decay: float = 0.1  # AdamW's decoupled decay; not applied to norm gains
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    grad_clip: float = 1.0  # the gradients' global norm is clipped to this; 0 disables
+    seed: int = 0  # of the weight init
+    log_every: int = 10  # steps between metrics lines (metrics.jsonl, TensorBoard)
+    eval_every: int = 100  # steps between evaluations; 0: only at the end
+    eval_batches: int = 8  # validation batches per evaluation
+    checkpoint_every: int = 100  # steps between checkpoints; 0: only at the end (and on
+    #   SIGTERM / Ctrl-C)
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
     resume: Literal["latest_good", "strict"] = "latest_good"  # a damaged newest checkpoint:
     #   latest_good skips it (with a warning) for the newest one that verifies; strict stops
     nonfinite: Literal["stop", "skip"] = "stop"  # loss or grad norm not finite, or grad norm 0
@@ -202,6 +256,7 @@ class TrainConfig:
     max_nonfinite_skips: int = 10  # skip: stop after this many non-finite steps in a row
     eval_on_stop: bool = False  # evaluate before stopping on SIGTERM / Ctrl-C (slower exit)
     peak_flops: float = 0.0  # per device, for MFU; 0: known accelerator peak or measured on CPU
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)  # default off
 
     def pipeline(self) -> Pipeline:
         """How a step with mesh.p > 1 runs its microbatches through the stages."""
@@ -237,16 +292,24 @@ class InitConfig:
     checkpoint (not its optimizer state or step), for fine-tuning a run; the model must have
     the same weight shapes, and the data the same tokenizer."""
 
-    from_hf: str | None = None
-    from_run: str | None = None
+    from_hf: str | None = _path()
+    from_run: str | None = _path()
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where the run writes: ``<dir>/<name>``; the name defaults to the config file's stem."""
 
-    name: str = ""
-    dir: str = "runs"
+    name: str = ""  # one directory name; empty: the config file's stem
+    dir: str = _path("runs")  # the directory holding runs
+    trackers: tuple[str, ...] = ("tensorboard", "jsonl")  # where the metrics go, of
+    #   tensorboard (RUN_DIR/tb), jsonl (RUN_DIR/metrics.jsonl, always: seqshard reads it to
+    #   resume and plot) and wandb (Weights & Biases: pip install 'seqshard[wandb]'; WANDB_MODE,
+    #   WANDB_PROJECT from the environment)
+
+
+TRACKERS = ("tensorboard", "jsonl", "wandb")
+"""The choices of ``run.trackers`` (:mod:`seqshard.train.trackers` has a class for each)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +383,55 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, dict]]:
     return [*layers, (str(path), data)]
 
 
+def _rebase_paths(layer: dict, cls: type, base: Path) -> dict:
+    """``layer`` (one file's keys for ``cls``, a section or an item of a list) with each relative
+    path in a path field (:func:`_path`) made relative to ``base``; a Hub name in a field that
+    may hold one stays. Unknown keys and wrong types are left for the merge to name."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = dict(layer)
+    for key, value in layer.items():
+        if key not in fields:
+            continue
+        kind = fields[key].metadata.get("path")
+        hint = hints[key]
+        if kind is not None:
+            out[key] = _rebase_value(value, base, kind)
+        elif dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            out[key] = _rebase_paths(value, hint, base)
+        elif typing.get_origin(hint) in (list, tuple) and isinstance(value, (list, tuple)):
+            item = typing.get_args(hint)[0]
+            if dataclasses.is_dataclass(item):
+                out[key] = [
+                    _rebase_paths(v, item, base) if isinstance(v, dict) else v for v in value
+                ]
+    return out
+
+
+def _rebase_value(value, base: Path, kind: str):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebase_value(v, base, kind) for v in value)
+    if not isinstance(value, str) or (kind == "hub" and is_hub_name(value, base)):
+        return value
+    return rebase(value, base)
+
+
+def _absolute_paths(obj, here: Path):
+    """The dataclass ``obj`` (a Config, a section, a mixture source) with every relative path
+    left after the files were read (an override's, a default's) made relative to ``here``,
+    the working directory."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if "path" in f.metadata:
+            changes[f.name] = _rebase_value(value, here, f.metadata["path"])
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = _absolute_paths(value, here)
+        elif isinstance(value, tuple) and any(dataclasses.is_dataclass(v) for v in value):
+            changes[f.name] = tuple(_absolute_paths(v, here) for v in value)
+    return dataclasses.replace(obj, **changes)
+
+
 def _merge(schema, layer, where: str):
     try:
         return OmegaConf.merge(schema, layer)
@@ -369,12 +481,18 @@ def load_config(
 ) -> Config:
     """Load ``path`` (and its ``base`` chain) and apply ``key=value`` overrides, then check it.
 
+    Every path comes out absolute: a file's relative to that file, an override's or a
+    default's relative to the working directory (see the module docstring).
+
     ``saved``: ``path`` is a run's own ``config.yaml``, which writes every key, a mixture
-    run's ignored ``data.dir`` included (not an error there, as it is in a user's file)."""
+    run's ignored ``data.dir`` included (not an error there, as it is in a user's file); its
+    paths and the overrides' are taken as written."""
     merged = OmegaConf.structured(Config)
     layers: list[dict] = []  # each YAML file's and override's keys, bases first
     if path is not None:
         for where, data in _read_yaml(Path(path).resolve(), ()):
+            if not saved:  # a saved config.yaml is read as written (see the module docstring)
+                data = _rebase_paths(data, Config, Path(where).parent)
             merged = _merge(merged, data, where)
             layers.append(data)
     for override in overrides:
@@ -390,7 +508,8 @@ def load_config(
         cfg = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as e:
         raise ConfigError(f"{path or 'config'}: {str(e).splitlines()[0]}") from None
-    if not saved:
+    if not saved:  # a saved config.yaml is read as written, with its overrides
+        cfg = _absolute_paths(cfg, Path.cwd())
         _check_data_dir_beside_mixture(cfg, layers, path)
     if not cfg.run.name and path is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=Path(path).stem))
@@ -489,6 +608,8 @@ def check_config(cfg: Config) -> None:
     _check_cadence(cfg.train)
     _check_optimizer(cfg.train)
     check_run_name(cfg.run.name)
+    _check_trackers(cfg.run.trackers)
+    _check_profile(cfg.train)
     _check_runtime(cfg.runtime)
     _check_data(cfg)
 
@@ -646,6 +767,41 @@ def _check_optimizer(train: TrainConfig) -> None:
         )
 
 
+def _check_trackers(trackers: Sequence[str]) -> None:
+    """Each of ``run.trackers`` is a tracker, once; jsonl is one of them."""
+    unknown = [t for t in trackers if t not in TRACKERS]
+    if unknown:
+        raise ConfigError(
+            f"run.trackers={list(trackers)}: {', '.join(map(repr, unknown))} is not a tracker; "
+            f"choose from {', '.join(TRACKERS)}."
+        )
+    if len(set(trackers)) != len(trackers):
+        raise ConfigError(f"run.trackers={list(trackers)} names a tracker twice; name each once.")
+    if "jsonl" not in trackers:
+        raise ConfigError(
+            f"run.trackers={list(trackers)} leaves out jsonl, which every run writes: seqshard "
+            f"reads metrics.jsonl to resume (it truncates the crashed tail), to plot, and to "
+            f"know a run directory's work. Add it: run.trackers=[{', '.join([*trackers, 'jsonl'])}]."
+        )
+
+
+def _check_profile(train: TrainConfig) -> None:
+    """``train.profile`` traces steps the run has."""
+    profile = train.profile
+    if profile.steps < 0 or profile.start_step < 1:
+        raise ConfigError(
+            f"train.profile needs start_step >= 1 and steps >= 0 (0: no profile); got "
+            f"start_step={profile.start_step}, steps={profile.steps}."
+        )
+    last = profile.start_step + profile.steps - 1
+    if profile.steps and last > train.steps:
+        raise ConfigError(
+            f"train.profile traces steps {profile.start_step}-{last}, past train.steps="
+            f"{train.steps}. Set train.profile.start_step <= {max(1, train.steps - profile.steps + 1)} "
+            f"or fewer train.profile.steps."
+        )
+
+
 def _check_runtime(runtime: RuntimeConfig) -> None:
     """The timeouts between the processes of a run."""
     for name in ("heartbeat_timeout_s", "shutdown_timeout_s", "initialization_timeout_s"):
@@ -727,8 +883,14 @@ def read_run_config(run_dir: str | Path) -> Config:
 
 
 def config_changes(old: Config, new: Config) -> dict[str, tuple[object, object]]:
-    """``{'train.steps': (300, 600), ...}``: every dotted key whose value differs."""
-    before, after = _flatten(dataclasses.asdict(old)), _flatten(dataclasses.asdict(new))
+    """``{'train.steps': (300, 600), ...}``: every dotted key whose value differs. Paths are
+    compared resolved, a relative one against the working directory (what it meant in a
+    config saved before paths were relative to their file), so ``data.dir: data/stdlib`` saved
+    then equals ``/repo/data/stdlib`` loaded from ``/repo`` now."""
+    here = Path.cwd()
+    before, after = (
+        _flatten(_rebase_paths(dataclasses.asdict(cfg), Config, here)) for cfg in (old, new)
+    )
     return {
         k: (before.get(k), after.get(k))
         for k in sorted(set(before) | set(after))
@@ -744,3 +906,172 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+# -- the reference of every key (`seqshard config`, docs/config.md) ----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    """One key of the config, as ``seqshard config`` lists it."""
+
+    key: str  # dotted: 'train.steps', 'model.moe.top_k', 'data.mixture[].path'
+    section: str  # the class it is listed under: 'train', 'model.moe', 'data'
+    type: str  # 'int', 'cosine | wsd', 'path | null', 'list of {path, weight}'
+    default: str  # as YAML writes it
+    meaning: str
+
+
+SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+"""The sections of a config file, in order: model, mesh, data, train, run, runtime, init."""
+
+
+def config_keys(section: str | None = None) -> tuple[ConfigKey, ...]:
+    """Every key of the config (or those under ``section``: ``train``, ``model.moe``), read from
+    the dataclasses: the type and default of each field, and its meaning from the source (the
+    ``#`` comment beside the field and the comment lines under it; else the field's
+    ``name: ...`` entry in its class's docstring; the mesh axes' from the axis table).
+    ConfigError for an unknown section."""
+    keys = tuple(_keys_of(Config, "", "", set()))
+    if section is None:
+        return keys
+    found = tuple(k for k in keys if k.key.startswith(f"{section}.") or k.key == section)
+    if not found:
+        raise ConfigError(
+            f"no config section {section!r}; the sections are {', '.join(SECTIONS)} (or a part "
+            f"of one, e.g. model.moe)."
+        )
+    return found
+
+
+def _keys_of(cls: type, prefix: str, section: str, seen: set[type]):
+    hints = typing.get_type_hints(cls)
+    meanings = _field_meanings(cls)
+    for f in dataclasses.fields(cls):
+        hint, key = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hint):  # a section, or model.moe
+            yield from _keys_of(hint, f"{key}.", key, seen)
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        type_text = _type_text(hint, f.metadata.get("path"))
+        yield ConfigKey(key, section, type_text, _yaml_text(default), meanings.get(f.name, ""))
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) in (list, tuple) else None
+        if dataclasses.is_dataclass(item) and item not in seen:  # each item's keys, once
+            seen.add(item)
+            yield from _keys_of(item, f"{key}[].", section, seen)
+
+
+def _type_text(hint, kind: str | None) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        named = [_type_text(a, kind) for a in args if a is not type(None)]
+        return " | ".join(named) + (" | null" if type(None) in args else "")
+    if origin in (list, tuple):
+        return f"list of {_type_text(args[0], kind)}"
+    if dataclasses.is_dataclass(hint):
+        return "{" + ", ".join(f.name for f in dataclasses.fields(hint)) + "}"
+    if kind is not None and hint is str:
+        return "path or Hub name" if kind == "hub" else "path"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _yaml_text(value) -> str:
+    if value == "???":
+        return "(required)"
+    if isinstance(value, (list, tuple)) and not value:
+        return "[]"
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def _field_meanings(cls: type) -> dict[str, str]:
+    """{field: meaning} of ``cls``: see :func:`config_keys`."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    found = {f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata}
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # made by dataclasses.make_dataclass (MeshConfig): no source
+        source = ""
+    if source:
+        lines = source.splitlines()
+        comments = {
+            token.start[0]: token.string.lstrip("#").strip()
+            for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.type == tokenize.COMMENT
+        }
+        for node in ast.parse(source).body[0].body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            line = node.end_lineno + 1  # the comment lines under the field continue its comment
+            while line in comments and lines[line - 1].lstrip().startswith("#"):
+                line += 1
+            text = [comments[i] for i in range(node.lineno, line) if i in comments]
+            if text and node.target.id not in found:
+                found[node.target.id] = " ".join(text)
+    entry = None  # the docstring's 'name: ...' paragraphs, up to a blank line or the next one
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        start = re.match(r"(\w+): ", line)
+        if start and start.group(1) in names:
+            entry = start.group(1)
+            if entry not in found:
+                found[entry] = line[start.end() :]
+            else:
+                entry = None  # the comment beside the field wins
+        elif not line.strip():
+            entry = None
+        elif entry is not None:
+            found[entry] += " " + line.strip()
+    return {name: _plain(text) for name, text in found.items()}
+
+
+def _plain(text: str) -> str:
+    """Docstring markup as Markdown: ``x`` and :func:`x` -> `x`; runs of spaces -> one."""
+    text = re.sub(r":\w+:`~?", "`", text).replace("``", "`")
+    return " ".join(text.split())
+
+
+def config_reference(section: str | None = None, *, markdown: bool = False) -> str:
+    """The reference of :func:`config_keys` as text for a terminal, or as Markdown
+    (docs/config.md: ``seqshard config --markdown``)."""
+    keys = config_keys(section)
+    out = []
+    if markdown:
+        out += [
+            "# Config keys",
+            "",
+            "Generated from the dataclasses of `seqshard/config.py` and "
+            "`seqshard/model/config.py` by `seqshard config --markdown > docs/config.md` "
+            "(tests/test_config.py checks it is current). A `path` is relative to the config "
+            "file that names it; in a dotted override, to the working directory. The same "
+            "list in a terminal: `seqshard config [SECTION]`.",
+        ]
+    by_section: dict[str, list[ConfigKey]] = {}  # a section's own keys before its parts'
+    for k in keys:
+        by_section.setdefault(k.section, []).append(k)
+    for section, section_keys in by_section.items():
+        about = _plain(_section_doc(section))
+        if markdown:
+            out += ["", f"## {section}", "", about, "", "| key | type | default | meaning |"]
+            out += ["|---|---|---|---|"]
+        else:
+            out += ["", f"[{section}]", textwrap.fill(about, 96)]
+        for k in section_keys:
+            if markdown:
+                cells = (f"`{k.key}`", k.type, f"`{k.default}`", k.meaning)
+                out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            else:
+                out.append(f"  {k.key}: {k.type} = {k.default}")
+                indent = " " * 6
+                out.append(
+                    textwrap.fill(k.meaning, 96, initial_indent=indent, subsequent_indent=indent)
+                )
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _section_doc(section: str) -> str:
+    """The first paragraph of the docstring of the class behind ``section`` (``model.moe``)."""
+    cls = Config
+    for name in section.split("."):
+        cls = typing.get_type_hints(cls)[name]
+    return inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0]

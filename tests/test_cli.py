@@ -92,20 +92,105 @@ def test_end_to_end(tmp_path, corpus_dir, tiny_yaml, capsys):
         "parameters:",
         "PartitionSpec",
         "FLOPs per token",
-        "estimated memory per device",
+        "(planning for the config's target: --devices 8 --chip cpu;",  # tiny-cpu.yaml's line
+        "memory per device (peak of a step)",
+        "verdict: fits",
         "communication per train step",
     ):
         assert needle in out, needle
 
 
+def test_generate_a_prompts_file_in_one_batch_with_chat_and_stop_strings(
+    trained_run, tmp_path, capsys
+):
+    """--prompts-file: one batch, one output per line in the file's order (blank lines
+    skipped), each what generating its prompt alone gives (greedy). --chat sends each as a user
+    message through the run's chat template (data.chat_template) and stops each reply at the
+    template's end of turn, --stop at a string of one's own: each row is cut before the first.
+    The ends are taken from the replies (every run here but the one alone compiles nothing new:
+    the same shapes, a two-byte end or stop string)."""
+    _, run_dir = trained_run
+    questions = ["the word after def?", "", "what is a model of data?"]
+    (tmp_path / "questions.txt").write_text("\n".join(questions) + "\n")
+    questions.remove("")
+
+    def chat(end: str | None, *args) -> list[str]:
+        """The outputs of --chat with a template whose assistant turns end with ``end``
+        (its user turns hold no end: the prompts are the same for any end)."""
+        template = tmp_path / f"chat-{end}.jinja"
+        template.write_text(
+            "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+            + ("" if end is None else f"{{% if m.role == 'assistant' %}}{end}{{% endif %}}")
+            + "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        )
+        capsys.readouterr()
+        argv = ["generate", str(run_dir), "--chat", f"data.chat_template={template}"]
+        greedy = ["--temperature", "0", "--max-new-tokens", "10"]
+        assert main([*argv, *map(str, args), *greedy]) == 0
+        outputs = capsys.readouterr().out.split("-" * 40 + "\n")
+        assert outputs[-1] == ""
+        return [out.removesuffix("\n") for out in outputs[:-1]]
+
+    prompts = [f"<|user|>{q}<|assistant|>" for q in questions]
+    batch = chat("@@", "--prompts-file", tmp_path / "questions.txt")
+    assert len(batch) == 2 and all(out.startswith(p) for out, p in zip(batch, prompts, strict=True))
+    replies = [out[len(p) :] for out, p in zip(batch, prompts, strict=True)]
+    assert all("@@" not in reply for reply in replies), replies  # "@@" stopped no row
+    # The shorter prompt, alone: its padding in the batch changed nothing.
+    assert chat("@@", "--prompt", questions[0]) == batch[:1]
+
+    def cut(reply: str, end: str) -> str:
+        return reply[: reply.index(end)] if end in reply else reply
+
+    # A pair of printable characters from the middle of the first reply.
+    middle = (replies[0][k : k + 2] for k in range(len(replies[0]) // 2, len(replies[0]) - 1))
+    end = next(p for p in middle if p.isascii() and p.isprintable() and p.strip() == p)
+    want = [p + cut(reply, end) for p, reply in zip(prompts, replies, strict=True)]
+    assert len(want[0]) < len(batch[0])
+    assert chat(end, "--prompts-file", tmp_path / "questions.txt") == want
+    assert chat(None, "--prompts-file", tmp_path / "questions.txt", "--stop", end) == want
+
+
+def test_the_end_of_run_sample_of_a_chat_run_is_a_reply_stopped_at_the_end_of_turn(
+    trained_run, capsys
+):
+    from seqshard.cli import _end_of_run_sample, _run_config
+
+    _, run_dir = trained_run
+    template = REPO / "configs" / "sft" / "chat_template.jinja"
+    cfg = _run_config(str(run_dir), [f"data.chat_template={template}"])
+    capsys.readouterr()
+    _end_of_run_sample(cfg, run_dir, None, 12)
+    head, sample = capsys.readouterr().out.split("\n", 1)
+    question = "What does `os.path.join` do?"
+    assert head == f"sample (a reply of at most 12 tokens to {question!r}, stopped at '<|end|>'):"
+    prompt = f"<|user|>\n{question}<|end|>\n<|assistant|>\n"
+    assert sample.startswith(prompt) and "<|end|>" not in sample[len(prompt) :], sample
+
+
 @pytest.mark.parametrize(
     ("command", "needles"),
     [
-        ([], ["prepare", "train", "eval", "generate", "export", "plot", "show"]),
+        ([], ["prepare", "train", "eval", "generate", "export", "plot", "show", "config"]),
+        (["config"], ["section", "model.moe", "--markdown"]),
         (["prepare"], ["--out", "--vocab-size", "--tokenizer", "INPUTS"]),
         (["train"], ["config", "overrides", "resumes", "SIGTERM", "--sample-tokens"]),
-        (["eval"], ["run_dir", "mesh.d=2", "--batches"]),
-        (["generate"], ["run_dir", "--prompt", "--max-new-tokens", "--temperature", "--top-k"]),
+        (["eval"], ["run_dir", "mesh.d=8", "--batches"]),
+        (
+            ["generate"],
+            [
+                "run_dir",
+                "--prompt",
+                "--prompts-file",
+                "--chat",
+                "--stop",
+                "--max-new-tokens",
+                "--temperature",
+                "--top-k",
+                "--num-samples",
+                "--seed",
+            ],
+        ),
         (["plot"], ["RUN_DIR", "--out", "loss.png"]),
         (
             ["export"],
@@ -230,10 +315,8 @@ def test_a_mixture_run_finds_every_source_from_any_directory(
     cfg = _load(str(config), ["train.steps=1", "train.eval_every=0", mixture])
     train(cfg, log=lambda _: None, tty=False)
     info = json.loads((project / "runs" / "tiny" / "run.json").read_text())
-    assert info["sources"] == {
-        "data/web": str(project / "data" / "web"),
-        "data/code": str(project / "data" / "code"),
-    }
+    web, code = (str(project / "data" / name) for name in ("web", "code"))
+    assert info["sources"] == {web: web, code: code}  # the override's paths, made absolute
 
     monkeypatch.chdir(tmp_path)
     paths = [s.path for s in _run_config("proj/runs/tiny", []).data.mixture]
@@ -263,3 +346,33 @@ def test_show_plans_for_other_machines_without_compiling(tmp_path, tiny_yaml, ca
     assert re.search(r"^verdict: fits: ", out, re.M)
     assert "from the step compiled" not in out
     assert "communication per train step, predicted from the notation (nothing compiled" in out
+
+
+@pytest.mark.parametrize("given", [["--train.steps=10"], ["--train.steps", "10"]])
+def test_an_override_written_as_an_option_is_one_line_with_the_fix(
+    tmp_path, tiny_yaml, capsys, given
+):
+    """``--train.steps=10`` (the torchtitan / draccus habit) got argparse's usage and
+    "unrecognized arguments"; now one line says how to write it."""
+    config = tiny_yaml(tmp_path / "tiny.yaml", tmp_path / "runs")
+    assert main(["train", str(config), *given]) == 2
+    assert capsys.readouterr().err == (
+        f"seqshard train: error: {' '.join(given)} is not an option: a config override is "
+        f"written without dashes, as train.steps=10.\n"
+    )
+    assert not (tmp_path / "runs").exists()
+    # A command that takes no overrides keeps argparse's own message.
+    assert main(["plot", str(tmp_path), "--train.steps=10"]) == 2
+    assert "unrecognized arguments: --train.steps=10" in capsys.readouterr().err
+
+
+def test_config_lists_the_keys_of_a_section(capsys):
+    assert main(["config", "train"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[train]\nThe optimization: AdamW")
+    assert "\n  train.schedule: cosine | wsd = cosine\n" in out
+    assert "\n  train.steps: int = 1000\n      optimizer steps in all" in out
+    assert "model." not in out and "[data]" not in out
+    assert main(["config", "trian"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("seqshard config: error: no config section 'trian'; the sections are")

@@ -103,7 +103,7 @@ def test_dotted_overrides_parse_to_the_field_types():
     assert cfg.train.lr == 1e-3 and isinstance(cfg.train.lr, float)
     assert cfg.train.steps == 12
     assert cfg.model.remat == "full"
-    assert cfg.data.inputs == ("a.txt", "b")
+    assert cfg.data.inputs == (str(Path.cwd() / "a.txt"), str(Path.cwd() / "b"))  # an override's
     assert cfg.data.tokenizer is None
     assert cfg.run.name == "exp" and cfg.mesh.d == 2
 
@@ -485,8 +485,8 @@ def test_an_explicit_data_dir_beside_a_mixture_is_an_error(tmp_path):
     """Fault 17: data.dir set with data.mixture was ignored silently. Inherited from a base
     (base.yaml's default) it is still fine, as docs/data.md says."""
     mixture = "data.mixture=[{path: data/web, weight: 1}]"
-    assert load(mixture, path=CONFIGS / "tiny-cpu.yaml").data.dir == "data/stdlib"
-    with pytest.raises(ConfigError, match=r"data\.dir=data/x is set beside data\.mixture") as e:
+    assert load(mixture, path=CONFIGS / "tiny-cpu.yaml").data.dir == str(REPO / "data/stdlib")
+    with pytest.raises(ConfigError, match=r"data\.dir=\S*/data/x is set beside data\.mixture") as e:
         load(mixture, "data.dir=data/x", path=CONFIGS / "tiny-cpu.yaml")
     assert "Drop data.dir, or drop data.mixture and data.stages" in str(e.value)
     both = write(
@@ -496,10 +496,10 @@ def test_an_explicit_data_dir_beside_a_mixture_is_an_error(tmp_path):
         data: {{dir: data/x, stages: [{{start_step: 5, mixture: [{{path: data/web}}]}}]}}
         """,
     )
-    with pytest.raises(ConfigError, match=r"both\.yaml: data\.dir=data/x is set beside"):
+    with pytest.raises(ConfigError, match=r"both\.yaml: data\.dir=\S*/data/x is set beside"):
         load_config(both)
     # A data.dir before the file or override that sets the mixture is inherited: fine.
-    assert load("data.dir=data/x", mixture).data.mixture[0].path == "data/web"
+    assert load("data.dir=data/x", mixture).data.mixture[0].path == str(Path.cwd() / "data/web")
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])
@@ -509,3 +509,128 @@ def test_a_capacity_factor_that_is_not_finite_and_non_negative_is_refused(value)
     moe = ["model.moe.n_experts=4", "model.moe.top_k=2", "mesh.d=8", "mesh.t=1"]
     with pytest.raises(ConfigError, match=r"model\.moe\.capacity_factor must be finite and >= 0"):
         load(*moe, f"model.moe.capacity_factor={value}")
+
+
+# -- paths: relative to the file that names them (issue 41) ---------------------------------
+
+
+def test_a_relative_path_is_relative_to_the_file_that_names_it(tmp_path, monkeypatch):
+    """Only `base` was read relative to its file; data.dir, inputs, tokenizer, chat_template,
+    mixture sources, init and run.dir meant the working directory, so a config worked from one
+    directory only. An override's path still means the working directory."""
+    root = tmp_path / "proj"
+    write(
+        root / "configs" / "base.yaml",
+        """
+        data: {dir: ../data/x, vocab_size: 256, inputs: [text, ../more.txt],
+               tokenizer: tok/tokenizer.json}
+        run: {dir: ../runs}
+        """,
+    )
+    leaf = write(
+        root / "configs" / "sub" / "leaf.yaml",
+        """
+        base: ../base.yaml
+        data: {chat_template: chat.jinja,
+               stages: [{start_step: 5, mixture: [{path: ../../data/web}]}]}
+        init: {from_run: /elsewhere/run}
+        """,
+    )
+    monkeypatch.chdir(tmp_path)  # neither file's directory
+    cfg = load_config(leaf)
+    assert cfg.data.dir == str(root / "data" / "x")
+    assert cfg.data.inputs == (str(root / "configs" / "text"), str(root / "more.txt"))
+    assert cfg.data.tokenizer == str(root / "configs" / "tok" / "tokenizer.json")
+    assert cfg.data.chat_template == str(root / "configs" / "sub" / "chat.jinja")
+    assert cfg.data.stages[0].mixture[0].path == str(root / "data" / "web")
+    assert cfg.init.from_run == "/elsewhere/run"  # absolute: as written
+    assert cfg.run.dir == str(root / "runs")
+    # An override's path is the working directory's; the saved config reads back equal.
+    cfg = load_config(leaf, ["data.tokenizer=mine.json", "run.dir=out"])
+    assert (cfg.data.tokenizer, cfg.run.dir) == (str(tmp_path / "mine.json"), str(tmp_path / "out"))
+    saved = write(tmp_path / "elsewhere" / "config.yaml", config_to_yaml(cfg))
+    assert load_config(saved, saved=True) == cfg
+
+
+def test_the_shipped_configs_mean_the_repo_from_any_directory(tmp_path, monkeypatch):
+    """configs/sft-tiny-cpu.yaml failed from another directory (its chat template, inputs and
+    tokenizer were read relative to it); the README runs it from the repo root, and from
+    there every shipped config means what it did."""
+    monkeypatch.chdir(tmp_path)
+    sft = load_config(CONFIGS / "sft-tiny-cpu.yaml")
+    assert sft.init.from_run == str(REPO / "runs" / "tiny-cpu")  # the main job's run
+    assert sft.data.tokenizer == str(REPO / "data" / "stdlib" / "tokenizer.json")
+    assert sft.data.dir == str(REPO / "data" / "sft-chat-stdlib")
+    assert Path(sft.data.chat_template).is_file()
+    assert sft.data.inputs == (str(CONFIGS / "sft" / "chat-stdlib.jsonl"),)
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        cfg = load_config(path)
+        assert cfg.run.dir == str(REPO / "runs"), path
+        assert cfg.data.dir.startswith(str(REPO / "data") + "/"), path
+
+
+def test_a_saved_config_keeps_the_working_directory_meaning_it_was_saved_with(
+    tmp_path, monkeypatch
+):
+    """A run's config.yaml saved before paths were relative to their file holds them
+    relative to the directory `seqshard train` ran in: loaded as a run's own (saved=True), and
+    compared on resume (config_changes), they still mean that directory."""
+    from seqshard.config import config_changes, config_from_yaml
+
+    monkeypatch.chdir(REPO)
+    new = load_config(CONFIGS / "tiny-cpu.yaml")
+    old_data = dataclasses.replace(new.data, dir="data/stdlib")
+    old = dataclasses.replace(new, data=old_data, run=dataclasses.replace(new.run, dir="runs"))
+    saved = write(tmp_path / "runs" / "tiny-cpu" / "config.yaml", config_to_yaml(old))
+    assert load_config(saved, saved=True).data.dir == "data/stdlib"  # as written: the cwd's
+    assert config_changes(config_from_yaml(saved.read_text(), "saved"), new) == {}
+    monkeypatch.chdir(tmp_path)  # from elsewhere the old words mean other data
+    changes = config_changes(config_from_yaml(saved.read_text(), "saved"), new)
+    assert changes["data.dir"] == (str(tmp_path / "data/stdlib"), str(REPO / "data/stdlib"))
+
+
+def test_a_hub_tokenizer_name_stays_a_name_unless_the_path_exists(tmp_path, monkeypatch):
+    """data.tokenizer: ORG/NAME names a Hugging Face Hub tokenizer when no such path exists
+    beside the file; a path that exists wins (and is made absolute)."""
+    config = write(
+        tmp_path / "c.yaml", "data: {tokenizer: meta-llama/Llama-3.2-1B, vocab_size: 256}\n"
+    )
+    monkeypatch.chdir(REPO)
+    assert load_config(config).data.tokenizer == "meta-llama/Llama-3.2-1B"
+    assert load_config(None, [*OK, "data.tokenizer=org/name"]).data.tokenizer == "org/name"
+    (tmp_path / "meta-llama" / "Llama-3.2-1B").mkdir(parents=True)
+    assert load_config(config).data.tokenizer == str(tmp_path / "meta-llama" / "Llama-3.2-1B")
+
+
+# -- the reference of every key: seqshard config, docs/config.md -----------------------------
+
+
+def test_docs_config_md_is_current():
+    from seqshard.config import config_reference
+
+    docs = REPO / "docs" / "config.md"
+    assert docs.read_text() == config_reference(markdown=True), (
+        "docs/config.md is not the reference of the config's fields: regenerate it with "
+        "`seqshard config --markdown > docs/config.md`."
+    )
+
+
+def test_every_config_key_has_a_type_a_default_and_a_meaning():
+    """Read from the dataclasses and the comment beside each field (or its docstring entry):
+    a new field without one fails here."""
+    from seqshard.config import config_keys
+
+    keys = {k.key: k for k in config_keys()}
+    missing = [k for k, v in keys.items() if not v.meaning]
+    assert not missing, f"write a `# meaning` comment beside these fields: {missing}"
+    assert (keys["train.steps"].type, keys["train.steps"].default) == ("int", "1000")
+    assert keys["train.schedule"].type == "cosine | wsd"
+    assert keys["data.tokenizer"].type == "path or Hub name | null"
+    assert keys["data.inputs"].type == "list of path"
+    assert keys["data.mixture"].type == "list of {path, weight}"
+    assert keys["data.mixture[].path"].default == "(required)"
+    assert keys["mesh.t"].meaning.startswith("tensor")  # from the axis table
+    assert keys["model.remat"].meaning.startswith("what the scanned layer keeps")  # docstring
+    assert "model.moe.top_k" in keys and "model.moe" not in keys
+    with pytest.raises(ConfigError, match=r"no config section 'trian'; the sections are model"):
+        config_keys("trian")

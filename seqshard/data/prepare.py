@@ -60,6 +60,7 @@ from seqshard.data.tokenizer import (
     eot_id,
     load_tokenizer,
     tokenizer_hash,
+    tokenizer_json,
     train_tokenizer,
 )
 
@@ -88,8 +89,8 @@ class PrepareConfig:
     """How :func:`prepare` makes a corpus's tokens (meta.json records each field).
 
     ``tokenizer_path=None`` trains a byte-level BPE of ``vocab_size`` tokens on the train
-    documents; a given tokenizer.json is copied into the output (``vocab_size`` is then
-    ignored). ``val_fraction`` and ``seed`` pick the val documents (see the module docstring).
+    documents; a given tokenizer.json (or a Hugging Face Hub name's: ``ORG/NAME``) is copied
+    into the output (``vocab_size`` is then ignored). ``val_fraction`` and ``seed`` pick the val documents (see the module docstring).
     """
 
     vocab_size: int = DEFAULT_VOCAB
@@ -451,7 +452,7 @@ def _tokenizer_pass(
         )
     else:
         tok = load_tokenizer(config.tokenizer_path)
-        _write_whole(tok_file, Path(config.tokenizer_path).read_bytes())
+        _write_whole(tok_file, tokenizer_json(config.tokenizer_path))  # a file, or a Hub name's
         for _ in counter.train_texts(corpus):
             pass
         log(f"prepare: using tokenizer {config.tokenizer_path} ({tok.get_vocab_size()} tokens)")

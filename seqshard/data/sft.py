@@ -15,6 +15,10 @@ separately, so a token never straddles a counted and an uncounted span.
 
     template = load_chat_template("path/to/hf_model")   # tokenizer_config.json's chat_template
     pieces = record_pieces(record, template, where="chat.jsonl:3")
+
+Generating a reply (``seqshard generate --chat``) renders a user message with the generation
+prompt (:meth:`ChatTemplate.user_turn`) and stops at the template's end of turn
+(:meth:`ChatTemplate.end_of_turn`, found by rendering, as the assistant spans above are).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ __all__ = [
 
 _TEMPLATE_KEY = "chat_template"
 _CONFIG_FILE = "tokenizer_config.json"
+# Where a user gives a template: the errors below name both (a config is read by train).
+_GIVE_TEMPLATE = "data.chat_template in a config, --chat-template on the command line"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +62,9 @@ class Pieces:
 
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
-    """A Jinja chat template and the file it came from (named in errors)."""
+    """A Jinja chat template and the file it came from (named in errors), with the
+    ``bos_token`` and ``eos_token`` it renders (those of its tokenizer_config.json; a .jinja
+    file's: empty)."""
 
     source: str
     text: str
@@ -79,8 +87,33 @@ class ChatTemplate:
             raise ValueError(
                 f"{where}: the chat template of {self.source} cannot render this record: "
                 f"{type(e).__name__}: {e}. Fix the record, or give a template that renders it "
-                f"(--chat-template)."
+                f"({_GIVE_TEMPLATE})."
             ) from None
+
+    def user_turn(self, content: str) -> str:
+        """The prompt that asks for a reply to the user message ``content``: the chat
+        ``[{role: user, content}]`` rendered with the generation prompt."""
+        return self.render([{"role": "user", "content": content}], True, "a user message")
+
+    def end_of_turn(self) -> str | None:
+        """What the template writes after an assistant message's content, without the
+        whitespace around it (``<|end|>``, ChatML's ``<|im_end|>``): where a reply ends. None
+        if it writes nothing there. Found by rendering a chat whose reply is a marker: the text
+        after the marker in what the reply's turn adds (as :func:`record_pieces` finds it)."""
+        marker = "seqshard-probe-reply"
+        chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": marker}]
+        where = "a probe chat (finding the end of an assistant turn)"
+        before = self.render(chat[:1], True, where)
+        after = self.render(chat, False, where)
+        turn = after[len(before) :] if after.startswith(before) else ""
+        if marker not in turn:
+            raise ValueError(
+                f"the chat template of {self.source} does not render a reply as the text after "
+                f"the generation prompt (rendering [user, assistant {marker!r}] gives {after!r}, "
+                f"which does not continue [user] + generation prompt {before!r}), so the end "
+                f"of a turn cannot be found; pass the end as --stop STRING."
+            )
+        return turn[turn.index(marker) + len(marker) :].strip() or None
 
 
 def _raise_exception(message: str):
@@ -98,8 +131,8 @@ def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
     if not config.is_file():
         raise FileNotFoundError(
             f"chat template {path}: no such file{f' ({config} is missing)' if path.is_dir() else ''}; "
-            f"pass --chat-template with a .jinja file, a tokenizer_config.json, or a Hugging Face "
-            f"model directory."
+            f"give a .jinja file, a tokenizer_config.json, or a Hugging Face model directory "
+            f"({_GIVE_TEMPLATE})."
         )
     if config.suffix != ".json":
         return ChatTemplate(str(config), config.read_text(encoding="utf-8"))
@@ -114,7 +147,7 @@ def load_chat_template(path: str | os.PathLike) -> ChatTemplate:
     if not isinstance(template, str):
         raise ValueError(
             f"{config} has no chat template (no string {_TEMPLATE_KEY!r} key), so chat "
-            f"messages cannot be rendered; pass --chat-template FILE.jinja, or use a model "
+            f"messages cannot be rendered; give a .jinja file ({_GIVE_TEMPLATE}), or a model "
             f"directory whose tokenizer_config.json has one."
         )
 
@@ -196,8 +229,8 @@ def _chat_pieces(messages, template: ChatTemplate | None, where: str) -> Pieces:
     if template is None:
         raise ValueError(
             f"{where}: a chat record needs a chat template to render it, and none was given "
-            f"(the tokenizer's directory has no tokenizer_config.json with one); pass "
-            f"--chat-template FILE (a .jinja file, a tokenizer_config.json or a model directory)."
+            f"(the tokenizer's directory has no tokenizer_config.json with one); give a .jinja "
+            f"file, a tokenizer_config.json or a model directory ({_GIVE_TEMPLATE})."
         )
     parts: list[tuple[str, bool]] = []
     done = ""  # the text rendered so far

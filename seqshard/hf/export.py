@@ -12,12 +12,14 @@ writes::
     model.safetensors                  or model-0000k-of-0000n.safetensors + the index,
     model.safetensors.index.json         files of at most --max-file-size bytes
     tokenizer.json                     the tokenizer the run trained on
-    tokenizer_config.json, special_tokens_map.json   what transformers.AutoTokenizer reads
+    tokenizer_config.json, special_tokens_map.json   what transformers.AutoTokenizer reads, with
+                                       the chat template of a chat-tuned run (apply_chat_template)
 
 This module knows weights, not runs: it imports neither seqshard.config nor seqshard.train.
 The CLI wires a run to it (``seqshard.cli.export_checkpoint``): it builds the
 :class:`ExportConfig` from the run's config (``seqshard.cli.export_config``: the model, the
-tokenizer of ``data.dir``, :func:`max_position` of ``train.seq_len``), calls
+tokenizer of ``data.dir``, the chat template its data was rendered with,
+:func:`max_position` of ``train.seq_len``), calls
 :meth:`ExportConfig.check` before restoring a possibly huge checkpoint, restores it, puts the
 layers in the model's order and calls :func:`export_run`::
 
@@ -50,6 +52,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from seqshard.data.sft import ChatTemplate
 from seqshard.data.tokenizer import EOT, eot_id, load_tokenizer
 from seqshard.hf.hf_config import CONFIG_FILE, architecture_of, hf_config_dict
 from seqshard.hf.safetensors_io import (
@@ -92,7 +95,9 @@ class ExportConfig:
     """What :func:`export_run` writes and where: ``model``'s weights in ``out_dir`` as
     ``dtype``, in safetensors files of at most ``max_file_bytes``, with the ``tokenizer``
     (a tokenizer.json, copied) and ``max_position`` (see :func:`max_position`) in its configs.
-    ``overwrite``: replace a non-empty ``out_dir`` once the export is complete."""
+    ``chat_template``: written into tokenizer_config.json, where transformers'
+    ``apply_chat_template`` reads it. ``overwrite``: replace a non-empty ``out_dir`` once the
+    export is complete."""
 
     out_dir: Path
     model: ModelConfig
@@ -101,6 +106,7 @@ class ExportConfig:
     dtype: str = "float32"
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     overwrite: bool = False
+    chat_template: ChatTemplate | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))  # a str is welcome too
@@ -121,9 +127,12 @@ class ExportConfig:
     def check(self) -> None:
         """Raise, before anything is gathered or restored, if the export cannot be written:
         ``out_dir`` a file or a non-empty directory (without ``overwrite``), the tokenizer
-        unreadable, or (process 0) too little free space for the weights."""
+        unreadable, the chat template rendering other text with the exported tokenizer's
+        special tokens, or (process 0) too little free space for the weights."""
         _check_out_dir(self.out_dir, self.overwrite)
-        load_tokenizer(self.tokenizer)
+        tokenizer = load_tokenizer(self.tokenizer)
+        if self.chat_template is not None:
+            _check_chat_template(self.chat_template, eot_id(tokenizer) is not None)
         if is_main_process():
             _check_free_space(self.out_dir, self.model, self.dtype)
 
@@ -296,6 +305,8 @@ def _write_configs(directory: Path, export: ExportConfig, tokenizer) -> None:
     _write_json(directory / "generation_config.json", generation)
     shutil.copyfile(export.tokenizer, directory / "tokenizer.json")
     special = {"eos_token": EOT} if eos is not None else {}
+    template = export.chat_template
+    chat = {} if template is None else {"chat_template": template.text}
     _write_json(directory / "special_tokens_map.json", special)
     _write_json(
         directory / "tokenizer_config.json",
@@ -306,8 +317,30 @@ def _write_configs(directory: Path, export: ExportConfig, tokenizer) -> None:
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             **special,
+            **chat,
         },
     )
+
+
+def _check_chat_template(template: ChatTemplate, has_eot: bool) -> None:
+    """transformers renders the template with the exported tokenizer's special tokens (eos
+    ``<|endoftext|>`` if it has one, no bos), seqshard rendered the data with the template's own
+    (:class:`~seqshard.data.sft.ChatTemplate`): a probe chat must render the same both ways."""
+    exported = dataclasses.replace(template, bos_token="", eos_token=EOT if has_eot else "")
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    where = "a probe chat (checking the exported chat template)"
+    for messages, prompt in ((chat, False), (chat[:1], True)):
+        ours = template.render(messages, prompt, where)
+        theirs = exported.render(messages, prompt, where)
+        if ours != theirs:
+            raise ValueError(
+                f"the chat template of {template.source} renders bos_token "
+                f"{template.bos_token!r} / eos_token {template.eos_token!r}, but the exported "
+                f"tokenizer's are {exported.bos_token!r} / {exported.eos_token!r}, so "
+                f"transformers' apply_chat_template would give {theirs!r} where the run "
+                f"trained on {ours!r}. Export with a template that renders neither "
+                f"(`seqshard export RUN_DIR OUT_DIR data.chat_template=PATH`)."
+            )
 
 
 def _write_json(path: Path, value: object) -> None:

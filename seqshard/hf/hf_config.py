@@ -333,8 +333,19 @@ def architecture_of(cfg: ModelConfig) -> str:
     moe = cfg.moe
     if not moe.enabled:
         return QWEN3 if cfg.qk_norm else LLAMA
+    if moe.n_shared:
+        raise ValueError(
+            f"model.moe.n_shared={moe.n_shared} (shared experts, which every token passes "
+            f"through ungated) has no Hugging Face architecture seqshard exports: {MIXTRAL} and "
+            f"{QWEN3_MOE} have no shared experts. The Hugging Face families that hold shared "
+            f"experts each differ in another way: Qwen2-MoE (Qwen2MoeForCausalLM) scales its "
+            f"shared expert by a learned sigmoid gate; DeepSeek-V3 (DeepseekV3ForCausalLM) adds "
+            f"them ungated but uses multi-head latent attention; GLM-4-MoE (Glm4MoeForCausalLM), "
+            f"the closest, adds them ungated beside grouped-query attention and a sigmoid router "
+            f"(as model.moe.router=sigmoid). seqshard exports none of these yet: to export, "
+            f"train with model.moe.n_shared=0."
+        )
     unsupported = [
-        (moe.n_shared != 0, f"model.moe.n_shared={moe.n_shared}", "0 (no shared experts)"),
         (moe.router != "softmax", f"model.moe.router={moe.router!r}", "'softmax'"),
         (
             moe.n_dense_layers and not cfg.qk_norm,

@@ -92,15 +92,15 @@ class MoEConfig:
         to one shard) drops nothing and sizes the buffers as 0 does, however large it is.
     """
 
-    n_experts: int = 0
-    top_k: int = 2
-    d_ff: int = 256
-    n_shared: int = 0
-    n_dense_layers: int = 0
+    n_experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    top_k: int = 2  # experts each token is routed to
+    d_ff: int = 256  # hidden size of each expert (and of each shared one)
+    n_shared: int = 0  # shared experts every token passes through besides its top_k
+    n_dense_layers: int = 0  # the first layers keep a dense FFN
     router: Router = "softmax"
     balance: Balance = "aux_loss"
-    aux_loss_weight: float = 0.01
-    bias_rate: float = 0.001
+    aux_loss_weight: float = 0.01  # balance=aux_loss: the load-balancing loss's weight
+    bias_rate: float = 0.001  # balance=bias: how far each step moves the expert biases
     z_loss_weight: float = 0.0
     capacity_factor: float = 0.0
 
@@ -194,15 +194,15 @@ class ModelConfig:
         (:func:`seqshard.model.attention.rope_frequencies`).
     """
 
-    vocab: int = 4096
-    d_model: int = 128
-    n_layers: int = 2
-    n_q_per_kv: int = 2
-    n_kv: int = 2
-    d_head: int = 32
-    d_ff: int = 512
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    vocab: int = 4096  # embedding rows; >= the tokenizer's vocabulary
+    d_model: int = 128  # width of the residual stream
+    n_layers: int = 2  # decoder layers
+    n_q_per_kv: int = 2  # query heads per key/value head (grouped-query attention)
+    n_kv: int = 2  # key/value heads
+    d_head: int = 32  # width of each head (even: RoPE rotates pairs)
+    d_ff: int = 512  # hidden size of the SwiGLU FFN
+    rope_theta: float = 10000.0  # RoPE base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
     compute_dtype: str = "bfloat16"
     remat: RematName = "saved"
     attention_impl: AttentionImpl = "auto"
@@ -211,11 +211,11 @@ class ModelConfig:
     residual: Residual = "L/t"
     context_impl: ContextImpl = "allgather"
     rope_type: RopeType = "default"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position: int = 8192
-    qk_norm: bool = False
+    rope_factor: float = 8.0  # rope_type=llama3 (see there)
+    rope_low_freq_factor: float = 1.0  # rope_type=llama3
+    rope_high_freq_factor: float = 4.0  # rope_type=llama3
+    rope_original_max_position: int = 8192  # rope_type=llama3
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:

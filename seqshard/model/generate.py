@@ -19,7 +19,8 @@ Everything runs in the training layout, one shard_map per phase, in one jit per
                   and the last position's logits 'B/d/e V/t'
     _decode_step  'B/d/e' token, cache -> cache with the token's k, v written at its index, logits
     sampling      inside both shard_maps, on the vocab-sharded logits; the steps run in a
-                  ``lax.while_loop`` (:func:`_run`)
+                  ``lax.while_loop`` (:func:`_run`), which ends once every row has stopped
+                  (at ``stop_token``, or where a :class:`StopMatcher` accepts)
 
 Per layer and decode step the communication is the training forward's with L = 1: the
 all-gathers of every weight over d (FSDP; none when d = 1, which is why :func:`decode_mesh`
@@ -68,9 +69,50 @@ from seqshard.shardlib import shardops
 from seqshard.shardlib.shapecheck import shape_scope
 from seqshard.shardlib.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
 
-__all__ = ["DecodeSpec", "Sampling", "decode_mesh", "generate"]
+__all__ = ["DecodeSpec", "Sampling", "StopMatcher", "decode_mesh", "generate"]
 
 _CACHE_DTYPES = {"float32": f32, "bfloat16": bf16}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StopMatcher:
+    """Stop conditions on what a row generates, as S automata over token ids, run on every
+    row beside the decode loop; checked when made (ValueError).
+
+        transitions  i32[S, V, Q]: automaton s's state after token v from state q
+        accept       i32[S]: automaton s's accepting state, which it never leaves
+
+    Each automaton starts in state 0 at the first new token (the prompt is not read); a row
+    stops at the token that brings any automaton to its accepting state. :mod:`seqshard.sample`
+    builds one per stop string of a byte-level tokenizer (a state: how many of the string's
+    bytes the text ends with), so that a row stops at the token that completes the string.
+    The table is replicated on every device: S * V * Q int32s.
+    """
+
+    transitions: np.ndarray
+    accept: np.ndarray
+
+    def __post_init__(self) -> None:
+        table, accept = np.asarray(self.transitions), np.asarray(self.accept)
+        if table.ndim != 3 or not np.issubdtype(table.dtype, np.integer) or 0 in table.shape:
+            raise ValueError(
+                f"StopMatcher: transitions must be non-empty integer states [S, V, Q], got "
+                f"dtype {table.dtype} shape {table.shape}."
+            )
+        n, _, states = table.shape
+        if accept.shape != (n,) or not np.issubdtype(accept.dtype, np.integer):
+            raise ValueError(
+                f"StopMatcher: accept must be {n} integer states (one per automaton), got "
+                f"dtype {accept.dtype} shape {accept.shape}."
+            )
+        bad = (table < 0) | (table >= states)
+        if bad.any() or ((accept < 0) | (accept >= states)).any():
+            raise ValueError(
+                f"StopMatcher: states must lie in [0, Q={states}), got transitions in "
+                f"[{table.min()}, {table.max()}] and accept {accept.tolist()}."
+            )
+        object.__setattr__(self, "transitions", table.astype(np.int32))
+        object.__setattr__(self, "accept", accept.astype(np.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +125,13 @@ class Sampling:
     ``temperature`` 0 is greedy (argmax); otherwise sampling from softmax(logits /
     temperature), restricted to the ``top_k`` largest logits when given, with randomness from
     ``key`` (the same key gives the same tokens on any mesh). With ``stop_token``, a row that
-    emits it emits only it from then on, and generation ends once every row has. ``max_len``
+    emits it emits only it from then on; with ``stop_matcher`` (:class:`StopMatcher`), a row
+    also stops at the token its automata accept, and emits ``stop_token`` (0 without one)
+    after it. Generation ends once every row has stopped. ``max_len``
     sizes the cache (default: the prompt width + max_new_tokens). ``return_logits``:
     :func:`generate` also returns f32[B, max_new_tokens, vocab], each new token's logits.
-    What depends on the model or the prompt (top_k and stop_token within the vocabulary,
-    max_len against the prompt) :func:`generate` checks.
+    What depends on the model or the prompt (top_k, stop_token and stop_matcher within the
+    vocabulary, max_len against the prompt) :func:`generate` checks.
     """
 
     max_new_tokens: int
@@ -97,6 +141,7 @@ class Sampling:
     stop_token: int | None = None
     max_len: int | None = None
     return_logits: bool = False
+    stop_matcher: StopMatcher | None = None
 
     def __post_init__(self) -> None:
         new, temperature = self.max_new_tokens, self.temperature
@@ -137,6 +182,7 @@ class DecodeSpec:
     greedy: bool
     top_k: int | None  # None when greedy: the argmax needs no threshold
     stop_token: int | None
+    stop_matcher: bool  # rows also stop where sampling.stop_matcher accepts (its table is traced)
     padded: bool  # some row is left-padded: the prefill mask is not plain causal
     return_logits: bool
 
@@ -363,9 +409,11 @@ def _run(
     start: jax.Array,
     key: jax.Array,
     temperature: jax.Array,
+    matcher: tuple[jax.Array, jax.Array] | None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Prefill, then decode steps until max_new_tokens or every row has stopped: the new tokens
-    i32[B, max_new_tokens], and their logits f32[B, max_new_tokens, V] if asked for."""
+    i32[B, max_new_tokens], and their logits f32[B, max_new_tokens, V] if asked for.
+    ``matcher``: a :class:`StopMatcher`'s transitions i32[S, V, Q] and accept i32[S]."""
     cfg, max_new_tokens, stop_token = spec.cfg, spec.max_new_tokens, spec.stop_token
     prefill, decode_step = _shard_mapped(spec)
     batch, length = prompt.shape
@@ -377,34 +425,46 @@ def _run(
         g = jax.random.gumbel(jax.random.fold_in(key, step), (batch, cfg.vocab), jnp.float32)
         return lax.with_sharding_constraint(g, noise_sharding)
 
-    token, logits, kv = prefill(weights, prompt, start, noise(0), temperature)
     fill = 0 if stop_token is None else stop_token
+
+    def stopped(token, done, matched):
+        """A row that has stopped emits ``fill``; it stops at stop_token or where the matcher
+        accepts (``matched``: each automaton's state, i32[B, S])."""
+        token = jnp.where(done, fill, token)
+        if stop_token is not None:
+            done = done | (token == stop_token)
+        if matched is not None:
+            transitions, accept = matcher
+            matched = transitions[jnp.arange(len(accept))[None, :], token[:, None], matched]
+            done = done | jnp.any(matched == accept[None, :], axis=1)
+        return token, done, matched
+
+    token, logits, kv = prefill(weights, prompt, start, noise(0), temperature)
+    matched = None if matcher is None else jnp.zeros((batch, len(matcher[1])), jnp.int32)
+    token, done, matched = stopped(token, jnp.zeros((batch,), jnp.bool_), matched)
     out = jnp.full((batch, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
     seen = None
     if spec.return_logits:
         seen = jnp.zeros((batch, max_new_tokens, cfg.vocab), jnp.float32)
         seen = seen.at[:, 0].set(logits)
-    done = jnp.zeros((batch,), jnp.bool_) if stop_token is None else token == stop_token
 
     def cond(state):
-        step, _, _, _, _, done = state
+        step, _, _, _, _, done, _ = state
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(state):
-        step, token, kv, out, seen, done = state
+        step, token, kv, out, seen, done, matched = state
         # new token `step - 1` goes into the cache right after the prompt and its followers.
         index = length + step - 1
         token, logits, kv = decode_step(weights, kv, token, index, start, noise(step), temperature)
-        if stop_token is not None:
-            token = jnp.where(done, stop_token, token)
-            done = done | (token == stop_token)
+        token, done, matched = stopped(token, done, matched)
         out = lax.dynamic_update_index_in_dim(out, token, step, axis=1)
         if seen is not None:
             seen = lax.dynamic_update_index_in_dim(seen, logits, step, axis=1)
-        return step + 1, token, kv, out, seen, done
+        return step + 1, token, kv, out, seen, done, matched
 
-    state = (jnp.int32(1), token, kv, out, seen, done)
-    _, _, _, out, seen, _ = lax.while_loop(cond, body, state)
+    state = (jnp.int32(1), token, kv, out, seen, done, matched)
+    _, _, _, out, seen, _, _ = lax.while_loop(cond, body, state)
     return out, seen
 
 
@@ -488,8 +548,8 @@ def _check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
 
 
 def _check_vocab(sampling: Sampling, vocab: int) -> None:
-    """``sampling``'s top_k and stop_token within the model's vocabulary."""
-    top_k, stop_token = sampling.top_k, sampling.stop_token
+    """``sampling``'s top_k, stop_token and stop_matcher within the model's vocabulary."""
+    top_k, stop_token, matcher = sampling.top_k, sampling.stop_token, sampling.stop_matcher
     if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
         raise ValueError(
             f"generate: top_k must be None or an int in [1, vocab={vocab}], got {top_k!r}."
@@ -497,6 +557,16 @@ def _check_vocab(sampling: Sampling, vocab: int) -> None:
     if stop_token is not None and (not isinstance(stop_token, int) or not 0 <= stop_token < vocab):
         raise ValueError(
             f"generate: stop_token must be None or an id in [0, {vocab}), got {stop_token!r}."
+        )
+    if matcher is not None and not isinstance(matcher, StopMatcher):
+        raise TypeError(
+            f"generate: stop_matcher must be None or a StopMatcher, got {type(matcher).__name__}."
+        )
+    if matcher is not None and matcher.transitions.shape[1] != vocab:
+        raise ValueError(
+            f"generate: stop_matcher.transitions has a state for {matcher.transitions.shape[1]} "
+            f"token ids, but the model's vocabulary has {vocab}; make it for model.vocab ids "
+            f"(seqshard.sample builds one from the tokenizer and the model's vocab)."
         )
 
 
@@ -544,6 +614,7 @@ def _checked(
         greedy=sampling.greedy,
         top_k=None if sampling.greedy else sampling.top_k,
         stop_token=sampling.stop_token,
+        stop_matcher=sampling.stop_matcher is not None,
         padded=bool((start > 0).any()),
         return_logits=bool(sampling.return_logits),
     )
@@ -566,7 +637,7 @@ def generate(
     than P are left-padded: row b's prompt is ``prompt_tokens[b, P - prompt_lengths[b]:]``
     (padding values are ignored). The output is the prompt as given, then the new tokens.
 
-    How the tokens are chosen, and where generation stops, is ``sampling``'s (:class:`Sampling`).
+    How the tokens are chosen, and where each row stops, is ``sampling``'s (:class:`Sampling`).
     ``weights`` may live on any mesh; they are resharded onto ``mesh``, whose d must divide B
     (see :func:`decode_mesh`). With ``sampling.return_logits`` the result is a pair: the
     tokens and f32[B, max_new_tokens, vocab], each new token's logits.
@@ -574,6 +645,9 @@ def generate(
     spec, prompt, start, key = _checked(weights, prompt_tokens, cfg, mesh, sampling, prompt_lengths)
     weights = jax.device_put(weights, shardings(weights_type(cfg), mesh))
     temperature = jnp.float32(sampling.temperature)
-    new, seen = _decoder(spec)(weights, prompt, start, key, temperature)
+    matcher = sampling.stop_matcher
+    if matcher is not None:
+        matcher = (jnp.asarray(matcher.transitions), jnp.asarray(matcher.accept))
+    new, seen = _decoder(spec)(weights, prompt, start, key, temperature, matcher)
     tokens = jnp.concatenate([jnp.asarray(prompt_tokens).astype(jnp.int32), new], axis=1)
     return (tokens, seen) if spec.return_logits else tokens

@@ -3,7 +3,9 @@
     result = train(load_config("configs/tiny-cpu.yaml"))
 
 A run lives in ``<run.dir>/<run.name>``: ``config.yaml`` (the resolved config),
-``metrics.jsonl``, ``tb/`` (TensorBoard), ``checkpoints/<step>``, and ``run.json`` (the
+``metrics.jsonl``, ``tb/`` (TensorBoard) and the other ``run.trackers``
+(:mod:`seqshard.train.trackers`), ``log.txt`` (every note the run printed, warnings included),
+``checkpoints/<step>``, ``profile/`` (with ``train.profile``), and ``run.json`` (the
 resolved data directory it trains on, so ``seqshard eval`` and ``generate`` find it from
 anywhere). Training on a directory that holds checkpoints resumes from the latest good one,
 exactly (same batches, same state), on any mesh. SIGTERM or Ctrl-C finishes the current step,
@@ -31,6 +33,7 @@ from typing import Any
 
 import jax
 import optax
+import yaml
 from jax.sharding import Mesh
 
 from seqshard.config import (
@@ -58,8 +61,16 @@ from seqshard.train.checkpoint import (
     latest_state,
     step_directories,
 )
-from seqshard.train.metrics import METRICS_FILE, MetricsLogger, SilentMetricsLogger
+from seqshard.train.metrics import (
+    METRICS_FILE,
+    MetricsLogger,
+    RunLog,
+    SilentMetricsLogger,
+    show,
+    warnings_as_notes,
+)
 from seqshard.train.optimizer import lr_schedule, make_optimizer
+from seqshard.train.profile import PROFILE_DIR, ProfileWindow
 from seqshard.train.run_files import RunWriteError, atomic_write_text
 from seqshard.train.run_lock import RunLock, RunLockedError
 from seqshard.train.state import (
@@ -71,6 +82,7 @@ from seqshard.train.state import (
     relayered,
 )
 from seqshard.train.step import make_eval_step, make_train_step
+from seqshard.train.trackers import open_trackers, require_trackers
 from seqshard.train.validation import evaluate, make_validate
 
 __all__ = [
@@ -109,6 +121,7 @@ _RESUMABLE_CHANGES = {
     "train.nonfinite",
     "train.max_nonfinite_skips",
     "train.eval_on_stop",
+    "train.profile",
 }
 
 
@@ -274,7 +287,7 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
         diff = [
             f"{k}: {was!r} -> {now!r}"
             for k, (was, now) in changes.items()
-            if k.split(".")[0] not in _RESUMABLE_CHANGES and k not in _RESUMABLE_CHANGES
+            if not any(k == r or k.startswith(r + ".") for r in _RESUMABLE_CHANGES)
         ]
         if diff:
             raise ConfigError(
@@ -500,7 +513,7 @@ order, sharded on ``mesh`` (``seqshard.cli.hf_initial_weights``)."""
 def train(
     cfg: Config,
     *,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = show,
     tty: bool | None = None,
     initial_weights: InitialWeights | None = None,
 ) -> TrainResult:
@@ -512,6 +525,10 @@ def train(
 
     Raises :class:`NonfiniteError` when ``train.nonfinite`` says to stop on a non-finite step
     (nothing is saved after it), and ConfigError / CheckpointError on bad input.
+
+    ``log`` shows each note of the run (by default on stdout, above the progress bar), every
+    Python warning raised meanwhile among them (``warning: ...``); process 0 also appends them
+    to ``RUN_DIR/log.txt`` (:class:`~seqshard.train.metrics.RunLog`).
 
     A signal before the first step returns a result with ``interrupted`` set and no step run;
     it may have landed in a compile, which XLA then finishes on its own threads: a program
@@ -526,18 +543,21 @@ def train(
         )
     if not is_main_process():  # every process runs the run; process 0 reports it
         log = _quiet
-    with _StopOnSignal(log) as stop:
+    notes = RunLog(log)  # and into log.txt once the run has written its config.yaml
+    with _StopOnSignal(notes) as stop, warnings_as_notes(notes):
         try:
-            return _train(cfg, stop, log, tty, started, initial_weights)
+            return _train(cfg, stop, notes, tty, started, initial_weights)
         except Exception:
             if stop.early is None or stop.armed:
                 raise
             # The stop request landed inside a library that turned it into its own error.
-            log(f"{stop.early}: stopping before the first step; nothing to save")
+            notes(f"{stop.early}: stopping before the first step; nothing to save")
             return _stopped_early(cfg, started)
         except StopRequested as e:
-            log(f"{e}: stopping before the first step; nothing to save")
+            notes(f"{e}: stopping before the first step; nothing to save")
             return _stopped_early(cfg, started)
+        finally:
+            notes.close()
 
 
 def _quiet(message: str) -> None:
@@ -560,13 +580,14 @@ def _stopped_early(cfg: Config, started: float) -> TrainResult:
 def _train(
     cfg: Config,
     stop: _StopOnSignal,
-    log,
+    log: RunLog,
     tty,
     started: float,
     initial_weights: InitialWeights | None,
 ) -> TrainResult:
     run_dir = run_dir_of(cfg)
     # Everything that can fail on bad input is checked before the run directory is written.
+    require_trackers(cfg.run.trackers)
     resuming = _check_run_dir(run_dir, cfg)
     lock = _lock_run_dir(run_dir, log)
     try:
@@ -598,7 +619,7 @@ def _lock_run_dir(run_dir: Path, log) -> RunLock | None:
 def _train_locked(
     cfg: Config,
     stop,
-    log,
+    log: RunLog,
     tty,
     started: float,
     resuming: bool,
@@ -613,6 +634,7 @@ def _train_locked(
     if is_main_process():
         try:
             _write_run_files(run_dir, cfg, data_dir)
+            log.open(run_dir)  # log.txt, with the notes so far
         except RunWriteError as e:
             raise e.with_checkpoint(_newest_checkpoint(run_dir / "checkpoints")) from None
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
@@ -751,11 +773,30 @@ def _train_steps(
         peak,
     )
     metrics_log = (
-        MetricsLogger(run.run_dir, total_steps=train_cfg.steps, start_step=start, tty=run.tty)
+        MetricsLogger(
+            run.run_dir,
+            total_steps=train_cfg.steps,
+            start_step=start,
+            tty=run.tty,
+            trackers=open_trackers(
+                cfg.run.trackers,
+                run.run_dir,
+                config=yaml.safe_load(config_to_yaml(cfg)),  # as config.yaml holds it
+                name=cfg.run.name,
+            ),
+            notes=run.log,
+        )
         if is_main_process()
         else SilentMetricsLogger()
     )
     metrics_log.truncate_after(start)
+    # Every process traces its own devices; process 0's trace is the one summed.
+    where = run.run_dir / PROFILE_DIR
+    if jax.process_index():
+        where = where / f"process-{jax.process_index()}"
+    profile = ProfileWindow(
+        train_cfg.profile.start_step, train_cfg.profile.steps, where, metrics_log.message
+    )
     stop.log = metrics_log.message
     nonfinite = _NonfiniteWatch(run, int(jax.device_get(state.guard.total)), metrics_log.message)
     step, loss, val_loss, figures = start, None, None, {"tokens_per_s": 0.0, "mfu": 0.0}
@@ -764,7 +805,7 @@ def _train_steps(
         window.restart()
         for step in range(start + 1, train_cfg.steps + 1):
             batch = _next_batch(run, loader, state, step, nonfinite.seen)
-            state, metrics = step_fn(state, batch)
+            state, metrics = profile.run(step, step_fn, state, batch)
             window.steps += 1
             run.ckpt.raise_if_save_failed()  # a flag read: a failed save stops the next step
             if step == start + 1:  # the first step compiles: keep it out of the throughput
@@ -806,7 +847,10 @@ def _train_steps(
                 break
         interrupted = stopping and step < train_cfg.steps
     finally:
-        metrics_log.close()
+        try:
+            profile.close()
+        finally:
+            metrics_log.close()
     return TrainResult(
         run_dir=run.run_dir,
         step=step,

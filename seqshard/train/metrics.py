@@ -1,74 +1,87 @@
-"""Training metrics: ``RUN_DIR/metrics.jsonl``, TensorBoard scalars, and a progress display.
+"""Training metrics: the trackers a run writes (:mod:`seqshard.train.trackers`), its console
+lines, and its notes in ``RUN_DIR/log.txt``.
 
 One :class:`MetricsLogger` per run, driven by the training loop::
 
-    with MetricsLogger(run_dir, total_steps=300, start_step=s) as log:
-        log.truncate_after(s)  # on resume: drop lines a crashed run wrote after its checkpoint
+    with MetricsLogger(run_dir, total_steps=300, start_step=s, notes=notes) as log:
+        log.truncate_after(s)  # on resume: drop what a crashed run logged after its checkpoint
         for step in range(s + 1, 301):
             ...
             log.log(step, {"loss": 3.41, "lr": 2.9e-3, "grad_norm": 0.61,
                            "tokens_per_s": 4512.0, "mfu": 0.012, "step_time_s": 0.91})
 
-``metrics.jsonl`` holds one JSON object per ``log`` call, ``{"step": 120, "loss": 3.41, ...,
-"time": 1718000000.0}``, each line appended whole in one write, so a kill loses at most the
-line being written (:func:`read_metrics` skips such a torn last line) and a full disk none:
-a line cut short is truncated away and :class:`~seqshard.train.run_files.RunWriteError` names
-the file and the space. TensorBoard tags are ``train/<key>`` and, for keys ``val_<name>``,
-``val/<name>`` (``val_loss`` -> ``val/loss``), written synchronously to one event file per
-logger (:class:`EventFile`): tensorboardX's own writer writes from a thread and flushes from
-an atexit hook, so a full disk surfaced there as tracebacks at exit instead of one error.
+Each :meth:`MetricsLogger.log` call writes every tracker (by default ``metrics.jsonl`` and
+TensorBoard) and prints one :func:`format_line` (step, loss, grad norm, lr, tokens/s, MFU,
+ETA); on a terminal a tqdm bar below the lines shows the progress between them.
+
+A run's notes (start, resume, checkpoints, warnings) go to a :class:`RunLog`: printed, and
+appended to ``RUN_DIR/log.txt`` with the time. :func:`warnings_as_notes` makes a Python
+warning raised during the run (the loader's "rows repeat", a library's deprecation) one such
+note, ``warning: ...``. The numbers themselves are in metrics.jsonl, not in log.txt.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
-import socket
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from seqshard.train.run_files import RunWriteError, append_whole, atomic_write_text
+from seqshard.train.run_files import RunWriteError, append_whole
+from seqshard.train.trackers import (
+    METRICS_FILE,
+    JsonlTracker,
+    TensorBoardTracker,
+    Tracker,
+    read_metrics,
+)
 
-METRICS_FILE = "metrics.jsonl"
-TB_DIR = "tb"
+LOG_FILE = "log.txt"
 
 # Keys the logger writes itself; a metrics dict may not use them.
 _RESERVED = ("step", "time")
 
 __all__ = [
-    "METRICS_FILE",
-    "EventFile",
+    "LOG_FILE",
+    "METRICS_FILE",  # defined in seqshard.train.trackers, with the reader of the file
     "MetricsLogger",
+    "RunLog",
     "SilentMetricsLogger",
+    "format_duration",
     "format_line",
     "read_metrics",
-    "tb_tag",
+    "show",
+    "warnings_as_notes",
 ]
 
 
-def tb_tag(key: str) -> str:
-    """TensorBoard tag of a metric key: ``val_loss -> val/loss``, ``loss -> train/loss``."""
-    if key.startswith("val_"):
-        return "val/" + key[len("val_") :]
-    return "train/" + key
+def show(text: str) -> None:
+    """Print a line on stdout above any live tqdm bar (``tqdm.write``; a plain print without
+    one), flushed: a run's output piped to a file shows each line as it happens."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def format_line(
     step: int, total_steps: int, metrics: Mapping[str, float], absent: Sequence[str] = ()
 ) -> str:
-    """The plain (non-TTY) progress line, e.g.
+    """The progress line of a logged step, e.g.
 
     ``step 120/300  loss 3.412  val_loss 3.5  lr 2.9e-03  grad_norm 0.61  tok/s 4,512  mfu 1.2%
-    (0.91 s/step)``. Missing keys are left out; keys without a known format follow as
-    ``key 0.1234`` or, for whole numbers, ``key 16,384``. ``mfu`` is a fraction (``0.012``
+    (0.91 s/step, eta 2m44s)``. Missing keys are left out; keys without a known format follow
+    as ``key 0.1234`` or, for whole numbers, ``key 16,384``. ``mfu`` is a fraction (``0.012``
     prints as ``1.2%``). Keys in ``absent`` have no value (a loss over no counted token):
-    ``loss n/a``.
+    ``loss n/a``. The ETA is the steps left at ``step_time_s`` (the steps since the last line;
+    evaluations and checkpoints not counted).
     """
     known = {
         "loss": ("loss", "{:.4g}"),
@@ -87,8 +100,24 @@ def format_line(
         if key not in known and key != "step_time_s" and "/" not in key:
             parts.append(f"{key} {'n/a' if key in absent else _general(value)}")
     if "step_time_s" in metrics:
-        parts.append(f"({_fmt('{:.2f}', metrics['step_time_s'])} s/step)")
+        step_time = metrics["step_time_s"]
+        timing = f"{_fmt('{:.2f}', step_time)} s/step"
+        if step < total_steps and math.isfinite(step_time):
+            timing += f", eta {format_duration((total_steps - step) * step_time)}"
+        parts.append(f"({timing})")
     return "  ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    """``'42s'``, ``'2m44s'``, ``'3h05m'``, ``'2d07h'``: two units at most."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _general(value: float) -> str:
@@ -107,59 +136,71 @@ def _fmt(fmt: str, value: float) -> str:
     return fmt.format(value) if math.isfinite(value) else str(value)
 
 
-class EventFile:
-    """A TensorBoard event file written synchronously: ``RUN_DIR/tb/events.out.tfevents.
-    <time>.<host>.<pid>``, TFRecords of tensorboardX's ``Event`` protos, each record appended
-    whole (:func:`~seqshard.train.run_files.append_whole`) or not at all.
+class RunLog:
+    """A run's notes: each one echoed at once (``echo``, by default :func:`show`) and
+    appended to ``RUN_DIR/log.txt`` after the time it was noted::
 
-    ``purge_step``: a resumed run's first step; TensorBoard hides the earlier events of steps
-    >= it (a ``SessionLog.START`` at that step, as tensorboardX's ``purge_step`` writes)."""
+        2026-11-27 15:34:02  starting runs/tiny on mesh d=4 x t=2
+        2026-11-27 15:34:09  warning: eval_batches(6) needs 48 rows of 32 tokens but ...
 
-    def __init__(self, directory: Path, purge_step: int | None = None):
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
+    Notes are kept in memory until :meth:`open` (called once the run has written its
+    config.yaml), so a run refused on bad input before that leaves no log.txt behind (and its
+    new run directory is removed again). A resumed run appends to the file. Each note is one
+    write (``O_APPEND``): notes from other threads (a warning in the loader's prefetch thread)
+    never interleave mid-line."""
 
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise RunWriteError(directory, e, 0) from None
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-        self.path = directory / name
-        try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError as e:
-            raise RunWriteError(self.path, e, 0) from None
-        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
-        if purge_step is not None:
-            start = SessionLog(status=SessionLog.START)
-            self._write(Event(wall_time=time.time(), step=purge_step, session_log=start))
+    def __init__(self, echo: Callable[[str], None] = show):
+        self.echo = echo
+        self.path: Path | None = None
+        self._fd: int | None = None
+        self._pending: list[str] = []  # stamped lines noted before open()
+        self._lock = threading.Lock()
 
-    def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        """One event of the values at ``step``, tagged by :func:`tb_tag`."""
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.proto.summary_pb2 import Summary
+    def open(self, run_dir: str | os.PathLike[str]) -> None:
+        """Start writing ``run_dir/log.txt``, the notes so far first."""
+        with self._lock:
+            self.path = Path(run_dir) / LOG_FILE
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError as e:
+                raise RunWriteError(self.path, e, 0) from None
+            pending, self._pending = "".join(self._pending), []
+            if pending:
+                append_whole(self._fd, pending.encode(), self.path)
 
-        summary = Summary(
-            value=[Summary.Value(tag=tb_tag(k), simple_value=v) for k, v in values.items()]
-        )
-        self._write(Event(wall_time=time.time(), step=step, summary=summary))
-
-    def _write(self, event) -> None:
-        import struct
-
-        from tensorboardX.record_writer import masked_crc32c
-
-        data = event.SerializeToString()
-        header = struct.pack("<Q", len(data))
-        record = (
-            header
-            + struct.pack("<I", masked_crc32c(header))
-            + data
-            + struct.pack("<I", masked_crc32c(data))
-        )
-        append_whole(self._fd, record, self.path)
+    def __call__(self, text: str) -> None:
+        self.echo(text)
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {text}\n"
+        with self._lock:
+            if self._fd is None:
+                self._pending.append(line)
+            else:
+                append_whole(self._fd, line.encode(), self.path)
 
     def close(self) -> None:
-        os.close(self._fd)
+        """Stop writing; notes never written (no :meth:`open`) are dropped. Idempotent."""
+        with self._lock:
+            self._pending = []
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+@contextlib.contextmanager
+def warnings_as_notes(note: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, a Python warning (from any thread) becomes one note, ``warning:
+    <message>`` (its category after it unless a plain UserWarning), instead of the
+    interpreter's two lines on stderr. The warning filters stay as they are (each warning once
+    per place by default)."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None) -> None:
+        text = " ".join(str(message).split("\n"))
+        kind = "" if category is UserWarning else f" ({category.__name__})"
+        note(f"warning: {text}{kind}")
+
+    with warnings.catch_warnings():  # restores warnings.showwarning on the way out
+        warnings.showwarning = showwarning
+        yield
 
 
 class SilentMetricsLogger:
@@ -180,12 +221,14 @@ class SilentMetricsLogger:
 
 
 class MetricsLogger:
-    """Writes ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/tb``, and shows progress.
+    """Writes a run's metrics through its ``trackers`` and prints its progress.
 
-    ``tty`` picks the display: a tqdm bar over ``total_steps`` (starting at ``start_step``)
-    with loss and tokens/s, or one plain :func:`format_line` per :meth:`log` call. It
-    defaults to ``sys.stdout.isatty()``. A resumed run appends to the existing file; call
-    :meth:`truncate_after` with the checkpoint's step first.
+    ``trackers``: :mod:`seqshard.train.trackers` sinks, closed with the logger; by default
+    ``metrics.jsonl`` and TensorBoard in ``run_dir``. ``notes``: where :meth:`message` goes
+    (the run's :class:`RunLog` in training; by default :func:`show`). ``tty`` (default
+    ``sys.stdout.isatty()``) adds a tqdm bar over ``total_steps`` (starting at
+    ``start_step``) with the latest loss and tokens/s, below the lines. A resumed run appends
+    to the existing files; call :meth:`truncate_after` with the checkpoint's step first.
     """
 
     def __init__(
@@ -195,6 +238,8 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         tty: bool | None = None,
+        trackers: Sequence[Tracker] | None = None,
+        notes: Callable[[str], None] = show,
     ) -> None:
         if total_steps < 0 or start_step < 0:
             raise ValueError(
@@ -202,18 +247,12 @@ class MetricsLogger:
                 f"total_steps={total_steps}, start_step={start_step}."
             )
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / METRICS_FILE
         self.total_steps = total_steps
         self.tty = sys.stdout.isatty() if tty is None else tty
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            _repair_torn_tail(self.path)
-        except OSError as e:
-            raise RunWriteError(self.path, e, 0) from None
-        self._fd = self._open()
-        # Created on first use, so that truncate_after can pass purge_step before any event.
-        self._tb: Any = None
-        self._purge_step: int | None = None
+        if trackers is None:
+            trackers = [JsonlTracker(self.run_dir), TensorBoardTracker(self.run_dir)]
+        self.trackers = list(trackers)
+        self._notes = notes
         self._closed = False
         self._bar: Any = None
         self._last_val: dict[str, float] = {}
@@ -231,48 +270,25 @@ class MetricsLogger:
     # -- writing ---------------------------------------------------------------------------
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Append ``{"step": step, **metrics, "time": now}`` to metrics.jsonl and TensorBoard."""
+        """Write ``metrics`` at ``step`` to every tracker and print its line. A value of None
+        is no value (a loss over no counted token): left out of the trackers, "n/a" on screen."""
         self._check_open("log")
-        # None: no value (a loss over no counted token): left out of the files, "n/a" on screen.
         absent = [k for k, v in metrics.items() if v is None]
         values = _as_floats({k: v for k, v in metrics.items() if v is not None})
-        record: dict[str, Any] = {"step": int(step), **values, "time": time.time()}
-        # One write per line: a kill leaves at most this line torn, a full disk none of it.
-        append_whole(self._fd, (json.dumps(record) + "\n").encode("utf-8"), self.path)
-        self._events().scalars(int(step), values)
+        for tracker in self.trackers:
+            tracker.log(int(step), values)
         self._show(int(step), {**values, **dict.fromkeys(absent, math.nan)}, absent)
 
     def message(self, text: str) -> None:
-        """Print a line above the progress bar without breaking it (plain print when no bar)."""
-        if self._bar is not None:
-            self._bar.write(text, file=sys.stdout)
-        else:
-            print(text, flush=True)
+        """A note: to ``notes`` (printed above the progress bar, and into log.txt in a run)."""
+        self._notes(text)
 
     def truncate_after(self, step: int) -> int:
-        """Drop the lines logged after ``step`` (a crashed run's tail); returns the count dropped.
-
-        The file is rewritten atomically (temp file + ``os.replace``). TensorBoard is told to
-        purge its events after ``step`` too (``purge_step``), so its curves do not double back.
-        """
+        """Make every tracker forget what was logged after ``step`` (a crashed run's tail);
+        returns the metrics.jsonl lines dropped (rewritten atomically). TensorBoard hides its
+        later events (``purge_step``), so its curves do not double back."""
         self._check_open("truncate_after")
-        os.close(self._fd)
-        kept: list[str] = []
-        dropped = 0
-        # The torn tail was repaired on open, so every line must parse.
-        for line, record in _parse_lines(self.path, torn_tail_ok=False):
-            if record["step"] > step:
-                dropped += 1
-            else:
-                kept.append(line + "\n")
-        if dropped:
-            atomic_write_text(self.path, "".join(kept))
-        self._fd = self._open()
-
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        self._purge_step = step + 1  # TensorBoard discards events with step >= purge_step
+        dropped = sum(tracker.truncate_after(step) for tracker in self.trackers)
         if self._bar is not None:
             self._bar.n = min(step, self.total_steps)
             self._bar.refresh()
@@ -281,15 +297,16 @@ class MetricsLogger:
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush and close the file, the TensorBoard writer and the bar. Idempotent."""
+        """Close the trackers and the bar. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        os.close(self._fd)
-        if self._tb is not None:
-            self._tb.close()
-        if self._bar is not None:
-            self._bar.close()
+        try:
+            for tracker in self.trackers:
+                tracker.close()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -308,24 +325,12 @@ class MetricsLogger:
         if self._closed:
             raise ValueError(f"MetricsLogger.{what}: the logger for {self.run_dir} is closed.")
 
-    def _open(self) -> int:
-        try:
-            return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError as e:
-            raise RunWriteError(self.path, e, 0) from None
-
-    def _events(self) -> EventFile:
-        if self._tb is None:
-            self._tb = EventFile(self.run_dir / TB_DIR, purge_step=self._purge_step)
-            self._purge_step = None
-        return self._tb
-
     def _show(self, step: int, values: dict[str, float], absent: Sequence[str] = ()) -> None:
         """``absent``: keys of ``values`` that have no value (NaN here), shown as n/a."""
-        self._last_val.update({k: v for k, v in values.items() if k.startswith("val_")})
+        show(format_line(step, self.total_steps, values, absent))  # above the bar, if any
         if self._bar is None:
-            print(format_line(step, self.total_steps, values, absent), flush=True)
             return
+        self._last_val.update({k: v for k, v in values.items() if k.startswith("val_")})
         postfix = []
         if "loss" in values:
             postfix.append(f"loss {_value('{:.4g}', values['loss'], 'loss' in absent)}")
@@ -336,50 +341,6 @@ class MetricsLogger:
             postfix.append(f"tok/s {_fmt('{:,.0f}', values['tokens_per_s'])}")
         self._bar.set_postfix_str("  ".join(postfix), refresh=False)
         self._bar.update(max(0, min(step, self.total_steps) - self._bar.n))
-
-
-def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of ``RUN_DIR/metrics.jsonl`` in file order.
-
-    A torn last line (a crash mid-write) is skipped with a warning; a bad line elsewhere raises
-    ValueError with its line number. Raises FileNotFoundError when the file does not exist.
-    """
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"read_metrics: no {METRICS_FILE} in run dir {str(run_dir)!r} "
-            f"(looked for {path}); is this the run dir a training run wrote?"
-        )
-    return [record for _, record in _parse_lines(path, torn_tail_ok=True)]
-
-
-def _parse_lines(path: Path, *, torn_tail_ok: bool) -> list[tuple[str, dict[str, Any]]]:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if torn_tail_ok and i == len(lines) - 1:
-                warnings.warn(
-                    f"read_metrics: skipping the torn last line {i + 1} of {path} "
-                    f"(a crash mid-write): {line[:80]!r}",
-                    stacklevel=3,
-                )
-                break
-            raise ValueError(
-                f"{path} line {i + 1} is not JSON ({e}): {line[:80]!r}; fix or delete that line."
-            ) from e
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ValueError(
-                f"{path} line {i + 1} should be an object with an integer 'step', got {line[:80]!r}"
-            )
-        out.append((line, record))
-    return out
 
 
 def _as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -399,32 +360,3 @@ def _as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
                 f"got {type(value).__name__} {value!r}."
             ) from None
     return out
-
-
-def _repair_torn_tail(path: Path) -> None:
-    """Make the file end in a newline, so appends after a crash start on a line of their own.
-
-    A torn tail that still parses (the newline alone was lost) keeps its record; otherwise it is
-    cut off with a warning.
-    """
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) == b"\n":
-            return
-        f.seek(0)
-        data = f.read()
-        start = data.rfind(b"\n") + 1
-        try:
-            json.loads(data[start:])
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            warnings.warn(
-                f"MetricsLogger: dropping the torn last line of {path} (a crash mid-write): "
-                f"{data[start : start + 80]!r}",
-                stacklevel=3,
-            )
-            f.truncate(start)
-        else:
-            f.seek(0, os.SEEK_END)
-            f.write(b"\n")

@@ -165,3 +165,40 @@ def test_finding_a_chat_template(tmp_path):
     (tmp_path / "empty" / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"has no chat template.*--chat-template"):
         load_chat_template(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    ("template", "end"),
+    [
+        (TEMPLATE, "<|end|>"),
+        (  # ChatML, as Qwen's tokenizer_config.json holds it
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            "<|im_end|>",
+        ),
+        (  # nothing after a reply: no end to stop at
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}",
+            None,
+        ),
+    ],
+)
+def test_a_templates_user_turn_and_end_of_turn(tmp_path, template, end):
+    (tmp_path / "t.jinja").write_text(template)
+    chat = load_chat_template(tmp_path / "t.jinja")
+    assert chat.end_of_turn() == end
+    messages = [{"role": "user", "content": "hi?"}]
+    assert chat.user_turn("hi?") == chat.render(messages, True, "test")
+    # The turn the template adds for a reply is the reply, then the end (and whitespace).
+    reply = chat.render([*messages, {"role": "assistant", "content": "yes."}], False, "test")
+    assert reply.removeprefix(chat.user_turn("hi?")).strip() == "yes." + (end or "")
+
+
+def test_a_template_that_does_not_render_turn_by_turn_has_no_end_of_turn(tmp_path):
+    # The generation prompt is not where the reply's turn starts: the end cannot be located.
+    (tmp_path / "t.jinja").write_text(
+        "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+        "{% if add_generation_prompt %}<reply>{% endif %}"
+    )
+    with pytest.raises(ValueError, match=r"does not render a reply.*pass the end as --stop"):
+        load_chat_template(tmp_path / "t.jinja").end_of_turn()

@@ -10,14 +10,16 @@ are tested here too, mostly through round trips.
                  older format: rope_theta, rope_scaling, torch_dtype)
     us -> HF     an exported run (llama3 rope) loaded by AutoModelForCausalLM: the same
     pairing      Meta's interleaved RoPE pairing instead moves the logits by far more than 1e-5
-    tokenizer    the exported tokenizer, via AutoTokenizer, encodes as seqshard does
+    tokenizer    the exported tokenizer, via AutoTokenizer, encodes as seqshard does; a chat
+                 run's renders chats (apply_chat_template) as seqshard rendered its data
     train        init.from_hf starts a run from the HF weights and tokenizer, sizes filled
     bad input    a missing shard file, a shape config.json contradicts, another architecture,
                  a bias, a disagreeing model field: errors naming the file or field
     MoE, Qwen3   random Qwen3, Mixtral and Qwen3-MoE models (transformers, save_pretrained's
                  per-expert tensors) import with logits within 1e-5 of torch's on e=2 x d=2 x
                  t=2, and seqshard models export as them with equal logits; a router bias,
-                 shared experts or a sigmoid router refuse to export; an expert count or a
+                 shared experts (naming the HF families that hold them) or a sigmoid router
+                 refuse to export; an expert count or a
                  router the files contradict, norm_topk_prob false, sparse layers seqshard
                  cannot order: errors naming the key, both values and the fix
 
@@ -365,6 +367,48 @@ def test_the_exported_tokenizer_encodes_as_seqshard_does(exported, data_dir):
         assert hf_tok(text)["input_ids"] == encode(ours, text)
         assert hf_tok.decode(encode(ours, text)) == text
     assert hf_tok.eos_token == "<|endoftext|>"
+
+
+CHAT_TEMPLATE = Path(__file__).resolve().parents[2] / "configs" / "sft" / "chat_template.jinja"
+CHAT = [
+    {"role": "user", "content": "What does `os.getcwd` do?"},
+    {"role": "assistant", "content": "Return a string of the current directory."},
+    {"role": "user", "content": "And `os.sep`?"},
+]
+
+
+@needs_transformers
+def test_a_chat_run_exports_its_template_for_apply_chat_template(source_run, exported, tmp_path):
+    """A run whose data has a chat template (``data.chat_template``, as sft-tiny-cpu.yaml's)
+    writes it into tokenizer_config.json: transformers' apply_chat_template renders a chat as
+    seqshard rendered the run's data. A run without one exports none, and transformers refuses
+    to render. A template whose eos_token the exported tokenizer would render otherwise is
+    refused before anything is restored."""
+    from transformers import AutoTokenizer
+
+    from seqshard.data.sft import ChatTemplate, load_chat_template
+    from seqshard.hf.export import ExportConfig
+
+    cfg = _run_config(str(source_run), [f"data.chat_template={CHAT_TEMPLATE}"])
+    out = tmp_path / "chat"
+    mesh = training_mesh(cfg.mesh.sizes())
+    export_checkpoint(source_run, export_config(cfg, out), cfg, mesh, log=lambda m: None)
+    ours = load_chat_template(CHAT_TEMPLATE)
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    for prompt in (False, True):
+        want = ours.render(CHAT, prompt, "test")
+        assert (
+            hf_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=prompt) == want
+        )
+    with pytest.raises(ValueError, match="chat_template"):
+        AutoTokenizer.from_pretrained(exported(4, 2)).apply_chat_template(CHAT, tokenize=False)
+
+    ends = "{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+    template = ChatTemplate("tokenizer_config.json", ends, eos_token="</s>")
+    export = ExportConfig(tmp_path / "x", cfg.model, cfg.data.dir + "/tokenizer.json", 64)
+    with pytest.raises(ValueError, match=r"renders bos_token '' / eos_token '</s>', but the expo"):
+        dataclasses.replace(export, chat_template=template).check()
+    assert not (tmp_path / "x").exists()
 
 
 # -- init.from_hf ------------------------------------------------------------------------------
@@ -775,13 +819,40 @@ def test_an_export_refuses_a_router_bias_and_what_no_hf_model_computes(tmp_path)
     assert "MixtralForCausalLM has no such bias" in msg and "balance=aux_loss" in msg
     assert not list(tmp_path.iterdir())
     for change, needle in [
-        ({"n_shared": 1}, "model.moe.n_shared=1 has no Hugging Face counterpart"),
+        ({"n_shared": 1}, "model.moe.n_shared=1 (shared experts, which every token passes"),
         ({"router": "sigmoid"}, "model.moe.router='sigmoid' has no Hugging Face counterpart"),
         ({"n_dense_layers": 1}, "model.moe.n_dense_layers=1 without model.qk_norm"),
     ]:
         bad = dataclasses.replace(cfg, moe=dataclasses.replace(moe, **change))
         with pytest.raises(ValueError, match=re.escape(needle)):
             ExportConfig(tmp_path / "x", bad, tmp_path / "tokenizer.json", max_position=64)
+
+
+@needs_transformers
+def test_shared_experts_name_the_hf_families_that_hold_them(tmp_path):
+    """The refusal of shared experts names the Hugging Face families that have them, each a
+    transformers class whose config holds shared experts, and the fix."""
+    import transformers
+
+    from seqshard.hf.export import ExportConfig
+    from seqshard.model.config import MoEConfig
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_ff=16, n_shared=2)
+    cfg = ModelConfig(vocab=32, d_model=16, n_layers=2, n_q_per_kv=1, n_kv=2, d_head=8, moe=moe)
+    with pytest.raises(ValueError) as info:
+        ExportConfig(tmp_path / "x", cfg, tmp_path / "tokenizer.json", max_position=64)
+    msg = str(info.value)
+    assert "MixtralForCausalLM and Qwen3MoeForCausalLM have no shared experts" in msg, msg
+    assert msg.endswith("train with model.moe.n_shared=0."), msg
+    families = {  # the config key that sizes the shared experts
+        "Qwen2MoeForCausalLM": "shared_expert_intermediate_size",
+        "DeepseekV3ForCausalLM": "n_shared_experts",
+        "Glm4MoeForCausalLM": "n_shared_experts",
+    }
+    for name, key in families.items():
+        assert f"({name})" in msg, (name, msg)
+        config = getattr(transformers, name).config_class()
+        assert getattr(config, key) > 0, (name, key)
 
 
 @pytest.fixture(scope="module")

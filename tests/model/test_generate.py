@@ -15,7 +15,14 @@ from model_weights import tiny_model
 
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import init_weights, reference_logits_fn
-from seqshard.model.generate import DecodeSpec, Sampling, _decoder, decode_mesh, generate
+from seqshard.model.generate import (
+    DecodeSpec,
+    Sampling,
+    StopMatcher,
+    _decoder,
+    decode_mesh,
+    generate,
+)
 from seqshard.testing import fake_cpu_mesh
 
 # The module, not the function seqshard.model re-exports under the same name.
@@ -186,6 +193,47 @@ def test_stop_token_ends_rows_and_fills_them(weights):
         assert (out[b, 4 + end :] == stop).all()
 
 
+def bigram_matcher(pairs, vocab=CFG.vocab):
+    """A StopMatcher with one automaton per token pair (a, b): state 1 after a, 2 (accept)
+    after a then b."""
+    transitions = np.zeros((len(pairs), vocab, 3), np.int32)
+    for s, (a, b) in enumerate(pairs):
+        transitions[s, :, 2] = 2
+        transitions[s, a, :2] = 1
+        transitions[s, b, 1] = 2
+    return StopMatcher(transitions, np.full(len(pairs), 2, np.int32))
+
+
+def test_a_stop_matcher_ends_each_row_and_then_the_loop(weights):
+    prompt = prompts(4, 4, seed=7)
+    greedy = Sampling(max_new_tokens=8, temperature=0.0)
+    free = np.asarray(generate(weights, prompt, CFG, mesh((2, 2)), greedy))[:, 4:]
+    # Each row's new tokens 2 and 3 as a pair: every row stops by its token 3 (or earlier, at
+    # another row's pair), so the loop can end there. A stopped row emits the stop token,
+    # here one no row generates (so that only the matcher stops rows).
+    pairs = [tuple(row) for row in free[:, 2:4].tolist()]
+    fill = min(set(range(CFG.vocab)) - set(free.flat))
+    matching = Sampling(
+        8, temperature=0.0, stop_token=fill, stop_matcher=bigram_matcher(pairs), return_logits=True
+    )
+    out, logits = generate(weights, prompt, CFG, mesh((2, 2)), matching)
+    out, logits = np.asarray(out)[:, 4:], np.asarray(logits)
+    ends = [next(k for k in range(1, 8) if (row[k - 1], row[k]) in pairs) for row in free.tolist()]
+    for b, end in enumerate(ends):
+        np.testing.assert_array_equal(out[b, : end + 1], free[b, : end + 1])
+        assert (out[b, end + 1 :] == fill).all()
+    # The loop ended with the last row: no step ran after it (its logits stay unwritten).
+    assert max(ends) == 3 and (logits[:, 4:] == 0).all() and (logits[:, :4] != 0).any(-1).all()
+
+
+def test_a_stop_matcher_is_checked_against_the_model(weights):
+    with pytest.raises(ValueError, match=r"states must lie in \[0, Q=3\)"):
+        StopMatcher(np.full((1, CFG.vocab, 3), 3, np.int32), np.array([2]))
+    other_vocab = Sampling(4, temperature=0.0, stop_matcher=bigram_matcher([(1, 2)], vocab=10))
+    with pytest.raises(ValueError, match=r"a state for 10 token ids, but the model's vocabulary"):
+        generate(weights, prompts(2, 3), CFG, mesh((2, 2)), other_vocab)
+
+
 def test_bfloat16_cache(weights, host_weights):
     # The same f32 master weights; matmul inputs and the cache in bfloat16.
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
@@ -224,6 +272,7 @@ def test_the_decoder_is_built_once_per_decode_spec(weights, monkeypatch):
         greedy=False,
         top_k=4,
         stop_token=None,
+        stop_matcher=False,
         padded=False,
         return_logits=False,
     )

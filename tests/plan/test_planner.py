@@ -24,8 +24,10 @@ from seqshard.model.cost import (
     param_counts,
 )
 from seqshard.plan.planner import (
+    TARGET_LINE,
     attention_impl_on,
     collectives_per_step,
+    config_target,
     memory_plan,
     moe_buffer_bytes,
     plan,
@@ -304,17 +306,20 @@ def test_when_nothing_fits_the_plan_names_the_devices_that_would():
 # Every shipped config fits the machine it was written for
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-TARGET = re.compile(r"^# target: (--devices \d+ --chip \S+)\s*$", re.M)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_config_fits_its_target(path, capsys):
     """Each config names its machine in its header (``# target: --devices N --chip NAME``);
-    ``seqshard show`` plans it there, without compiling, and says it fits."""
-    found = TARGET.findall(path.read_text())
-    assert len(found) == 1, f"{path.name}: add a '# target: --devices N --chip NAME' line"
-    assert main(["show", str(path), *found[0].split(), "--no-compile"]) == 0
+    ``seqshard show`` with no flags plans it there (issue 41, item 7: it planned for this
+    machine's one CPU device, 344.58 GiB per device and no verdict), and says it fits."""
+    assert len(TARGET_LINE.findall(path.read_text())) == 1, (
+        f"{path.name}: add a '# target: --devices N --chip NAME' line"
+    )
+    devices, chip = config_target(path)
+    assert main(["show", str(path), "--no-compile"]) == 0
     out = capsys.readouterr().out
+    assert out.startswith(f"(planning for the config's target: --devices {devices} --chip {chip};")
     verdict = [line for line in out.splitlines() if line.startswith("verdict:")]
     assert verdict and verdict[0].startswith("verdict: fits:"), verdict
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -230,6 +231,9 @@ def test_sigterm_checkpoints_and_resuming_loses_nothing(tmp_path, tiny_overrides
             proc.communicate()
     assert proc.returncode == 0, err
     assert "SIGTERM" in out and "stopped early" in out
+    # The hint resumes this run, not the config's default one: every override repeated.
+    hint = out.split("stopped early; `")[1].split("` resumes")[0]
+    assert shlex.split(hint) == ["seqshard", "train", str(config), *overrides], hint
     assert took < 10, took  # no evaluation on the way out; one small checkpoint
     assert "Traceback" not in err
     stopped_at = max(by_step(metrics.parent))
@@ -269,6 +273,27 @@ def test_run_dir_of_another_config_is_refused(runs, half_copy, tiny_overrides):
     with pytest.raises(ConfigError, match=r"data\.seed: 0 -> 1"):
         run([*overrides, "data.seed=1"])
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_a_run_saved_with_relative_paths_resumes_where_it_ran(
+    half_copy, tiny_overrides, monkeypatch
+):
+    """Issue 41: a config's relative paths are now relative to its file, and a run saves them
+    absolute. A run whose config.yaml was saved before, ``data.dir: tokens`` relative to the
+    directory `seqshard train` ran in, resumes from that directory (the paths compared
+    resolved), and is refused from another, where the same words mean other data."""
+    run_dir = half_copy / "half"
+    cfg = load_config(None, tiny_overrides(half_copy, "half", steps=12, **FLAT))
+    data = Path(cfg.data.dir)
+    saved = (run_dir / "config.yaml").read_text()
+    assert f"  dir: {data}\n" in saved
+    (run_dir / "config.yaml").write_text(saved.replace(f"  dir: {data}\n", f"  dir: {data.name}\n"))
+    monkeypatch.chdir(data.parent)
+    assert loop._check_run_dir(run_dir, cfg) is True  # resumes
+    monkeypatch.chdir(half_copy)
+    with pytest.raises(ConfigError) as e:
+        loop._check_run_dir(run_dir, cfg)
+    assert f"data.dir: '{half_copy / data.name}' -> '{data}'" in str(e.value)
 
 
 def test_a_corrupt_checkpoint_stops_the_resume_with_a_checkpoint_error(half_copy, tiny_overrides):

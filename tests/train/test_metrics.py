@@ -1,7 +1,9 @@
-"""Tests of seqshard/train/metrics.py: metrics.jsonl, torn lines, TensorBoard, progress lines.
-(Plots: test_plot.py.)"""
+"""Tests of seqshard/train/metrics.py: metrics.jsonl, torn lines and TensorBoard as the logger
+writes them, the progress lines, log.txt. (The trackers alone: test_trackers.py; plots:
+test_plot.py.)"""
 
 import json
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -10,7 +12,9 @@ import numpy as np
 import pytest
 from metrics_helpers import _metrics, _steps, _write_run
 
-from seqshard.train.metrics import MetricsLogger, format_line, read_metrics, tb_tag
+from seqshard.config import load_config
+from seqshard.train.loop import train
+from seqshard.train.metrics import MetricsLogger, format_duration, format_line, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -168,12 +172,6 @@ def test_tensorboard_purged_on_truncate(tmp_path, capsys):
     assert starts == [5]
 
 
-def test_tb_tag():
-    assert tb_tag("loss") == "train/loss"
-    assert tb_tag("val_loss") == "val/loss"
-    assert tb_tag("tokens_per_s") == "train/tokens_per_s"
-
-
 # -- progress display -------------------------------------------------------------------------
 
 
@@ -189,13 +187,27 @@ def test_non_tty_line_format(tmp_path, capsys):
     }
     expected = (
         "step 120/300  loss 3.412  val_loss 3.5  lr 2.9e-03  grad_norm 0.61  tok/s 4,512  "
-        "mfu 1.2%  (0.91 s/step)"
+        "mfu 1.2%  (0.91 s/step, eta 2m44s)"  # 180 steps left at 0.91 s: 163.8 s
     )
     assert format_line(120, 300, metrics) == expected
     with MetricsLogger(tmp_path, total_steps=300, tty=False) as log:
         log.log(120, metrics)
         log.message("saved checkpoint 120")
     assert capsys.readouterr().out.splitlines() == [expected, "saved checkpoint 120"]
+
+
+def test_eta_is_the_steps_left_at_the_step_time():
+    assert format_line(300, 300, {"step_time_s": 0.91}) == "step 300/300  (0.91 s/step)"
+    assert format_line(0, 40_000, {"step_time_s": 4.5}).endswith("(4.50 s/step, eta 2d02h)")
+    assert format_line(1, 2, {"step_time_s": float("nan")}) == "step 1/2  (nan s/step)"
+    assert [format_duration(s) for s in (0.4, 42, 164, 3599.6, 11_100, 183_600)] == [
+        "0s",
+        "42s",
+        "2m44s",
+        "1h00m",
+        "3h05m",
+        "2d03h",
+    ]
 
 
 def test_format_line_partial_and_extra_keys():
@@ -212,7 +224,7 @@ def test_format_line_leaves_per_layer_and_per_expert_figures_to_the_files():
     assert line == "step 7/9  loss 3  moe_load_max_over_mean 1.25"
 
 
-def test_tty_progress_bar(tmp_path, capsys):
+def test_tty_progress_bar_with_the_lines_above_it(tmp_path, capsys):
     with MetricsLogger(tmp_path, total_steps=10, start_step=2, tty=True) as log:
         log.log(3, _metrics(3))
         log.message("hello")
@@ -220,4 +232,47 @@ def test_tty_progress_bar(tmp_path, capsys):
         assert log._bar.n == 5
     out = capsys.readouterr().out
     assert "hello" in out and "tok/s 4,512" in out and "loss" in out
-    assert "step 3/10" not in out  # the plain lines are for non-TTY output only
+    # Each logged step's line is written whole on a line of its own (tqdm.write clears the
+    # bar, writes, redraws it), the bar's ETA and the line's alike.
+    lines = re.split(r"[\r\n]", out)
+    assert format_line(3, 10, _metrics(3)) in lines
+    assert format_line(5, 10, _metrics(5)) in lines
+    assert "eta 6s" in format_line(3, 10, _metrics(3))  # 7 steps at 0.91 s
+
+
+# -- a run's console and log.txt --------------------------------------------------------------
+
+
+def test_a_run_prints_a_line_every_log_every_and_keeps_its_notes_in_log_txt(
+    tmp_path, tiny_overrides, capsys
+):
+    """Without a terminal: one line per train.log_every steps (with the ETA but at the end).
+    Every note goes to log.txt, and the loader's Python warning (eval batches that repeat
+    rows) is one of them, not a warning on stderr; a resumed run appends."""
+    # 6 eval batches of 8 rows need 48 rows of 32 tokens; the val split has fewer.
+    overrides = tiny_overrides(tmp_path, "logged", log_every=2, eval_every=0, eval_batches=6)
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(load_config(None, overrides), log=notes.append, tty=False)
+    assert not [w for w in caught if "rows repeat" in str(w.message)]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
+    assert re.search(r"\(\d+\.\d\d s/step, eta \d+s\)$", lines[0]), lines[0]
+    assert "eta" not in lines[-1] and "val_loss" in lines[-1]
+    for label in ("loss", "grad_norm", "lr", "tok/s", "mfu"):
+        assert f"  {label} " in lines[0], (label, lines[0])
+
+    warning = next(n for n in notes if n.startswith("warning: eval_batches(6) needs 48 rows"))
+    assert "rows repeat" in warning and "\n" not in warning
+    log_txt = (tmp_path / "logged" / "log.txt").read_text().splitlines()
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  "
+    assert all(re.match(stamp, line) for line in log_txt), log_txt
+    assert [line[21:] for line in log_txt] == notes  # every note, in order, nothing else
+    assert notes[0].startswith("starting ") and warning in notes
+    assert any(n.startswith("compiled and ran the first step") for n in notes)
+
+    train(load_config(None, [*overrides, "train.steps=8"]), log=notes.append, tty=False)
+    again = (tmp_path / "logged" / "log.txt").read_text().splitlines()
+    assert again[: len(log_txt)] == log_txt
+    assert again[len(log_txt)][21:].startswith("resuming ")
