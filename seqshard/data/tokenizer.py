@@ -85,8 +85,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"tokenizer file {path} does not exist; pass the path of a tokenizer.json, or leave "
-            f"--tokenizer out to train a new one."
+            f"tokenizer file {path} does not exist; pass the path of a tokenizer.json "
+            f"(data.tokenizer in a config, --tokenizer to seqshard prepare), or leave it out to "
+            f"train a new one."
         )
     try:
         return Tokenizer.from_file(str(path))

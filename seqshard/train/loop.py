@@ -589,6 +589,11 @@ def _train(
     # Everything that can fail on bad input is checked before the run directory is written.
     require_trackers(cfg.run.trackers)
     resuming = _check_run_dir(run_dir, cfg)
+    if cfg.init.from_run and not resuming:  # a run directory, or stop before writing anything
+        try:
+            read_run_config(cfg.init.from_run)
+        except ConfigError as e:
+            raise ConfigError(f"init.from_run={cfg.init.from_run}: {e}") from None
     lock = _lock_run_dir(run_dir, log)
     try:
         return _train_locked(cfg, stop, log, tty, started, resuming, initial_weights)

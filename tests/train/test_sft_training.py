@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -68,6 +69,15 @@ def test_a_run_fine_tunes_from_another_run_with_prompts_masked(sft_overrides, tr
     assert 0 < first["tokens_counted"] < 0.8 * 8 * 31
 
 
+def test_a_missing_from_run_stops_before_the_run_directory_is_written(sft_overrides, tmp_path):
+    make, _ = sft_overrides
+    missing = tmp_path / "no-such-run"
+    overrides = [*make("orphan"), f"init.from_run={missing}"]
+    with pytest.raises(ConfigError, match=rf"init\.from_run={missing}: .* is not a run directory"):
+        run(overrides)
+    assert not (load_config(None, overrides).run.dir / Path("orphan")).exists()
+
+
 def test_from_run_refuses_a_model_of_other_shapes(sft_overrides):
     make, _ = sft_overrides
     with pytest.raises(ConfigError, match=r"init\.from_run=.*do not fit this model \(model\.d_ff"):
@@ -84,26 +94,7 @@ def test_prompts_longer_than_a_row_are_warned_of_and_a_loss_over_no_token_is_na(
     import random
 
     rng = random.Random(0)
-    words = [
-        "the",
-        "of",
-        "and",
-        "to",
-        "in",
-        "is",
-        "was",
-        "for",
-        "on",
-        "that",
-        "with",
-        "as",
-        "by",
-        "at",
-        "from",
-        "data",
-        "model",
-        "train",
-    ]
+    words = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "data", "model", "train")
     records = [
         {"prompt": " ".join(rng.choice(words) for _ in range(400)), "completion": " ok."}
         for _ in range(30)
