@@ -209,6 +209,15 @@ def test_help_of_every_subcommand(capsys, command, needles):
     assert out.startswith("usage: seqshard")
     for needle in needles:
         assert needle in out, needle
+    # Issue 41, item 14: each default once, and none for an option left unset.
+    flat = " ".join(out.split())
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    assert not re.search(r"\(default: [^)]*\) \(default:", flat), flat
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert re.fullmatch(r"seqshard \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
 
 
 def test_a_bad_config_exits_2_with_the_error_and_no_traceback(tmp_path):

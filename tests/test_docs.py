@@ -160,3 +160,28 @@ def test_bench_hf_small_runs_whole():
     )
     assert ran.returncode == 0, ran.stderr[-3000:] + ran.stdout[-2000:]
     assert "re-exported tensors bit-identical to the originals: 4 checked" in ran.stdout
+
+
+def test_the_docs_example_of_the_plan_holds_the_roofline_note_show_prints():
+    """Issue 41, item 14: docs/launching.md's plan said a plain-jit 1B ran at 48% MFU on an H100
+    while `seqshard show` printed seqshard's own H200 figures (50% / 39%)."""
+    from seqshard.plan.planner import plan
+    from seqshard.plan.show import format_plan
+
+    cfg = load_config(REPO / "configs" / "h100-1b.yaml")
+    note = next(
+        line for line in format_plan(plan(cfg, 1, "h100")).splitlines() if "roofline:" in line
+    )
+    assert note.strip() in (REPO / "docs" / "launching.md").read_text()
+
+
+def test_what_the_commands_write_at_the_repository_root_is_ignored_by_git():
+    """Issue 41, item 14: `seqshard export RUN hf/NAME` and `seqshard plot A B` wrote files git
+    showed as new; so do runs/ and data/, which were ignored already."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = ["hf/tiny-cpu/config.json", "loss_compare.png", "runs/a/metrics.jsonl", "data/x/a.bin"]
+    ran = subprocess.run(
+        ["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert ran.stdout.split() == paths, ran.stdout + ran.stderr

@@ -164,3 +164,17 @@ def test_moe_report_reads_the_exchange_off_the_config_and_the_notation():
     n = param_counts(cfg.model)
     assert n.total == param_count(cfg.model) and n.active < n.total
     assert f"active per token {n.active:,}" in parameters_line(cfg)
+
+
+def test_the_plan_header_counts_a_small_moes_parameters_in_millions():
+    """Issue 41, item 14: tiny-cpu-moe's header said "parameters 0.00 B total, 0.00 B active"."""
+    from pathlib import Path
+
+    from seqshard.model.cost import param_counts
+    from seqshard.plan.planner import plan
+    from seqshard.plan.show import format_plan
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu-moe.yaml")
+    n = param_counts(cfg.model)
+    text = format_plan(plan(cfg, cfg.mesh.n_devices, "cpu"))
+    assert f"parameters {n.total / 1e6:.2f} M total, {n.active / 1e6:.2f} M active" in text, text
