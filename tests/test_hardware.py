@@ -88,17 +88,19 @@ def test_matmul_paths_time_each_way_of_asking_for_a_matmul():
     assert all(f > 1e6 for f in paths.values()), paths
 
 
-def test_a_cpu_peak_is_measured_once_per_machine_and_kept(tmp_path):
+def test_a_cpu_peak_is_the_best_measured_on_the_machine(tmp_path):
     """Issue 41, item 14: the CPU's peak was measured afresh at each start, so one machine
-    reported 87.7% MFU in one run and 29.7% in the next. Now it is measured once and kept,
-    keyed by the machine; another process (here: the in-memory cache cleared) reads it back."""
-    calls = []
+    reported 87.7% MFU in one run and 29.7% in the next. Now the best measurement so far is
+    kept, keyed by the machine: a start on a busy machine (a low measurement) lowers nothing;
+    another process (here: the in-memory cache cleared) reads it back."""
+    measured = iter([4.5e11, 3.0e11, 5.0e11, 1.0e11])
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(hardware, "measure_matmul_flops", lambda **kw: calls.append(kw) or 4.5e11)
-        assert hardware.peak_flops(8) == 4.5e11
-        hardware.peak_flops.cache_clear()
-        assert hardware.peak_flops(8) == 4.5e11
-        hardware.peak_flops(8, "bfloat16")  # another dtype: measured on its own
-    assert [c["dtype"] for c in calls] == [jnp.float32, jnp.bfloat16]
+        m.setattr(hardware, "measure_matmul_flops", lambda **kw: next(measured))
+        peaks = []
+        for _ in range(3):
+            peaks.append(hardware.peak_flops(8))
+            hardware.peak_flops.cache_clear()
+        assert peaks == [4.5e11, 4.5e11, 5.0e11]
+        assert hardware.peak_flops(8, "bfloat16") == 1.0e11  # another dtype: its own
     kept = json.loads((tmp_path / "cache" / hardware.CPU_PEAK_CACHE).read_text())
-    assert sorted(kept.values()) == [4.5e11, 4.5e11] and len(kept) == 2
+    assert sorted(kept.values()) == [1.0e11, 5.0e11]
