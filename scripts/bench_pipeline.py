@@ -11,7 +11,7 @@ p), the p = 1 baseline runs on the same 8 devices as d x t = (p·d) x t, the sam
 m / p accumulated passes (each device then holds p times the rows of a pipeline stage). Per variant: the schedule's bubble fraction, XLA's
 compiled temp memory per device (``memory_analysis``), the bytes ``ring_shift`` over p moves
 per step per device (``seqshard.plan.show.pipeline_shifts``, held to the compiled HLO by
-tests/test_pipelined.py), and the median step time of the timed steps (round-robin over the
+tests/model/pipeline/test_pipelined.py), and the median step time of the timed steps (round-robin over the
 variants after a warm-up step each) with its ratio to the p = 1 step of the same run. Fake
 CPU devices share two cores: the times say little about accelerators, where the bubble and
 the links decide.

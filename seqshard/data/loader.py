@@ -115,7 +115,8 @@ class Loader:
         if "d" not in mesh.shape:
             raise ValueError(
                 f"Loader needs a mesh with a 'd' axis to split the batch over; got axes "
-                f"{tuple(mesh.shape)}. Build the mesh with axes ('d', 't')."
+                f"{tuple(mesh.shape)}. Build it with seqshard.mesh.training_mesh(sizes) or "
+                f"mesh_of_sizes(sizes): every axis of seqshard.shardlib.axes, unnamed ones size 1."
             )
         n_d = mesh.shape["d"]
         if not isinstance(batch_size, int) or batch_size < 1 or batch_size % n_d:

@@ -54,7 +54,7 @@ RoPE pairing: seqshard rotates pairs (i, i + d_head/2) of each head, as Hugging 
 ``rotate_half`` does, so q and k rows are copied as they are. Hugging Face Llama checkpoints
 are in that convention (``convert_llama_weights_to_hf.py`` permutes Meta's q and k rows into it);
 Meta's original ``consolidated.*.pth`` files pair (2i, 2i+1) and are not read here (convert them
-with transformers' script first). How we know: tests/test_hf.py holds seqshard's logits to
+with transformers' script first). How we know: tests/hf/test_load.py holds seqshard's logits to
 transformers' ``LlamaForCausalLM`` within 1e-5 both ways, and shows that the other pairing
 moves them by orders of magnitude more.
 

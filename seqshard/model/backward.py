@@ -41,7 +41,7 @@ Outside the layers: the loss needs no collective (the per-position max and sums 
 vocab blocks were all-reduced in the forward and are kept), the unembedding and the three
 norms reduce-scatter their gradients, and the embedding gathers dL/dx over t and
 reduce-scatters its table over d. So the step holds exactly autodiff's collectives
-(tests/test_backward.py counts them in the compiled HLO).
+(tests/model/test_backward.py counts them in the compiled HLO).
 
 How the seed's open questions are resolved:
 

@@ -40,7 +40,7 @@ Conventions, used by every count here:
   the matmuls remat re-runs. So model FLOPs per token = 3 x forward = ``6 N + 12 n_layers L
   Q K D`` with ``N`` the matmul weights (all but embed and norms).
 
-Checked (tests/test_flops.py): seed 004's standard layer (MHA, ``d_ff = 4h``, no gate) built
+Checked (tests/model/test_cost.py): seed 004's standard layer (MHA, ``d_ff = 4h``, no gate) built
 from the table's rows has its closed forms exactly (forward ``24 b s h^2 + 4 b s^2 h``,
 backward ``48 b s h^2 + 8 b s^2 h``); and XLA's ``cost_analysis`` of the compiled forward and
 train step (per device, the scanned layer counted once: :meth:`StepFlops.per_run`) is 0.5% to

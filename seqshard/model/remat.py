@@ -109,7 +109,7 @@ class FullRemat:
     every operation of the layer but the last two (``down``, ``ffn_residual``). Nothing in the
     backward pass needs the down projection's output (only its input and weight), nor the
     layer's output, so JAX / XLA drop both from the recomputation (checked against XLA's
-    count in tests/test_flops.py).
+    count of the compiled step in tests/model/test_cost.py).
     """
 
     name: ClassVar[str] = "full"

@@ -27,7 +27,7 @@ With microbatches XLA hoists the embedding and unembedding gathers (they do not 
 the microbatch) out of the accumulation loop, so both gathered tables (and a transposed copy)
 stay alive throughout. Not counted: XLA's other temporaries, collective buffers,
 fragmentation. Checked against XLA's ``memory_analysis`` (arguments + temporaries) of the
-train step compiled for fake CPU devices (tests/test_planner.py): within 15%, measured 0.90
+train step compiled for fake CPU devices (tests/plan/test_planner.py): within 15%, measured 0.90
 to 1.10 of XLA's figure.
 
 **Communication** (:class:`PlannedCollective`): every collective the step's shardops calls

@@ -30,7 +30,7 @@ __all__ = [
 
 # What orbax (this version) writes into a step directory, relative to it; the top-level
 # commit_success.txt is written last, just before the rename from the temporary name.
-# tests/test_checkpoint.py checks that a fresh save has all of them, so an orbax that writes
+# tests/train/test_checkpoint.py checks that a fresh save has all of them, so an orbax that writes
 # another layout fails there instead of having its checkpoints taken for leftovers.
 COMPLETE_MARKERS = (
     "commit_success.txt",
