@@ -39,6 +39,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from seqshard.files import write_whole
 from seqshard.shardlib import matmul
 
 __all__ = [
@@ -298,9 +299,7 @@ def _cpu_peak(dtype: jnp.dtype) -> float:
     if peak > best:
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            partial.write_text(json.dumps({**known, key: peak}))
-            os.replace(partial, path)
+            write_whole(path, json.dumps({**known, key: peak}).encode())
     return peak
 
 

@@ -63,6 +63,7 @@ from seqshard.data.tokenizer import (
     tokenizer_json,
     train_tokenizer,
 )
+from seqshard.files import write_whole
 
 __all__ = [
     "DEFAULT_OUT",
@@ -322,11 +323,10 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _write_whole(path: Path, data: bytes) -> None:
-    """``path`` holds ``data``, or what it held before (a kill, a full disk), never a part."""
-    partial = path.with_name(path.name + ".tmp")
+    """``path`` holds ``data``, or what it held before (a kill, a full disk), never a part; a
+    full disk is a PrepareWriteError."""
     with writing(path, len(data)):
-        partial.write_bytes(data)
-    os.replace(partial, path)
+        write_whole(path, data)
 
 
 def _read_json(path: Path) -> tuple[object, str]:

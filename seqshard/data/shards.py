@@ -31,7 +31,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import signal
 import threading
 import time
@@ -43,6 +42,7 @@ import numpy as np
 from seqshard.data.sft import Pieces
 from seqshard.data.tokenfile import SPLITS, SplitWriter
 from seqshard.data.tokenizer import Tokenizer, load_tokenizer
+from seqshard.files import free_space, write_whole
 from seqshard.shardlib.tables import format_bytes
 
 __all__ = [
@@ -67,13 +67,6 @@ class PrepareWriteError(OSError):
         return self.strerror
 
 
-def _free(path: Path) -> str:
-    for where in (path, *path.parents):
-        with contextlib.suppress(OSError):
-            return f"{format_bytes(shutil.disk_usage(where).free)} free"
-    return "an unknown amount free"
-
-
 @contextlib.contextmanager
 def writing(path: Path, needed: int) -> Iterator[None]:
     """The block writes ``path`` (about ``needed`` bytes): a full disk there raises
@@ -88,7 +81,7 @@ def writing(path: Path, needed: int) -> Iterator[None]:
         raise PrepareWriteError(
             e.errno,
             f"could not write {path}: [Errno {e.errno}] {e.strerror}. The write needed about "
-            f"{format_bytes(needed)}; {path.parent} has {_free(path.parent)}. Free space there "
+            f"{format_bytes(needed)}; {path.parent} has {free_space(path.parent)}. Free space there "
             f"and rerun the same command (it keeps the shards already finished), or prepare "
             f"into another --out.",
         ) from None
@@ -183,11 +176,9 @@ def _encode_unit(spec_and_unit: tuple[UnitSpec, int, list[tuple[int, str | Piece
         out[split] = writer.summary
     record = _record_path(spec.tmp, k)
     record.parent.mkdir(exist_ok=True)
-    partial = record.with_name(record.name + ".tmp")
-    text = json.dumps(out)
+    text = json.dumps(out).encode()
     with writing(record, len(text)):
-        partial.write_text(text)
-    os.replace(partial, record)
+        write_whole(record, text)
     return out
 
 

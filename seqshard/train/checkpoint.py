@@ -56,7 +56,6 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -69,6 +68,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yaml
+from seqshard.files import free_space
 from seqshard.model.config import DIM_FIELDS
 from seqshard.shardlib.tables import format_bytes
 from seqshard.train.checksums import state_digest
@@ -329,10 +329,7 @@ class Checkpointer:
             except OSError as e:
                 removed = f"removing the partial write failed too ({e})"
             self.manager.reload()
-        try:
-            free = f"{format_bytes(shutil.disk_usage(self.directory).free)} free"
-        except OSError:
-            free = "an unknown amount free"
+        free = free_space(self.directory)
         steps = self.all_steps()
         earlier = (
             f"Checkpoint{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "

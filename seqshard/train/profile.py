@@ -52,12 +52,13 @@ from typing import Any
 
 import jax
 
+from seqshard.shardlib import comms
 from seqshard.shardlib.tables import format_table
 
 PROFILE_DIR = "profile"
 STEP_NAME = "train"  # the StepTraceAnnotation of each traced step
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = comms.KINDS  # the HLO collectives, as the compiled-program audits name them
 DOT = "dot/convolution"
 OTHER = "other"
 OP_KINDS = ("fusion", DOT, *COLLECTIVES, "copy", OTHER)

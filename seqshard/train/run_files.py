@@ -13,22 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from seqshard.files import free_space, write_whole
 from seqshard.shardlib.tables import format_bytes
 
 __all__ = ["RunWriteError", "append_whole", "atomic_write_text"]
-
-
-def _free(path: Path) -> str:
-    for where in (path, *path.parents):
-        try:
-            return f"{format_bytes(shutil.disk_usage(where).free)} free"
-        except OSError:
-            continue
-    return "an unknown amount free"
 
 
 class RunWriteError(OSError):
@@ -39,7 +29,7 @@ class RunWriteError(OSError):
         why = f"[Errno {error.errno}] {error.strerror}" if error.errno else str(error)
         text = (
             f"could not write {self.path}: {why}. The write needed {format_bytes(needed)}; "
-            f"{self.path.parent} has {_free(self.path.parent)}."
+            f"{self.path.parent} has {free_space(self.path.parent)}."
         )
         if checkpoint:
             text += f" {checkpoint}"
@@ -56,38 +46,13 @@ class RunWriteError(OSError):
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` (a temporary file renamed over it): a kill or a full disk
-    leaves the old file or the new one, never a torn one, and no temporary file. The file is
-    readable by all (0644 under the usual umask), like the run's other files: mkstemp's 0600
-    would hide config.yaml and run.json from the rest of a team."""
-    path = Path(path)
+    """Replace ``path`` by ``text`` whole, readable by all (:func:`seqshard.files.write_whole`):
+    a kill or a full disk leaves the old file or the new one; a failure is a RunWriteError."""
     data = text.encode("utf-8")
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_whole(path, data)
     except OSError as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise RunWriteError(path, e, len(data)) from None
-    except BaseException:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+        raise RunWriteError(Path(path), e, len(data)) from None
 
 
 def append_whole(fd: int, data: bytes, path: Path) -> None:
