@@ -127,18 +127,14 @@ def _say(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def _override_key(override: str) -> str:
-    return override.split("=", 1)[0].strip()
-
-
 def _run_config_args(run_dir: str, overrides: Sequence[str]) -> tuple[str, list[str]]:
     """A run's own config file and ``overrides`` (which win over where the run is and where
     its weights first came from)."""
-    from seqshard.config import read_run_config
+    from seqshard.config import override_key, read_run_config
 
     read_run_config(run_dir)  # a clear error if run_dir is not a run directory
     run = Path(run_dir)
-    given = {_override_key(o) for o in overrides}
+    given = {override_key(o) for o in overrides}
     # The run's weights are in its checkpoints: where they first came from is not read again.
     own = [
         f"run.dir={run.parent}",
@@ -147,7 +143,7 @@ def _run_config_args(run_dir: str, overrides: Sequence[str]) -> tuple[str, list[
         "init.from_run=null",
     ]
     return str(run / "config.yaml"), [
-        *(o for o in own if _override_key(o) not in given),
+        *(o for o in own if override_key(o) not in given),
         *overrides,
     ]
 
@@ -158,9 +154,10 @@ _DATA_KEYS = ("dir", "mixture", "stages")  # data.* keys that say which data a r
 def _with_run_data(cfg: Config, run_dir: str, overrides: Sequence[str]) -> Config:
     """``cfg`` reading the data its run trained on (``data.dir`` and each mixture source,
     resolved in its ``run.json``), unless an override names other data."""
+    from seqshard.config import override_key
     from seqshard.train.loop import with_run_data
 
-    if any(_override_key(o).split(".")[:2] == ["data", k] for o in overrides for k in _DATA_KEYS):
+    if any(override_key(o).split(".")[:2] == ["data", k] for o in overrides for k in _DATA_KEYS):
         return cfg
     return with_run_data(cfg, run_dir)
 

@@ -73,6 +73,7 @@ __all__ = [
     "config_keys",
     "config_reference",
     "check_overrides_once",
+    "override_key",
     "check_run_name",
     "config_to_yaml",
     "load_config",
@@ -519,13 +520,18 @@ def load_config(
     return cfg
 
 
+def override_key(override: str) -> str:
+    """The dotted key of a ``key=value`` override: ``'train.steps'`` of ``'train.steps=5'``."""
+    return override.split("=", 1)[0].strip()
+
+
 def check_overrides_once(overrides: Sequence[str]) -> None:
     """ConfigError if a command line gives one key twice (``train.steps=5 train.steps=600``):
     an error, as a key written twice in a YAML file is. (:func:`load_config` itself lets a
     later override win, which is how code layers its own over a user's.)"""
     given: dict[str, str] = {}
     for override in overrides:
-        key = override.split("=", 1)[0].strip()
+        key = override_key(override)
         if key in given:
             raise ConfigError(
                 f"override {key} is given twice ({given[key]!r}, then {override!r}): a key "
