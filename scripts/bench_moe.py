@@ -137,10 +137,10 @@ from seqshard.model.reference import (
     reference_positions,
     reference_unembed,
 )
-from seqshard.model.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.model.transformer import with_balancing_terms
 from seqshard.model.weights import MoELayer
 from seqshard.shardlib.comms import collectives
+from seqshard.shardlib.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.shardlib.shardtypes import shardings
 from seqshard.shardlib.tables import format_bytes, format_table
 from seqshard.testing import COLLECTIVE_KINDS

@@ -114,10 +114,10 @@ from seqshard.model.reference import (
     reference_positions,
     reference_unembed,
 )
-from seqshard.model.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.model.weights import Layer, Weights, check_mesh
 from seqshard.shardlib.comms import collectives
 from seqshard.shardlib.matmul import accumulation
+from seqshard.shardlib.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.shardlib.shardtypes import f32, shardings
 from seqshard.shardlib.tables import format_bytes, format_table
 from seqshard.testing import COLLECTIVE_KINDS, count_collectives

@@ -103,7 +103,6 @@ from seqshard.model.block import kept
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, ring_backward, sequence_rows
 from seqshard.model.moe import ExpertFfnWeights, RouterStats
-from seqshard.model.pipeline.spmd import varying_over_stages
 from seqshard.model.transformer import (
     HEAD,
     embed,
@@ -121,6 +120,7 @@ from seqshard.model.transformer import (
 from seqshard.model.weights import LAYER_BLOCKS, MOE_LAYER_BLOCKS, Layer, MoELayer, Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.dataflow import varying_over_stages
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = [

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from seqshard.model.config import ModelConfig
-from seqshard.model.remat import RematName, save_for_backward
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.notation import parse_shape
+from seqshard.shardlib.remat import RematName, save_for_backward
 
 __all__ = [
     "Activation",

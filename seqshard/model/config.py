@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Literal
 
-from seqshard.model.remat import RematName
+from seqshard.shardlib.remat import RematName
 
 __all__ = [
     "DIM_FIELDS",

@@ -466,7 +466,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
     """:func:`flops_per_token` plus the matmuls ``cfg.remat`` re-runs in the backward pass
     (the table's matmul recompute): 0 for ``none``, ``q . k^T`` for ``saved``, the layer but
-    the down projection for ``full`` (each policy's docstring in :mod:`seqshard.model.remat` says
+    the down projection for ``full`` (each policy's docstring in :mod:`seqshard.shardlib.remat` says
     why). The LM head runs outside the checkpointed layer scan and is never recomputed."""
     s = _one_row(cfg, seq_len)
     recompute = s.sum("recompute", "matmul") // seq_len

@@ -9,8 +9,8 @@ from jax import lax
 
 from seqshard.model.block import Op, elementwise
 from seqshard.model.config import ModelConfig
-from seqshard.model.remat import RematName
 from seqshard.shardlib import shardops
+from seqshard.shardlib.remat import RematName
 
 __all__ = ["norm_input", "norm_op", "normed", "rms_norm"]
 

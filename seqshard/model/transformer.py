@@ -50,11 +50,11 @@ from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, context_mask, sequence_rows
 from seqshard.model.moe import RouterStats
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
-from seqshard.model.pipeline.spmd import after
-from seqshard.model.remat import explicit_activation_checkpointing
 from seqshard.model.weights import LAYER_BLOCKS, MOE_LAYER_BLOCKS, Layer, MoELayer, Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.dataflow import after
+from seqshard.shardlib.remat import explicit_activation_checkpointing
 from seqshard.shardlib.vma import varying_axes
 
 __all__ = [
@@ -238,7 +238,7 @@ def run_moe_layers(
 @jax.custom_vjp
 def gradients_after_input(w, x: jax.Array):
     """``(w, x)`` unchanged; in the backward pass, ``w``'s gradient is made to read ``x``'s
-    (:func:`seqshard.model.pipeline.spmd.after`, each leaf typed to allow it).
+    (:func:`seqshard.shardlib.dataflow.after`, each leaf typed to allow it).
 
     Two layer stacks are two loops, and the backward pass of the first (the dense stack) runs
     after the MoE stack's has made its weights' gradients. The optimizer's global norm then

@@ -11,7 +11,7 @@ A mesh size of -1 resolves against ``n_devices``; the chip's figures come from
 **Memory** (the peak of the step, :class:`MemoryPlan`). Weights, gradients and AdamW's two
 moments are f32 and fully sharded (:func:`seqshard.model.cost.memory_per_device`); with
 microbatches the gradients have an accumulation buffer too. Activations are what the remat
-policy keeps of every layer for the backward pass (:mod:`seqshard.model.remat`), for one
+policy keeps of every layer for the backward pass (:mod:`seqshard.shardlib.remat`), for one
 microbatch of ``b = batch / (microbatches * d)`` rows. Logits: f32 ``'b L V/t'`` and their
 gradient. Transient: the largest short-lived working set, either
 

@@ -41,11 +41,11 @@ from jax.sharding import AbstractMesh, AxisType
 from seqshard.batch import batch_structs
 from seqshard.config import Config
 from seqshard.model.cost import recomputes
-from seqshard.model.remat import remat_policy
 from seqshard.model.weights import weight_structs
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.collective_log import LoggedCollective
 from seqshard.shardlib.comms import ring_bytes_sent
+from seqshard.shardlib.remat import remat_policy
 from seqshard.shardlib.tables import format_bytes, format_table
 
 __all__ = [

@@ -14,7 +14,7 @@ fake-device tests run there.
 
 Each entry is a loop of collectives and a later collective (or loop of them) in the same
 computation that does not depend on the loop's result: code that writes such a program must
-make the later one read what the loop made (:func:`seqshard.model.pipeline.spmd.after`).
+make the later one read what the loop made (:func:`seqshard.shardlib.dataflow.after`).
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def test_causal_counts_the_useful_half_of_attention():
     ],
 )
 def test_recompute_per_policy(remat, recomputed):
-    """The policy names the layer operations it re-runs (seqshard.model.remat); each re-runs its
+    """The policy names the layer operations it re-runs (seqshard.shardlib.remat); each re-runs its
     whole forward. The operations outside the layer scan are never recomputed."""
     cfg = _cfg(remat=remat, n_layers=3)
     table = step_flops(cfg, batch=2, seq_len=32)

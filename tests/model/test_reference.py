@@ -33,7 +33,7 @@ from seqshard.batch import TokenBatch, token_batch
 from seqshard.config import Config, MeshConfig, TrainConfig
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import ModelConfig, reference, reference_logits_fn, reference_loss_fn
-from seqshard.model.remat import explicit_activation_checkpointing, save_for_backward
+from seqshard.shardlib.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.shardlib.shardtypes import shardings
 from seqshard.train.optimizer import make_optimizer
 from seqshard.train.state import init_train_state

@@ -1,4 +1,4 @@
-"""Tests for seqshard/model/remat.py: what each policy keeps, and that it changes memory, not values.
+"""Tests for seqshard/shardlib/remat.py: what each policy keeps, and that it changes memory, not values.
 
     unit     on a small function: 'saved' recomputes exactly what save_for_backward does not
              mark, 'full' recomputes everything, 'none' nothing (counted in the grad's jaxpr)
@@ -32,7 +32,7 @@ from model_weights import random_weights, tiny_model
 from seqshard.model import ModelConfig, loss_fn
 from seqshard.model import backward as bw
 from seqshard.model.cost import MatmulFlops, layer_bytes, recomputes, saved_bytes
-from seqshard.model.remat import (
+from seqshard.shardlib.remat import (
     SAVED,
     NoRemat,
     RematName,

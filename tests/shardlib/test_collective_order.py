@@ -1,5 +1,5 @@
 """seqshard.shardlib.collective_order: a collective that may overtake a loop's collectives, found in
-compiled HLO, and seqshard.model.pipeline.spmd.after, which orders it behind the loop. (Filed
+compiled HLO, and seqshard.shardlib.dataflow.after, which orders it behind the loop. (Filed
 under collective_order.py, the main one; spmd.py's own tests: tests/model/pipeline/test_spmd.py.)
 
 hlo         hand-written modules: a loop of collectives then an independent collective is
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from seqshard.model.pipeline.spmd import after
 from seqshard.shardlib.collective_order import Unordered, unordered_after_loops
+from seqshard.shardlib.dataflow import after
 from seqshard.testing import compiled_hlo, fake_cpu_mesh
 
 _MODULE = """HloModule m

@@ -74,12 +74,7 @@ from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
 from seqshard.model.moe import RouterStats, zero_stats
 from seqshard.model.pipeline.schedule import Pipeline
-from seqshard.model.pipeline.spmd import (
-    circular_forward_with_aux,
-    cotangent_after,
-    one_f_one_b_with_aux,
-    varying_over_stages,
-)
+from seqshard.model.pipeline.spmd import circular_forward_with_aux, one_f_one_b_with_aux
 from seqshard.model.transformer import (
     embed,
     final_norm,
@@ -90,6 +85,7 @@ from seqshard.model.transformer import (
 )
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log, shardops
+from seqshard.shardlib.dataflow import cotangent_after, varying_over_stages
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = [
