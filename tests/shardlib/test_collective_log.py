@@ -84,6 +84,25 @@ def test_scans_multiply_calls_and_phases_label_them():
         collective_log.phase("sideways")
 
 
+def test_operands_say_whether_a_rerun_reads_the_same_value():
+    """A scanned body's inputs log 'input', values marked saved() 'saved', others nothing."""
+    mesh = fake_cpu_mesh((2, 4), ("d", "t"))
+
+    @functools.partial(typed_shard_map, mesh=mesh)
+    def stacked(x: f32[b"B/d M/t"]) -> f32[b"B/d M/t"]:
+        def body(x, _):
+            y = 2 * x
+            collective_log.saved(y)
+            for value in (x, y, 3 * x):
+                g = shardops.all_gather("B/d M/t -> B/d M", value)
+            return shardops.psum_scatter("B/d M{U_t} -> B/d M/t", g), None
+
+        return collective_log.scan("layers", body, x, None, length=2)[0]
+
+    log = collective_log.traced(stacked, jax.ShapeDtypeStruct((B, M), jnp.float32))
+    assert [c.operand for c in log.calls] == ["input", "saved", "", ""]
+
+
 def _compiled_backward(block, mesh) -> collections.Counter:
     """The backward-phase collectives of the compiled gradient of ``sum(block(x, w) * c)``:
     (kind, axes) -> count. The weights ``c`` make the cotangent depend on an input: of a
