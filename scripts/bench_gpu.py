@@ -96,6 +96,7 @@ import optax
 from jax import lax
 
 from seqshard.batch import TokenBatch
+from seqshard.cli import with_hf_model
 from seqshard.config import Config, load_config, resolve_mesh
 from seqshard.hardware import KNOWN_PEAKS, matmul_paths, measure_matmul_flops
 from seqshard.mesh import training_mesh
@@ -274,7 +275,7 @@ def build(
 
 def load_case(path: str, mask: str, overrides: list[str]) -> Config:
     """The config at ``path`` with ``overrides`` and the mask, its mesh resolved on one device."""
-    cfg = load_config(path, [*overrides, f"model.attention_mask={mask}"])
+    cfg = load_config(path, [*overrides, f"model.attention_mask={mask}"], from_hf=with_hf_model)
     cfg = resolve_mesh(cfg, 1)
     if cfg.mesh.n_devices != 1:
         raise ValueError(

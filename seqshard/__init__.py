@@ -16,51 +16,47 @@ accounting, :mod:`seqshard.model.cost`) in :mod:`seqshard.model`, the data pipel
 tests of sharded code (fake CPU meshes, HLO collective counts) in :mod:`seqshard.testing`.
 """
 
-import importlib
-
-# The public names and the modules that define them. They load on first use, so that
-# `seqshard train` can install its signal handlers before JAX is imported (seconds).
-_PUBLIC = {
-    "shardops": None,
-    "OpSpec": "shardlib.notation",
-    "Shape": "shardlib.notation",
-    "SpecSyntaxError": "shardlib.notation",
-    "parse_op": "shardlib.notation",
-    "parse_shape": "shardlib.notation",
-    "explicit_activation_checkpointing": "model.remat",
-    "save_for_backward": "model.remat",
-    "ShapeError": "shardlib.shapecheck",
-    "shape_scope": "shardlib.shapecheck",
-    **dict.fromkeys(
-        [
-            "Array",
-            "ArrayType",
-            "bf16",
-            "bool_",
-            "f16",
-            "f32",
-            "i32",
-            "u32",
-            "partition_specs",
-            "pytree_dataclass",
-            "shape_dtype_structs",
-            "shardings",
-            "typed_shard_map",
-        ],
-        "shardlib.shardtypes",
-    ),
-}
+# The public names, by the module that defines them. They load on first use, so that
+# `seqshard train` can install its signal handlers before JAX is imported (seconds); each
+# module is imported by name in __getattr__, where the source's import graph sees it.
+_NOTATION = ("OpSpec", "Shape", "SpecSyntaxError", "parse_op", "parse_shape")
+_REMAT = ("explicit_activation_checkpointing", "save_for_backward")
+_SHAPECHECK = ("ShapeError", "shape_scope")
+_SHARDTYPES = (
+    "Array",
+    "ArrayType",
+    "bf16",
+    "bool_",
+    "f16",
+    "f32",
+    "i32",
+    "u32",
+    "partition_specs",
+    "pytree_dataclass",
+    "shape_dtype_structs",
+    "shardings",
+    "typed_shard_map",
+)
 
 
 def __getattr__(name: str):
-    if name not in _PUBLIC:
+    if name == "shardops":
+        from seqshard.shardlib import shardops
+
+        return shardops
+    if name in _NOTATION:
+        from seqshard.shardlib import notation as module
+    elif name in _REMAT:
+        from seqshard.shardlib import remat as module
+    elif name in _SHAPECHECK:
+        from seqshard.shardlib import shapecheck as module
+    elif name in _SHARDTYPES:
+        from seqshard.shardlib import shardtypes as module
+    else:
         raise AttributeError(f"module 'seqshard' has no attribute {name!r}")
-    module = _PUBLIC[name]
-    if module is None:
-        return importlib.import_module(f"seqshard.shardlib.{name}")
-    return getattr(importlib.import_module(f"seqshard.{module}"), name)
+    return getattr(module, name)
 
 
 __version__ = "0.1.0"
 
-__all__ = sorted(_PUBLIC)
+__all__ = sorted(["shardops", *_NOTATION, *_REMAT, *_SHAPECHECK, *_SHARDTYPES])

@@ -6,7 +6,7 @@
     seqshard generate RUN_DIR --prompt TEXT            sample from the latest checkpoint
     seqshard plot RUN_DIR [RUN_DIR ...]                loss curves -> PNG
     seqshard show CONFIG [--devices N --chip NAME]     sizes, layouts, FLOPs, memory, a plan
-    seqshard export RUN_DIR OUT_DIR                    a checkpoint as a Hugging Face Llama
+    seqshard export RUN_DIR OUT_DIR                    a checkpoint as Llama/Qwen3/Mixtral/Qwen3-MoE
     seqshard config [SECTION] [--markdown]             every config key: type, default, meaning
 
 ``train`` and ``eval`` join a multi-process run with ``--coordinator HOST:PORT
@@ -74,7 +74,7 @@ def _load(
     from seqshard.launch import use_cpu_devices
 
     check_overrides_once(overrides)
-    cfg = load_config(path, overrides, saved=saved)
+    cfg = load_config(path, overrides, saved=saved, from_hf=with_hf_model)
     if devices is not None:
         from seqshard.plan.planner import target_config
 
@@ -412,6 +412,44 @@ def _end_of_run_sample(cfg: Config, run_dir: Path, prompt: str | None, tokens: i
 def _loss_text(loss: float | None) -> str:
     """A loss as the summaries print it; None: none was measured, or it counted no token."""
     return "n/a" if loss is None else f"{loss:.4f}"
+
+
+def with_hf_model(cfg: Config, written: frozenset[str]) -> Config:
+    """``cfg`` with the model sizes and tokenizer of the Hugging Face directory
+    ``cfg.init.from_hf``: the ``from_hf`` of seqshard.config.load_config (which does not import
+    seqshard.hf). Model fields in ``written`` (set by the layer naming from_hf or a later one)
+    must agree with its config.json; the others are filled."""
+    from seqshard.config import ConfigError
+    from seqshard.hf.hf_config import HFFormatError, read_hf_config
+
+    try:
+        hf = read_hf_config(cfg.init.from_hf)
+    except HFFormatError as e:
+        raise ConfigError(f"init.from_hf: {e}") from None
+    diff = [
+        f"model.{k}={ours!r} but config.json says {theirs!r}"
+        for k, (ours, theirs) in hf.disagreements(cfg.model, written).items()
+    ]
+    if diff:
+        raise ConfigError(
+            f"init.from_hf={cfg.init.from_hf}: {'; '.join(diff)}. Leave these out of the config "
+            f"(they are filled from {hf.path}) or make them equal."
+        )
+    try:
+        model = hf.model_config(cfg.model)
+    except ValueError as e:
+        raise ConfigError(f"init.from_hf={cfg.init.from_hf}: {e}") from None
+    data = cfg.data
+    if data.tokenizer is None:
+        tokenizer = Path(cfg.init.from_hf) / "tokenizer.json"
+        if not tokenizer.is_file():
+            raise ConfigError(
+                f"init.from_hf={cfg.init.from_hf} has no tokenizer.json, and data.tokenizer is "
+                f"not set: the data must be tokenized as the model was trained. Set "
+                f"data.tokenizer=PATH/tokenizer.json."
+            )
+        data = dataclasses.replace(data, tokenizer=str(tokenizer))
+    return dataclasses.replace(cfg, model=model, data=data)
 
 
 def hf_initial_weights(cfg: Config, mesh: Mesh, log: Callable[[str], None]) -> Weights:
@@ -853,12 +891,13 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "export",
-        "write a run's checkpoint as a Hugging Face Llama directory",
+        "write a run's checkpoint as a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE",
         _export_arguments,
         _export,
-        "Write RUN_DIR's newest good checkpoint (or --step) to OUT_DIR as a Hugging Face Llama "
-        "(config.json, safetensors weights split above --max-file-size with their index, and "
-        "the run's tokenizer, with its chat template for a chat-tuned run), which "
+        "Write RUN_DIR's newest good checkpoint (or --step) to OUT_DIR as a Hugging Face Llama, "
+        "Qwen3, Mixtral or Qwen3-MoE directory, whichever holds the model (model.qk_norm and "
+        "model.moe decide): config.json, safetensors weights split above --max-file-size with "
+        "their index, and the run's tokenizer, with its chat template for a chat-tuned run, which "
         "transformers' AutoModelForCausalLM and AutoTokenizer (apply_chat_template) load. "
         "Start a run from such a directory with the config key init.from_hf: PATH.",
     ),

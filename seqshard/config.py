@@ -38,7 +38,7 @@ import textwrap
 import tokenize
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -57,6 +57,7 @@ __all__ = [
     "ConfigError",
     "ConfigKey",
     "DataConfig",
+    "FromHF",
     "InitConfig",
     "MeshConfig",
     "MixtureSource",
@@ -324,6 +325,14 @@ class Config:
     init: InitConfig = dataclasses.field(default_factory=InitConfig)
 
 
+FromHF = Callable[[Config, frozenset[str]], Config]
+"""``(cfg, written) -> cfg`` with the model sizes and tokenizer of the Hugging Face directory
+``cfg.init.from_hf``: the model fields in ``written`` (``'d_ff'``, MoEConfig's as
+``'moe.top_k'``: those the layer naming from_hf or a later one writes) must agree with its
+config.json, the others are filled (``seqshard.cli.with_hf_model``, which reads it with
+seqshard.hf.hf_config; this module does not import seqshard.hf)."""
+
+
 def _safe_load(text: str, where: str):
     """``yaml.safe_load(text)``, refusing a key written twice in one mapping (YAML would keep
     the last silently: two ``train:`` sections train on the second alone)."""
@@ -478,7 +487,11 @@ def _container_mismatch(layer: dict, cls: type, prefix: str = "") -> str | None:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: Sequence[str] = (), *, saved: bool = False
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    saved: bool = False,
+    from_hf: FromHF | None = None,
 ) -> Config:
     """Load ``path`` (and its ``base`` chain) and apply ``key=value`` overrides, then check it.
 
@@ -487,7 +500,10 @@ def load_config(
 
     ``saved``: ``path`` is a run's own ``config.yaml``, which writes every key, a mixture
     run's ignored ``data.dir`` included (not an error there, as it is in a user's file); its
-    paths and the overrides' are taken as written."""
+    paths and the overrides' are taken as written.
+
+    ``from_hf`` reads the model sizes and tokenizer of ``init.from_hf`` (required when it is
+    set: ``seqshard.cli.with_hf_model``) before the cross-field checks, which need them."""
     merged = OmegaConf.structured(Config)
     layers: list[dict] = []  # each YAML file's and override's keys, bases first
     if path is not None:
@@ -515,7 +531,7 @@ def load_config(
     if not cfg.run.name and path is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=Path(path).stem))
     if cfg.init.from_hf:
-        cfg = _with_hf_model(cfg, layers)
+        cfg = _fill_from_hf(cfg, layers, from_hf)
     check_config(cfg)
     return cfg
 
@@ -563,45 +579,23 @@ def _check_data_dir_beside_mixture(cfg: Config, layers: Sequence[dict], path) ->
         )
 
 
-def _with_hf_model(cfg: Config, layers: Sequence[dict]) -> Config:
-    """``cfg`` with the model sizes and tokenizer of its ``init.from_hf`` directory: model
-    fields set by the layer naming from_hf or a later one must agree; inherited ones are filled."""
-    from seqshard.hf.hf_config import HFFormatError, read_hf_config
-
+def _fill_from_hf(cfg: Config, layers: Sequence[dict], from_hf: FromHF | None) -> Config:
+    """``cfg`` with the model sizes and tokenizer of its ``init.from_hf`` directory, read by
+    ``from_hf``: model fields set by the layer naming from_hf or a later one must agree;
+    inherited ones are filled."""
+    if from_hf is None:
+        raise ConfigError(
+            f"init.from_hf={cfg.init.from_hf}: load_config() does not read Hugging Face "
+            f"directories itself; pass from_hf=seqshard.cli.with_hf_model (which reads them with "
+            f"seqshard.hf.hf_config.read_hf_config), or run `seqshard train CONFIG`."
+        )
     names_it = max(i for i, d in enumerate(layers) if (d.get("init") or {}).get("from_hf"))
     # Model fields written there or later, MoEConfig's as 'moe.top_k'.
-    written = set()
+    written: set[str] = set()
     for d in layers[names_it:]:
         for k, value in (d.get("model") or {}).items():
             written |= {f"{k}.{sub}" for sub in value} if isinstance(value, dict) else {k}
-    try:
-        hf = read_hf_config(cfg.init.from_hf)
-    except HFFormatError as e:
-        raise ConfigError(f"init.from_hf: {e}") from None
-    diff = [
-        f"model.{k}={ours!r} but config.json says {theirs!r}"
-        for k, (ours, theirs) in hf.disagreements(cfg.model, written).items()
-    ]
-    if diff:
-        raise ConfigError(
-            f"init.from_hf={cfg.init.from_hf}: {'; '.join(diff)}. Leave these out of the config "
-            f"(they are filled from {hf.path}) or make them equal."
-        )
-    try:
-        model = hf.model_config(cfg.model)
-    except ValueError as e:
-        raise ConfigError(f"init.from_hf={cfg.init.from_hf}: {e}") from None
-    data = cfg.data
-    if data.tokenizer is None:
-        tokenizer = Path(cfg.init.from_hf) / "tokenizer.json"
-        if not tokenizer.is_file():
-            raise ConfigError(
-                f"init.from_hf={cfg.init.from_hf} has no tokenizer.json, and data.tokenizer is "
-                f"not set: the data must be tokenized as the model was trained. Set "
-                f"data.tokenizer=PATH/tokenizer.json."
-            )
-        data = dataclasses.replace(data, tokenizer=str(tokenizer))
-    return dataclasses.replace(cfg, model=model, data=data)
+    return from_hf(cfg, frozenset(written))
 
 
 def check_config(cfg: Config) -> None:

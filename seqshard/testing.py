@@ -40,8 +40,9 @@ def fake_cpu_mesh(shape: Sequence[int], axis_names: Sequence[str]) -> Mesh:
     """A mesh of fake CPU devices with Auto axes (shard_map reshards its inputs itself).
 
     When every name is one of seqshard's mesh axes (:data:`seqshard.mesh.MESH_AXES`), the
-    others are added with size 1 (``fake_cpu_mesh((2, 4), ('d', 't'))`` has axes d, t and c),
-    so seqshard's model, whose specs name them all, runs on it; same devices, same layout.
+    others are added after them with size 1 (``fake_cpu_mesh((2, 4), ('d', 't'))`` has axes
+    d, t, p, e, c), so seqshard's model, whose specs name them all, runs on it; same devices,
+    same layout.
     The process must have been started with enough host devices, e.g.
     ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before JAX is imported.
     """

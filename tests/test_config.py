@@ -138,6 +138,7 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "rope_high_freq_factor": 8.0,
         "rope_original_max_position": 1024,
         "qk_norm": True,
+        "ffn": "swiglu",
         "moe": {
             "n_experts": 4,
             "top_k": 1,
@@ -439,6 +440,29 @@ def test_a_saved_config_reads_back_equal_and_diffs_by_dotted_key(tmp_path):
         read_run_config(run)
     with pytest.raises(ConfigError, match="saved: expected a saved seqshard config"):
         config_from_yaml("[1, 2]", "saved")
+
+
+def test_from_hf_is_read_by_the_callers_reader_told_the_keys_written_beside_it(tmp_path):
+    """seqshard.config does not import seqshard.hf: ``init.from_hf`` is read by the reader the
+    caller passes (seqshard.cli.with_hf_model), told which model keys the file naming it and later
+    layers write (those must agree; inherited ones are filled), before the cross-field checks.
+    Without a reader, the error names the one to pass."""
+    write(tmp_path / "base.yaml", "model: {d_ff: 128}\n")
+    config = write(
+        tmp_path / "c.yaml", "base: base.yaml\ninit: {from_hf: hf}\nmodel: {moe: {d_ff: 64}}\n"
+    )
+    seen = []
+
+    def reader(cfg: Config, written: frozenset[str]) -> Config:
+        seen.append((cfg.init.from_hf, written))
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_kv=2))
+
+    cfg = load_config(config, [*OK, "model.n_layers=4"], from_hf=reader)
+    assert seen == [(str(tmp_path / "hf"), frozenset({"moe.d_ff", "n_layers"}))]
+    assert cfg.model.n_kv == 2
+    with pytest.raises(ConfigError, match=r"pass from_hf=seqshard\.cli\.with_hf_model") as e:
+        load_config(config, OK)
+    assert str(e.value).startswith(f"init.from_hf={tmp_path / 'hf'}: load_config() does not ")
 
 
 # -- the second fault campaign (issue 40): config errors that named nothing ------------------

@@ -7,14 +7,15 @@ circle). The layers, lowest first, and what each may import besides itself:
     model     seqshard.model.* (with its cost model and pipelining)          shardlib, core
     data      seqshard.data.*                                               shardlib, core
     hf        seqshard.hf.* (Hugging Face tables, import, export)           shardlib, core, model, data
-    config    seqshard.config (the run's YAML)                              shardlib, core, model, hf
+    config    seqshard.config (the run's YAML)                              shardlib, core, model
     train     seqshard.train.*                                              shardlib, core, model, data, config
     sample    seqshard.sample (text in, text out)                           shardlib, core, model, data
     plan      seqshard.plan.* (step_comms, planner, show)                   all of the above
     cli       seqshard.cli                                                  everything
 
-(model and data are independent of each other, and so are train and hf: the CLI wires a run
-to an import or an export.) No module sits in a circle. Besides: each module imports alone in
+(model and data are independent of each other, and so are train and hf, and config and hf:
+the CLI wires a run to an import or an export, and a config to the Hugging Face directory
+that fills its model sizes.) No module sits in a circle. Besides: each module imports alone in
 a fresh interpreter (the model loads neither the data package nor ``tokenizers``), and every
 sharding is derived from a type: no file but ``shardtypes.py`` builds a ``PartitionSpec`` or
 ``NamedSharding`` by hand. A companion test shows the source check catches each kind of
@@ -55,14 +56,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "plan": ("seqshard.plan",),
     "cli": ("seqshard.cli",),
 }
-_BELOW_CONFIG = {"shardlib", "core", "model", "hf"}
 MAY_USE: dict[str, set[str]] = {
     "shardlib": set(),
     "core": {"shardlib"},
     "model": {"shardlib", "core"},
     "data": {"shardlib", "core"},
     "hf": {"shardlib", "core", "model", "data"},
-    "config": _BELOW_CONFIG,
+    "config": {"shardlib", "core", "model"},
     "train": {"shardlib", "core", "model", "data", "config"},
     "sample": {"shardlib", "core", "model", "data"},
     "plan": {"shardlib", "core", "model", "data", "hf", "config", "train"},

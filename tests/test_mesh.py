@@ -1,6 +1,8 @@
-"""Tests of seqshard.mesh: the table of mesh axes, sizes for any subset, meshes with Auto axes."""
+"""Tests of seqshard.mesh: the mesh axes p d e c t, sizes for any subset, meshes with Auto axes."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import pytest
@@ -8,23 +10,25 @@ from jax.sharding import AxisType
 
 from seqshard import f32, shardops, typed_shard_map
 from seqshard.config import ConfigError, MeshConfig, load_config, resolve_mesh
-from seqshard.mesh import (
-    AXES,
-    axis_sizes,
-    mesh_from_devices,
-    mesh_of_sizes,
-    training_mesh,
-)
+from seqshard.mesh import axis_sizes, mesh_from_devices, mesh_of_sizes, training_mesh
 
 
-def test_the_config_mesh_section_has_a_size_per_axis_of_the_table():
-    """Every axis of the table is a config key (a row added to the table is one), 1 unless set;
-    the sizes come in the table's order; a name the table lacks is refused."""
-    assert load_config(None, []).mesh.sizes() == dict.fromkeys(AXES, 1)
-    every = load_config(None, [f"mesh.{axis}=1" for axis in reversed(AXES)])
-    assert list(every.mesh.sizes()) == list(AXES)
+def test_the_config_mesh_section_has_a_size_per_axis():
+    """MeshConfig has one field per mesh axis, p d e c t (outermost first), each 1 unless set;
+    the sizes come in that order whatever the order given; a config's sizes build a mesh of
+    those axes; a name that is no axis is refused."""
+    fields = [(f.name, f.default) for f in dataclasses.fields(MeshConfig)]
+    assert fields == [("p", 1), ("d", 1), ("e", 1), ("c", 1), ("t", 1)]
+    assert MeshConfig() == MeshConfig(p=1, d=1, e=1, c=1, t=1)
+    assert load_config(None, []).mesh.sizes() == {"p": 1, "d": 1, "e": 1, "c": 1, "t": 1}
+    every = load_config(None, [f"mesh.{axis}=1" for axis in "tcedp"])
+    assert list(every.mesh.sizes()) == ["p", "d", "e", "c", "t"]
     cfg = load_config(None, ["mesh.t=2", "mesh.c=2", "model.d_model=64"])
-    assert cfg.mesh.sizes() == {"p": 1, "d": 1, "e": 1, "c": 2, "t": 2}
+    assert cfg.mesh == MeshConfig(c=2, t=2)
+    assert list(cfg.mesh.sizes().items()) == [("p", 1), ("d", 1), ("e", 1), ("c", 2), ("t", 2)]
+    mesh = mesh_of_sizes(MeshConfig(**{"t": 2, "d": 2}).sizes())
+    assert mesh.axis_names == ("p", "d", "e", "c", "t")
+    assert mesh.devices.shape == (1, 2, 1, 1, 2)
     with pytest.raises(ConfigError, match="'x' not in 'MeshConfig'"):
         load_config(None, ["mesh.x=2"])
 
@@ -43,7 +47,7 @@ def test_the_config_mesh_section_has_a_size_per_axis_of_the_table():
 )
 def test_missing_axes_have_size_one(given, full):
     assert axis_sizes(given) == full
-    assert list(axis_sizes(given)) == list(AXES)
+    assert list(axis_sizes(given)) == ["p", "d", "e", "c", "t"]
 
 
 def test_unknown_axis_and_bad_sizes_are_errors_that_name_them():

@@ -5,7 +5,7 @@ from seqshard.model import reference_loss_fn, reference_logits_fn
 from seqshard.model import decode_mesh, generate    # token ids in and out; text: seqshard.sample
 """
 
-from seqshard.model.config import ModelConfig
+from seqshard.model.config import ModelConfig, MoEConfig
 from seqshard.model.generate import decode_mesh, generate
 from seqshard.model.reference import reference_logits_fn, reference_loss_fn
 from seqshard.model.sharded import logits_fn, loss_fn, loss_sum_and_count
@@ -14,6 +14,7 @@ from seqshard.model.weights import Layer, Weights, init_weights, param_count, we
 __all__ = [
     "Layer",
     "ModelConfig",
+    "MoEConfig",
     "Weights",
     "decode_mesh",
     "generate",

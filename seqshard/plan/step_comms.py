@@ -23,11 +23,38 @@ of the accumulation loop, once per step. tests/plan/test_step_comms.py holds the
 equal to the compiled HLO (:mod:`seqshard.shardlib.comms`) kind by kind, per phase, in and out
 of loops.
 
-Not modelled: a layer stack of one layer (a model of one layer, or a dense first layer beside
-the MoE stack). XLA inlines a loop of one trip, and then merges what remat re-runs with the
-forward: the recomputed weight and norm gathers are the forward's (CSE), the router
-statistics' all-reduces combined into one. The prediction counts them as written (more
-calls than compiled); stacks of two layers or more compile as predicted.
+A layer stack of one layer (a model of one layer; tiny-cpu-moe's dense first layer and its one
+MoE layer) is a loop of one trip: XLA inlines it, so the layer's forward and backward pass land
+in one computation (the step's, or the microbatch loop's body), where XLA's CSE merges an
+instruction with an identical one on the same operands, and its all-reduce combiner merges
+independent all-reduces over the same devices (:func:`_as_compiled`; stacks of two layers or
+more run forward and backward in two loops, and compile as written). Per collective the
+backward pass re-runs there:
+
+* it reads the value the forward's read, so it is the forward's (merged): a weight's
+  re-gather (the same shard; with microbatches also loop-invariant, hoisted out of the loop
+  once per step like the weights outside the stacks), and a collective on the layer's input
+  or on a value the forward kept (the log's ``operand``: ``'input'``, or ``'saved'`` under
+  ``remat=saved``), such as the norms' gathers of x and h with ``model.residual=M/t`` or
+  allgather's k and v over c;
+* without microbatches, an activation the hand-written backward (``model.backward=explicit``)
+  rebuilds from those (the normalized inputs' gathers, ``remat=full``'s attention-output
+  psum_scatter): the forward's own functions on the same values, merged too. With
+  microbatches XLA first hoists the forward's and the recompute's weight gathers out of the
+  loop as two values (CSE merges them outside it), so the activations made from them inside
+  the loop differ;
+* what autodiff's remat or the MoE FFN's ``jax.vjp`` recomputes: JAX re-traces it through its
+  JVP rules, other instructions for the same values (the norm's rsqrt on another shape), so
+  neither its collectives nor what they feed (the exchanges over e) are merged; but its
+  all-reduce (the routing statistics' psum) and the forward's are independent and over the
+  same devices: combined, one call of two arrays (``PlannedCollective.arrays``), phase
+  'recompute' (as XLA names the combined call).
+
+A merged gather is named after the forward (XLA keeps its name), except with autodiff and
+microbatches, where the MoE stack's hoisted gathers keep the recompute's name (calls and
+bytes as predicted). Not modelled: with ``model.residual=M/t``, the MoE FFN's ``jax.vjp``
+reads h as the forward kept it, but as a value of the vjp's own trace, not marked
+``'input'``: its norm's gather is merged, one call fewer than predicted per MoE layer. Not modelled: a pipeline stage of one layer (inside the schedule's loop).
 """
 
 from __future__ import annotations
@@ -45,8 +72,9 @@ from seqshard.model.weights import weight_structs
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.collective_log import LoggedCollective
 from seqshard.shardlib.comms import ring_bytes_sent
-from seqshard.shardlib.remat import remat_policy
+from seqshard.shardlib.remat import SavedRemat, remat_policy
 from seqshard.shardlib.tables import format_bytes, format_table
+from seqshard.train.step import grads_and_loss
 
 __all__ = [
     "PHASES",
@@ -74,8 +102,9 @@ class PlannedCollective:
     weights: bool  # weight traffic (overlaps with compute) rather than activations
     in_layers: bool = False  # in the scanned layer body (calls = layers x microbatches)
     in_loop: bool = False  # inside any loop of the compiled step (layers or microbatches)
-    result_shape: tuple[int, ...] = ()
+    result_shape: tuple[int, ...] = ()  # of each array
     dtype: str = "float32"
+    arrays: int = 1  # per call: 2 where XLA combined two all-reduces (result_bytes counts both)
 
     @property
     def axis_key(self) -> str:
@@ -106,8 +135,6 @@ def logged_step(cfg: Config) -> list[LoggedCollective]:
 
 @functools.lru_cache(maxsize=64)
 def _logged_step(cfg: Config) -> tuple[LoggedCollective, ...]:
-    from seqshard.train.step import grads_and_loss  # the train layer's step: imports this one
-
     mesh = _abstract_mesh(cfg.mesh.sizes())
     weights = weight_structs(cfg.model)
     batch = batch_structs(cfg.train.batch_size, cfg.train.seq_len)
@@ -164,12 +191,17 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
         if back is not None:
             steps.append((back, "backward", " transposed"))
     out = []
-    for c, phase, how in steps:
+    for c, phase, how, arrays in _as_compiled(steps, m.remat, k):
         calls = c.calls
         # XLA inlines a loop of one trip (a stack of one layer, one microbatch).
         in_loop = any(trips > 1 for _, trips in c.loops)
         in_layers = c.in_loop("layers") or c.in_loop("moe_layers")
-        if phase == "forward" and c.weight and c.kind == "all-gather" and not in_layers:
+        if (
+            phase == "forward"
+            and c.weight
+            and c.kind == "all-gather"
+            and (not in_layers or _in_inlined_stack(c))
+        ):
             # Loop-invariant: XLA hoists it out of the microbatch loop (see the docstring).
             calls, in_loop = calls // k if c.in_loop("microbatches") else calls, False
         out.append(
@@ -179,15 +211,79 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
                 kind=c.kind,
                 axes=c.axes,
                 group_size=c.group_size,
-                result_bytes=c.result_bytes,
+                result_bytes=c.result_bytes * arrays,
                 calls=calls,
                 weights=c.weight,
                 in_layers=in_layers,
                 in_loop=in_loop,
                 result_shape=c.result_shape,
                 dtype=c.dtype,
+                arrays=arrays,
             )
         )
+    return out
+
+
+def _in_inlined_stack(c: LoggedCollective) -> bool:
+    """Whether ``c`` is in a layer stack of one layer, in no loop but the microbatches' around
+    it and in no loop of more than one trip inside it: a loop of one trip, which XLA inlines
+    (see the module docstring)."""
+    for i, (name, trips) in enumerate(c.loops):
+        if name in ("layers", "moe_layers"):
+            return (
+                trips == 1
+                and all(outer == "microbatches" for outer, _ in c.loops[:i])
+                and all(inner == 1 for _, inner in c.loops[i + 1 :])
+            )
+    return False
+
+
+def _merged_with_forward(c: LoggedCollective, remat: str, microbatches: int) -> bool:
+    """Whether XLA's CSE merges ``c``, re-run in the backward pass of an inlined stack, with
+    the forward's same collective (see the module docstring): when it reads the same value,
+    a weight, the layer's input or what the forward kept; and without microbatches, anything
+    the hand-written backward rebuilds from those."""
+    if c.weight or c.operand == "input":
+        return True
+    if c.operand == "saved" and isinstance(remat_policy(remat), SavedRemat):
+        return True
+    return microbatches == 1 and c.phase == "recompute" and not c.vjp_in_backward
+
+
+def _as_compiled(
+    steps: list[tuple[LoggedCollective, str, str]], remat: str, microbatches: int
+) -> list[tuple[LoggedCollective, str, str, int]]:
+    """``steps`` (collective, phase, how) as XLA compiles a stack of one layer, each with its
+    arrays per call: the re-runs XLA merges with the forward's collectives left out, and each
+    all-reduce re-run there combined with the forward's into one call of two arrays."""
+
+    def inlined_rerun(c: LoggedCollective, phase: str) -> bool:
+        return phase == "recompute" and _in_inlined_stack(c)
+
+    def key(c: LoggedCollective):
+        return c.op, c.spec, c.part, c.loops, c.result_shape
+
+    # The forward all-reduces XLA combines with a re-run of theirs (the routing statistics').
+    reruns = collections.Counter(
+        key(c)
+        for c, phase, _ in steps
+        if inlined_rerun(c, phase)
+        and c.kind == "all-reduce"
+        and not _merged_with_forward(c, remat, microbatches)
+    )
+    combined = collections.Counter()
+    out = []
+    for c, phase, how in steps:
+        if phase == "forward" and c.kind == "all-reduce" and combined[key(c)] < reruns[key(c)]:
+            combined[key(c)] += 1  # the re-run's call carries it
+            continue
+        if inlined_rerun(c, phase) and _merged_with_forward(c, remat, microbatches):
+            continue  # the forward's collective, CSE'd
+        if inlined_rerun(c, phase) and c.kind == "all-reduce":
+            out.append((c, phase, how + " and the forward's, combined", 2))
+            continue
+        out.append((c, phase, how, 1))
+    assert combined == reruns, (combined, reruns)  # each re-run met its forward
     return out
 
 
@@ -203,7 +299,8 @@ def format_planned_table(calls: list[PlannedCollective], n_layers: int) -> str:
             c.what,
             c.kind,
             c.axis_key,
-            f"{_short_dtype(c.dtype)}[{','.join(map(str, c.result_shape))}]",
+            ("" if c.arrays == 1 else f"{c.arrays} x ")
+            + f"{_short_dtype(c.dtype)}[{','.join(map(str, c.result_shape))}]",
         )
         n, sent = rows.get(key, (0, 0.0))
         rows[key] = (n + c.calls, sent + c.bytes_per_step)

@@ -26,6 +26,14 @@ marks its forward pass :func:`hand_differentiated`, so that no transposes are de
 
 Scans are logged with their trip counts (:func:`scan`, a ``lax.scan`` that says its name), so a
 collective's calls per step are the product of its loops' trips.
+
+Each collective also says where its operand comes from (``operand``): ``'input'``, an input of
+the scanned body or the checkpointed function it runs in (:func:`inputs`: a layer's residual,
+its weights, what a hand-written forward kept for the backward), or ``'saved'``, a value
+marked for the backward pass (:func:`saved`, which ``save_for_backward`` calls). A
+re-run of the collective in the backward pass reads the very same value then (under a remat
+policy that keeps the marked ones), which lets XLA merge the two where they meet
+(:mod:`seqshard.plan.step_comms`).
 """
 
 from __future__ import annotations
@@ -51,10 +59,12 @@ __all__ = [
     "vjp_in_backward",
     "emit",
     "hand_differentiated",
+    "inputs",
     "part",
     "phase",
     "place",
     "recording",
+    "saved",
     "scan",
     "traced",
     "transpose",
@@ -81,6 +91,7 @@ class LoggedCollective:
     autodiff: bool = True  # its backward is autodiff's (not hand-written)
     vjp_primal: bool = False  # in a custom VJP's primal function (see custom_vjp_primal)
     vjp_in_backward: bool = False  # differentiated by jax.vjp in a hand-written backward
+    operand: str = ""  # 'input' or 'saved' (see the module docstring), '' otherwise
 
     @property
     def weight(self) -> bool:
@@ -122,6 +133,9 @@ class _State:
     autodiff: bool = True
     vjp_primal: bool = False
     vjp_in_backward: bool = False
+    # id -> (the traced value, 'input' or 'saved'): the values inputs() and saved() marked,
+    # held so that no other value takes their id while the log records.
+    marked: dict[int, tuple[object, str]] = dataclasses.field(default_factory=dict)
 
 
 # The fields of the state that a logged call copies (all but the log).
@@ -174,6 +188,7 @@ def recording() -> Iterator[Log]:
         autodiff=True,
         vjp_primal=False,
         vjp_in_backward=False,
+        marked={},
     ):
         yield log
 
@@ -212,6 +227,32 @@ def custom_vjp_primal():
     return _setting(vjp_primal=True)
 
 
+def inputs(tree) -> None:
+    """Mark the arrays of ``tree`` as inputs of the body being traced (a scanned layer, a
+    checkpointed function): a collective whose operand is one logs ``operand='input'``.
+    A no-op unless recording."""
+    _mark(tree, "input")
+
+
+def saved(tree) -> None:
+    """Mark the arrays of ``tree`` as kept for the backward pass (``save_for_backward``): a
+    collective whose operand is one logs ``operand='saved'``. A no-op unless recording."""
+    _mark(tree, "saved")
+
+
+def _mark(tree, how: str) -> None:
+    state = _state()
+    if state.log is None:
+        return
+    for x in jax.tree.leaves(tree):
+        state.marked.setdefault(id(x), (x, how))
+
+
+def _operand(x) -> str:
+    value, how = _state().marked.get(id(x), (None, ""))
+    return how if value is x else ""
+
+
 def place() -> tuple[tuple[tuple[str, int], ...], str | None]:
     """Where the code being traced is: (the enclosing scans, the model operation). A custom VJP
     passes it to its backward, which JAX traces later, outside those scans (:func:`at`)."""
@@ -233,8 +274,13 @@ def scan(name: str, f: Callable, init, xs, **kwargs):
     if trips is None:
         trips = jax.tree.leaves(xs)[0].shape[0]
     state = _state()
+
+    def body(carry, x):
+        inputs((carry, x))
+        return f(carry, x)
+
     with _setting(loops=(*state.loops, (name, int(trips)))):
-        return lax.scan(f, init, xs, **kwargs)
+        return lax.scan(f if state.log is None else body, init, xs, **kwargs)
 
 
 def emit(
@@ -265,6 +311,7 @@ def emit(
             dtype=np.dtype(result.dtype).name,
             checked=checked,
             invarying=invarying,
+            operand=_operand(operand),
             # Where the call is: phase, loops, part and how it is differentiated.
             **{k: getattr(state, k) for k in _PLACE_FIELDS},
         )

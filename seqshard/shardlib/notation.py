@@ -23,6 +23,12 @@ that reads a zigzag array with a spec that omits the order is an error, and only
 In ``index_unreduced`` the table operand marks its indexed dimension with brackets:
 ``'[V/t] M'``.
 
+An *axis group* (:data:`seqshard.shardlib.axes.GROUPS`) may stand wherever an axis may, and
+parses exactly as its axes spelled out in table order: ``'B/dp'`` is ``'B/d/e'``,
+``'d_model/t/fsdp'`` is ``'d_model/t/d/e/c'``, ``'{U_t,fsdp}'`` is ``'{U_t,d,e,c}'``. A parsed
+spec prints with its groups expanded; an error quoting a spec written with groups shows the
+expansion too. A group's name is no dimension's name.
+
 An *op spec* is comma-separated input operands, ``->``, and one output operand::
 
     'M/d F/t -> M F/t'
@@ -35,9 +41,12 @@ canonical form, so ``str(parse_shape(s)) == s`` for canonical ``s``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
+
+from seqshard.shardlib.axes import GROUPS
 
 __all__ = [
     "Dim",
@@ -47,6 +56,7 @@ __all__ = [
     "SpecSyntaxError",
     "parse_op",
     "parse_shape",
+    "spelled",
 ]
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -57,12 +67,15 @@ ORDERS = ("zigzag",)
 
 
 class SpecSyntaxError(ValueError):
-    """A shape or op spec string is malformed. The message quotes it with a caret."""
+    """A shape or op spec string is malformed. The message quotes it with a caret, and below
+    it the spec with its axis groups expanded (``expansion``, when it has any)."""
 
-    def __init__(self, spec: str, pos: int, problem: str, fix: str = ""):
+    def __init__(self, spec: str, pos: int, problem: str, fix: str = "", expansion: str = ""):
         self.spec, self.pos, self.problem = spec, pos, problem
         caret = " " * (pos + 3) + "^"
         msg = f"malformed spec: {problem}\n  {spec!r}\n{caret}"
+        if expansion:
+            msg += f"\n  {expansion}"
         if fix:
             msg += f"\n  fix: {fix}"
         super().__init__(msg)
@@ -125,10 +138,38 @@ class _Parser:
 
     def __init__(self, text: str):
         self.text, self.pos = text, 0
-        self.axis_positions: list[tuple[str, int, bool]] = []  # (axis, pos, in_marker)
+        # (axis, pos, in_marker, the group it was written as or "")
+        self.axis_positions: list[tuple[str, int, bool, str]] = []
+        self.groups_seen: list[tuple[int, int, str, str]] = []  # (start, end, group, spelled)
 
     def fail(self, problem: str, pos: int | None = None, fix: str = "") -> SpecSyntaxError:
-        return SpecSyntaxError(self.text, self.pos if pos is None else pos, problem, fix)
+        pos = self.pos if pos is None else pos
+        return SpecSyntaxError(self.text, pos, problem, fix, self.expansion())
+
+    def expansion(self) -> str:
+        """``(= 'B/d/e L': dp = d/e)`` for the groups read so far, or "" when there are none."""
+        if not self.groups_seen:
+            return ""
+        out, at = [], 0
+        for start, end, _, spelled_out in self.groups_seen:
+            out += [self.text[at:start], spelled_out]
+            at = end
+        defs = dict.fromkeys(f"{g} = {'/'.join(GROUPS[g])}" for _, _, g, _ in self.groups_seen)
+        return f"(= {''.join([*out, self.text[at:]])!r}: {', '.join(defs)})"
+
+    def axis_names(self, in_marker: bool) -> list[str]:
+        """The mesh axis name at ``pos``, or a group's axes (major to minor); [] if none."""
+        pos = self.pos
+        name = self.match(_IDENT)
+        if name is None:
+            return []
+        axes = list(GROUPS.get(name, (name,)))
+        group = name if name in GROUPS else ""
+        if group:
+            sep = "," if in_marker else "/"
+            self.groups_seen.append((pos, self.pos, group, sep.join(axes)))
+        self.axis_positions += [(a, pos, in_marker, group) for a in axes]
+        return axes
 
     def peek(self) -> str:
         return self.text[self.pos] if self.pos < len(self.text) else ""
@@ -184,6 +225,13 @@ class _Parser:
                 f"expected a dimension name or size, found {self.peek() or 'end of string'!r}",
                 fix="names start with a letter or '_'; sizes are positive integers",
             )
+        if label in GROUPS:
+            raise self.fail(
+                f"{label!r} is a mesh axis group ({label} = {'/'.join(GROUPS[label])}), not a "
+                "dimension name",
+                start + int(indexed),
+                fix=f"a group follows '/', as in 'B/{label}'; give the dimension another name",
+            )
         if label[0].isdigit() and (label[0] == "0"):
             raise self.fail("a size must be a positive integer without leading zeros", start)
         if label[0].isdigit() and self.peek() and (self.peek().isalpha() or self.peek() == "_"):
@@ -202,15 +250,13 @@ class _Parser:
         axes: list[str] = []
         while self.peek() == "/":
             self.pos += 1
-            axis_pos = self.pos
-            axis = self.match(_IDENT)
-            if axis is None:
+            named = self.axis_names(in_marker=False)
+            if not named:
                 raise self.fail(
                     "expected a mesh axis name after '/'",
                     fix="write 'M/t' to split M over mesh axis t; '//' and a trailing '/' are not allowed",
                 )
-            self.axis_positions.append((axis, axis_pos, False))
-            axes.append(axis)
+            axes += named
         if indexed:
             if self.peek() != "]":
                 raise self.fail("expected ']' to close the indexed dimension")
@@ -223,12 +269,10 @@ class _Parser:
         self.pos += 3
         axes = []
         while True:
-            axis_pos = self.pos
-            axis = self.match(_IDENT)
-            if axis is None:
+            named = self.axis_names(in_marker=True)
+            if not named:
                 raise self.fail("expected a mesh axis name in the unreduced marker")
-            self.axis_positions.append((axis, axis_pos, True))
-            axes.append(axis)
+            axes += named
             if self.peek() == ",":
                 self.pos += 1
                 continue
@@ -242,15 +286,16 @@ class _Parser:
 
     def check_axes_unique(self) -> None:
         first: dict[str, bool] = {}
-        for axis, pos, in_marker in self.axis_positions:
+        for axis, pos, in_marker, group in self.axis_positions:
             if axis in first:
+                name = f"mesh axis {axis!r}" + (f" (of group {group})" if group else "")
                 if first[axis] or in_marker:
-                    problem = f"mesh axis {axis!r} both splits a dimension and is marked unreduced"
+                    problem = f"{name} both splits a dimension and is marked unreduced"
                     if first[axis] and in_marker:
-                        problem = f"mesh axis {axis!r} is repeated in the unreduced marker"
+                        problem = f"{name} is repeated in the unreduced marker"
                     fix = "a partial sum over an axis cannot also be split over it"
                 else:
-                    problem = f"mesh axis {axis!r} used twice in one operand"
+                    problem = f"{name} used twice in one operand"
                     fix = "each mesh axis splits at most one dimension of an operand"
                 raise self.fail(problem, pos, fix=fix)
             first[axis] = in_marker
@@ -269,8 +314,29 @@ def _check_text(text: object) -> str:
 @functools.lru_cache(maxsize=4096)
 def parse_shape(text: str) -> Shape:
     """Parse one shape spec such as ``'B/d L M/t'``; raise SpecSyntaxError if malformed."""
-    text = _check_text(text)
+    return _shape(_Parser(_check_text(text)))
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_op(text: str) -> OpSpec:
+    """Parse an op spec such as ``'B/d L M, M F/t -> B/d L F/t'``."""
+    return _op(_Parser(_check_text(text)))
+
+
+def spelled(text: str) -> str:
+    """A spec quoted for a message, with its axis groups expanded when it has any::
+
+    spelled('B/dp L -> B L')  ==  "'B/dp L -> B L' (= 'B/d/e L -> B L': dp = d/e)"
+    spelled('B/d L')          ==  "'B/d L'"
+    """
     p = _Parser(text)
+    with contextlib.suppress(SpecSyntaxError):  # a malformed spec: the groups read before the error
+        (_op if "->" in text else _shape)(p)
+    return " ".join(filter(None, (repr(text), p.expansion())))
+
+
+def _shape(p: _Parser) -> Shape:
+    text = p.text
     shape = p.operand(allow_brackets=False)
     if p.pos != len(text):
         if text.startswith("->", p.pos) or p.peek() == ",":
@@ -279,11 +345,8 @@ def parse_shape(text: str) -> Shape:
     return shape
 
 
-@functools.lru_cache(maxsize=4096)
-def parse_op(text: str) -> OpSpec:
-    """Parse an op spec such as ``'B/d L M, M F/t -> B/d L F/t'``."""
-    text = _check_text(text)
-    p = _Parser(text)
+def _op(p: _Parser) -> OpSpec:
+    text = p.text
     inputs = [p.operand(allow_brackets=True)]
     while p.peek() == ",":
         p.pos += 1

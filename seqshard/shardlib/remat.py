@@ -24,6 +24,8 @@ from typing import ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from seqshard.shardlib import collective_log
+
 __all__ = [
     "REMAT_POLICIES",
     "SAVED",
@@ -48,7 +50,9 @@ T = TypeVar("T")
 
 def save_for_backward(x: T) -> T:
     """Mark ``x`` to be kept for the backward pass under the ``saved`` policy."""
-    return checkpoint_name(x, SAVED)
+    x = checkpoint_name(x, SAVED)
+    collective_log.saved(x)  # a collective on x: its re-run reads x as kept
+    return x
 
 
 @runtime_checkable
@@ -175,6 +179,14 @@ def explicit_activation_checkpointing(fn: Callable, policy: RematName | RematPol
     keep = remat_policy(policy).checkpoint_policy
     if keep is None:
         return fn
+
+    def kept_inputs(*args, **kwargs):
+        collective_log.inputs((args, kwargs))  # a collective on one: its re-run reads it too
+        return fn(*args, **kwargs)
+
     # prevent_cse=False: inside lax.scan there is no CSE across iterations to prevent, and
     # the extra optimization barriers would cost speed (JAX's advice for scanned bodies).
-    return jax.checkpoint(fn, policy=keep, prevent_cse=False)
+    # (A stack of one layer is no loop once XLA inlines it; XLA:CPU then merges what the
+    # backward re-runs on the same values with the forward's (seqshard.plan.step_comms),
+    # barriers or not: its CSE runs again after it removes them.)
+    return jax.checkpoint(kept_inputs, policy=keep, prevent_cse=False)

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 
+from seqshard.shardlib.axes import describe_groups
 from seqshard.shardlib.notation import Shape
 
 __all__ = [
@@ -157,7 +158,8 @@ def _check_axes(spec: Shape, mesh_axes: Mapping[str, int], where: str) -> None:
         if axis not in mesh_axes:
             raise ShapeError(
                 f"{where}: spec '{spec}' names mesh axis {axis!r}, but the mesh has axes "
-                f"{dict(mesh_axes)}. Use one of {tuple(mesh_axes)} or build the mesh with it."
+                f"{dict(mesh_axes)}. Use one of {tuple(mesh_axes)} or build the mesh with it "
+                f"(an axis group stands for its axes: {describe_groups()})."
             )
 
 

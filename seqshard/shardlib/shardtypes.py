@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from seqshard.shardlib.axes import AXES, full_axis_sizes
+from seqshard.shardlib.axes import AXES, describe_groups, full_axis_sizes
 from seqshard.shardlib.notation import Shape, parse_shape
 from seqshard.shardlib.shapecheck import (
     ShapeError,
@@ -237,7 +237,8 @@ def _named_sharding(t: ArrayType, mesh: Mesh) -> NamedSharding:
         if axis not in AXES:
             raise ShapeError(
                 f"{t!r} names mesh axis {axis!r}, which seqshard does not know (its axes: "
-                f"{', '.join(AXES)}); the mesh has axes {dict(mesh.shape)}."
+                f"{', '.join(AXES)}; its axis groups: {describe_groups()}); the mesh has axes "
+                f"{dict(mesh.shape)}."
             )
     if all(axis in mesh.shape for axis in t.shape.split_axes):
         return NamedSharding(mesh, t.partition_spec)

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 import pytest
 
-from seqshard.cli import _run_config, export_checkpoint, export_config, main
+from seqshard.cli import _run_config, export_checkpoint, export_config, main, with_hf_model
 from seqshard.config import ConfigError, load_config
 from seqshard.hf.hf_config import HFFormatError, read_hf_config
 from seqshard.hf.load import load_hf_weights
@@ -491,10 +491,10 @@ def test_a_model_field_written_beside_from_hf_must_agree(tmp_path, source_run, e
     config = tmp_path / "c.yaml"
     config.write_text(f"init: {{from_hf: {exported(4, 2)}}}\nmodel: {{d_ff: 128}}\n")
     with pytest.raises(ConfigError, match=r"model.d_ff=128 but config.json says 64"):
-        load_config(config)
+        load_config(config, from_hf=with_hf_model)
     config.write_text(f"init: {{from_hf: {tmp_path / 'nowhere'}}}\n")
     with pytest.raises(ConfigError, match="nowhere is not a directory"):
-        load_config(config)
+        load_config(config, from_hf=with_hf_model)
 
 
 # -- bad input ---------------------------------------------------------------------------------

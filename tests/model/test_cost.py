@@ -1,7 +1,7 @@
 """Tests for seqshard/model/cost.py: closed forms (seed 004), the table of operations (its sums,
 seed 004's standard layer built from its rows, attention's causal half, remat's recompute,
-per-device splits), parameter counts, XLA's own FLOP count of the compiled forward and train
-step, MFU arithmetic and the memory estimate."""
+per-device splits), parameter counts, the matmuls of the traced loss and gradient, XLA's own
+FLOP count of the compiled forward and train step, MFU arithmetic and the memory estimate."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import functools
 import math
 
 import jax
+import jax.extend.core
 import pytest
+from model_weights import packed_batch, random_weights, tiny_model
 
 from seqshard.batch import batch_structs
 from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_config
-from seqshard.model import block, init_weights, loss_fn
+from seqshard.model import attention_block, init_weights, loss_fn, swiglu, weight_structs
 from seqshard.model.config import ModelConfig
 from seqshard.model.cost import (
     OPTIMIZER_FLOPS_PER_PARAM,
@@ -28,9 +30,9 @@ from seqshard.model.cost import (
     mfu,
     param_bytes,
     param_count,
+    recomputes,
     step_flops,
 )
-from seqshard.model.weights import LAYER_BLOCKS, weight_structs
 from seqshard.shardlib.tables import format_bytes
 from seqshard.testing import fake_cpu_mesh
 from seqshard.train.optimizer import make_optimizer
@@ -114,21 +116,24 @@ def test_attention_grows_with_seq_len_only():
 
 
 def test_hardware_flops_by_remat():
-    seq_len = 256
+    """Per token of _cfg(n_layers=4) (M 128, 4 heads of D 32 over K 2, F 512, V 256) at
+    L 256, by hand. Per layer: q, o 2*128*4*32 = 32_768 each; k, v 2*128*2*32 = 16_384 each;
+    q . k^T and probs . v 2 * 256 keys * 4 heads * 32 = 65_536 each; gate, up, down
+    2*128*512 = 131_072 each: 622_592 in all. Forward 4 * 622_592 + logits 2*128*256 =
+    2_555_904; 'saved' re-runs q . k^T, 'full' the layer but the down projection."""
     base = _cfg(n_layers=4)
-    parts = matmul_flops_per_token(base, seq_len)
-    hw = {r: hardware_flops_per_token(dataclasses.replace(base, remat=r), seq_len) for r in
+    hw = {r: hardware_flops_per_token(dataclasses.replace(base, remat=r), 256) for r in
           ("none", "saved", "full")}  # fmt: skip
-    model = flops_per_token(base, seq_len)
+    model = flops_per_token(base, 256)
+    assert (model.forward, model.backward) == (2_555_904, 2 * 2_555_904)
     for r, f in hw.items():
         assert (f.forward, f.backward) == (model.forward, model.backward), r
         # Model FLOPs do not depend on the remat policy.
-        assert flops_per_token(dataclasses.replace(base, remat=r), seq_len) == model
+        assert flops_per_token(dataclasses.replace(base, remat=r), 256) == model
     assert hw["none"].recompute == 0
-    assert hw["saved"].recompute == 4 * parts.attn_scores
-    down = 2 * base.d_model * base.d_ff
-    assert hw["full"].recompute == 4 * (parts.layer - down)
-    assert hw["none"].total < hw["saved"].total < hw["full"].total
+    assert hw["saved"].recompute == 4 * 65_536 == 262_144
+    # 32_768 + 2 * 16_384 + 2 * 65_536 + 32_768 + 2 * 131_072 = 491_520 per layer
+    assert hw["full"].recompute == 4 * 491_520 == 1_966_080
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,30 +307,59 @@ def test_causal_counts_the_useful_half_of_attention():
     assert causal.total < computed.total
 
 
+# The layer's rows of _cfg(n_layers=3) (M 128, Q 2 x K 2 = 4 heads, D 32, F 512) in a step of
+# batch 2 x seq_len 32, forward FLOPs by hand: 3 layers x 64 tokens = 192 token-runs and
+# 3 x 2 rows x 32 queries x 32 keys x 4 heads = 24_576 pair-runs.
+LAYER_FORWARD = {
+    "attn_norm": 192 * (4 * 128 + 3),  # x*x, sum, / M, + eps, rsqrt, x * r, * gain: 98_880
+    "q": 192 * 2 * 128 * 4 * 32,  # 6_291_456
+    "k": 192 * 2 * 128 * 2 * 32,  # 3_145_728
+    "v": 192 * 2 * 128 * 2 * 32,
+    "rope": 192 * 3 * (4 + 2) * 32,  # 6 per pair of elements of q's 4 and k's 2 heads
+    "scores": 24_576 * 2 * 32,  # 1_572_864
+    "mask": 24_576 * 2,  # scale, select
+    "softmax": 24_576 * 5,  # max, subtract, exp, sum, divide
+    "values": 24_576 * 2 * 32,
+    "o": 192 * 2 * 4 * 32 * 128,
+    "attn_residual": 192 * 128,
+    "ffn_norm": 192 * (4 * 128 + 3),
+    "gate": 192 * 2 * 128 * 512,  # 25_165_824
+    "up": 192 * 2 * 128 * 512,
+    "swiglu": 192 * 3 * 512,  # sigmoid, gate * s, * up
+    "down": 192 * 2 * 512 * 128,
+    "ffn_residual": 192 * 128,
+}
+SAVED_RECOMPUTES = {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu"}
+
+
 @pytest.mark.parametrize(
     "remat, recomputed",
     [
         ("none", set()),
-        ("saved", {"attn_norm", "scores", "mask", "softmax", "ffn_norm", "swiglu"}),
-        ("full", "every layer operation but down and ffn_residual"),
+        # the norms (the projections' weight-gradient operands), the probabilities, SwiGLU's
+        # product (the down projection's operand): what the backward needs and nothing marks
+        ("saved", SAVED_RECOMPUTES),
+        # only the layer input kept: all but the down projection and the residual add after
+        # it, whose outputs no backward reads
+        ("full", set(LAYER_FORWARD) - {"down", "ffn_residual"}),
     ],
 )
 def test_recompute_per_policy(remat, recomputed):
     """The policy names the layer operations it re-runs (seqshard.shardlib.remat); each re-runs its
-    whole forward. The operations outside the layer scan are never recomputed."""
+    whole forward, as counted by hand above. The operations outside the layer scan are never
+    recomputed."""
     cfg = _cfg(remat=remat, n_layers=3)
     table = step_flops(cfg, batch=2, seq_len=32)
-    layer = _layer_names(table)
-    assert layer[0] == "attn_norm" and layer[-1] == "ffn_residual" and len(layer) == 17
-    if remat == "full":
-        recomputed = set(layer) - {"down", "ffn_residual"}
-    assert {op.name for op in table.ops if op.recompute} == recomputed
-    assert all(op.recompute in (0, op.forward) for op in table.ops)
-    assert all(op.recompute == 0 for op in table.ops if not op.in_layer)
-    # The declarations name only operations the table has (or transfers, which compute nothing).
-    transfers = {op.name for b in LAYER_BLOCKS for op in b.ops if op.kind == "transfer"}
-    absent = {op.name for b in LAYER_BLOCKS for op in b.ops if not op.present(cfg)}
-    assert block.recomputed(LAYER_BLOCKS, remat) <= set(layer) | transfers | absent
+    assert _layer_names(table) == list(LAYER_FORWARD)
+    assert {name: table[name].forward for name in LAYER_FORWARD} == LAYER_FORWARD
+    expect = {op.name: LAYER_FORWARD[op.name] if op.name in recomputed else 0 for op in table.ops}
+    assert {op.name: op.recompute for op in table.ops} == expect
+    # The blocks' operations as they declare them, the table's rows and the two it has no row
+    # for: model.qk_norm's (off here) and the transfer of k and v over c (computes nothing).
+    declared = {op.name for block in (attention_block.ATTENTION, swiglu.SWIGLU) for op in block.ops}
+    assert declared == set(LAYER_FORWARD) | {"qk_norm", "context"}
+    extra = {"none": set(), "saved": {"context"}, "full": {"context", "qk_norm"}}[remat]
+    assert {name for name in declared if recomputes(remat, name)} == recomputed | extra
 
 
 def test_qk_norm_rows_count_one_norm_per_q_and_k_head():
@@ -334,12 +368,12 @@ def test_qk_norm_rows_count_one_norm_per_q_and_k_head():
     kept); without it the table has no such row."""
     b, s = 2, 16
     for remat in ("saved", "full"):
-        cfg = _cfg(qk_norm=True, remat=remat)
-        row = step_flops(cfg, batch=b, seq_len=s)["qk_norm"]
-        heads = cfg.n_heads + cfg.n_kv  # 4 query heads and 2 kv heads
-        assert row.forward == cfg.n_layers * b * s * heads * (4 * cfg.d_head + 3)
-        assert row.backward == cfg.n_layers * b * s * heads * 8 * cfg.d_head
-        assert row.recompute == (row.forward if remat == "full" else 0)
+        row = step_flops(_cfg(qk_norm=True, remat=remat), batch=b, seq_len=s)["qk_norm"]
+        # 2 layers x 32 tokens x 6 heads (4 query, 2 kv) = 384 head-runs of d_head 32:
+        # forward 384 * (4*32 + 3), backward 384 * 8*32.
+        assert row.forward == 50_304
+        assert row.backward == 98_304
+        assert row.recompute == {"saved": 0, "full": 50_304}[remat]
     with pytest.raises(KeyError, match="no operation 'qk_norm'"):
         step_flops(_cfg(), batch=b, seq_len=s)["qk_norm"]
 
@@ -366,6 +400,68 @@ def test_per_device_and_per_run():
     assert one["logits"] == table["logits"]
     with pytest.raises(ValueError, match="do not split evenly"):
         step_flops(cfg, batch=3, seq_len=15).per_device({"d": 2})  # 45 rows of tokens over d=2
+
+
+# ---------------------------------------------------------------------------------------------
+# The matmuls jax traces
+
+
+def _dot_flops(jaxpr: jax.extend.core.Jaxpr, runs: int = 1) -> int:
+    """2 x output elements x contracted size of every dot_general in ``jaxpr``: per device
+    inside a shard_map, a scan's body once per iteration, other inner jaxprs (pjit, remat,
+    custom_vjp) once."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+            total += runs * 2 * math.prod(out) * math.prod(lhs[i] for i in contracted)
+        inner = runs * eqn.params["length"] if eqn.primitive.name == "scan" else runs
+        total += sum(_dot_flops(j, inner) for j in jax.extend.core.jaxprs_in_params(eqn.params))
+    return total
+
+
+# tiny_model(n_layers=3): V 64, M 32, Q 2 x K 8 = 16 heads, D 8, F 64; 4 rows of 16 tokens on
+# d=2 x t=2 (every matmul splits over both: a quarter per device). Forward per token, per
+# layer: q, o 2*32*16*8 = 8192 each; k, v 2*32*8*8 = 4096 each; gate, up, down 2*32*64 = 4096
+# each; q . k^T and probs . v 2*8 per (key, head) = 2 * 16*16*16 = 8192 together: 45_056;
+# and the logits 2*32*64 = 4096 once. Per device 64 * (3 * 45_056 + 4096) / 4 = 2_228_224.
+TRACED_FORWARD = 2_228_224
+
+
+@pytest.mark.parametrize("backward", ["explicit", "autodiff"])
+@pytest.mark.parametrize(
+    "remat, recompute",
+    [
+        ("none", 0),
+        ("saved", 64 * 3 * 4096 // 4),  # q . k^T: 196_608
+        ("full", 64 * 3 * (45_056 - 4096) // 4),  # the layer but down: 1_966_080
+    ],
+)
+def test_matmul_rows_are_the_dot_generals_jax_traces(backward, remat, recompute):
+    """The matmul FLOPs of the loss's jaxpr and of its gradient's (the hand-written backward
+    and jax.checkpoint's), counted from the dot_generals' shapes: the table's forward, and
+    its backward plus recompute (the forward again, as the hand count above says), per
+    device. Traced, not compiled; XLA's count below checks the rest of the step."""
+    cfg = tiny_model(n_layers=3, remat=remat, backward=backward)
+    mesh = fake_cpu_mesh((2, 2), ("d", "t"))
+    tokens, starts = packed_batch(cfg.vocab, 4, 16)
+    w = random_weights(cfg, mesh)
+
+    def loss(w):
+        return loss_fn(w, tokens, starts, cfg, mesh)
+
+    forward = _dot_flops(jax.make_jaxpr(loss)(w).jaxpr)
+    step = _dot_flops(jax.make_jaxpr(jax.grad(loss))(w).jaxpr)
+    assert forward == TRACED_FORWARD
+    # The backward is one matmul per operand of each (2 x forward); the rest is recompute.
+    assert step == 3 * TRACED_FORWARD + recompute
+    table = step_flops(cfg, batch=4, seq_len=16).per_device({"d": 2, "t": 2})
+    assert table.sum("forward", "matmul") == forward
+    assert table.sum("backward", "matmul") + table.sum("recompute", "matmul") == step - forward
+    assert table.sum("recompute", "matmul") == recompute
+    parts = matmul_flops_per_token(cfg, 16)  # per token, per layer
+    assert 64 * 3 * parts.recomputed(lambda op: recomputes(remat, op)) // 4 == recompute
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
              mark, 'full' recomputes everything, 'none' nothing (counted in the grad's jaxpr)
     policy   the objects behind model.remat: the registry, the checkpoint policy each hands to
              jax.checkpoint (its saved residuals), and which layer parts each one recomputes
-             and keeps in the FLOP and memory accounting
+             and keeps in the FLOP and memory accounting (the bytes kept against the
+             residuals jax.vjp of the model keeps)
     model    remat 'saved', 'full' and 'none' give the same loss and gradients, and the
              compiled value_and_grad's temporary memory orders full <= saved < none
              (>= 2 layers, so the scan stays rolled and keeps one layer's residuals per layer)
@@ -19,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import math
 import re
 import typing
 
@@ -27,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from model_weights import random_weights, tiny_model
+from model_weights import packed_batch, random_weights, tiny_model
 
 from seqshard.model import ModelConfig, loss_fn
-from seqshard.model import backward as bw
 from seqshard.model.cost import MatmulFlops, layer_bytes, recomputes, saved_bytes
 from seqshard.shardlib.remat import (
     SAVED,
@@ -160,12 +161,14 @@ PARTS = MatmulFlops(
     ],
 )
 def test_recompute_flops_per_layer(name, recomputed):
-    """The matmuls each policy re-runs, as the blocks declare them (recomputed_by)."""
-    assert PARTS.ffn_down == 10_000
+    """The matmuls each policy re-runs, as the blocks declare them (recomputed_by). What the
+    model's gradient really re-runs, counted in its jaxpr, is checked against this in
+    tests/model/test_cost.py (test_matmul_rows_are_the_dot_generals_jax_traces)."""
     assert PARTS.recomputed(lambda op: recomputes(name, op)) == recomputed
 
 
 MARKED = {"q", "k", "v", "attn", "h", "gate", "up"}  # save_for_backward in the model
+GATHERED_WEIGHTS = {"ln1", "w_q", "w_kv", "w_o", "ln2", "w_gate", "w_up", "w_down"}
 
 
 @pytest.mark.parametrize(
@@ -173,11 +176,10 @@ MARKED = {"q", "k", "v", "attn", "h", "gate", "up"}  # save_for_backward in the 
     [
         ("full", {"x"}),
         ("saved", {"x"} | MARKED),
-        # c = 1, no ring, no model.qk_norm
-        (
-            "none",
-            set(bw.ACTIVATIONS) - {"keys", "values", "lse", "q_norm", "k_norm", "q_proj", "k_proj"},
-        ),
+        # Everything the hand-written backward reads (c = 1, no ring, no model.qk_norm): the
+        # marked values, the gathered weights, both blocks' gathered and normed inputs, the
+        # probabilities and silu(gate) * up; not the down projection nor the layer output.
+        ("none", {"x"} | MARKED | GATHERED_WEIGHTS | {"gx", "nx", "gh", "nh", "probs", "y"}),
     ],
 )
 def test_saved_bytes_take_the_arrays_the_policy_keeps(name, kept):
@@ -188,6 +190,60 @@ def test_saved_bytes_take_the_arrays_the_policy_keeps(name, kept):
     total = saved_bytes(cfg, layer)
     assert {n for i, n in enumerate(names) if total >> i & 1} == kept
     assert total == sum(layer[n] for n in kept)
+
+
+def layer_residual_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+    """Bytes per layer of what ``jax.vjp`` of the loss keeps for its backward pass, on one
+    device: the residuals the layer scan stacks (leading dimension ``cfg.n_layers``), less
+    those that are the weights themselves (inputs, which the backward reads in any case)."""
+    mesh = fake_cpu_mesh((1, 1), ("d", "t"))
+    tokens, starts = packed_batch(cfg.vocab, batch, length)
+
+    def residuals(w):
+        return jax.tree.leaves(jax.vjp(lambda w: loss_fn(w, tokens, starts, cfg, mesh), w)[1])
+
+    jaxpr = jax.make_jaxpr(residuals)(random_weights(cfg, mesh)).jaxpr
+    inputs = {id(v) for v in jaxpr.invars}
+    kept = [v.aval for v in jaxpr.outvars if id(v) not in inputs]
+    return sum(
+        math.prod(a.shape[1:]) * a.dtype.itemsize
+        for a in kept
+        if a.ndim and a.shape[0] == cfg.n_layers
+    )
+
+
+# f32, B 2, L 16, M 40, Q 2 x K 2 heads of D 8, F 72 (no size 3, the scan's length): x, h and
+# the norms' gathered and normed inputs 2*16*40 * 4 B = 5120 each; q and attn 2*16*2*2*8 * 4 =
+# 4096; k and v 2*16*2*8 * 4 = 2048; gate, up, y 2*16*72 * 4 = 9216; probs 2*2*2*16*16 * 4 =
+# 8192. The gathered weights, 50_240 B (w_q, w_kv, w_o 2*2*40*8 * 4 = 5120 each; w_gate, w_up,
+# w_down 40*72 * 4 = 11_520 each; ln1, ln2 40 * 4 = 160 each), are the weights themselves on
+# one device: in layer_bytes, not among the residuals measured.
+RESIDUALS = {
+    "full": 5120,  # x
+    "saved": 2 * 5120 + 2 * 4096 + 2 * 2048 + 2 * 9216,  # x, h; q, attn; k, v; gate, up: 40_960
+    "none": 40_960 + 4 * 5120 + 8192 + 9216,  # and gx, nx, gh, nh; probs; y: 78_848
+}
+
+
+@pytest.mark.parametrize(
+    "backward, name",
+    [
+        ("autodiff", "saved"),  # jax.checkpoint with save_only_these_names
+        ("autodiff", "full"),  # jax.checkpoint with nothing_saveable
+        ("explicit", "saved"),  # the hand-written backward's custom VJP
+        ("explicit", "full"),
+        ("explicit", "none"),  # (autodiff's 'none' keeps more: not what cost estimates)
+    ],
+)
+def test_saved_bytes_are_what_the_backward_keeps(backward, name):
+    """The residuals jax.vjp of the loss keeps per layer, measured in its jaxpr: the bytes
+    counted by hand above, and what cost.saved_bytes says the policy keeps."""
+    cfg = tiny_model(n_layers=3, n_kv=2, d_model=40, d_ff=72, vocab=80, remat=name,
+                     backward=backward)  # fmt: skip
+    measured = layer_residual_bytes(cfg, 2, 16)
+    assert measured == RESIDUALS[name]
+    weights = 50_240 if name == "none" else 0
+    assert saved_bytes(cfg, layer_bytes(cfg, d=1, t=1, batch=2, seq_len=16)) == measured + weights
 
 
 def test_model_config_rejects_an_unknown_policy():

@@ -13,12 +13,16 @@ What XLA adds, merges or drops, named:
   unembedding and final norm out of the accumulation loop.
 * drops (modelled by recomputed()): what remat would recompute but nothing reads (the FFN
   output's reduce-scatter under 'full').
+* merges (modelled by step_comms._as_compiled): in a stack of one layer, a loop XLA inlines,
+  what the backward re-runs on the forward's own values (CSE), and the routing statistics'
+  re-run psum with the forward's (one call of two arrays).
 """
 
 from __future__ import annotations
 
 import collections
 import math
+from pathlib import Path
 
 import pytest
 from model_weights import TINY
@@ -92,7 +96,8 @@ def _key(kind: str, shape):
 def _predicted(cfg) -> collections.Counter:
     out = collections.Counter()
     for c in collectives_per_step(cfg):
-        out[(c.phase, c.in_loop, c.kind, c.axis_key, _key(c.kind, c.result_shape))] += c.calls
+        shape = c.result_shape if c.arrays == 1 else (c.result_shape,) * c.arrays
+        out[(c.phase, c.in_loop, c.kind, c.axis_key, _key(c.kind, shape))] += c.calls
     return out
 
 
@@ -179,6 +184,38 @@ def test_predicted_collectives_with_experts(mesh, backward, remat, microbatches)
     _check(cfg)
     kinds = collections.Counter(c.kind for c in collectives_per_step(cfg) if c.axis_key == "e")
     assert kinds["all-to-all"] > 0, kinds
+
+
+CPU_CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*cpu*.yaml"))
+
+
+@pytest.mark.parametrize("path", CPU_CONFIGS, ids=lambda path: path.stem)
+def test_the_shipped_cpu_configs_compile_as_predicted(path):
+    """Every shipped CPU config at its defaults, as `seqshard show --chip cpu` compares them
+    (issue 42: tiny-cpu-moe's two stacks of one layer each, which XLA inlines and merges)."""
+    _check(load_config(path))
+
+
+# Stacks of one layer, loops XLA inlines: a dense model of one layer, and tiny-cpu-moe's
+# shape (a dense layer, then one MoE layer; a later override wins).
+DENSE_ONE_LAYER = ("model.n_layers=1",)
+MOE_ONE_LAYER = (*MOE, "model.n_layers=2", "model.moe.n_dense_layers=1")
+ONE_LAYER = [
+    ("4x2", "autodiff", "saved", 1, DENSE_ONE_LAYER),
+    ("4x2", "explicit", "full", 2, (*DENSE_ONE_LAYER, "model.residual=M/t")),
+    ("4x2", "autodiff", "saved", 2, (*DENSE_ONE_LAYER, "model.residual=M/t")),
+    ("2x2x2", "autodiff", "full", 1, MOE_ONE_LAYER),
+    ("2x2x2", "explicit", "none", 1, MOE_ONE_LAYER),
+    ("2x2x2", "explicit", "saved", 2, MOE_ONE_LAYER),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,backward,remat,microbatches,extra", ONE_LAYER)
+def test_predicted_collectives_of_stacks_of_one_layer(mesh, backward, remat, microbatches, extra):
+    """What the backward re-runs on the forward's values is merged with the forward's, the
+    routing statistics' psum re-run combined with the forward's, as step_comms predicts."""
+    _check(_config(mesh, backward, remat, microbatches, extra=extra))
 
 
 def test_phases_and_layers():
