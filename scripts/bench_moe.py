@@ -126,7 +126,8 @@ from seqshard.model import attention
 from seqshard.model.attention import resolve_impl
 from seqshard.model.config import ModelConfig, MoEConfig
 from seqshard.model.cost import flops_per_token, param_count
-from seqshard.model.moe import RouterStats, capacity, route
+from seqshard.model.layers import with_aux_losses
+from seqshard.model.moe import capacity, route
 from seqshard.model.reference import (
     reference_attention_half,
     reference_embed,
@@ -137,8 +138,7 @@ from seqshard.model.reference import (
     reference_positions,
     reference_unembed,
 )
-from seqshard.model.transformer import with_balancing_terms
-from seqshard.model.weights import MoELayer
+from seqshard.model.weights import Layer
 from seqshard.shardlib.comms import collectives
 from seqshard.shardlib.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.shardlib.shardtypes import shardings
@@ -201,8 +201,8 @@ def capacity_kept(cfg: ModelConfig, ids: jax.Array, groups: int, e: int) -> jax.
     return (rank < capacity(cfg, g.shape[1], e)).reshape(b, length, k)
 
 
-def routing_stats(cfg: ModelConfig, ids, kept, probs, logits) -> RouterStats:
-    """One layer's :class:`RouterStats` over the whole batch, as ``seqshard.model.moe`` defines
+def routing_stats(cfg: ModelConfig, ids, kept, probs, logits) -> dict[str, jax.Array]:
+    """One layer's routing statistics (``seqshard.model.moe.ROUTER_STATS``) over the whole batch, as ``seqshard.model.moe`` defines
     them (load before drops, drops, the weighted aux and z terms, tokens)."""
     moe = cfg.moe
     tokens = jnp.asarray(ids.shape[0] * ids.shape[1], jnp.float32)
@@ -212,10 +212,10 @@ def routing_stats(cfg: ModelConfig, ids, kept, probs, logits) -> RouterStats:
     aux = weight * moe.n_experts * jnp.sum(f * jnp.sum(probs, axis=(0, 1)) / tokens)
     z = moe.z_loss_weight * jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     dropped = jnp.sum(jnp.where(kept, 0.0, 1.0))
-    return RouterStats(load=load, dropped=dropped, aux=aux, z=z, tokens=tokens)
+    return {"load": load, "dropped": dropped, "aux": aux, "z": z, "tokens": tokens}
 
 
-def dense_routing(cfg: ModelConfig, w: MoELayer, nx: jax.Array, combine: jax.Array) -> jax.Array:
+def dense_routing(cfg: ModelConfig, w: Layer, nx: jax.Array, combine: jax.Array) -> jax.Array:
     """The reference's routed experts: every expert on every token, [B, L, M] -> [B, L, M],
     ``combine`` f32[B, L, E] the gates (0 for experts not chosen or copies dropped), folded
     into the down projection's contraction over (E, X)."""
@@ -226,7 +226,7 @@ def dense_routing(cfg: ModelConfig, w: MoELayer, nx: jax.Array, combine: jax.Arr
     return jnp.einsum("blex,emx->blm", hidden, w.w_down.astype(dt))
 
 
-def sorted_ragged(cfg: ModelConfig, w: MoELayer, nx, ids, weights) -> jax.Array:
+def sorted_ragged(cfg: ModelConfig, w: Layer, nx, ids, weights) -> jax.Array:
     """The routed experts as one writes them in plain JAX on one device: the B x L x k copies
     argsorted by expert, one ``lax.ragged_dot`` per projection, scattered back and summed with
     ``weights`` f32[B, L, k] (the gates, 0 for a dropped copy)."""
@@ -260,8 +260,8 @@ class Plain:
 
 
 def plain_moe_layer(
-    cfg: ModelConfig, plain: Plain, w: MoELayer, x, positions, mask
-) -> tuple[jax.Array, RouterStats]:
+    cfg: ModelConfig, plain: Plain, w: Layer, x, positions, mask
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One MoE layer of the baselines: reference.py's attention half, then the MoE FFN with
     the routed experts as ``plain.experts`` says and the shared experts as the reference's:
     (the residual, the layer's statistics)."""
@@ -289,7 +289,7 @@ def plain_moe_layer(
 
 
 def plain_terms_and_stats(cfg: ModelConfig, plain: Plain) -> Callable:
-    """``(weights, batch) -> (f32[2], RouterStats) or f32[2]``: the summed loss (balancing
+    """``(weights, batch) -> (f32[2], the auxiliary outputs) or f32[2]``: the summed loss (balancing
     terms included, as seqshard's) and positions counted, and with experts the MoE layers'
     statistics; the layers scanned, each body wrapped by ``plain.remat``."""
     sizes = cfg.dim_sizes()
@@ -310,11 +310,12 @@ def plain_terms_and_stats(cfg: ModelConfig, plain: Plain) -> Callable:
         x = reference_embed(cfg, w, tokens)
         if sizes["layers"]:
             x, _ = lax.scan(remat(layer), x, w.layers)
-        if not cfg.moe.enabled:
+        if not sizes["moe_layers"]:
             return reference_loss_terms(reference_unembed(cfg, w, x), tokens, starts)
         x, stats = lax.scan(remat(moe_layer), x, w.moe_layers)
         terms = reference_loss_terms(reference_unembed(cfg, w, x), tokens, starts)
-        return with_balancing_terms(terms, stats), stats
+        aux = {"moe_layers": {"moe": stats}}  # as seqshard.model.layers.run_stacks gives them
+        return with_aux_losses(cfg, terms, aux), aux
 
     return loss_terms
 

@@ -138,6 +138,7 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "rope_high_freq_factor": 8.0,
         "rope_original_max_position": 1024,
         "qk_norm": True,
+        "ffn": "swiglu",
         "moe": {
             "n_experts": 4,
             "top_k": 1,

@@ -223,7 +223,7 @@ def export_weights(
 
 
 def _check_router_bias(weights: Weights, model: ModelConfig) -> None:
-    if not model.moe.enabled:
+    if "moe_layers" not in weights.stacks:  # no MoE layers, no router bias
         return
     bias = weights.moe_layers.router_bias  # every process gathers it (a collective)
     if bias.is_fully_addressable:

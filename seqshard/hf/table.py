@@ -71,8 +71,14 @@ import einops
 import numpy as np
 
 from seqshard.hf.hf_config import LLAMA, MIXTRAL
-from seqshard.model.config import ModelConfig
-from seqshard.model.weights import STACKS, MoEWeights, Weights, weight_info_by_path
+from seqshard.model.config import ModelConfig, MoEConfig
+from seqshard.model.layers import STACK_NAMES
+from seqshard.model.weights import (
+    Weights,
+    stack_layer_types,
+    weight_info_by_path,
+    weights_type,
+)
 from seqshard.shardlib.notation import Shape
 from seqshard.shardlib.shardtypes import ArrayType, type_tree
 
@@ -103,7 +109,7 @@ class TensorRow:
     def stack(self) -> str | None:
         """The stacked field it is one layer's weight of (``'layers'``, ``'moe_layers'``)."""
         head = self.field.split(".")[0]
-        return head if head in STACKS else None
+        return head if head in STACK_NAMES else None
 
     @property
     def stacked(self) -> bool:
@@ -181,27 +187,36 @@ def _types() -> dict[str, ArrayType]:
     """``'embed'``, ``'layers.w_q'``, ``'moe_layers.w_gate'`` (one layer's type) -> the
     weight's type."""
     out = {}
-    for cls in (Weights, MoEWeights):
+    for moe in (False, True):
+        cls = _every_weight(moe)
         tree = type_tree(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in STACKS:
-                layer = type_tree(STACKS[f.name][0])
-                for g in dataclasses.fields(STACKS[f.name][0]):
-                    out[f"{f.name}.{g.name}"] = getattr(layer, g.name)
+        layers = stack_layer_types(cls)
+        for field, t in tree.__dict__.items():
+            if field in layers:  # one layer's types
+                out.update(
+                    {f"{field}.{k}": v for k, v in type_tree(layers[field]).__dict__.items()}
+                )
             else:
-                out[f.name] = getattr(tree, f.name)
+                out[field] = t
     return out
+
+
+@functools.cache
+def _every_weight(moe: bool) -> type:
+    """The weights' dataclass of a config holding every weight a Hugging Face family may
+    have: q and k norms, and with ``moe`` a dense stack and an MoE one (shared experts too)."""
+    experts = MoEConfig(n_experts=2, top_k=1, d_ff=8, n_shared=1, n_dense_layers=1)
+    return weights_type(ModelConfig(n_layers=2, qk_norm=True, moe=experts if moe else MoEConfig()))
 
 
 @functools.cache
 def table(moe: bool = False, architecture: str = LLAMA) -> tuple[TensorRow, ...]:
     """Every seqshard weight with a Hugging Face tensor once (``w_kv`` as its two parts), in
-    Hugging Face's file order, in ``architecture``'s names: the weights of
-    :class:`~seqshard.model.weights.MoEWeights` with ``moe``, else of
-    :class:`~seqshard.model.weights.Weights`. Read off the weights' declarations (each block
-    declares its weights' Hugging Face names beside its math)."""
+    Hugging Face's file order, in ``architecture``'s names: every weight a dense model (with
+    ``moe``, one with dense and MoE layers) may have. Read off the weights' declarations (each
+    block declares its weights' Hugging Face names beside its math)."""
     rows = []
-    for field, info in weight_info_by_path(MoEWeights if moe else Weights).items():
+    for field, info in weight_info_by_path(_every_weight(moe)).items():
         for part, (hf_name, hf_layout) in enumerate(info.hf):
             for ours, theirs in RENAMES.get(architecture, ()):
                 hf_name = hf_name.replace(ours, theirs)
@@ -236,8 +251,13 @@ def hf_tensor_names(
     model in ``architecture``'s names, in file order: the embedding, then each layer's tensors,
     then the final norm and the unembedding. Where: ``()`` for a weight outside the layers,
     else (the layer's index in its stack, [the expert,] [the part]). A weight with no element
-    under ``cfg`` (``q_norm`` without ``model.qk_norm``) has no tensor."""
-    rows = [r for r in table(cfg.moe.enabled, architecture) if np.prod(r.hf_shape(cfg)) > 0]
+    the config leaves off (``q_norm`` without ``model.qk_norm``) has no tensor."""
+    present = set(weight_info_by_path(weights_type(cfg)))
+    rows = [
+        r
+        for r in table(cfg.moe.enabled, architecture)
+        if r.field in present and np.prod(r.hf_shape(cfg)) > 0
+    ]
     sizes = cfg.dim_sizes()
     n_dense = sizes["layers"]
     first = [(r, (), r.hf_name) for r in rows if not r.stacked and r.field == "embed"]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from seqshard.model.attention import (
     apply_rope,
     attention,
+    attention_vjp,
     einsum_probabilities,
     einsum_values,
     resolve_impl,
@@ -36,6 +37,7 @@ from seqshard.model.block import (
     Activation,
     Activations,
     Block,
+    LayerInputs,
     Op,
     elementwise,
     gain,
@@ -43,18 +45,34 @@ from seqshard.model.block import (
     weight,
 )
 from seqshard.model.config import ModelConfig
-from seqshard.model.context import SequenceRows, gathered_kv, ring_attention, ring_forward
+from seqshard.model.context import (
+    SequenceRows,
+    gathered_kv,
+    ring_attention,
+    ring_backward,
+    ring_forward,
+)
+from seqshard.model.grads import (
+    normed_projections_backward,
+    output_projection_backward,
+    rms_norm_backward,
+)
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
 from seqshard.shardlib import shardops
+from seqshard.shardlib.collective_log import part
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
 __all__ = [
     "ATTENTION",
     "AttentionWeights",
+    "attention_backward",
+    "attention_block_backward",
+    "attention_block_forward",
     "attention_core",
     "attention_inputs",
     "attention_output",
     "head_norm",
+    "qk_norm_backward",
 ]
 
 _LAYER = "model.layers.{i}."
@@ -67,6 +85,10 @@ def _fan_in(cfg: ModelConfig) -> float:
 def _w_o_std(cfg: ModelConfig) -> float:
     """Each residual-stream contribution at unit scale, the stream growing like sqrt(layers)."""
     return 1 / math.sqrt(cfg.n_heads * cfg.d_head) / math.sqrt(2 * cfg.n_layers)
+
+
+def _has_qk_norm(cfg: ModelConfig) -> bool:
+    return cfg.qk_norm
 
 
 @pytree_dataclass
@@ -87,10 +109,14 @@ class AttentionWeights:
     w_o: f32["d_model/d/e/c n_q_per_kv n_kv/t d_head"] = weight(
         _w_o_std, hf=_LAYER + "self_attn.o_proj.weight", layout="d_model (n_kv n_q_per_kv d_head)"
     )
-    # model.qk_norm's gains (d_qk_norm = d_head with it, 0 without), replicated: each device
-    # normalizes whole heads, and d_head numbers are too few to be worth splitting.
-    q_norm: f32["d_qk_norm"] = gain(_LAYER + "self_attn.q_norm.weight", layout="d_qk_norm")
-    k_norm: f32["d_qk_norm"] = gain(_LAYER + "self_attn.k_norm.weight", layout="d_qk_norm")
+    # model.qk_norm's gains (absent without it), replicated: each device normalizes whole
+    # heads, and d_head numbers are too few to be worth splitting.
+    q_norm: f32["d_head"] = gain(
+        _LAYER + "self_attn.q_norm.weight", layout="d_head", present=_has_qk_norm
+    )
+    k_norm: f32["d_head"] = gain(
+        _LAYER + "self_attn.k_norm.weight", layout="d_head", present=_has_qk_norm
+    )
 
 
 def _einsum(cfg: ModelConfig, c: int) -> bool:
@@ -110,6 +136,215 @@ def _qk_norm(cfg: ModelConfig, c: int) -> bool:
 _R = "B/d/e L/c M/t"  # the residual's size per device (either layout of model.residual)
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
+
+
+def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ...]:
+    """Pre-norm, then q 'B/d/e L@zigzag/c Q K/t D' and k, v 'B/d/e L@zigzag/c K/t D', q and k
+    rotated by RoPE. ``a`` holds the layer input ``x``."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    cos, sin = rope
+    x = a["x"]
+    # The norm needs all of M, the projections every row: gather the gain, and the residual
+    # over t (before the norm for M/t, its output after it for L/t).
+    ln1 = a("ln1", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln1))
+    gx = a("gx", lambda: norm_input(cfg, x))
+    nx = a("nx", lambda: normed(cfg, gx, ln1))
+    # FSDP: each matrix is gathered over d and c just before use (in the backward pass again:
+    # only remat=none keeps gathered weights).
+    w_q = a("w_q", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
+
+    def project_q() -> jax.Array:
+        return shardops.einsum_unreduced(
+            "B/d/e L@zigzag/c M, M Q K/t D -> B/d/e L@zigzag/c Q K/t D", nx, w_q
+        )
+
+    w_kv = a("w_kv", lambda: shardops.all_gather("2 M/d/e/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
+
+    def project_kv() -> tuple[jax.Array, jax.Array]:
+        k, v = shardops.einsum_unreduced(
+            "B/d/e L@zigzag/c M, 2 M K/t D -> 2 B/d/e L@zigzag/c K/t D", nx, w_kv
+        )
+        return k, v
+
+    if not cfg.qk_norm:
+        q = a("q", lambda: apply_rope(project_q(), cos, sin))
+
+        def k_and_v():
+            k, v = project_kv()
+            return apply_rope(k, cos, sin), v
+
+        k, v = a.several(("k", "v"), k_and_v)
+        return q, k, v
+    # Each device holds whole heads (D is never split): the norms are local. Replicated gains,
+    # read as they are (no gather).
+    q_norm = a("q_norm", lambda: w.q_norm)
+    k_norm = a("k_norm", lambda: w.k_norm)
+    q_proj = a("q_proj", project_q)
+    k_proj, v = a.several(("k_proj", "v"), project_kv)
+    q = a("q", lambda: apply_rope(head_norm(cfg, q_proj, q_norm), cos, sin))
+    k = a("k", lambda: apply_rope(head_norm(cfg, k_proj, k_norm), cos, sin))
+    return q, k, v
+
+
+def head_norm(cfg: ModelConfig, x: jax.Array, gain: jax.Array) -> jax.Array:
+    """model.qk_norm's RMSNorm of each head of q 'B/d/e L@zigzag/c Q K/t D' or k
+    'B/d/e L@zigzag/c K/t D' over D by ``gain`` 'D' (f32), in compute dtype."""
+    return rms_norm(x, gain, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
+
+
+def attention_core(
+    cfg: ModelConfig, a: Activations, rows: SequenceRows, mask: jax.Array | None
+) -> jax.Array:
+    """This device's queries over the whole row: 'B/d/e L@zigzag/c Q K/t D'. With the row split
+    over c, the ring passes k and v blocks around (its own backward), or allgather gathers
+    them; einsum attention keeps its probabilities as an activation, fused kernels do not."""
+    q, k, v = a["q"], a["k"], a["v"]
+    c, causal_only = shardops.axis_size("c"), cfg.attention_mask == "causal"
+    if cfg.ring_over(c):
+        # Under autodiff the ring with its own VJP; in the hand-written backward's forward
+        # (itself inside a custom VJP) the ring's plain forward.
+        ring = ring_forward if a.explicit else ring_attention
+        attn, _ = a.several(
+            ("attn", "lse"), lambda: ring(q, k, v, rows.segments, causal_only), "context"
+        )
+        return attn
+    keys, values = a.several(("keys", "values"), lambda: gathered_kv(k, v))
+    if _einsum(cfg, c):
+        probs = a("probs", lambda: einsum_probabilities(q, keys, mask))
+        return a("attn", lambda: einsum_values(probs.astype(v.dtype), values))
+    impl, causal_only = cfg.attention_impl, causal_only and c == 1
+    return a("attn", lambda: attention(q, keys, values, mask, impl, causal_only))
+
+
+def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
+    """The output projection of ``attn`` plus the residual ``x``: h, a residual."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x, attn = a["x"], a["attn"]
+    w_o = a("w_o", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
+
+    def residual() -> jax.Array:
+        out = shardops.einsum_unreduced(
+            "B/d/e L@zigzag/c Q K/t D, M Q K/t D -> B/d/e L@zigzag/c M", attn, w_o
+        )
+        # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
+        # residual's layout.
+        return x + shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
+
+    return a("h", residual)
+
+
+def attention_block_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array:
+    """The block on the residual ``a['x']``: q, k, v, attention over the row, the output
+    projection plus the residual: h."""
+    attention_inputs(cfg, w, a, inputs.rope)
+    attention_core(cfg, a, inputs.rows, inputs.mask)
+    return attention_output(cfg, w, a)
+
+
+# The activations of the block's input side (x, norm(x)), its gain and the norm's part.
+_ATTENTION_INPUT = ("gx", "nx", "ln1", "attn_norm")
+
+
+def attention_block_backward(
+    cfg: ModelConfig, inputs: LayerInputs, w, a: Activations, d_h: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The attention block's backward: dL/dx (a residual) and its weights' gradients (f32, in
+    their layouts), from its activations and dL/dh ``d_h``."""
+    f32 = jnp.float32
+    rows, (cos, sin), mask = inputs
+    # --- h = x + psum_scatter(attn . w_o) --------------------------------------------------
+    # As for the down projection: the transpose of the output's psum_scatter over t.
+    d_attn, d_w_o = output_projection_backward(cfg, d_h, a["attn"], a["w_o"], "Q K/t D", "o")
+    d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
+    # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
+    d_q = apply_rope(d_q, cos, -sin)
+    d_k = apply_rope(d_k, cos, -sin)
+    qk_grads = {}
+    if cfg.qk_norm:
+        d_q, d_k, qk_grads = qk_norm_backward(cfg, a, d_q, d_k)
+    d_kv = jnp.stack([d_k, d_v])
+    d_gx, grads = normed_projections_backward(
+        cfg, a, _ATTENTION_INPUT, [("w_q", "M Q K/t D", d_q), ("w_kv", "2 M K/t D", d_kv)], "q_kv"
+    )
+    return d_h + d_gx, {**grads, "w_o": d_w_o.astype(f32), **qk_grads}
+
+
+def attention_backward(
+    cfg: ModelConfig, rows: SequenceRows, mask: jax.Array | None, a: Activations, d_attn: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dL/dq 'B/d/e L@zigzag/c Q K/t D' and dL/dk, dL/dv 'B/d/e L@zigzag/c K/t D' from dL/dattn; per device (each t
+    shard holds whole kv heads and their query heads), no communication.
+
+    Einsum attention: written out. Fused kernels (cudnn, xla, splash): the implementation's
+    own VJP for this core only (:func:`seqshard.model.attention.attention_vjp`: cudnn and xla
+    re-run their forward for its residuals; splash's backward re-runs its kernel itself).
+    """
+    q, c, causal_only = a["q"], shardops.axis_size("c"), cfg.attention_mask == "causal"
+    if cfg.ring_over(c):  # its own backward: k, v and their gradients around the ring again
+        with part("context"):
+            args = (a["k"], a["v"], a["attn"], a["lse"], rows.segments, causal_only, d_attn)
+            return ring_backward(q, *args)
+    k, v = a["keys"], a["values"]
+    if resolve_impl(cfg.attention_impl) != "einsum":  # fused: their own VJP
+        impl = cfg.attention_impl
+        dq, dk, dv = attention_vjp(q, k, v, mask, impl, causal_only and c == 1, d_attn)
+    else:
+        dq, dk, dv = _einsum_attention_backward(a["probs"], q, k, v, d_attn)
+    # Each c shard's queries reached every key: the transposes of the gathers over c sum the
+    # shards' partial gradients, each keeping its own positions (nothing moves when c = 1).
+    with part("context"):
+        spec = "B/d/e L@zigzag K/t D{U_c} -> B/d/e L@zigzag/c K/t D"
+        return dq, shardops.psum_scatter(spec, dk), shardops.psum_scatter(spec, dv)
+
+
+def _einsum_attention_backward(probs, q, k, v, d_attn):
+    """dq and the gathered keys' dk, dv (owing a sum over c) of attention.py's einsum
+    attention, from its probabilities."""
+    # attn = probs . v
+    d_probs = shardops.einsum_unreduced(
+        "B/d/e Qlen@zigzag/c Q K/t D, B/d/e Klen@zigzag K/t D -> B/d/e K/t Q Qlen@zigzag/c Klen@zigzag",
+        d_attn,
+        v,
+        out_dtype=jnp.float32,
+    )
+    dv = shardops.einsum_unreduced(
+        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",
+        probs.astype(v.dtype),
+        d_attn,
+    )
+    # softmax over Klen, in f32. A masked key has probability exactly 0, so its score's
+    # gradient is 0 too: the mask needs no second application.
+    d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
+    d_scores = (d_scores * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
+    # scores = q . k (each kv head's gradient sums over its Q query heads)
+    dq = shardops.einsum_unreduced(
+        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Klen@zigzag K/t D -> B/d/e Qlen@zigzag/c Q K/t D",
+        d_scores,
+        k,
+    )
+    dk = shardops.einsum_unreduced(
+        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",
+        d_scores,
+        q,
+    )
+    return dq, dk, dv
+
+
+def qk_norm_backward(
+    cfg: ModelConfig, a: Activations, d_q: jax.Array, d_k: jax.Array
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """The transpose of ``model.qk_norm``'s head norms: dL/d(q before its norm)
+    'B/d/e L@zigzag/c Q K/t D' and dL/d(k before it) 'B/d/e L@zigzag/c K/t D' (compute dtype),
+    from the cotangents of the normed q and k, and the gains' gradients 'D' (f32)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    with part("qk_norm"):
+        d_q, d_q_norm = rms_norm_backward(a["q_proj"], a["q_norm"], d_q, cfg.norm_eps)
+        d_k, d_k_norm = rms_norm_backward(a["k_proj"], a["k_norm"], d_k, cfg.norm_eps)
+        # Each gain's gradient summed over this device's rows (B/d/e, L/c) and heads (K/t):
+        # summed over every device, the gains rest replicated.
+        d_q_norm = shardops.psum("D{U_t,d,e,c} -> D", d_q_norm)
+        d_k_norm = shardops.psum("D{U_t,d,e,c} -> D", d_k_norm)
+    return d_q.astype(dt), d_k.astype(dt), {"q_norm": d_q_norm, "k_norm": d_k_norm}
 
 
 ATTENTION = Block(
@@ -223,101 +458,11 @@ ATTENTION = Block(
             "attn_residual", "token", "B/d/e L M/t", lambda m: m.d_model, lambda m: m.d_model, _FULL
         ),
     ),
+    weights=AttentionWeights,
+    forward=attention_block_forward,
+    backward=attention_block_backward,
+    input="x",
+    output="h",
 )
 """The attention block's declarations. ``saved`` marks what remat=saved keeps: the operands
 whose recomputation would cost a matmul (q, k, v after RoPE, the attention output) and h."""
-
-
-def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ...]:
-    """Pre-norm, then q 'B/d/e L@zigzag/c Q K/t D' and k, v 'B/d/e L@zigzag/c K/t D', q and k
-    rotated by RoPE. ``a`` holds the layer input ``x``."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    cos, sin = rope
-    x = a["x"]
-    # The norm needs all of M, the projections every row: gather the gain, and the residual
-    # over t (before the norm for M/t, its output after it for L/t).
-    ln1 = a("ln1", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln1))
-    gx = a("gx", lambda: norm_input(cfg, x))
-    nx = a("nx", lambda: normed(cfg, gx, ln1))
-    # FSDP: each matrix is gathered over d and c just before use (in the backward pass again:
-    # only remat=none keeps gathered weights).
-    w_q = a("w_q", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
-
-    def project_q() -> jax.Array:
-        return shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, M Q K/t D -> B/d/e L@zigzag/c Q K/t D", nx, w_q
-        )
-
-    w_kv = a("w_kv", lambda: shardops.all_gather("2 M/d/e/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
-
-    def project_kv() -> tuple[jax.Array, jax.Array]:
-        k, v = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, 2 M K/t D -> 2 B/d/e L@zigzag/c K/t D", nx, w_kv
-        )
-        return k, v
-
-    if not cfg.qk_norm:
-        q = a("q", lambda: apply_rope(project_q(), cos, sin))
-
-        def k_and_v():
-            k, v = project_kv()
-            return apply_rope(k, cos, sin), v
-
-        k, v = a.several(("k", "v"), k_and_v)
-        return q, k, v
-    # Each device holds whole heads (D is never split): the norms are local. Replicated gains,
-    # read as they are (no gather).
-    q_norm = a("q_norm", lambda: w.q_norm)
-    k_norm = a("k_norm", lambda: w.k_norm)
-    q_proj = a("q_proj", project_q)
-    k_proj, v = a.several(("k_proj", "v"), project_kv)
-    q = a("q", lambda: apply_rope(head_norm(cfg, q_proj, q_norm), cos, sin))
-    k = a("k", lambda: apply_rope(head_norm(cfg, k_proj, k_norm), cos, sin))
-    return q, k, v
-
-
-def head_norm(cfg: ModelConfig, x: jax.Array, gain: jax.Array) -> jax.Array:
-    """model.qk_norm's RMSNorm of each head of q 'B/d/e L@zigzag/c Q K/t D' or k
-    'B/d/e L@zigzag/c K/t D' over D by ``gain`` 'D' (f32), in compute dtype."""
-    return rms_norm(x, gain, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
-
-
-def attention_core(
-    cfg: ModelConfig, a: Activations, rows: SequenceRows, mask: jax.Array | None
-) -> jax.Array:
-    """This device's queries over the whole row: 'B/d/e L@zigzag/c Q K/t D'. With the row split
-    over c, the ring passes k and v blocks around (its own backward), or allgather gathers
-    them; einsum attention keeps its probabilities as an activation, fused kernels do not."""
-    q, k, v = a["q"], a["k"], a["v"]
-    c, causal_only = shardops.axis_size("c"), cfg.attention_mask == "causal"
-    if cfg.ring_over(c):
-        # Under autodiff the ring with its own VJP; in the hand-written backward's forward
-        # (itself inside a custom VJP) the ring's plain forward.
-        ring = ring_forward if a.explicit else ring_attention
-        attn, _ = a.several(
-            ("attn", "lse"), lambda: ring(q, k, v, rows.segments, causal_only), "context"
-        )
-        return attn
-    keys, values = a.several(("keys", "values"), lambda: gathered_kv(k, v))
-    if _einsum(cfg, c):
-        probs = a("probs", lambda: einsum_probabilities(q, keys, mask))
-        return a("attn", lambda: einsum_values(probs.astype(v.dtype), values))
-    impl, causal_only = cfg.attention_impl, causal_only and c == 1
-    return a("attn", lambda: attention(q, keys, values, mask, impl, causal_only))
-
-
-def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
-    """The output projection of ``attn`` plus the residual ``x``: h, a residual."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    x, attn = a["x"], a["attn"]
-    w_o = a("w_o", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
-
-    def residual() -> jax.Array:
-        out = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c Q K/t D, M Q K/t D -> B/d/e L@zigzag/c M", attn, w_o
-        )
-        # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
-        # residual's layout.
-        return x + shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
-
-    return a("h", residual)

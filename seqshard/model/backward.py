@@ -10,8 +10,10 @@ per layer what ``cfg.remat`` says (:func:`kept_activations`), and its backward i
 by layer in reverse under ``lax.scan``, in the same notation as the forward. Gradients come
 out in the weights' own layouts, as a :class:`~seqshard.model.weights.Weights`.
 
-Dimensions and mesh axes as in transformer.py: B, L (Qlen, Klen), M, F, V, Q, K, D; d (FSDP:
-batch and weight rows), t (tensor). Every weight's gradient follows one pattern, the
+Dimensions and mesh axes as in transformer.py: B, L (Qlen, Klen), M, F, V, Q, K, D; d, e, c
+(batch and weight rows), t (tensor). A block kind's own backward sits in its module
+(attention_block.py, swiglu.py; the pieces they share in grads.py); a block without one (moe.py)
+is differentiated by ``jax.vjp`` of its forward inside this backward. Every weight's gradient follows one pattern, the
 transpose of the forward's all_gather -> einsum:
 
     w = all_gather('M/d/e/c F/t -> M F/t', w)                          # again, as FSDP does
@@ -33,7 +35,7 @@ forward collective, or the forward's own collective repeated to recompute what i
                           reduce-scattered over c (their transposes); ring: the backward's
                           own ring (c-1 shifts of k and v, c of dk and dv; context.py)
 
-(d in the weights' gathers and reduce-scatters stands for (d, c): weights are split over both.)
+(d in the weights' gathers and reduce-scatters stands for (d, e, c): weights are split over all three.)
 
 ``remat=full`` recomputes the attention output's psum_scatter too (h is not kept);
 ``remat=none`` keeps every activation, gathered weights included, and recomputes nothing.
@@ -87,427 +89,137 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
-import operator
-from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from seqshard.batch import TokenBatch
-from seqshard.model import attention_block, moe
-from seqshard.model.attention import apply_rope, attention_vjp, resolve_impl
 from seqshard.model.block import Activations as BlockActivations
-from seqshard.model.block import kept
+from seqshard.model.block import Block, LayerInputs, kept, weight_info
 from seqshard.model.config import ModelConfig
-from seqshard.model.context import SequenceRows, ring_backward, sequence_rows
-from seqshard.model.moe import ExpertFfnWeights, RouterStats
+from seqshard.model.context import SequenceRows, sequence_rows
+from seqshard.model.grads import norm_backward
+from seqshard.model.layers import (
+    Stack,
+    layer_forward,
+    layer_inputs,
+    run_stack,
+    stacks,
+    with_aux_losses,
+)
 from seqshard.model.transformer import (
     HEAD,
     embed,
     final_norm,
-    forward_terms_and_stats,
-    layer_forward,
+    forward_terms_and_aux,
     loss_terms_and_softmax,
-    moe_layer_forward,
-    rope_and_mask,
-    run_layers,
-    run_moe_layers,
     unembed,
-    with_balancing_terms,
 )
-from seqshard.model.weights import LAYER_BLOCKS, MOE_LAYER_BLOCKS, Layer, MoELayer, Weights
+from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
-from seqshard.shardlib.dataflow import varying_over_stages
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = [
-    "ACTIVATIONS",
-    "attention_backward",
     "embed_backward",
-    "explicit_run_moe_layers",
-    "explicit_terms_and_stats",
-    "explicit_run_layers",
+    "explicit_run_stack",
+    "explicit_terms_and_aux",
     "head_backward",
     "head_forward",
     "kept_activations",
     "layer_activations",
     "layer_backward",
-    "moe_layer_backward",
-    "swiglu_backward",
-    "attention_half_backward",
-    "norm_backward",
-    "normed_projections_backward",
-    "output_projection_backward",
-    "projections_backward",
-    "qk_norm_backward",
-    "rms_norm_backward",
 ]
 
 Activations = dict[str, jax.Array]
 
-ACTIVATIONS: tuple[str, ...] = tuple(
-    a.name for block in LAYER_BLOCKS for a in block.activations if a.needed
-)
-"""One layer's activations in the order of its forward pass: everything its backward reads
-(declared with the blocks: :data:`seqshard.model.attention_block.ATTENTION`,
-:data:`seqshard.model.swiglu.SWIGLU`)."""
 
-
-def kept_activations(cfg: ModelConfig, c: int = 1) -> tuple[str, ...]:
-    """What the forward pass keeps per layer under ``cfg.remat`` on a mesh whose context axis
-    has size ``c`` (:func:`seqshard.model.block.kept` of the layer's blocks): ``saved`` the
-    values the blocks mark, ``full`` the layer input, ``none`` everything the backward reads
+def kept_activations(cfg: ModelConfig, blocks: tuple[Block, ...], c: int = 1) -> tuple[str, ...]:
+    """What the forward pass keeps per layer of ``blocks`` under ``cfg.remat`` on a mesh whose
+    context axis has size ``c`` (:func:`seqshard.model.block.kept`): ``saved`` the values the
+    blocks mark, ``full`` the layer input, ``none`` everything the hand-written backwards read
     (fused attention has no probabilities, only the ring a logsumexp, and with c = 1 the keys
-    are k itself)."""
-    return kept(LAYER_BLOCKS, cfg, c)
-
-
-def _einsum_attention(cfg: ModelConfig) -> bool:
-    """Attention whose backward is written here; fused kernels bring their own VJP."""
-    return resolve_impl(cfg.attention_impl) == "einsum"
+    are k itself). A block differentiated by ``jax.vjp`` keeps nothing: it re-runs."""
+    return kept(blocks, cfg, c)
 
 
 # ---------------------------------------------------------------------------------------------
-# One layer: its forward as named activations, and its backward
+# One layer: its forward rebuilt from what it kept, and its backward, block by block
+
+
+def _block_fields(cfg: ModelConfig, block: Block, w) -> list[str]:
+    """The weight fields of ``block`` the layer ``w`` holds."""
+    have = {f.name for f in dataclasses.fields(w)}
+    return [name for name in weight_info(block.weights) if name in have]
+
+
+def _block_vjp(cfg: ModelConfig, blocks, block: Block, inputs: LayerInputs, w, x: jax.Array):
+    """(the block's output, the pullback of ``x`` and its weights): its forward from its input
+    ``x``, differentiated by ``jax.vjp`` (it has no hand-written backward). Its auxiliary
+    outputs' ``loss`` fields are outputs too (the loss adds them)."""
+    fields = _block_fields(cfg, block, w)
+
+    def forward(x, w_block):
+        a = BlockActivations(blocks, {block.input: x})
+        out = block.forward(cfg, inputs, dataclasses.replace(w, **w_block), a)
+        if block.aux is None:
+            return out
+        out, aux = out
+        return out, tuple(aux[f] for f in block.aux.loss)
+
+    out, pullback = jax.vjp(forward, x, {name: getattr(w, name) for name in fields})
+    return (out if block.aux is None else out[0]), pullback
 
 
 def layer_activations(
-    cfg: ModelConfig,
-    rows: SequenceRows,
-    rope,
-    mask: jax.Array | None,
-    w: Layer,
-    kept_values: Mapping[str, jax.Array],
-) -> Activations:
-    """One layer's activations for its backward: transformer.py's layer forward itself
-    (:func:`~seqshard.model.transformer.layer_forward`), taking what the forward pass kept
-    (at least the input ``x``) as it is and computing every other value the backward reads
-    from the ones before it, nothing more (not the down projection: no backward reads it)."""
-    a = BlockActivations(LAYER_BLOCKS, kept_values, explicit=True, only_needed=True)
-    layer_forward(cfg, rows, rope, mask, w, a)
-    return a.values
-
-
-def norm_backward(
-    cfg: ModelConfig, x: jax.Array, gain: jax.Array, d_n: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """The transpose of ``normed(cfg, x, gain)`` and of the gather in ``norm_input``: dL/d(the
-    residual) in its layout (compute dtype) and the gain's gradient 'M/t/d/e/c' (f32), from
-    ``d_n``, dL/d(normed rows) 'B/d/e L@zigzag/c M' owing a sum over t (the projections contracted a
-    t-split dimension). ``x`` is what :func:`~seqshard.model.transformer.norm_input` gave."""
-    dt, residual = jnp.dtype(cfg.compute_dtype), cfg.residual_spec
-    if cfg.residual == "M/t":
-        # The norm's backward is linear in its cotangent (and reads the gathered x, whole), so
-        # it runs on the partial sums; the transpose of the residual's gather over t sums them
-        # as it scatters.
-        d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
-        d_x = shardops.psum_scatter(f"B/d/e L@zigzag/c M{{U_t}} -> {residual}", d_x.astype(dt))
-    else:
-        # The transpose of the gather of the normed rows: summed over t, each shard its own
-        # rows; then the norm's backward on them, local.
-        d_n = shardops.psum_scatter(f"B/d/e L@zigzag/c M{{U_t}} -> {residual}", d_n.astype(dt))
-        d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
-        d_x = d_x.astype(dt)
-    # Summed over this device's rows, partial over t (partial sums, or other rows): one
-    # reduce-scatter over both, into the gain's 'M/t/d/e/c' (the transpose of its gather).
-    return d_x, shardops.psum_scatter("M{U_t,d,e,c} -> M/t/d/e/c", d_gain)
-
-
-def rms_norm_backward(
-    x: jax.Array, gain: jax.Array, dy: jax.Array, eps: float
-) -> tuple[jax.Array, jax.Array]:
-    """The VJP of :func:`~seqshard.model.transformer.rms_norm`, in f32: (dL/dx, dL/dgain).
-
-    ``x`` is the norm's whole input (all of the last dimension), ``dy`` the cotangent of its
-    output; dL/dgain is summed over every leading dimension. Both are linear in ``dy``, so a
-    ``dy`` that owes a sum over a mesh axis gives results that owe the same sum.
-    """
-    x, dy = x.astype(jnp.float32), dy.astype(jnp.float32)
-    inv_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    normed = x * inv_rms
-    d_gain = jnp.sum(dy * normed, axis=tuple(range(x.ndim - 1)))
-    d_normed = dy * gain.reshape((1,) * (x.ndim - 1) + gain.shape)
-    # d/dx of x / rms(x): take out the component of d_normed along normed, then / rms(x).
-    along = jnp.mean(d_normed * normed, axis=-1, keepdims=True)
-    return (d_normed - normed * along) * inv_rms, d_gain
-
-
-def attention_backward(
-    cfg: ModelConfig, rows: SequenceRows, mask: jax.Array | None, a: Activations, d_attn: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dL/dq 'B/d/e L@zigzag/c Q K/t D' and dL/dk, dL/dv 'B/d/e L@zigzag/c K/t D' from dL/dattn; per device (each t
-    shard holds whole kv heads and their query heads), no communication.
-
-    Einsum attention: written out. Fused kernels (cudnn, xla, splash): the implementation's
-    own VJP for this core only (:func:`seqshard.model.attention.attention_vjp`: cudnn and xla
-    re-run their forward for its residuals; splash's backward re-runs its kernel itself).
-    """
-    q, c, causal_only = a["q"], shardops.axis_size("c"), cfg.attention_mask == "causal"
-    if cfg.ring_over(c):  # its own backward: k, v and their gradients around the ring again
-        with part("context"):
-            args = (a["k"], a["v"], a["attn"], a["lse"], rows.segments, causal_only, d_attn)
-            return ring_backward(q, *args)
-    k, v = a["keys"], a["values"]
-    if not _einsum_attention(cfg):
-        impl = cfg.attention_impl
-        dq, dk, dv = attention_vjp(q, k, v, mask, impl, causal_only and c == 1, d_attn)
-    else:
-        dq, dk, dv = _einsum_attention_backward(a["probs"], q, k, v, d_attn)
-    # Each c shard's queries reached every key: the transposes of the gathers over c sum the
-    # shards' partial gradients, each keeping its own positions (nothing moves when c = 1).
-    with part("context"):
-        spec = "B/d/e L@zigzag K/t D{U_c} -> B/d/e L@zigzag/c K/t D"
-        return dq, shardops.psum_scatter(spec, dk), shardops.psum_scatter(spec, dv)
-
-
-def _einsum_attention_backward(probs, q, k, v, d_attn):
-    """dq and the gathered keys' dk, dv (owing a sum over c) of attention.py's einsum
-    attention, from its probabilities."""
-    # attn = probs . v
-    d_probs = shardops.einsum_unreduced(
-        "B/d/e Qlen@zigzag/c Q K/t D, B/d/e Klen@zigzag K/t D -> B/d/e K/t Q Qlen@zigzag/c Klen@zigzag",
-        d_attn,
-        v,
-        out_dtype=jnp.float32,
-    )
-    dv = shardops.einsum_unreduced(
-        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",
-        probs.astype(v.dtype),
-        d_attn,
-    )
-    # softmax over Klen, in f32. A masked key has probability exactly 0, so its score's
-    # gradient is 0 too: the mask needs no second application.
-    d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
-    d_scores = (d_scores * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
-    # scores = q . k (each kv head's gradient sums over its Q query heads)
-    dq = shardops.einsum_unreduced(
-        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Klen@zigzag K/t D -> B/d/e Qlen@zigzag/c Q K/t D",
-        d_scores,
-        k,
-    )
-    dk = shardops.einsum_unreduced(
-        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",
-        d_scores,
-        q,
-    )
-    return dq, dk, dv
-
-
-# A block's rows, as its projections see them (a microbatch's, zigzagged over c).
-_ROWS = "B/d/e L@zigzag/c"
-
-
-def projections_backward(
-    x: jax.Array,
-    projections: Sequence[tuple[str, str, jax.Array, jax.Array]],
-    part_name: str,
-) -> tuple[jax.Array, list[jax.Array]]:
-    """The backward of projections ``y_i = x . w_i`` of one normed input ``x``
-    'B/d/e L@zigzag/c M', each given as (y's spec, the gathered weight's spec, dL/dy_i, w_i):
-    dL/dx, which owes the sum over t of the contracted t-split dims, and each weight's
-    gradient in its FSDP layout 'M/d/e/c ...'::
-
-        dx  = sum_i einsum_unreduced('Y_i, W_i -> B/d/e L@zigzag/c M{U_t}', dy_i, w_i)
-        dw_i = einsum_unreduced('B/d/e L@zigzag/c M, Y_i -> W_i{U_d,e,c}', x, dy_i)
-        dw_i = psum_scatter('W_i{U_d,e,c} -> W_i with M/d/e/c', dw_i)
-    """
-    rows = f"{_ROWS} M"
-    d_x = functools.reduce(
-        operator.add,
-        (
-            shardops.einsum_unreduced(f"{y}, {w} -> {rows}{{U_t}}", dy, weight)
-            for y, w, dy, weight in projections
-        ),
-    )
-    d_ws = [
-        shardops.einsum_unreduced(f"{rows}, {y} -> {w}{{U_d,e,c}}", x, dy)
-        for y, w, dy, _ in projections
-    ]
-    # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
-    with part(part_name):
-        d_ws = [
-            shardops.psum_scatter(f"{w}{{U_d,e,c}} -> {w.replace('M', 'M/d/e/c', 1)}", dw)
-            for (_, w, _, _), dw in zip(projections, d_ws, strict=True)
-        ]
-    return d_x, d_ws
-
-
-# The activations of a block's input side (x, norm(x)), its gain and the norm's part.
-_ATTENTION_INPUT = ("gx", "nx", "ln1", "attn_norm")
-_FFN_INPUT = ("gh", "nh", "ln2", "ffn_norm")
-
-
-def normed_projections_backward(
-    cfg: ModelConfig,
-    a: Activations,
-    norm: tuple[str, str, str, str],
-    projections: Sequence[tuple[str, str, jax.Array]],
-    part_name: str,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The backward of a block's input side, ``y_i = norm(x) . w_i``: ``norm`` names the
-    activations x and norm(x), the gain and the norm's part (``_ATTENTION_INPUT``); each
-    projection is (its weight's name, the gathered weight's spec 'W_i', dL/dy_i), y_i's spec
-    being W_i with M replaced by the rows. Returns dL/dx (whole: the norm's backward sums the
-    t shards) and the gradients {gain, w_i} (the w_i in f32)."""
-    x, normed, gain, norm_part = norm
-    d_n, d_ws = projections_backward(
-        a[normed],
-        [(w.replace("M", _ROWS, 1), w, dy, a[n]) for n, w, dy in projections],
-        part_name,
-    )
-    # d_n still owes the sum over t of the contracted t-split dims.
-    with part(norm_part):
-        d_x, d_gain = norm_backward(cfg, a[x], a[gain], d_n)
-    named = {name: dw.astype(jnp.float32) for (name, *_), dw in zip(projections, d_ws, strict=True)}
-    return d_x, {gain: d_gain, **named}
-
-
-def output_projection_backward(
-    cfg: ModelConfig, d_out: jax.Array, x: jax.Array, w: jax.Array, dims: str, part_name: str
-) -> tuple[jax.Array, jax.Array]:
-    """The backward of an output projection ``out = psum_scatter(x . w)`` (attention's o, the
-    FFN's down) of ``x`` 'B/d/e L@zigzag/c X' (``dims`` is X, t-split) and the gathered ``w``
-    'M X': (dL/dx, dL/dw in FSDP's layout 'M/d/e/c X'). The forward reduce-scattered over t;
-    its transpose gathers dL/d(out) over t, so each t shard has all of M against its X::
-
-        g  = all_gather('<residual> -> B/d/e L@zigzag/c M', d_out)
-        dx = einsum_unreduced('B/d/e L@zigzag/c M, M X -> B/d/e L@zigzag/c X', g, w)
-        dw = einsum_unreduced('B/d/e L@zigzag/c X, B/d/e L@zigzag/c M -> M X{U_d,e,c}', x, g)
-        dw = psum_scatter('M X{U_d,e,c} -> M/d/e/c X', dw)
-    """
-    with part(part_name):
-        g = shardops.all_gather(f"{cfg.residual_spec} -> {_ROWS} M", d_out)
-        d_x = shardops.einsum_unreduced(f"{_ROWS} M, M {dims} -> {_ROWS} {dims}", g, w)
-        d_w = shardops.einsum_unreduced(f"{_ROWS} {dims}, {_ROWS} M -> M {dims}{{U_d,e,c}}", x, g)
-        # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
-        d_w = shardops.psum_scatter(f"M {dims}{{U_d,e,c}} -> M/d/e/c {dims}", d_w)
-    return d_x, d_w
-
-
-def swiglu_backward(
-    cfg: ModelConfig, a: Activations, d_out: jax.Array
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The SwiGLU block's backward: dL/dh (a residual) and its weights' gradients (f32, in
-    their layouts), from its activations and dL/d(output) ``d_out``."""
-    f32 = jnp.float32
-    # --- out = h + psum_scatter(swiglu(nh) . w_down) --------------------------------------
-    # The forward reduce-scattered the down projection over t; its transpose gathers the
-    # gradient over t, so each t shard has all of M against its slice of F.
-    d_y, d_w_down = output_projection_backward(cfg, d_out, a["y"], a["w_down"], "F/t", "down")
-    gate, up = a["gate"], a["up"]
-    # y = silu(gate) * up, silu(z) = z * sigmoid(z)
-    sig = jax.nn.sigmoid(gate)
-    d_up = d_y * (gate * sig)
-    d_gate = d_y * up * (sig * (1 + gate * (1 - sig)))
-    d_gh, grads = normed_projections_backward(
-        cfg, a, _FFN_INPUT, [("w_gate", "M F/t", d_gate), ("w_up", "M F/t", d_up)], "gate_up"
-    )
-    return d_out + d_gh, {**grads, "w_down": d_w_down.astype(f32)}
-
-
-def attention_half_backward(
-    cfg: ModelConfig,
-    rows: SequenceRows,
-    rope,
-    mask: jax.Array | None,
-    a: Activations,
-    d_h: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The attention block's backward: dL/dx (a residual) and its weights' gradients (f32, in
-    their layouts), from its activations and dL/dh ``d_h``."""
-    f32 = jnp.float32
-    cos, sin = rope
-    # --- h = x + psum_scatter(attn . w_o) --------------------------------------------------
-    # As for the down projection: the transpose of the output's psum_scatter over t.
-    d_attn, d_w_o = output_projection_backward(cfg, d_h, a["attn"], a["w_o"], "Q K/t D", "o")
-    d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
-    # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
-    d_q = apply_rope(d_q, cos, -sin)
-    d_k = apply_rope(d_k, cos, -sin)
-    if cfg.qk_norm:
-        d_q, d_k, qk_grads = qk_norm_backward(cfg, a, d_q, d_k)
-    else:
-        # The gains are [0]: so are their gradients, typed as the layer's weights are (varying
-        # over p in a pipeline stage).
-        empty = varying_over_stages(jnp.zeros((0,), f32))
-        qk_grads = {"q_norm": empty, "k_norm": empty}
-    d_kv = jnp.stack([d_k, d_v])
-    d_gx, grads = normed_projections_backward(
-        cfg, a, _ATTENTION_INPUT, [("w_q", "M Q K/t D", d_q), ("w_kv", "2 M K/t D", d_kv)], "q_kv"
-    )
-    return d_h + d_gx, {**grads, "w_o": d_w_o.astype(f32), **qk_grads}
-
-
-def qk_norm_backward(
-    cfg: ModelConfig, a: Activations, d_q: jax.Array, d_k: jax.Array
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """The transpose of ``model.qk_norm``'s head norms: dL/d(q before its norm)
-    'B/d/e L@zigzag/c Q K/t D' and dL/d(k before it) 'B/d/e L@zigzag/c K/t D' (compute dtype),
-    from the cotangents of the normed q and k, and the gains' gradients 'D' (f32)."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    with part("qk_norm"):
-        d_q, d_q_norm = rms_norm_backward(a["q_proj"], a["q_norm"], d_q, cfg.norm_eps)
-        d_k, d_k_norm = rms_norm_backward(a["k_proj"], a["k_norm"], d_k, cfg.norm_eps)
-        # Each gain's gradient summed over this device's rows (B/d/e, L/c) and heads (K/t):
-        # summed over every device, the gains rest replicated.
-        d_q_norm = shardops.psum("D{U_t,d,e,c} -> D", d_q_norm)
-        d_k_norm = shardops.psum("D{U_t,d,e,c} -> D", d_k_norm)
-    return d_q.astype(dt), d_k.astype(dt), {"q_norm": d_q_norm, "k_norm": d_k_norm}
+    cfg: ModelConfig, blocks: tuple[Block, ...], inputs: LayerInputs, w, kept_values
+) -> tuple[BlockActivations, dict]:
+    """One layer's forward again for its backward, from what the forward pass kept (at least
+    its input): each block with a hand-written backward through one recorder, taking the kept
+    values as they are and computing every other value a backward reads, nothing more; each
+    block without one by ``jax.vjp`` (:func:`_block_vjp`), its output handed on. Returns
+    (the recorder, {block: pullback})."""
+    a = BlockActivations(blocks, kept_values, explicit=True, only_needed=True)
+    pullbacks = {}
+    for block in blocks:
+        if block.backward is not None:
+            block.forward(cfg, inputs, w, a)
+            continue
+        # Re-run inside the backward: its collectives and their transposes are the backward's.
+        with collective_log.vjp_in_backward():
+            out, pullbacks[block.name] = _block_vjp(cfg, blocks, block, inputs, w, a[block.input])
+        a.values[block.output] = out
+    return a, pullbacks
 
 
 def layer_backward(
     cfg: ModelConfig,
-    rows: SequenceRows,
-    rope,
-    mask: jax.Array | None,
-    a: Activations,
+    blocks: tuple[Block, ...],
+    inputs: LayerInputs,
+    w,
+    a: BlockActivations,
+    pullbacks: dict,
     d_out: jax.Array,
-) -> tuple[jax.Array, Layer]:
-    """dL/dx (a residual) and the layer's weight gradients (a :class:`Layer`, each field in its
-    own sharded layout, f32), from the layer's activations and dL/d(output) ``d_out``: the
-    SwiGLU block's backward, then the attention block's."""
-    d_h, ffn = swiglu_backward(cfg, a, d_out)
-    d_x, attention = attention_half_backward(cfg, rows, rope, mask, a, d_h)
-    return d_x, Layer(**attention, **ffn)
-
-
-def moe_layer_backward(
-    cfg: ModelConfig,
-    rows: SequenceRows,
-    rope,
-    mask: jax.Array | None,
-    w: MoELayer,
-    a: Activations,
-    d_out: jax.Array,
-    d_balancing: tuple[jax.Array, jax.Array],
-) -> tuple[jax.Array, MoELayer]:
-    """dL/dx and the MoE layer's gradients. Its FFN (the routing, the exchanges over e and the
-    grouped matmuls) is differentiated by ``jax.vjp`` from its input h: its forward re-runs
-    there (logged as recomputed, with the transposes of its collectives as the backward's:
-    :func:`seqshard.shardlib.collective_log.vjp_in_backward`); ``d_balancing`` is (dL/d(the
-    layer's aux term), dL/d(its z term)). Then the attention block's hand-written backward."""
-    ffn_fields = [f.name for f in dataclasses.fields(ExpertFfnWeights)]
-
-    def ffn(h, w_ffn):
-        moe_w = dataclasses.replace(w, **w_ffn)
-        out, stats = moe.moe_ffn(cfg, moe_w, BlockActivations(MOE_LAYER_BLOCKS, {"h": h}))
-        return out, (stats.aux, stats.z)
-
-    with (
-        jax.named_scope(_RECOMPUTE),
-        collective_log.phase("recompute"),
-        collective_log.vjp_in_backward(),
-    ):
-        _, pullback = jax.vjp(ffn, a["h"], {name: getattr(w, name) for name in ffn_fields})
-    with collective_log.vjp_in_backward():
-        d_h, d_ffn = pullback((d_out, d_balancing))
-    # The router bias is no trained weight: the forward reads it without a gradient.
-    d_x, attention = attention_half_backward(cfg, rows, rope, mask, a, d_h)
-    d_ffn = {k: v.astype(jnp.float32) for k, v in d_ffn.items()}
-    return d_x, MoELayer(**attention, **d_ffn)
+    d_loss: dict[str, jax.Array],
+):
+    """dL/d(the layer's input) (a residual) and its weights' gradients (the layer's type, each
+    field in its own layout, f32), from its rebuilt activations and dL/d(output) ``d_out``:
+    each block's backward in reverse. ``d_loss``: per block with loss fields, dL/d(each of
+    them), in their order."""
+    grads, d = {}, d_out
+    for block in reversed(blocks):
+        if block.backward is not None:
+            d, block_grads = block.backward(cfg, inputs, w, a, d)
+        else:
+            cotangent = d
+            if block.aux is not None:
+                cotangent = (d, d_loss.get(block.name, ()))
+            with collective_log.vjp_in_backward():
+                d, block_grads = pullbacks[block.name](cotangent)
+            # The router bias is no trained weight: the forward reads it without a gradient.
+            block_grads = {k: v.astype(jnp.float32) for k, v in block_grads.items()}
+        grads.update(block_grads)
+    return d, type(w)(**grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,7 +246,7 @@ def head_backward(
     ``unembed`` in their layouts, given dL/d(summed loss) ``d_total`` (a scalar)."""
     dt, f32 = jnp.dtype(cfg.compute_dtype), jnp.float32
     targets, counted = rows.targets, rows.counted
-    # The loss psum over (d, c) transposes to each shard taking d_total for its own positions.
+    # The loss psum over (d, e, c) transposes to each shard taking d_total for its own positions.
     d_nll = d_total * counted.astype(f32)
     # nll = log(sum_exp) + shift - target_logit. The psum over t of sum_exp and target_logit
     # transposes to each t shard taking the whole cotangent for its vocab block: dL/dlogits is
@@ -579,22 +291,66 @@ def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.A
 
 
 # ---------------------------------------------------------------------------------------------
-# The whole model, as a custom VJP inside the shard_map
+# A stack of layers, and the whole model as a custom VJP inside the shard_map
 
 
 _RECOMPUTE = "rematted_computation"
 
 
-def explicit_terms_and_stats(
+def _stack_keeping(cfg: ModelConfig, stack: Stack, rows: SequenceRows, x: jax.Array, w):
+    """The residual through the stacked layers ``w`` of ``stack`` (inside
+    ``hand_differentiated``): (the output, per layer what ``cfg.remat`` keeps for
+    :func:`_stack_backward`, per layer its auxiliary outputs)."""
+    keep = kept_activations(cfg, stack.blocks, shardops.axis_size("c"))
+    inputs = layer_inputs(cfg, rows)
+
+    def layer(x, w_layer):
+        a = BlockActivations(stack.blocks, {stack.blocks[0].input: x}, explicit=True)
+        out, aux = layer_forward(cfg, stack.blocks, inputs, w_layer, a)
+        return out, ({name: a[name] for name in keep}, aux)
+
+    x, (kept_values, aux) = collective_log.scan(stack.name, layer, x, w)
+    return x, kept_values, aux
+
+
+def _stack_backward(cfg: ModelConfig, stack: Stack, rows: SequenceRows, w, kept, d_out, d_loss):
+    """(dL/d(the stack's input), its layers' gradients): the layers in reverse, each one's
+    activations rebuilt from what it kept (inside the backward's scopes). ``d_loss``: per
+    block with loss fields, dL/d(each of them), f32[layers] each."""
+    inputs = layer_inputs(cfg, rows)
+
+    def layer(d_out, xs):
+        w_layer, kept_layer, d_loss_layer = xs
+        # Named as JAX names remat's recomputation, so HLO audits (seqshard.shardlib.comms)
+        # put its re-gathers in the 'recompute' phase, as for autodiff.
+        with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
+            a, pullbacks = layer_activations(cfg, stack.blocks, inputs, w_layer, kept_layer)
+        return layer_backward(cfg, stack.blocks, inputs, w_layer, a, pullbacks, d_out, d_loss_layer)
+
+    return collective_log.scan(stack.name, layer, d_out, (w, kept, d_loss), reverse=True)
+
+
+def _loss_cotangents(stack: Stack, d: jax.Array) -> dict[str, tuple[jax.Array, ...]]:
+    """Per block of ``stack`` with loss fields, each one's cotangent per layer: ``d``, the
+    summed loss's cotangent times the counted positions (the loss adds them so)."""
+    out = {}
+    for b in stack.aux_blocks:
+        if b.aux.loss:
+            d_layers = jnp.broadcast_to(d, (stack.n_layers,))
+            out[b.name] = tuple(d_layers for _ in b.aux.loss)
+    return out
+
+
+def explicit_terms_and_aux(
     cfg: ModelConfig, w: Weights, batch: TokenBatch
-) -> tuple[jax.Array, RouterStats | None]:
-    """:func:`~seqshard.model.transformer.forward_terms_and_stats`, whose gradient is the
-    hand-written backward pass of this module (the MoE layers' FFN differentiated by
-    ``jax.vjp`` inside it: :func:`moe_layer_backward`)."""
+) -> tuple[jax.Array, dict]:
+    """:func:`~seqshard.model.transformer.forward_terms_and_aux`, whose gradient is the
+    hand-written backward pass of this module (a block without one differentiated by
+    ``jax.vjp`` inside it: :func:`layer_activations`)."""
     axes = block_axes()
     if axes is None:
         raise ValueError(
-            "explicit_terms_and_stats runs on per-device blocks, inside the model's shard_map "
+            "explicit_terms_and_aux runs on per-device blocks, inside the model's shard_map "
             "(loss_fn, batch_loss_terms); it was called outside one."
         )
     sizes = (tuple(axes.sizes.items()), axes.manual)
@@ -604,117 +360,44 @@ def explicit_terms_and_stats(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_explicit_backward(cfg, axes, w, batch):
     # Not differentiated (eval): the model's forward pass itself.
-    return forward_terms_and_stats(cfg, w, batch)
-
-
-def _layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer):
-    """The residual through the stacked ``layers`` (inside ``hand_differentiated``): the
-    output and, per layer, what ``cfg.remat`` keeps for :func:`_layers_backward`."""
-    keep = kept_activations(cfg, shardops.axis_size("c"))
-    rope, mask = rope_and_mask(cfg, rows)
-
-    def layer(x, w_layer):
-        a = BlockActivations(LAYER_BLOCKS, {"x": x}, explicit=True)
-        out = layer_forward(cfg, rows, rope, mask, w_layer, a)
-        return out, {name: a[name] for name in keep}
-
-    return collective_log.scan("layers", layer, x, layers)
-
-
-def _moe_layers_keeping(cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: MoELayer):
-    """The residual through the MoE stack: (the output, per layer what ``cfg.remat`` keeps of
-    its attention block (its FFN keeps nothing: its backward re-runs it), per layer its
-    routing statistics)."""
-    keep = kept(MOE_LAYER_BLOCKS, cfg, shardops.axis_size("c"))
-    rope, mask = rope_and_mask(cfg, rows)
-
-    def layer(x, w_layer):
-        a = BlockActivations(MOE_LAYER_BLOCKS, {"x": x}, explicit=True)
-        out, stats = moe_layer_forward(cfg, rows, rope, mask, w_layer, a)
-        return out, ({name: a[name] for name in keep}, stats)
-
-    x, (kept_values, stats) = collective_log.scan("moe_layers", layer, x, layers)
-    return x, kept_values, stats
-
-
-def _layers_backward(cfg: ModelConfig, rows: SequenceRows, layers: Layer, kept, d_out: jax.Array):
-    """(dL/d(the layers' input), the layers' gradients): the layers in reverse, each one's
-    activations rebuilt from what it kept (inside the backward's scopes)."""
-    rope, mask = rope_and_mask(cfg, rows)
-
-    def layer(d_out, w_and_kept):
-        w_layer, kept_layer = w_and_kept
-        # Named as JAX names remat's recomputation, so HLO audits (seqshard.shardlib.comms) put its
-        # re-gathers in the 'recompute' phase, as for autodiff.
-        with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
-            a = layer_activations(cfg, rows, rope, mask, w_layer, kept_layer)
-        return layer_backward(cfg, rows, rope, mask, a, d_out)
-
-    return collective_log.scan("layers", layer, d_out, (layers, kept), reverse=True)
-
-
-def _moe_layers_backward(cfg, rows, layers: MoELayer, kept, d_out: jax.Array, d_balancing):
-    """The MoE stack in reverse: (dL/d(its input), its layers' gradients). ``d_balancing``:
-    (dL/d aux, dL/d z), each f32[moe_layers], one per layer."""
-    rope, mask = rope_and_mask(cfg, rows)
-
-    def layer(d_out, w_and_kept):
-        w_layer, kept_layer, d_balancing = w_and_kept
-        with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
-            a = BlockActivations(MOE_LAYER_BLOCKS, kept_layer, explicit=True, only_needed=True)
-            attention_block.attention_inputs(cfg, w_layer, a, rope)
-            attention_block.attention_core(cfg, a, rows, mask)
-            attention_block.attention_output(cfg, w_layer, a)
-        return moe_layer_backward(cfg, rows, rope, mask, w_layer, a, d_out, d_balancing)
-
-    return collective_log.scan(
-        "moe_layers", layer, d_out, (layers, kept, d_balancing), reverse=True
-    )
-
-
-def _stack_size(layers) -> tuple[int]:
-    """(the number of layers in a stack,)."""
-    return jax.tree.leaves(layers)[0].shape[:1]
+    return forward_terms_and_aux(cfg, w, batch)
 
 
 def _forward(cfg: ModelConfig, axes, w: Weights, batch: TokenBatch):
-    """The forward pass for differentiation: the loss terms, the MoE layers' statistics, and
-    what the backward reads."""
-    sizes = cfg.dim_sizes()
+    """The forward pass for differentiation: the loss terms, the auxiliary outputs, and what
+    the backward reads."""
     with collective_log.hand_differentiated():  # _backward logs its own collectives
         rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)
         x = embed(cfg, w, rows.tokens)
-        kept_layers = kept_moe = stats = None
-        if sizes["layers"]:
-            x, kept_layers = _layers_keeping(cfg, rows, x, w.layers)
-        if cfg.moe.enabled:
-            x, kept_moe, stats = _moe_layers_keeping(cfg, rows, x, w.moe_layers)
+        kept_values, aux = {}, {}
+        for stack in stacks(cfg):
+            x, kept_values[stack.name], out = _stack_keeping(
+                cfg, stack, rows, x, getattr(w, stack.name)
+            )
+            if out:
+                aux[stack.name] = out
         terms, head = head_forward(cfg, w, x, rows)
-        terms = with_balancing_terms(terms, stats)
+        terms = with_aux_losses(cfg, terms, aux)
     # The weights are kept as they are (FSDP shards): the backward gathers them again.
-    return (terms, stats), (w, rows, kept_layers, kept_moe, head, terms[1])
+    return (terms, aux), (w, rows, kept_values, head, terms[1])
 
 
 def _backward(cfg: ModelConfig, axes, residuals, cotangents):
     """The backward pass: Weights of gradients in their own layouts; the batch (ids, starts
     and the loss mask) gets none."""
-    w, rows, kept_layers, kept_moe, head, count = residuals
+    w, rows, kept_values, head, count = residuals
     d_total = cotangents[0][0]
     sizes, manual = axes
     grads = {}
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
     with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
         d_x, grads["final_norm"], grads["unembed"] = head_backward(cfg, head, rows, d_total)
-        if kept_moe is not None:
-            # The balancing terms joined the summed loss times the positions counted.
-            d_balancing = jnp.broadcast_to(d_total * count, _stack_size(w.moe_layers))
-            d_x, grads["moe_layers"] = _moe_layers_backward(
-                cfg, rows, w.moe_layers, kept_moe, d_x, (d_balancing, d_balancing)
+        for stack in reversed(stacks(cfg)):
+            # The loss fields joined the summed loss times the positions counted.
+            d_loss = _loss_cotangents(stack, d_total * count)
+            d_x, grads[stack.name] = _stack_backward(
+                cfg, stack, rows, getattr(w, stack.name), kept_values[stack.name], d_x, d_loss
             )
-        if kept_layers is not None:
-            d_x, grads["layers"] = _layers_backward(cfg, rows, w.layers, kept_layers, d_x)
-        else:  # no dense layers: an empty stack's gradient
-            grads["layers"] = jax.tree.map(jnp.zeros_like, w.layers)
         grads["embed"] = embed_backward(cfg, rows.tokens, d_x)
     return type(w)(**grads), None
 
@@ -745,60 +428,44 @@ def _stage_scopes(static, scope: contextlib.AbstractContextManager):
         yield
 
 
-def explicit_run_layers(
-    cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: Layer
-) -> jax.Array:
-    """:func:`~seqshard.model.transformer.run_layers` (the residual through a stack of
-    layers: a pipeline stage's block), whose gradient is this module's layer backward, the
-    layers in reverse. ``rows`` are the rows' ids and positions (no gradient)."""
-    static = _stage_static("explicit_run_layers")
-    return _stage_with_explicit_backward(cfg, static, layers, x, rows)
-
-
-def explicit_run_moe_layers(
-    cfg: ModelConfig, rows: SequenceRows, x: jax.Array, layers: MoELayer
-) -> tuple[jax.Array, RouterStats]:
-    """:func:`~seqshard.model.transformer.run_moe_layers` (a pipeline stage's MoE layers:
-    the residual and their stacked statistics), whose gradient is this module's MoE layer
-    backward, the layers in reverse; the statistics' aux and z take their cotangents (the
-    loss adds them), the rest (counts) have none."""
-    static = _stage_static("explicit_run_moe_layers")
-    return _stage_with_explicit_backward(cfg, static, layers, x, rows)
-
-
-# A stage's layers: the MoE layers when the model has experts (the stage's whole stack then,
-# see pipelined._stack), else the dense ones.
+def explicit_run_stack(cfg: ModelConfig, stack: Stack, rows: SequenceRows, x: jax.Array, w):
+    """:func:`~seqshard.model.layers.run_stack` (the residual through a pipeline stage's
+    block of ``stack``: (the residual, its layers' auxiliary outputs)), whose gradient is
+    this module's layer backward, the layers in reverse; the auxiliary outputs' loss fields
+    take their cotangents (the loss adds them), the rest have none. ``rows`` are the rows'
+    ids and positions (no gradient)."""
+    static = _stage_static("explicit_run_stack")
+    return _stage_with_explicit_backward(cfg, (stack, static), w, x, rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _stage_with_explicit_backward(cfg, static, layers, x, rows):
+def _stage_with_explicit_backward(cfg, stack_static, layers, x, rows):
+    stack, _ = stack_static
     with collective_log.hand_differentiated(), collective_log.custom_vjp_primal():
-        return (run_moe_layers if cfg.moe.enabled else run_layers)(cfg, rows, x, layers)
+        return run_stack(cfg, stack, rows, x, layers)
 
 
-def _stage_forward(cfg: ModelConfig, static, layers, x: jax.Array, rows: SequenceRows):
+def _stage_forward(cfg: ModelConfig, stack_static, layers, x: jax.Array, rows: SequenceRows):
+    stack, static = stack_static
     # Traced when JAX differentiates the tick loop (the stage's scopes closed): reopen them.
     with _stage_scopes(static, collective_log.hand_differentiated()):
-        if cfg.moe.enabled:
-            y, kept_values, stats = _moe_layers_keeping(cfg, rows, x, layers)
-            return (y, stats), (layers, rows, kept_values)
-        y, kept_values = _layers_keeping(cfg, rows, x, layers)
-    return y, (layers, rows, kept_values)
+        y, kept_values, aux = _stack_keeping(cfg, stack, rows, x, layers)
+    return (y, aux), (layers, rows, kept_values)
 
 
-def _stage_backward(cfg: ModelConfig, static, residuals, cotangents):
+def _stage_backward(cfg: ModelConfig, stack_static, residuals, cotangents):
+    stack, static = stack_static
     layers, rows, kept_values = residuals
+    d_y, d_aux = cotangents
+    # The loss fields' cotangents (the loss reads them); the other fields have none.
+    d_loss = {
+        b.name: tuple(d_aux[b.name][f] for f in b.aux.loss) for b in stack.aux_blocks if b.aux.loss
+    }
     # Traced when JAX transposes the tick loop, after the body's scopes closed: reopen them.
     with _stage_scopes(static, collective_log.phase("backward")):
-        if cfg.moe.enabled:
-            d_y, d_stats = cotangents
-            d_x, d_layers = _moe_layers_backward(
-                cfg, rows, layers, kept_values, d_y, (d_stats.aux, d_stats.z)
-            )
-        else:
-            d_x, d_layers = _layers_backward(cfg, rows, layers, kept_values, cotangents)
-    # rows: ids and positions, no gradient (the router bias, read without one, is among the
-    # layers: its own update is the train step's).
+        d_x, d_layers = _stack_backward(cfg, stack, rows, layers, kept_values, d_y, d_loss)
+    # rows: ids and positions, no gradient (per-step state such as the router bias is among
+    # the layers, read without one: its own update is the train step's).
     return d_layers, d_x, None
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,9 @@ from seqshard.shardlib.remat import RematName, save_for_backward
 __all__ = [
     "Activation",
     "Activations",
+    "Aux",
     "Block",
+    "LayerInputs",
     "Op",
     "Weight",
     "activation_bytes",
@@ -70,6 +72,7 @@ class Weight:
     decay: bool = True  # AdamW's weight decay applies (not to norm gains)
     gathered_in: Dtype = "compute"  # the dtype the forward all-gathers it in
     hf: tuple[tuple[str, str], ...] = ()
+    present: Callable[[ModelConfig], bool] = lambda m: True  # absent: not in the tree at all
 
     def std(self, cfg: ModelConfig) -> float | str:
         return self.init(cfg) if callable(self.init) else self.init
@@ -82,23 +85,27 @@ def weight(
     decay: bool = True,
     gathered_in: Dtype = "compute",
     layout: str | None = None,
+    present: Callable[[ModelConfig], bool] = lambda m: True,
 ) -> Any:
     """A weight field's declaration: ``w_up: f32['d_model/d/e/c d_ff/t'] = weight(fan_in,
-    hf='model.layers.{i}.mlp.up_proj.weight', layout='d_ff d_model')``."""
+    hf='model.layers.{i}.mlp.up_proj.weight', layout='d_ff d_model')``. ``present``: whether
+    a config has it (a weight it leaves off is absent from the weights' tree)."""
     if isinstance(hf, str):
         hf = ((hf, layout or ""),)
-    info = Weight(init, decay=decay, gathered_in=gathered_in, hf=tuple(hf))
+    info = Weight(init, decay=decay, gathered_in=gathered_in, hf=tuple(hf), present=present)
     return dataclasses.field(metadata={"seqshard": info})
 
 
-def gain(hf: str, layout: str = "d_model") -> Any:
+def gain(
+    hf: str, layout: str = "d_model", present: Callable[[ModelConfig], bool] = lambda m: True
+) -> Any:
     """A norm gain: ones at init, no decay, gathered in f32 (``rms_norm`` takes f32 gains);
-    ``layout`` its one dimension (``d_qk_norm`` for the per-head q and k norms)."""
-    return weight("ones", hf=hf, layout=layout, decay=False, gathered_in="f32")
+    ``layout`` its one dimension (``d_head`` for the per-head q and k norms)."""
+    return weight("ones", hf=hf, layout=layout, decay=False, gathered_in="f32", present=present)
 
 
 def weight_info(cls: type) -> dict[str, Weight]:
-    """Field name -> :class:`Weight` of a weights dataclass (``Layer``, ``Weights``)."""
+    """Field name -> :class:`Weight` of a weights dataclass (a block's, a layer's, ``Weights``)."""
     return {
         f.name: f.metadata["seqshard"] for f in dataclasses.fields(cls) if "seqshard" in f.metadata
     }
@@ -178,13 +185,63 @@ def elementwise(
     )
 
 
-@dataclasses.dataclass(frozen=True)
+class LayerInputs(NamedTuple):
+    """What every layer of a microbatch reads besides its weights and the residual: the rows'
+    ids and positions (:class:`~seqshard.model.context.SequenceRows`), RoPE's (cos, sin) at
+    each position, and the attention mask (None where the attention masks its own blocks)."""
+
+    rows: Any
+    rope: Any
+    mask: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Aux:
+    """What a block returns beside its output, per layer, and what becomes of it.
+
+    ``fields``: each value's name and its dims after the layer stack's (``''`` a number per
+    layer, ``'experts'`` one per expert): f32, replicated (summed over the mesh inside the
+    block). Per training step they are summed over microbatches, except ``mean`` (averaged);
+    ``loss`` are added to the microbatch's summed loss, each times its counted positions (so
+    the step's mean loss adds each once per microbatch); ``metrics(cfg, aux, layer_names,
+    stack_weights) -> {name: value}`` gives the log's figures from the step's values (``aux``:
+    field -> [layers, ...], ``layer_names`` each stored layer's place in the model);
+    ``update(cfg, stack_weights, aux) -> stack_weights`` is per-step state moved after the
+    optimizer step (no gradient reaches it)."""
+
+    fields: Mapping[str, str]
+    loss: tuple[str, ...] = ()
+    mean: tuple[str, ...] = ()
+    metrics: Callable[..., dict[str, Any]] | None = None
+    update: Callable[..., Any] | None = None
+
+
+Forward = Callable[[ModelConfig, LayerInputs, Any, "Activations"], Any]
+Backward = Callable[[ModelConfig, LayerInputs, Any, "Activations", Any], tuple[Any, dict]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Block:
-    """A block kind's declarations (see the module docstring)."""
+    """A block kind's declarations (see the module docstring).
+
+    ``weights``: its weights' pytree dataclass (one layer's; each field declared by
+    :func:`weight`), or None (the embedding and head, whose weights are the model's own).
+    ``forward(cfg, inputs, w, a)``: its math on the residual ``a[input]`` through the recorder
+    ``a``: the residual ``a[output]``, or (it, {aux field: value}) when it declares ``aux``.
+    ``backward(cfg, inputs, w, a, d_out)``: its hand-written backward from the activations
+    ``a`` its forward rebuilt: (dL/d input, {weight field: gradient, f32, in its layout}); None:
+    the hand-written model backward takes ``jax.vjp`` of ``forward`` instead (re-running it).
+    """
 
     name: str
     activations: tuple[Activation, ...]
     ops: tuple[Op, ...]
+    weights: type | None = None
+    forward: Forward | None = None
+    backward: Backward | None = None
+    input: str = "h"
+    output: str = "out"
+    aux: Aux | None = None
 
     def activation(self, name: str) -> Activation:
         for a in self.activations:

@@ -192,6 +192,8 @@ class ModelConfig:
         low_freq_factor slow down by ``rope_factor``, shorter than original_max /
         high_freq_factor stay, the band between is interpolated
         (:func:`seqshard.model.attention.rope_frequencies`).
+    ffn: the dense layers' FFN block kind: ``swiglu`` (default), or a kind added with
+        :func:`seqshard.model.layers.register_ffn` (``tests/model/test_block_kinds.py``).
     """
 
     vocab: int = 4096  # embedding rows; >= the tokenizer's vocabulary
@@ -216,6 +218,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # rope_type=llama3
     rope_original_max_position: int = 8192  # rope_type=llama3
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    ffn: str = "swiglu"  # the dense layers' FFN block kind (seqshard.model.layers.FFN_KINDS)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -256,6 +259,27 @@ class ModelConfig:
             raise ValueError(
                 f"model.rope_theta and model.norm_eps must be positive, got "
                 f"{self.rope_theta} and {self.norm_eps}."
+            )
+
+    def check_mesh_kinds(self, mesh: Mapping[str, int], where: str) -> None:
+        """Raise ValueError if the mesh's axis sizes ``mesh`` (every axis given) do not suit
+        the model's block kinds: e > 1 splits the routed experts, so needs some; p > 1
+        pipelines one layer stack, so not dense layers before the MoE ones. ``where``
+        describes the mesh for the message."""
+        if mesh["e"] > 1 and not self.moe.enabled:
+            raise ValueError(
+                f"mesh axis e={mesh['e']} splits the routed experts, but the model has none "
+                f"(model.moe.n_experts=0) on a {where} mesh. Set mesh.e=1 (use mesh.d for data "
+                f"parallelism), or give the model experts (model.moe.n_experts divisible by e)."
+            )
+        if mesh["p"] > 1 and self.moe.enabled and self.moe.n_dense_layers:
+            # Both stacks split over p, stage s would run dense block s, then MoE block s:
+            # not every dense layer before every MoE layer (seqshard.model.pipeline.pipelined).
+            raise ValueError(
+                f"a model with experts pipelines only MoE layers: model.moe.n_dense_layers="
+                f"{self.moe.n_dense_layers} dense first layers with mesh.p={mesh['p']} would "
+                f"run out of the model's order (each stage its dense block, then its MoE block) "
+                f"on a {where} mesh. Set model.moe.n_dense_layers=0 to pipeline, or mesh.p=1."
             )
 
     def dim_sizes(self) -> dict[str, int]:

@@ -55,8 +55,8 @@ each; o ``2 H D M``; gate, up, down ``2 M F`` each; and once, the logits ``2 M V
 (:class:`MatmulFlops` sums them into qkv, attn_scores, attn_values, out_proj, ffn, lm_head).
 
 Memory (:func:`memory_per_device`) is an estimate of what lives on one device of a
-``d x t`` mesh through a training step: f32 master weights, f32 grads and AdamW's two f32
-moments, all fully sharded over ``d*c*t``; the activations each layer saves for the backward
+``d x e x c x t`` mesh through a training step: f32 master weights, f32 grads and AdamW's two
+f32 moments, all fully sharded over ``d*e*c*t``; the activations each layer saves for the backward
 pass under ``cfg.remat``; and the f32 logits.
 
 What ``cfg.remat`` recomputes and keeps is declared with the blocks (:mod:`seqshard.model.block`):
@@ -80,15 +80,9 @@ import numpy as np
 
 from seqshard.model.block import Block, Op, activation_bytes, kept, recomputed
 from seqshard.model.config import DTYPE_BYTES, ModelConfig
+from seqshard.model.layers import known_blocks, stacks
 from seqshard.model.transformer import EMBED, HEAD
-from seqshard.model.weights import (
-    LAYER_BLOCKS,
-    STACKS,
-    check_mesh,
-    param_count,
-    weight_structs,
-    weights_type,
-)
+from seqshard.model.weights import check_mesh, param_count, weight_structs, weights_type
 from seqshard.shardlib.notation import parse_op, parse_shape
 from seqshard.shardlib.shardtypes import ArrayType, block_shape, type_tree
 from seqshard.shardlib.tables import format_bytes
@@ -259,7 +253,7 @@ def recomputes(remat: str, op: str) -> bool:
     """Whether one layer's backward under ``remat`` re-runs the layer operation ``op`` (its
     declaration's ``recomputed_by``, in whichever layer stack declares it; ``op`` named as in
     :func:`step_flops`, or ``context``)."""
-    return any(op in recomputed(blocks, remat) for _, blocks in STACKS.values())
+    return op in recomputed(known_blocks(), remat)
 
 
 def step_flops(
@@ -315,7 +309,8 @@ def _step_flops(
         ]
 
     layers: dict[str, OpFlops] = {}
-    for _, n, blocks in stacks(cfg):
+    for stack in stacks(cfg):
+        n, blocks = stack.n_layers, stack.blocks
         for op in rows(blocks, in_layer=True, runs=n):
             # An operation both stacks run (attention, the FFN's norm) is one row over both.
             layers[op.name] = _merged(layers[op.name], op) if op.name in layers else op
@@ -337,16 +332,6 @@ def _merged(a: OpFlops, b: OpFlops) -> OpFlops:
         )
     phases = {p: getattr(a, p) + getattr(b, p) for p in PHASES}
     return dataclasses.replace(a, runs=a.runs + b.runs, **phases)
-
-
-def stacks(cfg: ModelConfig) -> tuple[tuple[str, int, tuple[Block, ...]], ...]:
-    """The model's layer stacks that hold layers: (field, layers, the blocks each runs);
-    ``('layers', n_layers, LAYER_BLOCKS)`` for a dense model, and with experts also
-    ``('moe_layers', ...)`` (:data:`seqshard.model.weights.STACKS`)."""
-    sizes = cfg.dim_sizes()
-    return tuple(
-        (name, sizes[name], blocks) for name, (_, blocks) in STACKS.items() if sizes[name] > 0
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,8 +511,9 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
         total += n
         routed += n if _is_routed(t) else 0
         embedding += n if name == "embed" else 0
+    # A token's k routed experts of n_experts (no routed weights: every weight is active).
     moe = cfg.moe
-    active = total - routed + (routed * moe.top_k // moe.n_experts if moe.enabled else 0)
+    active = total - routed + (routed * moe.top_k // moe.n_experts if routed else 0)
     return ParamCounts(total=total, active=active, routed=routed, embedding=embedding)
 
 
@@ -590,25 +576,27 @@ def layer_bytes(
     seq_len: int,
     c: int = 1,
     e: int = 1,
-    blocks: tuple[Block, ...] = LAYER_BLOCKS,
+    blocks: tuple[Block, ...] | None = None,
 ) -> LayerBytes:
-    """Each activation of one layer made of ``blocks`` (a dense layer by default), its bytes
+    """Each activation of one layer made of ``blocks`` (the first stack's by default), its bytes
     on one device of a ``d x e x c x t`` mesh, global batch ``batch`` of ``seq_len`` tokens
     (raises ValueError if the mesh cannot split the model or the batch): read off the blocks'
     declarations (:func:`seqshard.model.block.activation_bytes`), the activations the layer
     makes on that mesh (probabilities only for einsum attention over gathered keys, a
     logsumexp only for the ring, keys gathered over c only for allgather)."""
     _check_step(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c, e=e)
+    blocks = stacks(cfg)[0].blocks if blocks is None else blocks
     return activation_bytes(
         blocks, cfg, {"d": d, "e": e, "c": c, "t": t}, batch=batch, seq_len=seq_len
     )
 
 
 def saved_bytes(
-    cfg: ModelConfig, layer: LayerBytes, c: int = 1, blocks: tuple[Block, ...] = LAYER_BLOCKS
+    cfg: ModelConfig, layer: LayerBytes, c: int = 1, blocks: tuple[Block, ...] | None = None
 ) -> int:
     """Bytes on one device one layer of ``blocks`` keeps for its backward under
     ``cfg.remat``: what the blocks declare it keeps (:func:`seqshard.model.block.kept`)."""
+    blocks = stacks(cfg)[0].blocks if blocks is None else blocks
     return sum(layer[name] for name in kept(blocks, cfg, c))
 
 
@@ -637,9 +625,9 @@ def memory_per_device(
     buffers, XLA temporaries and allocator fragmentation: leave headroom.
     """
     kept_by_stack = [
-        (n, saved_bytes(cfg, layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len, c=c, e=e,
-                                         blocks=blocks), c, blocks))
-        for _, n, blocks in stacks(cfg)
+        (s.n_layers, saved_bytes(cfg, layer_bytes(cfg, d=d, t=t, batch=batch, seq_len=seq_len,
+                                                  c=c, e=e, blocks=s.blocks), c, s.blocks))
+        for s in stacks(cfg)
     ]  # fmt: skip
     weights = param_bytes_per_device(cfg, {"d": d, "e": e, "c": c, "t": t})
     return MemoryEstimate(

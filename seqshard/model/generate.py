@@ -56,15 +56,16 @@ from seqshard.mesh import AXES, axis_size, mesh_of_sizes
 from seqshard.model.attention import attention, rope_frequencies, rope_tables
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import gathered_kv
+from seqshard.model.layers import stacks
 from seqshard.model.transformer import (
+    after_attention,
     attention_inputs,
     attention_output,
     embed,
-    ffn,
     final_norm,
     unembed,
 )
-from seqshard.model.weights import STACKS, Layer, MoELayer, Weights, check_mesh, weights_type
+from seqshard.model.weights import Weights, check_mesh, weights_type
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shapecheck import shape_scope
 from seqshard.shardlib.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
@@ -266,15 +267,14 @@ def _sample(
     return -shardops.pmax("B/d/e{U_t} -> B/d/e", neg_id)
 
 
-def _stacks(w: Weights) -> list[Layer | MoELayer]:
-    """The weights' layer stacks in the order the residual passes them (the dense ``layers``,
-    then, with experts, ``moe_layers``), empty ones left out."""
-    present = (getattr(w, name, None) for name in STACKS)
-    return [s for s in present if s is not None and jax.tree.leaves(s)[0].shape[0]]
+def _stacks(cfg, w: Weights) -> list:
+    """(each layer stack's blocks, its stacked weights), in the order the residual passes
+    them (:func:`~seqshard.model.layers.stacks`)."""
+    return [(s.blocks, getattr(w, s.name)) for s in stacks(cfg)]
 
 
 def _prefill_layer(
-    spec: DecodeSpec, rope, mask: jax.Array, x: jax.Array, w: Layer | MoELayer
+    spec: DecodeSpec, blocks, rope, mask: jax.Array, x: jax.Array, w
 ) -> tuple[jax.Array, jax.Array]:
     """One layer on the prompt's residual 'B/d/e L@zigzag/c M/t'; also its k, v '2 B/d/e L@zigzag/c K/t D'."""
     cfg = spec.cfg
@@ -282,7 +282,7 @@ def _prefill_layer(
     keys, values = gathered_kv(k, v)  # c = 1: k and v themselves, typed as every key
     # Without padding the mask is exactly causal, which fused kernels take as is_causal.
     attn = attention(q, keys, values, mask, cfg.attention_impl, causal_only=not spec.padded)
-    return ffn(cfg, w, attention_output(cfg, w, x, attn)), jnp.stack([k, v])
+    return after_attention(cfg, blocks, w, attention_output(cfg, w, x, attn)), jnp.stack([k, v])
 
 
 def _prefill(
@@ -308,9 +308,9 @@ def _prefill(
     causal = (index[:, None] >= index[None, :])[None]
     mask = causal & (real_key | diagonal)
     x = embed(cfg, w, prompt)
-    body = functools.partial(_prefill_layer, spec, rope, mask)
     kv = []
-    for stack in _stacks(w):
+    for blocks, stack in _stacks(cfg, w):
+        body = functools.partial(_prefill_layer, spec, blocks, rope, mask)
         x, stack_kv = lax.scan(body, x, stack)
         kv.append(stack_kv)
     kv = jnp.concatenate(kv) if len(kv) > 1 else kv[0]
@@ -322,7 +322,7 @@ def _prefill(
 
 
 def _decode_layer(
-    spec: DecodeSpec, rope, mask: jax.Array, index: jax.Array, carry, xs
+    spec: DecodeSpec, blocks, rope, mask: jax.Array, index: jax.Array, carry, xs
 ) -> tuple[tuple[jax.Array, jax.Array], None]:
     """One layer on the fed token's residual 'B/d/e 1 M/t', writing its k, v into the cache."""
     cfg = spec.cfg
@@ -336,7 +336,7 @@ def _decode_layer(
     cache_k, cache_v = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
     # One query against the cache is a matrix-vector product: plain einsum attention.
     attn = attention(q, cache_k, cache_v, mask, "einsum", causal_only=False)
-    return (ffn(cfg, w, attention_output(cfg, w, x, attn)), kv), None
+    return (after_attention(cfg, blocks, w, attention_output(cfg, w, x, attn)), kv), None
 
 
 def _decode_step(
@@ -357,9 +357,9 @@ def _decode_step(
     # Keys from the row's first real token up to and including this one.
     mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]
     x = embed(cfg, w, token[:, None])
-    body = functools.partial(_decode_layer, spec, rope, mask, index)
     first = 0  # the cache's index of the stack's first layer
-    for stack in _stacks(w):
+    for blocks, stack in _stacks(cfg, w):
+        body = functools.partial(_decode_layer, spec, blocks, rope, mask, index)
         n = jax.tree.leaves(stack)[0].shape[0]
         layers = jnp.arange(first, first + n, dtype=jnp.int32)
         (x, kv), _ = lax.scan(body, (x, kv), (stack, layers))

@@ -45,6 +45,7 @@ mean(logsumexp(logits)^2)`` over the microbatch's tokens. The reference computes
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -54,7 +55,9 @@ from jax import lax
 from seqshard.model.block import (
     Activation,
     Activations,
+    Aux,
     Block,
+    LayerInputs,
     Op,
     elementwise,
     gain,
@@ -72,12 +75,14 @@ __all__ = [
     "MOE",
     "ExpertFfnWeights",
     "ROUTED_OPS",
-    "RouterStats",
+    "ROUTER_STATS",
+    "balanced_bias",
     "buffer_bytes",
     "capacity",
     "moe_ffn",
+    "moe_forward",
+    "moe_metrics",
     "route",
-    "zero_stats",
 ]
 
 
@@ -102,6 +107,10 @@ def _w_down_std(cfg: ModelConfig) -> float:
     return 1 / math.sqrt(cfg.moe.d_ff) / math.sqrt(2 * cfg.n_layers)
 
 
+def _has_shared(cfg: ModelConfig) -> bool:
+    return cfg.moe.n_shared > 0
+
+
 @pytree_dataclass
 class ExpertFfnWeights:
     """One MoE layer's FFN weights. ``router_bias`` is no trained weight: the forward reads it
@@ -122,9 +131,10 @@ class ExpertFfnWeights:
     w_gate: f32["experts/e d_model/d/c d_expert/t"] = _expert(_fan_in, "gate_proj")
     w_up: f32["experts/e d_model/d/c d_expert/t"] = _expert(_fan_in, "up_proj")
     w_down: f32["experts/e d_model/d/c d_expert/t"] = _expert(_w_down_std, "down_proj")
-    s_gate: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in)
-    s_up: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in)
-    s_down: f32["d_model/d/e/c d_shared/t"] = weight(_w_down_std)
+    # The shared experts (absent without any): one SwiGLU of n_shared x d_ff.
+    s_gate: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in, present=_has_shared)
+    s_up: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in, present=_has_shared)
+    s_down: f32["d_model/d/e/c d_shared/t"] = weight(_w_down_std, present=_has_shared)
 
 
 # Nothing inside the block is marked saved: under remat saved or full, autodiff re-runs the
@@ -135,6 +145,57 @@ _RERUN = frozenset({"saved", "full"})
 
 def _active(cfg: ModelConfig) -> int:
     return cfg.moe.top_k
+
+
+ROUTER_STATS = {"load": "experts", "dropped": "", "aux": "", "z": "", "tokens": ""}
+"""The routing of one microbatch by one MoE layer, summed over the microbatch (every device):
+``load`` the token copies routed to each expert (before any drop), ``dropped`` the copies
+capacity dropped, ``aux`` and ``z`` the balancing terms (weighted, per token of the
+microbatch), ``tokens`` the tokens routed. The block's auxiliary outputs (:class:`Aux`):
+replicated on every device, stacked over the MoE layers by the layer scan."""
+
+
+def moe_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations):
+    """The block on the residual ``a['h']``: (the residual, its routing statistics)."""
+    return moe_ffn(cfg, w, a)
+
+
+def moe_metrics(
+    cfg: ModelConfig, stats: dict[str, jax.Array], names: list[str], w
+) -> dict[str, jax.Array]:
+    """The MoE layers' figures for the log from the step's statistics (each [layers, ...],
+    in the stored stack's order; ``names`` each stored layer's place in the model): the expert
+    load's max over its mean (1: balanced), of the worst layer and of each layer
+    (``.../<layer>``), each expert's share of the layer's token copies (``seqshard plot``
+    draws them as a heatmap), the dropped fraction, the aux and z losses, and the router
+    bias's range (max - min over experts and layers)."""
+    moe = cfg.moe
+    copies = stats["tokens"] * moe.top_k  # [layers]
+    share = stats["load"] / copies[:, None]
+    out = {
+        "moe_aux_loss": jnp.sum(stats["aux"]),
+        "moe_z_loss": jnp.sum(stats["z"]),
+        "moe_dropped_fraction": jnp.sum(stats["dropped"]) / jnp.sum(copies),
+        "moe_bias_range": jnp.max(w.router_bias) - jnp.min(w.router_bias),
+        "moe_load_max_over_mean": jnp.max(share) * moe.n_experts,  # the worst layer's
+    }
+    for i, layer in enumerate(names):
+        out[f"moe_load_max_over_mean/{layer}"] = jnp.max(share[i]) * moe.n_experts
+        for j in range(moe.n_experts):
+            out[f"moe_load/{layer}/{j}"] = share[i, j]
+    return out
+
+
+def balanced_bias(cfg: ModelConfig, w, stats: dict[str, jax.Array]):
+    """The MoE stack's weights with each layer's router bias moved by ``moe.bias_rate``
+    towards balance (DeepSeek-V3, ``moe.balance=bias``; else unchanged): up for the experts
+    loaded below the layer's mean, down above it, from the whole step's load (every
+    microbatch, every device)."""
+    if cfg.moe.balance != "bias":
+        return w
+    load = stats["load"]
+    step = cfg.moe.bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return dataclasses.replace(w, router_bias=w.router_bias + step)
 
 
 MOE = Block(
@@ -179,6 +240,17 @@ MOE = Block(
         elementwise("ffn_residual", "token", "B/d/e L M/t", lambda m: m.d_model,
                     lambda m: m.d_model),
     ),
+    weights=ExpertFfnWeights,
+    forward=moe_forward,
+    input="h",
+    output="out",
+    aux=Aux(
+        fields=ROUTER_STATS,
+        loss=("aux", "z"),
+        mean=("aux", "z"),
+        metrics=moe_metrics,
+        update=balanced_bias,
+    ),
 )  # fmt: skip
 """The MoE block's declarations (FLOPs on active parameters: a token's k experts)."""
 
@@ -186,37 +258,6 @@ ROUTED_OPS = frozenset({"expert_gate", "expert_up", "expert_swiglu", "expert_dow
 """The operations on the routed token copies: their work lands on the e shard holding each
 copy's expert, so the busiest shard does more than the mean when the router is unbalanced
 (the planner's ``imbalance``)."""
-
-
-@pytree_dataclass
-class RouterStats:
-    """The routing of one microbatch by each MoE layer, summed over the microbatch (every
-    device): ``load`` the token copies routed to each expert (before any drop), ``dropped``
-    the copies capacity dropped, ``aux`` and ``z`` the balancing terms (weighted, per token
-    of the microbatch), ``tokens`` the tokens routed. Typed stacked over the MoE layers (one
-    layer's are the same without the leading dim); replicated on every device."""
-
-    load: f32["moe_layers experts"]
-    dropped: f32["moe_layers"]
-    aux: f32["moe_layers"]
-    z: f32["moe_layers"]
-    tokens: f32["moe_layers"]
-
-
-def zero_stats(cfg: ModelConfig) -> RouterStats | None:
-    """Zeros shaped as the MoE layers' stacked statistics (None without experts): what
-    gradient accumulation starts from."""
-    if not cfg.moe.enabled:
-        return None
-    n = cfg.dim_sizes()["moe_layers"]
-    zeros = jnp.zeros((n,), jnp.float32)
-    return RouterStats(
-        load=jnp.zeros((n, cfg.moe.n_experts), jnp.float32),
-        dropped=zeros,
-        aux=zeros,
-        z=zeros,
-        tokens=zeros,
-    )
 
 
 def capacity(cfg: ModelConfig, tokens: int, e: int) -> int:
@@ -260,7 +301,7 @@ def route(
     return ids, gates, probs
 
 
-def _router_stats(cfg: ModelConfig, ids, probs, logits, dropped: jax.Array) -> RouterStats:
+def _router_stats(cfg: ModelConfig, ids, probs, logits, dropped: jax.Array) -> dict[str, jax.Array]:
     """The microbatch's statistics: this device's sums over its tokens, summed over the
     batch's shards (d, e, c) in one psum."""
     moe = cfg.moe
@@ -280,7 +321,7 @@ def _router_stats(cfg: ModelConfig, ids, probs, logits, dropped: jax.Array) -> R
     weight = moe.aux_loss_weight if moe.balance == "aux_loss" else 0.0
     aux = weight * n_experts * jnp.sum(f * prob_sum / tokens)
     z = moe.z_loss_weight * z_sum / tokens
-    return RouterStats(load=load, dropped=dropped, aux=aux, z=z, tokens=tokens)
+    return {"load": load, "dropped": dropped, "aux": aux, "z": z, "tokens": tokens}
 
 
 def _dispatch_plan(cfg: ModelConfig, ids: jax.Array, e: int, cap: int):
@@ -333,9 +374,9 @@ def _gathered_swiglu(w, weights: str, parts: str, spec: str, dt) -> list[jax.Arr
     return out
 
 
-def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, RouterStats]:
+def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, dict[str, jax.Array]]:
     """The pre-norm MoE FFN plus the residual ``h``: (a residual in compute dtype, the
-    microbatch's :class:`RouterStats`, every token counted)."""
+    microbatch's routing statistics (:data:`ROUTER_STATS`), every token counted)."""
     moe = cfg.moe
     dt = jnp.dtype(cfg.compute_dtype)
     h = a["h"]

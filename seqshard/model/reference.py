@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from seqshard.model.attention import rope_frequencies
 from seqshard.model.config import AttentionMask, ModelConfig
-from seqshard.model.weights import Layer, MoELayer, Weights
+from seqshard.model.weights import Layer, Weights
 from seqshard.shardlib.matmul import einsum
 
 __all__ = [
@@ -143,7 +143,7 @@ def reference_layer(
 
 def reference_attention_half(
     cfg: ModelConfig,
-    w: Layer | MoELayer,
+    w: Layer,
     x: jax.Array,
     positions: jax.Array,
     mask: jax.Array,
@@ -169,7 +169,7 @@ def reference_attention_half(
 
 
 def reference_moe_layer(
-    cfg: ModelConfig, w: MoELayer, x: jax.Array, positions: jax.Array, mask: jax.Array
+    cfg: ModelConfig, w: Layer, x: jax.Array, positions: jax.Array, mask: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """One mixture-of-experts layer, the routing written densely: every expert applied to
     every token, weighted by the router's sparse gates (0 for the experts not chosen), no

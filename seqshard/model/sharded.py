@@ -21,24 +21,20 @@ from jax.sharding import Mesh
 
 from seqshard.batch import TokenBatch, token_batch
 from seqshard.mesh import axis_size
-from seqshard.model.backward import explicit_terms_and_stats
+from seqshard.model.backward import explicit_terms_and_aux
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import sequence_rows
-from seqshard.model.moe import RouterStats
-from seqshard.model.pipeline.pipelined import pipelined_terms_and_stats
+from seqshard.model.layers import aux_type
+from seqshard.model.pipeline.pipelined import pipelined_terms_and_aux
 from seqshard.model.pipeline.schedule import Pipeline
-from seqshard.model.transformer import (
-    final_hidden,
-    forward_terms_and_stats,
-    unembed,
-)
+from seqshard.model.transformer import final_hidden, forward_terms_and_aux, unembed
 from seqshard.model.weights import Weights, check_mesh, weights_type
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shardtypes import f32, typed_shard_map
 
 __all__ = [
     "batch_loss_terms",
-    "batch_terms_and_stats",
+    "batch_terms_and_aux",
     "logits_fn",
     "loss_fn",
     "loss_sum_and_count",
@@ -61,18 +57,14 @@ def _typed(body, weights: type, out):
 def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
     check_mesh(cfg, dict(mesh.shape))
     weights = weights_type(cfg)
-    moe = cfg.moe.enabled
 
     def loss_terms(w, batch: TokenBatch):
         if axis_size(mesh, "p") > 1:
-            out = pipelined_terms_and_stats(cfg, pipeline, w, batch)
-            return out if moe else out[0]
+            return pipelined_terms_and_aux(cfg, pipeline, w, batch)
         if cfg.backward == "explicit":
             # The same forward value; jax.grad runs backward.py's hand-written backward.
-            out = explicit_terms_and_stats(cfg, w, batch)
-        else:
-            out = forward_terms_and_stats(cfg, w, batch)
-        return out if moe else out[0]
+            return explicit_terms_and_aux(cfg, w, batch)
+        return forward_terms_and_aux(cfg, w, batch)
 
     def logits(w, batch: TokenBatch):
         rows = sequence_rows(batch.tokens, batch.is_seq_start)
@@ -83,7 +75,7 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
         out = shardops.reorder("B/d/e L@zigzag V/t -> B/d/e L V/t", out)
         return shardops.split("B/d/e L V/t -> B/d/e L/c V/t", out)
 
-    terms_type = tuple[f32["2"], RouterStats] if moe else f32["2"]
+    terms_type = (f32["2"], aux_type(cfg))
     body, out = {
         "loss_terms": (loss_terms, terms_type),
         "logits": (logits, f32[b"B/d/e L/c V/t"]),
@@ -91,22 +83,22 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
     return typed_shard_map(_typed(body, weights, out), mesh=mesh)
 
 
-def batch_terms_and_stats(
+def batch_terms_and_aux(
     weights: Weights,
     batch: TokenBatch,
     cfg: ModelConfig,
     mesh: Mesh,
     pipeline: Pipeline | None = None,
-) -> tuple[jax.Array, RouterStats | None]:
-    """(:func:`batch_loss_terms`, the MoE layers' routing statistics of the batch, or None
-    without experts: :class:`~seqshard.model.moe.RouterStats`, stacked over the MoE layers as
-    the weights store them). On a mesh with p > 1 the microbatches are the pipeline's: the
-    statistics add up over them (the balancing terms their mean) and the loss holds each
-    microbatch's balancing terms (:mod:`seqshard.model.pipeline.pipelined`)."""
+) -> tuple[jax.Array, dict]:
+    """(:func:`batch_loss_terms`, the stacks' auxiliary outputs of the batch,
+    ``{stack: {block: {field: [layers, ...]}}}`` in the stored stacks' order, empty without
+    any: :func:`~seqshard.model.layers.aux_type`). On a mesh with p > 1 the microbatches are
+    the pipeline's: the outputs add up over them (``mean`` fields their mean) and the loss
+    holds each microbatch's loss fields (:mod:`seqshard.model.pipeline.pipelined`)."""
     if pipeline is None or axis_size(mesh, "p") == 1:
         pipeline = Pipeline()  # one compiled program whatever the (unused) pipeline says
-    out = _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)
-    return out if cfg.moe.enabled else (out, None)
+    terms, aux = _sharded(cfg, mesh, "loss_terms", pipeline)(weights, batch)
+    return terms, aux
 
 
 def batch_loss_terms(
@@ -124,7 +116,7 @@ def batch_loss_terms(
     batch runs as ``pipeline.microbatches`` microbatches through the stages by
     ``pipeline.schedule``; ``pipeline`` is ignored at p = 1.
     """
-    return batch_terms_and_stats(weights, batch, cfg, mesh, pipeline)[0]
+    return batch_terms_and_aux(weights, batch, cfg, mesh, pipeline)[0]
 
 
 def loss_sum_and_count(

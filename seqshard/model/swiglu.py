@@ -18,13 +18,23 @@ import math
 import jax
 import jax.numpy as jnp
 
-from seqshard.model.block import Activation, Activations, Block, elementwise, gain, matmul, weight
+from seqshard.model.block import (
+    Activation,
+    Activations,
+    Block,
+    LayerInputs,
+    elementwise,
+    gain,
+    matmul,
+    weight,
+)
 from seqshard.model.config import ModelConfig
+from seqshard.model.grads import normed_projections_backward, output_projection_backward
 from seqshard.model.norm import norm_input, norm_op, normed
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
-__all__ = ["SWIGLU", "SwigluWeights", "ffn"]
+__all__ = ["SWIGLU", "SwigluWeights", "ffn", "swiglu_backward"]
 
 _LAYER = "model.layers.{i}."
 
@@ -57,6 +67,75 @@ class SwigluWeights:
 _R = "B/d/e L/c M/t"
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
+
+
+def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
+    """The pre-norm SwiGLU FFN plus the residual ``h``: a residual in compute dtype (None when
+    ``a`` rebuilds a layer for its backward, which never reads it)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    h = a["h"]
+    ln2 = a("ln2", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln2))
+    gh = a("gh", lambda: norm_input(cfg, h))
+    nh = a("nh", lambda: normed(cfg, gh, ln2))
+    # FSDP: each matrix is gathered over d and c just before use.
+    w_gate = a("w_gate", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_gate.astype(dt)))
+    gate = a(
+        "gate",
+        lambda: shardops.einsum_unreduced(
+            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", nh, w_gate
+        ),
+    )
+    w_up = a("w_up", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_up.astype(dt)))
+    up = a(
+        "up",
+        lambda: shardops.einsum_unreduced(
+            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", nh, w_up
+        ),
+    )
+    y = a("y", lambda: jax.nn.silu(gate) * up)
+    w_down = a("w_down", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_down.astype(dt)))
+
+    def down() -> jax.Array:
+        out = shardops.einsum_unreduced(
+            "B/d/e L@zigzag/c F/t, M F/t -> B/d/e L@zigzag/c M", y, w_down
+        )
+        # Each t shard contracted only its own slice of F (F/t): sum the shards, scattered into
+        # the residual's layout.
+        return shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
+
+    out = a("down", down)
+    return a("out", lambda: (h + out).astype(dt))
+
+
+# The activations of the block's input side (h, norm(h)), its gain and the norm's part.
+_FFN_INPUT = ("gh", "nh", "ln2", "ffn_norm")
+
+
+def swiglu_backward(
+    cfg: ModelConfig, inputs: LayerInputs, w, a: Activations, d_out: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The SwiGLU block's backward: dL/dh (a residual) and its weights' gradients (f32, in
+    their layouts), from its activations and dL/d(output) ``d_out``."""
+    f32 = jnp.float32
+    # --- out = h + psum_scatter(swiglu(nh) . w_down) --------------------------------------
+    # The forward reduce-scattered the down projection over t; its transpose gathers the
+    # gradient over t, so each t shard has all of M against its slice of F.
+    d_y, d_w_down = output_projection_backward(cfg, d_out, a["y"], a["w_down"], "F/t", "down")
+    gate, up = a["gate"], a["up"]
+    # y = silu(gate) * up, silu(z) = z * sigmoid(z)
+    sig = jax.nn.sigmoid(gate)
+    d_up = d_y * (gate * sig)
+    d_gate = d_y * up * (sig * (1 + gate * (1 - sig)))
+    d_gh, grads = normed_projections_backward(
+        cfg, a, _FFN_INPUT, [("w_gate", "M F/t", d_gate), ("w_up", "M F/t", d_up)], "gate_up"
+    )
+    return d_out + d_gh, {**grads, "w_down": d_w_down.astype(f32)}
+
+
+def swiglu_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array | None:
+    """The block on the residual ``a['h']``: :func:`ffn`."""
+    return ffn(cfg, w, a)
+
 
 SWIGLU = Block(
     name="swiglu",
@@ -109,43 +188,8 @@ SWIGLU = Block(
             "ffn_residual", "token", "B/d/e L M/t", lambda m: m.d_model, lambda m: m.d_model
         ),
     ),
+    weights=SwigluWeights,
+    forward=swiglu_forward,
+    backward=swiglu_backward,
 )
 """The SwiGLU block's declarations: remat=saved keeps the gate and up projections."""
-
-
-def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
-    """The pre-norm SwiGLU FFN plus the residual ``h``: a residual in compute dtype (None when
-    ``a`` rebuilds a layer for its backward, which never reads it)."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    h = a["h"]
-    ln2 = a("ln2", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln2))
-    gh = a("gh", lambda: norm_input(cfg, h))
-    nh = a("nh", lambda: normed(cfg, gh, ln2))
-    # FSDP: each matrix is gathered over d and c just before use.
-    w_gate = a("w_gate", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_gate.astype(dt)))
-    gate = a(
-        "gate",
-        lambda: shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", nh, w_gate
-        ),
-    )
-    w_up = a("w_up", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_up.astype(dt)))
-    up = a(
-        "up",
-        lambda: shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", nh, w_up
-        ),
-    )
-    y = a("y", lambda: jax.nn.silu(gate) * up)
-    w_down = a("w_down", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_down.astype(dt)))
-
-    def down() -> jax.Array:
-        out = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c F/t, M F/t -> B/d/e L@zigzag/c M", y, w_down
-        )
-        # Each t shard contracted only its own slice of F (F/t): sum the shards, scattered into
-        # the residual's layout.
-        return shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
-
-    out = a("down", down)
-    return a("out", lambda: (h + out).astype(dt))

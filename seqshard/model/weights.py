@@ -1,15 +1,17 @@
 """The model's weights: each layout declared once, in its field type, and made in place.
 
-Weights at rest are fully sharded: rows (``d_model``) over d and c (FSDP groups over both:
-``d_model/d/e/c``), heads / ``d_ff`` / ``vocab`` over t (Megatron). Norm weights are split over
-all three, t major: ``'d_model/t/d/e/c'``, the same order for all three (the seed mixes ``d/t``
-and ``t/d``).
+Weights at rest are fully sharded: rows (``d_model``) over d, e and c (the FSDP group:
+``d_model/d/e/c``; routed experts split over e instead, their rows over d and c), heads /
+``d_ff`` / ``vocab`` over t (Megatron). Norm weights are split over all of them, t major:
+``'d_model/t/d/e/c'``, the same order for every norm (the seed mixes ``d/t`` and ``t/d``).
 
-A layer's weights are its blocks' (:data:`LAYER_BLOCKS`): each block module declares its
-fields, with their init, decay, gather dtype and Hugging Face names beside its math
-(:mod:`seqshard.model.attention_block`, :mod:`seqshard.model.swiglu`); :class:`Layer` is their
-fields side by side, flat (``layers.w_q``, the checkpoints' paths). The weights outside the
-layers are declared here, the same way.
+A layer's weights are its blocks' (:func:`seqshard.model.layers.stacks`): each block module
+declares its fields, with their init, decay, gather dtype, Hugging Face names and whether a
+config has them, beside its math (:mod:`seqshard.model.attention_block`,
+:mod:`seqshard.model.swiglu`, :mod:`seqshard.model.moe`); a stack's layer type is their fields
+side by side, flat (``layers.w_q``, ``moe_layers.w_gate``: the checkpoints' paths). The
+weights outside the layers are declared here, the same way. A weight the config leaves off
+(``q_norm`` without ``model.qk_norm``) is absent from the tree, as is an empty stack.
 
 Initial values (std of a normal, zero mean), chosen so every residual-stream contribution
 starts at unit scale and the residual stream grows like sqrt(layers), as in GPT-2 / Llama:
@@ -20,7 +22,7 @@ starts at unit scale and the residual stream grows like sqrt(layers), as in GPT-
     w_down                     1/sqrt(d_ff) / sqrt(2 n_layers)
     unembed                    1/sqrt(d_model)
     ln1, ln2, final_norm       ones
-    q_norm, k_norm             ones                   ([d_head] with model.qk_norm, else [0])
+    q_norm, k_norm             ones                   (with model.qk_norm only)
 """
 
 from __future__ import annotations
@@ -36,11 +38,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from seqshard.mesh import axis_sizes, describe_sizes
-from seqshard.model.attention_block import ATTENTION, AttentionWeights
-from seqshard.model.block import Block, Weight, gain, weight, weight_info
+from seqshard.model.block import Weight, gain, weight, weight_info
 from seqshard.model.config import DIM_KEYS, ModelConfig
-from seqshard.model.moe import MOE, ExpertFfnWeights
-from seqshard.model.swiglu import SWIGLU, SwigluWeights
+from seqshard.model.layers import Layer, stacks
 from seqshard.shardlib.shardtypes import (
     Array,
     ArrayType,
@@ -51,105 +51,82 @@ from seqshard.shardlib.shardtypes import (
 )
 
 __all__ = [
-    "LAYER_BLOCKS",
-    "MOE_LAYER_BLOCKS",
-    "STACKS",
     "Layer",
-    "MoELayer",
-    "MoEWeights",
     "Weights",
     "check_mesh",
     "init_weights",
     "param_count",
+    "stack_layer_types",
     "weight_info_by_path",
     "weight_structs",
     "weights_type",
 ]
 
 
-def layer_type(name: str, *parts: type) -> type:
-    """A flat pytree dataclass holding the fields of ``parts`` (block weight dataclasses), in
-    order, each with its type and declaration."""
-    annotations, namespace = {}, {"__module__": __name__}
-    for part in parts:
-        hints = typing.get_type_hints(part)
-        for f in dataclasses.fields(part):
-            annotations[f.name] = hints[f.name]
-            namespace[f.name] = dataclasses.field(metadata=f.metadata)
-    namespace["__annotations__"] = annotations
-    namespace["__doc__"] = (
-        f"One layer's weights: the fields of {', '.join(p.__name__ for p in parts)}."
-    )
-    return pytree_dataclass(type(name, (), namespace))
-
-
-LAYER_BLOCKS: tuple[Block, ...] = (ATTENTION, SWIGLU)
-"""The blocks of one (dense) layer, in the order the layer runs them."""
-
-Layer = layer_type("Layer", AttentionWeights, SwigluWeights)
-
-MOE_LAYER_BLOCKS: tuple[Block, ...] = (ATTENTION, MOE)
-"""The blocks of one mixture-of-experts layer."""
-
-MoELayer = layer_type("MoELayer", AttentionWeights, ExpertFfnWeights)
-
-
 def _fan_in(cfg: ModelConfig) -> float:
     return 1 / math.sqrt(cfg.d_model)
 
 
-@pytree_dataclass
 class Weights:
-    """All weights; ``layers`` holds every Layer field with a leading ``layers`` dimension."""
+    """All weights of a model: ``embed``, then each layer stack (``layers``, ``moe_layers``,
+    ...: :func:`seqshard.model.layers.stacks`), then ``final_norm`` and ``unembed``. Each
+    config's is a dataclass of this class made by :func:`weights_type` (its stacks and the
+    weights its blocks have differ between configs); these are the fields outside the
+    layers, declared once."""
 
     embed: f32["vocab/t d_model/d/e/c"] = weight(
         1.0, hf="model.embed_tokens.weight", layout="vocab d_model"
     )
-    layers: Array["layers/p", Layer] = dataclasses.field()  # stage s of p: the s-th block
     final_norm: f32["d_model/t/d/e/c"] = gain("model.norm.weight")
     unembed: f32["vocab/t d_model/d/e/c"] = weight(
         _fan_in, hf="lm_head.weight", layout="vocab d_model"
     )
 
 
-@pytree_dataclass
-class MoEWeights:
-    """All weights of a model with experts (``model.moe.n_experts > 0``): ``layers`` the first
-    ``moe.n_dense_layers`` (dense) layers, ``moe_layers`` the rest."""
+_OUTER = ("embed", "final_norm", "unembed")
 
-    embed: f32["vocab/t d_model/d/e/c"] = weight(
-        1.0, hf="model.embed_tokens.weight", layout="vocab d_model"
-    )
-    layers: Array["layers/p", Layer] = dataclasses.field()
-    moe_layers: Array["moe_layers/p", MoELayer] = dataclasses.field()
-    final_norm: f32["d_model/t/d/e/c"] = gain("model.norm.weight")
-    unembed: f32["vocab/t d_model/d/e/c"] = weight(
-        _fan_in, hf="lm_head.weight", layout="vocab d_model"
-    )
+
+@functools.cache
+def _weights_class(layer_stacks: tuple[tuple[str, type], ...]) -> type:
+    hints = typing.get_type_hints(Weights)
+    annotations: dict = {"embed": hints["embed"]}
+    namespace: dict = {"__module__": __name__, "embed": Weights.__dict__["embed"]}
+    for name, layer in layer_stacks:
+        # stage s of p: the s-th block of the stack's layers
+        annotations[name] = Array[f"{name}/p", layer]
+        namespace[name] = dataclasses.field()
+    for name in _OUTER[1:]:
+        annotations[name] = hints[name]
+        namespace[name] = Weights.__dict__[name]
+    namespace["__annotations__"] = annotations
+    namespace["__doc__"] = Weights.__doc__
+    namespace["stacks"] = tuple(name for name, _ in layer_stacks)
+    cls = type("Weights", (Weights,), namespace)
+    cls.__qualname__ = "Weights"
+    return pytree_dataclass(cls)
 
 
 def weights_type(cfg: ModelConfig) -> type:
-    """The weights' dataclass of ``cfg``: :class:`Weights`, or :class:`MoEWeights` with experts."""
-    return MoEWeights if cfg.moe.enabled else Weights
+    """The weights' dataclass of ``cfg``: :class:`Weights` with a field per layer stack."""
+    return _weights_class(tuple((s.name, s.layer_type) for s in stacks(cfg)))
 
 
-STACKS: dict[str, tuple[type, tuple[Block, ...]]] = {
-    "layers": (Layer, LAYER_BLOCKS),
-    "moe_layers": (MoELayer, MOE_LAYER_BLOCKS),
-}
-"""Each stacked field of the weights: its layer type and the blocks a layer of it runs."""
+def stack_layer_types(cls: type) -> dict[str, type]:
+    """Each layer stack field of the weights dataclass ``cls`` -> its layer type."""
+    hints = typing.get_type_hints(cls)
+    return {name: hints[name].inner for name in cls.stacks}
 
 
-def weight_info_by_path(cls: type = Weights) -> dict[str, Weight]:
+def weight_info_by_path(cls: type) -> dict[str, Weight]:
     """``'embed'``, ``'layers.w_q'``, ``'moe_layers.w_gate'``, ... -> each weight's declaration
-    in the weights dataclass ``cls`` (:class:`Weights` or :class:`MoEWeights`), in Hugging
-    Face's file order (the fields' order)."""
+    in the weights dataclass ``cls`` (:func:`weights_type` of a config), in Hugging Face's
+    file order (the fields' order)."""
     out = {}
     outer = weight_info(cls)
+    layers = stack_layer_types(cls)
     for f in dataclasses.fields(cls):
-        if f.name in STACKS:
-            layer = STACKS[f.name][0]
-            out.update({f"{f.name}.{k}": v for k, v in weight_info(layer).items()})
+        if f.name in layers:
+            out.update({f"{f.name}.{k}": v for k, v in weight_info(layers[f.name]).items()})
         else:
             out[f.name] = outer[f.name]
     return out
@@ -173,21 +150,7 @@ def check_mesh(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(
         type_tree(weights_type(cfg)), is_leaf=lambda x: isinstance(x, ArrayType)
     )[0]
-    if mesh["e"] > 1 and not cfg.moe.enabled:
-        raise ValueError(
-            f"mesh axis e={mesh['e']} splits the routed experts, but the model has none "
-            f"(model.moe.n_experts=0) on a {where} mesh. Set mesh.e=1 (use mesh.d for data "
-            f"parallelism), or give the model experts (model.moe.n_experts divisible by e)."
-        )
-    if mesh["p"] > 1 and cfg.moe.enabled and cfg.moe.n_dense_layers:
-        # Both stacks split over p, stage s would run dense block s, then MoE block s: not
-        # every dense layer before every MoE layer (seqshard.model.pipeline.pipelined).
-        raise ValueError(
-            f"a model with experts pipelines only MoE layers: model.moe.n_dense_layers="
-            f"{cfg.moe.n_dense_layers} dense first layers with mesh.p={mesh['p']} would run out "
-            f"of the model's order (each stage its dense block, then its MoE block) on a {where} "
-            f"mesh. Set model.moe.n_dense_layers=0 to pipeline, or mesh.p=1."
-        )
+    cfg.check_mesh_kinds(mesh, where)
     for path, t in leaves:
         for dim in t.shape.dims:
             n = math.prod(mesh[a] for a in dim.axes)
@@ -202,16 +165,14 @@ def check_mesh(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
                 )
 
 
-def _init_stds(cfg: ModelConfig) -> Weights:
+def _init_stds(cfg: ModelConfig):
     """The std of each weight's normal init, or "ones" for the norm gains (their declarations)."""
     cls = weights_type(cfg)
-    stacks = {
+    stacked = {
         name: layer(**{k: w.std(cfg) for k, w in weight_info(layer).items()})
-        for name, (layer, _) in STACKS.items()
-        if name in {f.name for f in dataclasses.fields(cls)}
+        for name, layer in stack_layer_types(cls).items()
     }
-    outer = {k: w.std(cfg) for k, w in weight_info(cls).items()}
-    return cls(**stacks, **outer)
+    return cls(**stacked, **{k: w.std(cfg) for k, w in weight_info(cls).items()})
 
 
 def init_weights(cfg: ModelConfig, mesh: Mesh, key: jax.Array) -> Weights:
@@ -231,8 +192,8 @@ def _initializer(cfg: ModelConfig, mesh: Mesh):
     stds = treedef.flatten_up_to(_init_stds(cfg))
 
     def make(key: jax.Array) -> Weights:
-        # A key per weight the config has: a zero-size one (q_norm without model.qk_norm)
-        # takes none, so adding such a field leaves every other weight's draw as it was.
+        # A key per weight of nonzero size: a zero-size one takes none, so adding such a
+        # field leaves every other weight's draw as it was (as does an absent one).
         keys = iter(jax.random.split(key, sum(math.prod(s.shape) > 0 for s in leaves)))
         out = []
         for s, std in zip(leaves, stds, strict=True):

@@ -81,11 +81,11 @@ from seqshard.model.cost import (
     memory_per_device,
     param_bytes_per_device,
     saved_bytes,
-    stacks,
     step_flops,
 )
-from seqshard.model.moe import ROUTED_OPS, buffer_bytes
-from seqshard.model.weights import STACKS, Weights
+from seqshard.model.layers import Stack, runs, stacks
+from seqshard.model.moe import MOE, ROUTED_OPS, buffer_bytes
+from seqshard.model.weights import weights_type
 from seqshard.plan.step_comms import PlannedCollective, collectives_per_step
 from seqshard.shardlib.shardtypes import block_shape, type_tree
 from seqshard.shardlib.tables import format_bytes
@@ -250,17 +250,23 @@ def _gathers(cfg: Config, weights: type, names: Iterable[str]) -> list[_Gather]:
     return out
 
 
+def _stack(cfg: Config, name: str) -> Stack:
+    """The model's layer stack ``name`` ('layers', 'moe_layers')."""
+    return {s.name: s for s in stacks(cfg.model)}[name]
+
+
 def _layer_gathers(cfg: Config, stack: str = "layers") -> list[_Gather]:
     """The gathers of one layer of ``stack`` ('layers', 'moe_layers'): every weight a mesh
     axis splits (a weight whole on every device, the router's bias, is read in place)."""
-    layer = STACKS[stack][0]
+    layer = _stack(cfg, stack).layer_type
     types = type_tree(layer)
     split = (f.name for f in dataclasses.fields(layer) if getattr(types, f.name).shape.split_axes)
     return _gathers(cfg, layer, split)
 
 
 def _outer_gathers(cfg: Config) -> dict[str, _Gather]:
-    return {g.name: g for g in _gathers(cfg, Weights, ("embed", "final_norm", "unembed"))}
+    outer = ("embed", "final_norm", "unembed")
+    return {g.name: g for g in _gathers(cfg, weights_type(cfg.model), outer)}
 
 
 def _microbatch_rows(cfg: Config) -> int:
@@ -280,7 +286,7 @@ def moe_tokens_per_device(cfg: Config) -> int:
 def moe_buffer_bytes(cfg: Config) -> int:
     """Bytes of one of an MoE layer's exchange buffers ``[e, C, M]`` on one device
     (:func:`seqshard.model.moe.buffer_bytes`); 0 without experts."""
-    if not cfg.model.moe.enabled:
+    if not runs(cfg.model, MOE):
         return 0
     return buffer_bytes(cfg.model, moe_tokens_per_device(cfg), cfg.mesh.sizes()["e"])
 
@@ -303,9 +309,9 @@ def memory_plan(cfg: Config, attention_impl: str, platform: str = "gpu") -> Memo
     hoisted = 2 * table + copy if accumulate else 0
     head = (0 if accumulate else table + copy) + table  # gathered, transposed, gradient
     activations, layer = 0, 0
-    for stack, n, blocks in stacks(m):
-        lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c, e=e, blocks=blocks)
-        kept, working = _layer_memory(cfg, attention_impl, stack, lb, n, platform)
+    for s in stacks(m):
+        lb = layer_bytes(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c, e=e, blocks=s.blocks)
+        kept, working = _layer_memory(cfg, attention_impl, s.name, lb, s.n_layers, platform)
         activations, layer = activations + kept, max(layer, working)
     return MemoryPlan(
         weights=base.weights,
@@ -331,7 +337,7 @@ def _layer_memory(
     fused attention never keeps; one such layer's backward working set), for layers of
     activations ``lb`` (:func:`~seqshard.model.cost.layer_bytes`)."""
     m, c = cfg.model, cfg.mesh.sizes()["c"]
-    blocks = STACKS[stack][1]
+    blocks = _stack(cfg, stack).blocks
     activations = n_layers * saved_bytes(m, lb, c, blocks)
     gathered = _layer_gathers(cfg, stack)
     weight_grads = sum(g.gathered_bytes for g in gathered)  # before their reduce-scatters
@@ -349,7 +355,7 @@ def _layer_memory(
     # One f32 gradient of the scores at a time: softmax's backward turns d probs into
     # d scores elementwise.
     score_grads = 0 if fused else 4 * probs_elements
-    exchange = _exchange_working_set(cfg, platform) if stack == "moe_layers" else 0
+    exchange = _exchange_working_set(cfg, platform) if MOE in blocks else 0
     return activations, rebuilt + weight_grads + copies + score_grads + exchange
 
 
@@ -501,7 +507,7 @@ class Plan:
         """The busiest expert shard's routed work over the mean: :attr:`imbalance`, capped by
         ``moe.capacity_factor`` when it drops copies (1 without experts)."""
         moe = self.config.model.moe
-        if not moe.enabled:
+        if not runs(self.config.model, MOE):
             return 1.0
         return min(self.imbalance, moe.capacity_factor) if moe.capacity_factor else self.imbalance
 
@@ -588,7 +594,7 @@ def _pipelined_compute_s(cfg: Config, n_devices: int, peak: float) -> float | No
 def _routed_flops(cfg: Config) -> int:
     """The routed experts' FLOPs of a step (:data:`seqshard.model.moe.ROUTED_OPS`: forward,
     backward and remat's recompute), all devices; 0 without experts."""
-    if not cfg.model.moe.enabled:
+    if not runs(cfg.model, MOE):
         return 0
     train = cfg.train
     s = step_flops(cfg.model, batch=train.batch_size, seq_len=train.seq_len)
@@ -663,7 +669,7 @@ def plan(
         bandwidth_by_axis=bandwidths,
         pipelined_compute_s=_pipelined_compute_s(cfg, n_devices, ch.peak_flops),
         routed_flops=float(_routed_flops(cfg)),
-        imbalance=imbalance if m.moe.enabled else 1.0,
+        imbalance=imbalance if runs(m, MOE) else 1.0,
     )
     if result.fits or not suggest:
         return result

@@ -27,7 +27,8 @@ from seqshard.model.cost import (
     param_counts,
     step_flops,
 )
-from seqshard.model.moe import capacity
+from seqshard.model.layers import runs
+from seqshard.model.moe import MOE, capacity
 from seqshard.model.weights import weights_type
 from seqshard.plan.planner import (
     FUSED_ATTENTION,
@@ -182,7 +183,7 @@ def parameters_line(cfg: Config) -> str:
     m = cfg.model
     n = param_counts(m)
     line = f"parameters: {n.total:,} ({n.total - n.embedding:,} without the embedding)"
-    if m.moe.enabled:
+    if runs(m, MOE):
         line += (
             f"; active per token {n.active:,} ({n.active - n.embedding:,} without the "
             f"embedding): the dense parts, {m.moe.top_k} of the {m.moe.n_experts} routed "
@@ -197,7 +198,7 @@ def moe_report(cfg: Config) -> str:
     all-to-all traffic of a step per mesh axis, predicted from the notation."""
     m, sizes = cfg.model, cfg.mesh.sizes()
     moe = m.moe
-    if not moe.enabled:
+    if not runs(m, MOE):
         return "experts: none (model.moe.n_experts=0)"
     e, n_moe = sizes["e"], m.dim_sizes()["moe_layers"]
     tokens = moe_tokens_per_device(cfg)
@@ -420,7 +421,7 @@ def describe(cfg: Config, compile_step: bool = True, chip: str | None = None) ->
     parts.append("")
     parts.append(pipeline_report(cfg))
     parts.append("")
-    if m.moe.enabled:
+    if runs(m, MOE):
         parts += [moe_report(cfg), ""]
     if chip is not None:
         parts.append(format_plan(plan(cfg, cfg.mesh.n_devices, chip)))
@@ -482,7 +483,7 @@ def _plan_target(p: Plan) -> list[str]:
         f"({micro // (cfg.mesh.d * cfg.mesh.e)} rows per device)",
     ]
     moe = cfg.model.moe
-    if moe.enabled:
+    if runs(cfg.model, MOE):
         counts = param_counts(cfg.model)
         e = cfg.mesh.sizes()["e"]
         lines.append(

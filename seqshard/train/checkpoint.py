@@ -492,10 +492,14 @@ class Checkpointer:
         return state, meta
 
     def _restore_arrays(self, step: int, target: Any) -> Any:
-        """The arrays of checkpoint ``step`` as ``target`` (zero-size arrays as None). A
-        checkpoint written before a weight the config has not existed (``q_norm`` without
-        ``model.qk_norm``, added with it) lacks its None entries: read it with them left out
-        of the target, then put back."""
+        """The arrays of checkpoint ``step`` as ``target`` (zero-size arrays as None). The
+        tree on disk may differ from the target by empty entries only, either way: a
+        checkpoint written before a weight existed lacks its None entries (read with them
+        left out of the target, then put back); one written when a weight the config leaves
+        off was a zero-size array (``q_norm`` without ``model.qk_norm``, shared experts
+        without any, an empty layer stack, and their optimizer moments: written as None) has
+        entries the target, in which such weights are absent, lacks (read with them, then
+        dropped). Nothing is in either."""
         try:
             return self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
@@ -540,16 +544,28 @@ def _empty_as_none(tree: Any) -> Any:
 
 def _without_absent_nones(serialized: Any, on_disk: Any) -> Any:
     """``serialized`` (orbax's nested dicts and lists) less the None entries ``on_disk`` has
-    not."""
+    not, plus the entries ``on_disk`` has that hold nothing (None, or dicts of them: a
+    zero-size weight, a stack of them) and ``serialized`` has not."""
     if isinstance(serialized, list) and isinstance(on_disk, list):
         return [_without_absent_nones(v, d) for v, d in zip(serialized, on_disk, strict=True)]
     if not isinstance(serialized, dict) or not isinstance(on_disk, dict):
         return serialized
-    return {
+    out = {
         k: _without_absent_nones(v, on_disk.get(k))
         for k, v in serialized.items()
         if not (v is None and k not in on_disk)
     }
+    out.update({k: d for k, d in on_disk.items() if k not in serialized and _holds_nothing(d)})
+    return out
+
+
+def _holds_nothing(on_disk: Any) -> bool:
+    """Whether an entry of a checkpoint's tree holds no array (None, or containers of None)."""
+    if isinstance(on_disk, dict):
+        return all(_holds_nothing(v) for v in on_disk.values())
+    if isinstance(on_disk, (list, tuple)):
+        return all(_holds_nothing(v) for v in on_disk)
+    return on_disk is None
 
 
 def _with_nones(read: Any, serialized: Any) -> Any:

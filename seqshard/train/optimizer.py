@@ -11,7 +11,7 @@ import optax
 
 from seqshard.config import TrainConfig
 from seqshard.model.block import weight_info
-from seqshard.model.weights import STACKS, Weights
+from seqshard.model.weights import Weights, stack_layer_types
 
 __all__ = ["decay_mask", "lr_schedule", "make_optimizer"]
 
@@ -42,12 +42,11 @@ def lr_schedule(train_cfg: TrainConfig) -> optax.Schedule:
 
 def decay_mask(weights: Weights) -> Weights:
     """True where weight decay applies: each weight's declared ``decay`` (the tree of the
-    weights given: :class:`Weights`, or :class:`MoEWeights` with experts)."""
+    weights given, whichever layer stacks and block kinds its config has)."""
     cls = type(weights)
     stacks = {
         name: layer(**{field: w.decay for field, w in weight_info(layer).items()})
-        for name, (layer, _) in STACKS.items()
-        if hasattr(weights, name)
+        for name, layer in stack_layer_types(cls).items()
     }
     return cls(**stacks, **{name: w.decay for name, w in weight_info(cls).items()})
 

@@ -23,7 +23,8 @@ import optax
 from jax.sharding import Mesh
 
 from seqshard.model.config import ModelConfig
-from seqshard.model.weights import STACKS, Weights, init_weights, weight_structs
+from seqshard.model.layers import STACK_NAMES
+from seqshard.model.weights import Weights, init_weights, weight_structs
 from seqshard.shardlib.shardtypes import i32, pytree_dataclass, shape_dtype_structs
 
 if TYPE_CHECKING:
@@ -150,8 +151,8 @@ def layer_order(cfg: Config, p: int) -> tuple[int, ...]:
 
 
 def relayered(tree, saved: Sequence[int], wanted: Sequence[int]):
-    """``tree`` (weights, a train state: any tree whose layer stacks sit under a ``layers``
-    or ``moe_layers`` field), its layer stacks stored in order ``saved`` rearranged into order ``wanted`` (each
+    """``tree`` (weights, a train state: any tree whose layer stacks sit under a field of
+    :data:`~seqshard.model.layers.STACK_NAMES`), its layer stacks stored in order ``saved`` rearranged into order ``wanted`` (each
     a :func:`layer_order`), every array keeping its sharding; the tree itself when the orders
     agree. One jitted gather per stacked array (over p when the stack is split over it)."""
     saved, wanted = tuple(saved), tuple(wanted)
@@ -161,10 +162,10 @@ def relayered(tree, saved: Sequence[int], wanted: Sequence[int]):
     take = np.array([position[layer] for layer in wanted], np.int32)
 
     def move(path, x):
-        stacked = any(getattr(k, "name", getattr(k, "key", None)) in STACKS for k in path)
-        # A model with experts pipelines only MoE layers (weights.check_mesh): whenever the
-        # orders differ its dense stack is empty, and its MoE stack holds every layer. Nothing
-        # to move in a zero-size array (and XLA would not split its output).
+        stacked = any(getattr(k, "name", getattr(k, "key", None)) in STACK_NAMES for k in path)
+        # Only a one-stack model pipelines (ModelConfig.check_mesh_kinds): whenever the orders
+        # differ that stack holds every layer. Nothing to move in a zero-size array (and XLA
+        # would not split its output).
         if not stacked or x.size == 0:
             return x
         return jax.jit(lambda a: jnp.take(a, take, axis=0), out_shardings=x.sharding)(x)

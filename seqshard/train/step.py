@@ -23,8 +23,8 @@ from jax.sharding import Mesh
 
 from seqshard.batch import TokenBatch, split_microbatches
 from seqshard.config import Config
-from seqshard.model.moe import RouterStats, zero_stats
-from seqshard.model.sharded import batch_loss_terms, batch_terms_and_stats
+from seqshard.model.layers import stacks, zero_aux
+from seqshard.model.sharded import batch_loss_terms, batch_terms_and_aux
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.shardtypes import shardings
@@ -39,12 +39,20 @@ from seqshard.train.state import (
     train_state_structs,
 )
 
-__all__ = ["LossTerms", "grads_and_loss", "make_eval_step", "make_train_step"]
+__all__ = [
+    "LossTerms",
+    "aux_metrics",
+    "grads_and_loss",
+    "make_eval_step",
+    "make_train_step",
+    "updated_by_aux",
+]
 
 
 LossTerms = Callable[[Weights, TokenBatch], Any]
 """``(weights, batch) -> f32[2]``: the summed next-token loss and the positions counted; or
-``(f32[2], RouterStats | None)``, with the MoE layers' routing statistics."""
+``(f32[2], aux)``, with the layer stacks' auxiliary outputs
+(:func:`~seqshard.model.sharded.batch_terms_and_aux`)."""
 
 
 def grads_and_loss(
@@ -53,27 +61,27 @@ def grads_and_loss(
     cfg: Config,
     mesh: Mesh,
     loss_terms: LossTerms | None = None,
-) -> tuple[Weights, jax.Array, jax.Array, RouterStats | None]:
-    """(mean gradient, mean loss, positions counted, the MoE layers' routing statistics or
-    None) over ``train.microbatches`` slices.
+) -> tuple[Weights, jax.Array, jax.Array, dict]:
+    """(mean gradient, mean loss, positions counted, the layer stacks' auxiliary outputs of
+    the step, empty without any) over ``train.microbatches`` slices.
 
-    ``loss_terms`` defaults to the sharded model's (:func:`batch_terms_and_stats`). On a mesh
+    ``loss_terms`` defaults to the sharded model's (:func:`batch_terms_and_aux`). On a mesh
     with p > 1 the microbatches are the pipeline's: one call runs them all through the
-    stages (``train.pipeline_schedule``), so nothing is accumulated here. The statistics add
-    up over microbatches (loads, drops, tokens); the balancing terms are their mean (the
+    stages (``train.pipeline_schedule``), so nothing is accumulated here. The auxiliary
+    outputs add up over microbatches, except each block's ``mean`` fields (their mean: the
     pipelined model returns them so)."""
     pipelined = mesh.shape.get("p", 1) > 1
     k = 1 if pipelined else cfg.train.microbatches
-    no_stats = None
+    no_stats = {}
     if loss_terms is None:
         loss_terms = functools.partial(
-            batch_terms_and_stats, cfg=cfg.model, mesh=mesh, pipeline=cfg.train.pipeline()
+            batch_terms_and_aux, cfg=cfg.model, mesh=mesh, pipeline=cfg.train.pipeline()
         )
-        no_stats = zero_stats(cfg.model)
+        no_stats = zero_aux(cfg.model)
 
     def summed(w, b):
         out = loss_terms(w, b)
-        (total, count), stats = out if isinstance(out, tuple) else (out, None)
+        (total, count), stats = out if isinstance(out, tuple) else (out, {})
         return total, (count, stats)  # differentiate the sum; carry the rest along
 
     grad_of_sum = jax.value_and_grad(summed, has_aux=True)
@@ -90,51 +98,52 @@ def grads_and_loss(
         (total, count, grads, stats), _ = collective_log.scan(
             "microbatches", accumulate, zeros, micro
         )
-        if stats is not None:  # the balancing terms: each microbatch's, their mean
-            stats = dataclasses.replace(stats, aux=stats.aux / k, z=stats.z / k)
+        stats = _mean_fields_averaged(cfg, stats, k)
     divisor = jnp.maximum(count, 1.0)  # a batch with nothing counted: loss 0, gradient 0
     return jax.tree.map(lambda g: g / divisor, grads), total / divisor, count, stats
 
 
-def moe_metrics(cfg: Config, stats: RouterStats, weights, p: int = 1) -> dict[str, jax.Array]:
-    """The MoE layers' figures for the log: the expert load's max over its mean (1: balanced),
-    of the worst layer and of each layer (``.../<layer>``), each expert's share of the layer's token copies (``seqshard plot``
-    draws them as a heatmap), the dropped fraction, the aux and z losses, and the router
-    bias's range (max - min over experts and layers). Layers are named by their place in the
-    model: ``stats`` follow the stored MoE stack (as its router bias), which the circular
-    pipeline schedule over ``p`` stages reorders (:func:`~seqshard.train.state.layer_order`)."""
-    moe = cfg.model.moe
-    copies = stats.tokens * moe.top_k  # [layers]
-    share = stats.load / copies[:, None]
-    out = {
-        "moe_aux_loss": jnp.sum(stats.aux),
-        "moe_z_loss": jnp.sum(stats.z),
-        "moe_dropped_fraction": jnp.sum(stats.dropped) / jnp.sum(copies),
-        "moe_bias_range": jnp.max(weights.moe_layers.router_bias)
-        - jnp.min(weights.moe_layers.router_bias),
-        "moe_load_max_over_mean": jnp.max(share) * moe.n_experts,  # the worst layer's
-    }
-    # The model's layer at each stored position of the MoE stack (it follows the dense one;
-    # with p > 1 there is none).
-    names = layer_order(cfg, p)[cfg.model.dim_sizes()["layers"] :]
-    for i, layer in enumerate(names):
-        out[f"moe_load_max_over_mean/{layer}"] = jnp.max(share[i]) * moe.n_experts
-        for j in range(moe.n_experts):
-            out[f"moe_load/{layer}/{j}"] = share[i, j]
+def _mean_fields_averaged(cfg: Config, aux: dict, k: int) -> dict:
+    """The auxiliary outputs summed over ``k`` microbatches, each block's ``mean`` fields
+    divided by k (the rest stay sums)."""
+    out = {}
+    for stack in stacks(cfg.model):
+        if stack.name not in aux:
+            continue
+        out[stack.name] = {
+            b.name: {f: v / k if f in b.aux.mean else v for f, v in aux[stack.name][b.name].items()}
+            for b in stack.aux_blocks
+        }
     return out
 
 
-def balanced_bias(cfg: Config, weights, stats: RouterStats):
-    """The weights with each MoE layer's router bias moved by ``moe.bias_rate`` towards
-    balance (DeepSeek-V3): up for the experts loaded below the layer's mean, down above it,
-    from the whole step's load (every microbatch, every device)."""
-    rate = cfg.model.moe.bias_rate
-    load = stats.load
-    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-    layers = dataclasses.replace(
-        weights.moe_layers, router_bias=weights.moe_layers.router_bias + step
-    )
-    return dataclasses.replace(weights, moe_layers=layers)
+def aux_metrics(cfg: Config, aux: dict, weights, p: int = 1) -> dict[str, jax.Array]:
+    """The log's figures of each block that declares them (:class:`~seqshard.model.block.Aux`
+    ``metrics``), from the step's auxiliary outputs. Layers are named by their place in the
+    model: the outputs follow the stored stacks (as their weights), which the circular
+    pipeline schedule over ``p`` stages reorders (:func:`~seqshard.train.state.layer_order`)."""
+    names, start, out = layer_order(cfg, p), 0, {}
+    for stack in stacks(cfg.model):
+        stack_names = names[start : start + stack.n_layers]
+        start += stack.n_layers
+        for b in stack.aux_blocks:
+            if b.aux.metrics is not None and stack.name in aux:
+                w = getattr(weights, stack.name)
+                out.update(b.aux.metrics(cfg.model, aux[stack.name][b.name], stack_names, w))
+    return out
+
+
+def updated_by_aux(cfg: Config, weights, aux: dict):
+    """The weights after each block's per-step state update (:class:`~seqshard.model.block.Aux`
+    ``update``: the router bias) from the step's auxiliary outputs."""
+    for stack in stacks(cfg.model):
+        for b in stack.aux_blocks:
+            if b.aux.update is not None and stack.name in aux:
+                layers = b.aux.update(
+                    cfg.model, getattr(weights, stack.name), aux[stack.name][b.name]
+                )
+                weights = dataclasses.replace(weights, **{stack.name: layers})
+    return weights
 
 
 def make_train_step(
@@ -151,8 +160,7 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.weights)
         weights = optax.apply_updates(state.weights, updates)
-        if stats is not None and cfg.model.moe.balance == "bias":
-            weights = balanced_bias(cfg, weights, stats)
+        weights = updated_by_aux(cfg, weights, stats)
         # A step whose loss or gradient norm is not finite, or whose gradient is zero, applies
         # no update: the state stays as it was, on device, and the guard records the step for
         # the loop to act on.
@@ -169,8 +177,7 @@ def make_train_step(
             "lr": schedule(state.step),
             "tokens_counted": count,
         }
-        if stats is not None:
-            metrics.update(moe_metrics(cfg, stats, weights, mesh.shape.get("p", 1)))
+        metrics.update(aux_metrics(cfg, stats, weights, mesh.shape.get("p", 1)))
         new_state = TrainState(
             step=state.step + 1,
             weights=keep(weights, state.weights),

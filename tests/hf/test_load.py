@@ -84,7 +84,10 @@ def tree_equal(a, b) -> bool:
 
 
 def test_the_table_has_every_weight_once_and_its_layouts_round_trip():
-    cfg = ModelConfig(vocab=48, d_model=16, n_layers=3, n_q_per_kv=3, n_kv=2, d_head=4, d_ff=24)
+    # qk_norm: the config with every dense weight a family has (TABLE holds them all)
+    cfg = ModelConfig(
+        vocab=48, d_model=16, n_layers=3, n_q_per_kv=3, n_kv=2, d_head=4, d_ff=24, qk_norm=True
+    )
     structs = weight_structs(cfg)
     fields = {(r.field, r.part) for r in TABLE}
     assert len(fields) == len(TABLE)
@@ -100,7 +103,11 @@ def test_the_table_has_every_weight_once_and_its_layouts_round_trip():
         assert hf.shape == row.hf_shape(cfg) and hf.size == x.size, row
         np.testing.assert_array_equal(row.from_hf(hf, cfg), x)
     names = [n for _, _, n in hf_tensor_names(cfg)]
-    assert len(names) == len(set(names)) == 3 + 9 * cfg.n_layers
+    assert len(names) == len(set(names)) == 3 + 11 * cfg.n_layers  # q_norm, k_norm included
+    without = [n for _, _, n in hf_tensor_names(dataclasses.replace(cfg, qk_norm=False))]
+    assert len(without) == 3 + 9 * cfg.n_layers and not any(
+        "_norm.weight" in n and "self_attn" in n for n in without
+    )
     assert row_of("model.layers.2.mlp.down_proj.weight") == (TABLE[11], 2)
     assert row_of("model.layers.x.mlp.down_proj.weight") is None
 

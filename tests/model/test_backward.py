@@ -1,6 +1,6 @@
 """Tests of seqshard/model/backward.py: the hand-written backward pass (model.backward=explicit).
 
-    layer       one layer's backward equals jax.vjp of transformer.py's _layer (mesh 2x4), and
+    layer       one layer's backward equals jax.vjp of its forward (layers.layer_forward, mesh 2x4), and
                 what the forward keeps under remat='saved' is exactly what _layer marks with
                 save_for_backward
     model       jax.grad of loss_fn equals the gradient of reference_loss_fn on meshes 1x1,
@@ -42,14 +42,13 @@ from seqshard.model import (
     block,
     loss_fn,
     reference_loss_fn,
-    transformer,
     weight_structs,
 )
 from seqshard.model import backward as bw
 from seqshard.model.block import Activations
 from seqshard.model.config import Backward
 from seqshard.model.context import sequence_rows
-from seqshard.model.weights import LAYER_BLOCKS, Layer
+from seqshard.model.layers import layer_forward, layer_inputs, stacks
 from seqshard.shardlib.comms import collectives
 from seqshard.shardlib.shapecheck import shape_scope
 from seqshard.shardlib.shardtypes import bool_, f32, typed_shard_map
@@ -125,6 +124,9 @@ def reference_loss_and_grads(cfg: ModelConfig):
 # The layer-level tests declare the residual 'B/d/e L M/t' in their types; the default 'B/d/e L/t M'
 # (model.residual=L/t) is checked through the whole model below.
 LAYER_CFG = dataclasses.replace(CFG, residual="M/t")
+(STACK,) = stacks(LAYER_CFG)  # the dense layers: attention, SwiGLU
+BLOCKS = STACK.blocks
+Layer = STACK.layer_type
 
 LayerOut = tuple[
     f32[b"B/d/e L@zigzag/c M/t"], f32[b"B/d/e L@zigzag/c M/t"], Layer
@@ -141,7 +143,7 @@ Marked = tuple[  # what _layer marks with save_for_backward: q, k, v, attn, h, g
 
 
 def test_layer_backward_equals_vjp_of_the_layer():
-    """layer_backward from the kept activations == jax.vjp of transformer.layer, on 2x4 (each
+    """layer_backward from the kept activations == jax.vjp of the layer's forward, on 2x4 (each
     in its own shard_map). Measured: the outputs identical; dL/dx and the weight gradients
     within 3.2e-7 of their largest entries."""
     mesh = mesh_of((2, 4))
@@ -157,11 +159,14 @@ def test_layer_backward_equals_vjp_of_the_layer():
         is_seq_start: bool_[b"B/d/e L/c"],
     ) -> LayerOut:
         rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
-        rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
-        (out, _), pullback = jax.vjp(
-            lambda x, w: transformer.layer(LAYER_CFG, rows, rope, mask, x, w), x, w
-        )
-        return (out, *pullback((d_out, None)))
+        inputs = layer_inputs(LAYER_CFG, rows)
+
+        def layer(x, w):
+            a = Activations(BLOCKS, {"x": x}, mark=True)
+            return layer_forward(LAYER_CFG, BLOCKS, inputs, w, a)[0]
+
+        out, pullback = jax.vjp(layer, x, w)
+        return (out, *pullback(d_out))
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def by_hand(
@@ -171,18 +176,14 @@ def test_layer_backward_equals_vjp_of_the_layer():
         is_seq_start: bool_[b"B/d/e L/c"],
     ) -> LayerOut:
         rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
-        rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
-        a = Activations(LAYER_BLOCKS, {"x": x}, explicit=True)
-        out = transformer.layer_forward(LAYER_CFG, rows, rope, mask, w, a)
-        kept = {name: a[name] for name in bw.kept_activations(LAYER_CFG)}
+        inputs = layer_inputs(LAYER_CFG, rows)
+        a = Activations(BLOCKS, {"x": x}, explicit=True)
+        out, _ = layer_forward(LAYER_CFG, BLOCKS, inputs, w, a)
+        kept = {name: a[name] for name in bw.kept_activations(LAYER_CFG, BLOCKS)}
         with shape_scope():  # as in the model: the backward is traced in a scope of its own
+            rebuilt, pullbacks = bw.layer_activations(LAYER_CFG, BLOCKS, inputs, w, kept)
             d_x, d_w = bw.layer_backward(
-                LAYER_CFG,
-                rows,
-                rope,
-                mask,
-                bw.layer_activations(LAYER_CFG, rows, rope, mask, w, kept),
-                d_out,
+                LAYER_CFG, BLOCKS, inputs, w, rebuilt, pullbacks, d_out, {}
             )
         return out, d_x, d_w
 
@@ -207,17 +208,17 @@ def test_saved_keeps_exactly_what_the_forward_marks(monkeypatch):
     mesh = mesh_of((2, 4))
     layer_w = jax.tree.map(lambda a: a[0], WEIGHTS.layers)
     x = np.random.default_rng(2).standard_normal((BATCH, LENGTH, LAYER_CFG.d_model), np.float32)
-    names = bw.kept_activations(LAYER_CFG)[1:]  # after the input x (c = 1: no ring's lse)
+    names = bw.kept_activations(LAYER_CFG, BLOCKS)[1:]  # after the input x (c = 1: no ring's lse)
 
     @functools.partial(typed_shard_map, mesh=mesh)
     def both(
         w: Layer, x: f32[b"B/d/e L@zigzag/c M/t"], is_seq_start: bool_[b"B/d/e L/c"]
     ) -> tuple[Marked, Marked]:
         rows = sequence_rows(jnp.zeros(is_seq_start.shape, jnp.int32), is_seq_start)
-        rope, mask = transformer.rope_and_mask(LAYER_CFG, rows)
-        transformer.layer(LAYER_CFG, rows, rope, mask, x, w)
+        inputs = layer_inputs(LAYER_CFG, rows)
+        layer_forward(LAYER_CFG, BLOCKS, inputs, w, Activations(BLOCKS, {"x": x}, mark=True))
         with shape_scope():
-            a = bw.layer_activations(LAYER_CFG, rows, rope, mask, w, {"x": x})
+            a, _ = bw.layer_activations(LAYER_CFG, BLOCKS, inputs, w, {"x": x})
         return tuple(marked), tuple(a[n] for n in names)
 
     from_marks, kept = jax.jit(both)(layer_w, x, IS_SEQ_START)

@@ -192,8 +192,8 @@ def test_param_bytes_are_the_bytes_of_init_weights():
     cfg = _cfg(vocab=48, d_model=32, n_layers=3, n_q_per_kv=2, n_kv=2, d_head=8, d_ff=40)
     mesh = fake_cpu_mesh((2, 2), ("d", "t"))
     leaves = jax.tree.leaves(jax.eval_shape(lambda: init_weights(cfg, mesh, jax.random.key(0))))
-    # embed, unembed, final_norm and 10 per-layer weights (q_norm, k_norm of size 0)
-    assert len(leaves) == 13
+    # embed, unembed, final_norm and 8 per-layer weights (no q_norm, k_norm: model.qk_norm off)
+    assert len(leaves) == 11
     # 2 * 48 * 32 (embed, unembed) + 32 (final norm) + 3 layers * (3 * 32 * 4 * 8 (w_q, w_kv,
     # w_o) + 3 * 32 * 40 (FFN) + 2 * 32 (norms)).
     assert sum(math.prod(x.shape) for x in leaves) == param_count(cfg) == 24_032

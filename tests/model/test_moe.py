@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +33,27 @@ from seqshard.model.config import MoEConfig
 from seqshard.model.generate import Sampling, decode_mesh, generate
 from seqshard.model.moe import capacity, route
 from seqshard.model.pipeline.schedule import Pipeline
-from seqshard.model.sharded import batch_terms_and_stats
+from seqshard.model.sharded import batch_terms_and_aux
 from seqshard.model.weights import weight_structs
 from seqshard.testing import compiled_hlo, count_dots
 from seqshard.train.state import relayered
+
+
+class Stats(NamedTuple):
+    """The MoE stack's routing statistics (seqshard.model.moe.ROUTER_STATS), as attributes."""
+
+    load: Any
+    dropped: Any
+    aux: Any
+    z: Any
+    tokens: Any
+
+
+def batch_terms_and_stats(*args, **kwargs):
+    """(the loss terms, the MoE stack's statistics) of batch_terms_and_aux."""
+    terms, aux = batch_terms_and_aux(*args, **kwargs)
+    return terms, Stats(**aux["moe_layers"]["moe"])
+
 
 MOE = MoEConfig(
     n_experts=8, top_k=2, d_ff=32, n_shared=1, n_dense_layers=1,
@@ -265,7 +283,7 @@ def _pipe_reference():
     fn = jax.jit(lambda w, b: batch_terms_and_stats(w, b, PIPE_CFG, mesh)[1])
     per = [fn(placed, token_batch(TOKENS[i::PIPE_M], STARTS[i::PIPE_M])) for i in range(PIPE_M)]
     stats = jax.tree.map(lambda *a: np.sum(a, axis=0), *per)
-    stats = dataclasses.replace(stats, aux=stats.aux / PIPE_M, z=stats.z / PIPE_M)
+    stats = stats._replace(aux=stats.aux / PIPE_M, z=stats.z / PIPE_M)
     return weights, jax.tree.map(np.asarray, want), stats
 
 

@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from model_weights import assert_trees_close, tiny_model, to_numpy
 
-from seqshard.model import ModelConfig, Weights, init_weights, param_count, weight_structs
+from seqshard.model import ModelConfig, init_weights, param_count, weight_structs
+from seqshard.model.weights import weights_type
 from seqshard.shardlib.shardtypes import partition_specs
 from seqshard.testing import fake_cpu_mesh
 
@@ -36,7 +37,7 @@ GOLDEN = pathlib.Path(__file__).parent / "golden" / "weights_default_d2_t2.txt"
 
 def weight_layout_table(cfg: ModelConfig, mesh) -> str:
     structs = weight_structs(cfg, mesh)
-    specs = jax.tree.leaves(partition_specs(Weights), is_leaf=lambda x: isinstance(x, P))
+    specs = jax.tree.leaves(partition_specs(weights_type(cfg)), is_leaf=lambda x: isinstance(x, P))
     rows = [("weight", "dtype", "global shape", "per-device block", "PartitionSpec")]
     for (path, s), spec in zip(jax.tree_util.tree_leaves_with_path(structs), specs, strict=True):
         assert s.sharding.spec == spec, "weight_structs and partition_specs disagree"
@@ -81,9 +82,10 @@ BIG = ModelConfig(vocab=512, d_model=256, n_layers=4, n_q_per_kv=2, n_kv=4, d_he
 
 
 def documented_stds(cfg: ModelConfig) -> dict[str, float | str]:
-    """The table in weights.py's docstring, written out again."""
+    """The table in weights.py's docstring, written out again (q_norm and k_norm exist with
+    model.qk_norm only)."""
     depth = math.sqrt(2 * cfg.n_layers)
-    return {
+    stds = {
         "embed": 1.0,
         "layers.ln1": "ones",
         "layers.w_q": 1 / math.sqrt(cfg.d_model),
@@ -98,6 +100,9 @@ def documented_stds(cfg: ModelConfig) -> dict[str, float | str]:
         "final_norm": "ones",
         "unembed": 1 / math.sqrt(cfg.d_model),
     }
+    if not cfg.qk_norm:
+        del stds["layers.q_norm"], stds["layers.k_norm"]
+    return stds
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +120,7 @@ def _leaves_by_name(tree) -> dict[str, jax.Array]:
 
 def test_init_weights_have_the_shardings_their_types_declare(big_weights):
     weights, mesh = big_weights
-    specs = jax.tree.leaves(partition_specs(Weights), is_leaf=lambda x: isinstance(x, P))
+    specs = jax.tree.leaves(partition_specs(weights_type(BIG)), is_leaf=lambda x: isinstance(x, P))
     structs = jax.tree.leaves(weight_structs(BIG))
     for (name, w), spec, s in zip(_leaves_by_name(weights).items(), specs, structs, strict=True):
         assert w.sharding == NamedSharding(mesh, spec), name

@@ -586,3 +586,44 @@ def test_a_checkpoint_written_before_qk_norm_existed_restores(ckpt_copy):
     assert again.step == step
     for a, b in zip(leaves(original.state), leaves(again.state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# -- checkpoints written before the layer stacks (issue 42) -----------------------------------
+
+OLD = Path(__file__).parent / "golden" / "checkpoint_before_stacks"
+
+
+def _old_overrides() -> list[str]:
+    """The config the old checkpoint was written with (its generator's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_old", OLD.parent / "make_old_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.OVERRIDES
+
+
+def test_a_checkpoint_written_before_the_layer_stacks_restores_exactly(tmp_path):
+    """Written by seqshard before issue 42 (75ff3fc): the weights a config leaves off were
+    zero-size arrays (q_norm, k_norm, the shared experts, the MoE model's empty dense stack).
+    Today they are absent from the tree; the checkpoint restores onto it, every array equal."""
+    shutil.copytree(OLD / "checkpoints", tmp_path / "checkpoints")
+    cfg = load_config(None, _old_overrides())
+    mesh = training_mesh(cfg.mesh.sizes())
+    restored = Checkpointer(tmp_path / "checkpoints", read_only=True).restore(
+        cfg, mesh, make_optimizer(cfg.train)
+    )
+    weights = restored.state.weights
+    assert [f.name for f in dataclasses.fields(weights)] == [
+        "embed", "moe_layers", "final_norm", "unembed"
+    ]  # fmt: skip
+    names = {f.name for f in dataclasses.fields(weights.moe_layers)}
+    assert not names & {"q_norm", "k_norm", "s_gate", "s_up", "s_down"}
+    got = {
+        jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(weights)
+    }
+    want = np.load(OLD / "weights.npz")
+    assert set(got) == set(want.files)
+    for name in want.files:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

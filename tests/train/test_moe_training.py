@@ -115,8 +115,11 @@ def test_accumulated_gradients_with_experts_equal_the_reference_per_microbatch(m
             assert worst <= 2e-5, (jax.tree_util.keystr(path), worst)
     # The statistics add up over the microbatches: every token routed once, k copies each.
     layers = model.dim_sizes()["moe_layers"]
-    np.testing.assert_allclose(np.asarray(stats.tokens), [BATCH * LENGTH] * layers)
-    np.testing.assert_allclose(np.asarray(stats.load).sum(axis=1), [BATCH * LENGTH * 2] * layers)
+    routing = stats["moe_layers"]["moe"]  # the MoE stack's auxiliary outputs
+    np.testing.assert_allclose(np.asarray(routing["tokens"]), [BATCH * LENGTH] * layers)
+    np.testing.assert_allclose(
+        np.asarray(routing["load"]).sum(axis=1), [BATCH * LENGTH * 2] * layers
+    )
 
 
 # -- runs -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from model_weights import tiny_model
 
 from seqshard.config import TrainConfig
-from seqshard.model.weights import Weights, weight_structs
+from seqshard.model.weights import weight_structs, weights_type
 from seqshard.shardlib.shardtypes import partition_specs
 from seqshard.testing import fake_cpu_mesh
 from seqshard.train.optimizer import make_optimizer
@@ -22,7 +22,7 @@ def test_optimizer_moments_take_their_weights_layouts_and_scalars_are_replicated
     mesh = fake_cpu_mesh((4, 2), ("d", "t"))
     opt = make_optimizer(TrainConfig())
     structs = train_state_structs(CFG, mesh, opt)
-    specs = partition_specs(Weights)
+    specs = partition_specs(weights_type(CFG))
     assert jax.tree.map(lambda s: s.sharding.spec, structs.weights) == specs
     for moment in ("mu", "nu"):
         got = optax.tree_utils.tree_get(structs.opt_state, moment)

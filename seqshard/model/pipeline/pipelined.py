@@ -10,7 +10,7 @@ restores convert) and one call runs the local batch as
 
     rows = sequence_rows(tokens)                      'B/d/e L@zigzag/c', every stage
     xs = embed(rows.tokens) as 'm b ...'              the residual, read on stage 0
-    ys = circular_forward(stage, layers, xs)          stage s: run_layers on its block, then
+    ys = circular_forward(stage, layers, xs)          stage s: run_stack on its block, then
                                                       ring_shift('S/p B/d/e L@zigzag/c/t M', ., 'p')
     terms = head(ys) on stage p-1; psum('2{U_p} -> 2')   f32[2]: loss sum, positions counted
 
@@ -18,7 +18,7 @@ Microbatch i is local rows i, i + m, i + 2m, ...: the rows ``split_microbatches`
 gradient accumulation (which runs at p = 1), so both sum the same terms.
 
 **Where the embedding and the head sit.** ``embed``, ``final_norm`` and ``unembed`` name no p
-in their types: they rest replicated over p (each stage a copy, still split over d, c and t).
+in their types: they rest replicated over p (each stage a copy, still split over d, e, c and t).
 Stage 0 embeds, stage p-1 runs the norm, the unembedding and the loss; their gradients, made on
 one stage, are summed over p once per step (``psum('V/t M/d/e/c{U_p} -> V/t M/d/e/c')`` and the
 norm's, written out in both schedules). They are small next to L/p layers per stage, and
@@ -29,37 +29,39 @@ back). ``1f1b`` (:func:`seqshard.model.pipeline.spmd.one_f_one_b`): a ``custom_v
 runs the interleaved forward and backward ticks and keeps the gradients; its backward scales
 them by the loss's cotangent. Within a stage, the layers' backward is the hand-written one of
 :mod:`seqshard.model.backward` under ``model.backward=explicit`` (a ``custom_vjp`` over the
-stage's layer scan: :func:`~seqshard.model.backward.explicit_run_layers`), else autodiff's,
+stage's layer scan: :func:`~seqshard.model.backward.explicit_run_stack`), else autodiff's,
 each layer under ``cfg.remat``. The embedding and the head are differentiated by autodiff.
 
 The SPMD program is the same on every stage: a stage's idle ticks compute on zeros and are
 masked, and every stage runs the embedding and the head (their results are masked on the
 stages that do not own them).
 
-**Experts.** A model with MoE layers pipelines its MoE stack (``moe_layers: 'moe_layers/p'``)
-as a dense model its layers, and needs ``model.moe.n_dense_layers = 0``: both stacks split
-over p, stage s would run dense block s before MoE block s, not every dense layer before
-every MoE layer (the model's order). Putting all dense layers on the first stages instead
-would make the stages' blocks differ in kind and size, one SPMD program no longer fitting
-them all (:func:`~seqshard.model.weights.check_mesh` says so, with the fix). Each stage keeps its MoE
-layers' :class:`~seqshard.model.moe.RouterStats` per microbatch (they never travel between
-stages); the loss adds each microbatch's balancing terms (every layer's aux + z) times its
-counted positions, each stage its own layers' share, summed over p with the head's terms in
-the one psum; the statistics returned are the step's (loads, drops and tokens summed over
-the microbatches, aux and z their mean, as gradient accumulation at p = 1 gives them), each
-stage's layers placed at their positions in the stored stack and summed over p::
+**One stack, any block kinds.** The stages run the model's one layer stack
+(:func:`~seqshard.model.layers.stacks`): a model with experts pipelines its MoE stack
+(``moe_layers: 'moe_layers/p'``) as a dense model its layers, and needs
+``model.moe.n_dense_layers = 0``: with two stacks split over p, stage s would run dense block
+s before MoE block s, not every dense layer before every MoE layer (the model's order);
+putting all dense layers on the first stages instead would make the stages' blocks differ in
+kind and size, one SPMD program no longer fitting them all
+(:meth:`~seqshard.model.config.ModelConfig.check_mesh_kinds` says so, with the fix). Each
+stage keeps its layers' auxiliary outputs (:class:`~seqshard.model.block.Aux`: an MoE layer's
+routing statistics) per microbatch (they never travel between stages); the loss adds each
+microbatch's loss fields (every layer's aux + z) times its counted positions, each stage its
+own layers' share, summed over p with the head's terms in the one psum; the outputs returned
+are the step's (summed over the microbatches, ``mean`` fields their mean, as gradient
+accumulation at p = 1 gives them), each stage's layers placed at their positions in the
+stored stack and summed over p::
 
     terms = psum('2{U_p} -> 2', head terms on p-1 + this stage's sum_i count_i (aux + z)_i)
-    stats = psum('G{U_p} -> G', this stage's layers' statistics at their positions, else 0)
+    aux = psum('G{U_p} -> G', this stage's layers' outputs at their positions, else 0)
 
-1F1B's backward gives a stage's statistics of microbatch i the cotangent ``count_i`` on aux
-and z (:func:`~seqshard.model.pipeline.spmd.one_f_one_b_with_aux`); GPipe and circular
+1F1B's backward gives a stage's loss fields of microbatch i the cotangent ``count_i``
+(:func:`~seqshard.model.pipeline.spmd.one_f_one_b_with_aux`); GPipe and circular
 differentiate the sum by autodiff.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -69,27 +71,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from seqshard.batch import TokenBatch
-from seqshard.model.backward import explicit_run_layers, explicit_run_moe_layers
+from seqshard.model.backward import explicit_run_stack
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
-from seqshard.model.moe import RouterStats, zero_stats
+from seqshard.model.layers import Stack, run_stack, stacks, zero_aux
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.pipeline.spmd import circular_forward_with_aux, one_f_one_b_with_aux
-from seqshard.model.transformer import (
-    embed,
-    final_norm,
-    loss_terms_and_softmax,
-    run_layers,
-    run_moe_layers,
-    unembed,
-)
+from seqshard.model.transformer import embed, final_norm, loss_terms_and_softmax, unembed
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.dataflow import cotangent_after, varying_over_stages
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = [
-    "pipelined_terms_and_stats",
+    "pipelined_terms_and_aux",
     "to_microbatches",
 ]
 
@@ -100,6 +95,12 @@ class _Head(NamedTuple):
 
     final_norm: jax.Array
     unembed: jax.Array
+
+
+class _Embed(NamedTuple):
+    """The weight the first stage's embedding reads (``embed`` reads this field)."""
+
+    embed: jax.Array
 
 
 def to_microbatches(x: jax.Array, m: int) -> jax.Array:
@@ -126,7 +127,7 @@ def _head_terms_in_scope(cfg: ModelConfig, head: _Head, y: jax.Array, rows: Sequ
 
 def _on_last_stage_summed(terms: jax.Array, own: jax.Array | None = None) -> jax.Array:
     """f32[2] made on stage p-1 (others: masked to 0), plus ``own`` (f32[2], each stage's:
-    its MoE layers' balancing terms), summed over p: replicated."""
+    its layers' loss terms), summed over p: replicated."""
     p, s = shardops.axis_size("p"), shardops.axis_index("p")
     terms = jnp.where(s == p - 1, terms, 0.0)
     if own is not None:
@@ -134,53 +135,45 @@ def _on_last_stage_summed(terms: jax.Array, own: jax.Array | None = None) -> jax
     return shardops.psum("2{U_p} -> 2", terms)
 
 
-def pipelined_terms_and_stats(
+def pipelined_terms_and_aux(
     cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch
-) -> tuple[jax.Array, RouterStats | None]:
-    """(the loss terms f32[2], each microbatch's balancing terms included; the step's
-    :class:`~seqshard.model.moe.RouterStats` in the stored stack's order, replicated, or None
-    without experts), pipelined over p (see the module docstring)."""
+) -> tuple[jax.Array, dict]:
+    """(the loss terms f32[2], each microbatch's loss terms of the layers included; the step's
+    auxiliary outputs in the stored stack's order, replicated), pipelined over p (see the
+    module docstring)."""
     if pipe.schedule == "1f1b":
-        out = _with_one_f_one_b(cfg, pipe, w, batch)
-    else:
-        out = _gpipe_terms(cfg, pipe, w, batch)
-    return out if cfg.moe.enabled else (out, None)
+        return _with_one_f_one_b(cfg, pipe, w, batch)
+    return _gpipe_terms(cfg, pipe, w, batch)
 
 
-def _stack(cfg: ModelConfig, w: Weights):
-    """The stack the stages run: the MoE layers with experts (the dense stack is empty, see
-    :func:`~seqshard.model.weights.check_mesh`), else the layers."""
-    return w.moe_layers if cfg.moe.enabled else w.layers
+def _stack(cfg: ModelConfig) -> Stack:
+    """The one stack the stages run (:meth:`~seqshard.model.config.ModelConfig.check_mesh_kinds`
+    allows no other with p > 1)."""
+    (stack,) = stacks(cfg)
+    return stack
 
 
 def _stages(cfg: ModelConfig, pipe: Pipeline, batch: TokenBatch):
     """(the rows, the rows as microbatches 'm b ...', the stage function ``(block, x, i) ->
-    (y, the block's RouterStats or None)``)."""
+    (y, the block's auxiliary outputs)``)."""
     rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)
     micro = jax.tree.map(functools.partial(to_microbatches, m=pipe.microbatches), rows)
-    explicit = cfg.backward == "explicit"
+    run = explicit_run_stack if cfg.backward == "explicit" else run_stack
+    stack = _stack(cfg)
 
     def stage(block, x, i):
         with shape_scope():  # B is a microbatch's rows here
-            rows_i = _microbatch(micro, i)
-            if cfg.moe.enabled and explicit:
-                return explicit_run_moe_layers(cfg, rows_i, x, block)
-            if cfg.moe.enabled:
-                return run_moe_layers(cfg, rows_i, x, block)
-            if explicit:
-                return explicit_run_layers(cfg, rows_i, x, block), None
-            return run_layers(cfg, rows_i, x, block), None
+            return run(cfg, stack, _microbatch(micro, i), x, block)
 
     return rows, micro, stage
 
 
-def _block_stats_zeros(cfg: ModelConfig, blocks: int) -> RouterStats | None:
-    """Zeros shaped as one layer block's RouterStats (the MoE stack over ``blocks`` blocks),
-    or None without experts."""
-    if not cfg.moe.enabled:
-        return None
-    n = cfg.dim_sizes()["moe_layers"] // blocks
-    return jax.tree.map(lambda z: z[:n], zero_stats(cfg))
+def _block_aux_zeros(cfg: ModelConfig, blocks: int) -> dict:
+    """Zeros shaped as one layer block's auxiliary outputs (the stack over ``blocks``
+    blocks; empty without any)."""
+    stack = _stack(cfg)
+    n = stack.n_layers // blocks
+    return jax.tree.map(lambda z: z[:n], zero_aux(cfg).get(stack.name, {}))
 
 
 def _microbatch_counts(micro: SequenceRows) -> jax.Array:
@@ -191,23 +184,33 @@ def _microbatch_counts(micro: SequenceRows) -> jax.Array:
         return shardops.psum("m{U_d,e,c} -> m", local)
 
 
-def _balancing_and_stats(cfg: ModelConfig, stats: RouterStats, counts: jax.Array):
-    """From this stage's statistics ``[v, m, b, ...]`` (round, microbatch, layer of the
-    block): (f32[2], its layers' balancing terms, each microbatch's times its counted
-    positions, to add to the loss; the step's statistics, replicated: every stage's
-    layers in the stored stack's order)."""
-    v, m, b = stats.aux.shape[:3]
-    per_microbatch = jnp.sum(stats.aux + stats.z, axis=(0, 2))  # [m]: every layer's, summed
-    balancing = jnp.stack([jnp.sum(counts * per_microbatch), jnp.zeros(())])
-    # As gradient accumulation at p = 1 reports them: counts summed over the microbatches,
-    # the balancing terms their mean.
-    step = RouterStats(
-        load=jnp.sum(stats.load, axis=1),
-        dropped=jnp.sum(stats.dropped, axis=1),
-        aux=jnp.mean(stats.aux, axis=1),
-        z=jnp.mean(stats.z, axis=1),
-        tokens=jnp.sum(stats.tokens, axis=1),
-    )
+def _balancing_and_stats(cfg: ModelConfig, aux: dict, counts: jax.Array):
+    """From this stage's auxiliary outputs ``[v, m, b, ...]`` (round, microbatch, layer of the
+    block): (f32[2], its layers' loss fields, each microbatch's times its counted positions,
+    to add to the loss; the step's outputs, replicated: every stage's layers in the stored
+    stack's order)."""
+    stack = _stack(cfg)
+    blocks = {b.name: b for b in stack.aux_blocks}
+    losses = [
+        functools.reduce(jnp.add, [aux[name][f] for f in block.aux.loss])
+        for name, block in blocks.items()
+        if block.aux.loss
+    ]
+    v, m, b = jax.tree.leaves(aux)[0].shape[:3]
+    balancing = jnp.zeros((2,))
+    if losses:
+        # [m]: every layer's, summed
+        per_microbatch = functools.reduce(jnp.add, [jnp.sum(x, axis=(0, 2)) for x in losses])
+        balancing = jnp.stack([jnp.sum(counts * per_microbatch), jnp.zeros(())])
+    # As gradient accumulation at p = 1 reports them: summed over the microbatches, the
+    # ``mean`` fields their mean.
+    step = {
+        name: {
+            f: (jnp.mean if f in block.aux.mean else jnp.sum)(values, axis=1)
+            for f, values in aux[name].items()
+        }
+        for name, block in blocks.items()
+    }
     # This stage holds stored positions s·v·b .. (s+1)·v·b - 1 (round r's block at r·b):
     # placed there in a zero stack, the others' zeros; one psum over p adds the stages'.
     step = jax.tree.map(lambda a: lax.stop_gradient(a.reshape(v * b, *a.shape[2:])), step)
@@ -233,7 +236,7 @@ def _balancing_and_stats(cfg: ModelConfig, stats: RouterStats, counts: jax.Array
 
 def _embedded(cfg: ModelConfig, pipe: Pipeline, table: jax.Array, rows: SequenceRows):
     """Every microbatch's embedded input 'm b ...' (a residual each)."""
-    x = embed(cfg, Weights(embed=table, layers=None, final_norm=None, unembed=None), rows.tokens)
+    x = embed(cfg, _Embed(table), rows.tokens)
     return to_microbatches(x, pipe.microbatches)
 
 
@@ -253,9 +256,10 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch
     xs = _embedded(cfg, pipe, table, rows)
     # This stage's v layer blocks, one per round (circular; v = 1: gpipe).
     v = pipe.repeats if pipe.schedule == "circular" else 1
-    blocks = jax.tree.map(lambda b: b.reshape(v, b.shape[0] // v, *b.shape[1:]), _stack(cfg, w))
-    stats_like = _block_stats_zeros(cfg, shardops.axis_size("p") * v)
-    ys, stats = circular_forward_with_aux(stage, blocks, xs, stats_like)
+    layers = getattr(w, _stack(cfg).name)
+    blocks = jax.tree.map(lambda b: b.reshape(v, b.shape[0] // v, *b.shape[1:]), layers)
+    aux_like = _block_aux_zeros(cfg, shardops.axis_size("p") * v)
+    ys, aux = circular_forward_with_aux(stage, blocks, xs, aux_like)
     per_microbatch = jax.checkpoint(functools.partial(_head_terms, cfg, head))
 
     def head(_, y_rows):
@@ -265,12 +269,12 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch
     # The head's backward (a loop that recomputes it) reads these terms, so it runs after the
     # head's forward loop on every device (XLA's CPU runtime orders by data).
     terms = jnp.sum(cotangent_after(terms), axis=0)
-    if stats is None:
-        return _on_last_stage_summed(terms)
+    if not aux:
+        return _on_last_stage_summed(terms), {}
     m = pipe.microbatches
-    stats = jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:]), stats)  # round r·m + i
-    balancing, step_stats = _balancing_and_stats(cfg, stats, _microbatch_counts(micro))
-    return _on_last_stage_summed(terms, balancing), step_stats
+    aux = jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:]), aux)  # round r·m + i
+    balancing, step_aux = _balancing_and_stats(cfg, aux, _microbatch_counts(micro))
+    return _on_last_stage_summed(terms, balancing), {_stack(cfg).name: step_aux}
 
 
 _TABLE, _GAIN = "V/t M/d/e/c", "M/t/d/e/c"  # the replicated weights' per-device layouts
@@ -306,9 +310,9 @@ _per_stage.defvjp(_per_stage_forward, _per_stage_backward)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_one_f_one_b(cfg, pipe, w, batch):
-    # Not differentiated (eval): the forward ticks alone. With experts, (terms, statistics):
-    # the statistics are reported, not differentiated (their aux and z reach the gradient
-    # through the terms).
+    # Not differentiated (eval): the forward ticks alone: (terms, auxiliary outputs), the
+    # outputs reported, not differentiated (their loss fields reach the gradient through the
+    # terms).
     with collective_log.custom_vjp_primal():
         return _gpipe_terms(cfg, pipe, w, batch)
 
@@ -325,47 +329,49 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: To
         return _head_terms(cfg, head, y, _microbatch(micro, i))[0]
 
     head = _Head(w.final_norm, w.unembed)
-    stats_like = aux_cotangent = counts = None
-    if cfg.moe.enabled:
-        stats_like = _block_stats_zeros(cfg, shardops.axis_size("p"))
-        counts = _microbatch_counts(micro)
+    stack = _stack(cfg)
+    aux_like = _block_aux_zeros(cfg, shardops.axis_size("p"))
+    counts = _microbatch_counts(micro) if aux_like else None
+    loss_fields = {b.name: b.aux.loss for b in stack.aux_blocks}
 
-        def aux_cotangent(i):
-            # The loss adds microbatch i's aux and z times its counted positions.
-            weight = jnp.broadcast_to(counts[i], stats_like.aux.shape)
-            return dataclasses.replace(
-                jax.tree.map(jnp.zeros_like, stats_like), aux=weight, z=weight
-            )
+    def aux_cotangent(i):
+        # The loss adds microbatch i's loss fields times its counted positions.
+        return {
+            name: {
+                f: jnp.broadcast_to(counts[i], z.shape)
+                if f in loss_fields[name]
+                else jnp.zeros_like(z)
+                for f, z in fields.items()
+            }
+            for name, fields in aux_like.items()
+        }
 
-    loss, d_layers, d_head, d_xs, stats = one_f_one_b_with_aux(
-        stage, head_loss, _stack(cfg, w), head, xs, stats_like, aux_cotangent
+    loss, d_layers, d_head, d_xs, aux = one_f_one_b_with_aux(
+        stage, head_loss, getattr(w, stack.name), head, xs, aux_like, aux_cotangent
     )
     (d_embed,) = embed_vjp(d_xs)
     count = jnp.sum(micro.counted.astype(jnp.float32))
     count = shardops.psum("1{U_d,e,c} -> 1", count[None])[0]
-    balancing = step_stats = None
-    if stats is not None:
-        stats = jax.tree.map(lambda a: a[None], stats)  # one round
-        balancing, step_stats = _balancing_and_stats(cfg, stats, counts)
+    balancing, step_aux = None, {}
+    if aux:
+        aux = jax.tree.map(lambda a: a[None], aux)  # one round
+        balancing, stack_aux = _balancing_and_stats(cfg, aux, counts)
+        step_aux = {stack.name: stack_aux}
     loss = _on_last_stage_summed(jnp.stack([loss, 0.0]), balancing)[0]
     grads = dict(
         # Made on one stage (zeros on the others): summed over p, as the replicated weights' are.
         embed=shardops.psum(f"{_TABLE}{{U_p}} -> {_TABLE}", d_embed),
-        layers=d_layers,
         final_norm=shardops.psum(f"{_GAIN}{{U_p}} -> {_GAIN}", d_head.final_norm),
         unembed=shardops.psum(f"{_TABLE}{{U_p}} -> {_TABLE}", d_head.unembed),
     )
-    if step_stats is None:
-        return jnp.stack([loss, count]), Weights(**grads)
-    # The dense stack is empty (weights.check_mesh): its gradient too.
-    grads.update(layers=jax.tree.map(jnp.zeros_like, w.layers), moe_layers=d_layers)
-    return (jnp.stack([loss, count]), step_stats), type(w)(**grads)
+    grads[stack.name] = d_layers
+    return (jnp.stack([loss, count]), step_aux), type(w)(**grads)
 
 
 def _one_f_one_b_backward(cfg, pipe, grads: Weights, cotangents):
-    """The gradients the forward made, times the cotangent of the summed loss (with experts,
-    the statistics' cotangents are dropped: they are reported, not differentiated)."""
-    d_terms = cotangents[0] if cfg.moe.enabled else cotangents
+    """The gradients the forward made, times the cotangent of the summed loss (the auxiliary
+    outputs' cotangents are dropped: they are reported, not differentiated)."""
+    d_terms = cotangents[0]
     return jax.tree.map(lambda g: g * d_terms[0], grads), None
 
 

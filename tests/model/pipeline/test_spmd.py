@@ -18,17 +18,19 @@ from model_weights import random_weights, tiny_model
 
 from seqshard import f32, typed_shard_map
 from seqshard.model.context import sequence_rows
+from seqshard.model.layers import run_stack, stacks
 from seqshard.model.pipeline.spmd import circular_forward, one_f_one_b
 from seqshard.model.reference import reference_layer, reference_mask, reference_positions
-from seqshard.model.transformer import layer, rope_and_mask
-from seqshard.model.weights import Layer
-from seqshard.shardlib import collective_log
 from seqshard.shardlib.shardtypes import Array, bool_, i32
 from seqshard.testing import count_collectives, fake_cpu_mesh
 
 D, ROWS, LAYERS = 8, 2, 8
 TOL = dict(rtol=1e-6, atol=1e-6)  # the loss
 GRAD_TOL = dict(rtol=2e-5, atol=3e-6)
+
+
+(STACK,) = stacks(tiny_model())  # the dense layers (every tiny model's layer type)
+Layer = STACK.layer_type
 
 
 def tanh_layer(h, w):
@@ -203,9 +205,7 @@ def test_the_models_layers_pipeline_over_p_with_fsdp_and_tensor_parallel_inside(
     ) -> f32["1"]:
         def stage(block, x, i):
             row = sequence_rows(tokens[i], starts[i])
-            rope, mask = rope_and_mask(cfg, row)
-            body = functools.partial(layer, cfg, row, rope, mask)
-            return collective_log.scan("layers", body, x, block)[0]
+            return run_stack(cfg, STACK, row, x, block)[0]
 
         blocks = jax.tree.map(lambda w: w[None], ws)  # v = 1
         ys = circular_forward(stage, blocks, xs)
