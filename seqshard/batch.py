@@ -2,9 +2,9 @@
 
     @pytree_dataclass
     class TokenBatch:
-        tokens: i32[b'B/d/e L/c']          # packed token ids: rows over d, positions over c
-        is_seq_start: bool_[b'B/d/e L/c']  # True at the first token of each packed document
-        loss_mask: bool_[b'B/d/e L/c']     # True where the token counts as a prediction target
+        tokens: i32[b'B/dp L/c']          # packed token ids: rows over d, positions over c
+        is_seq_start: bool_[b'B/dp L/c']  # True at the first token of each packed document
+        loss_mask: bool_[b'B/dp L/c']     # True where the token counts as a prediction target
 
 The next-token pair (position ``i - 1`` predicts token ``i``) counts in the loss iff token
 ``i`` is in the same document (``not is_seq_start[i]``) and ``loss_mask[i]``: fine-tuning data
@@ -16,7 +16,7 @@ Every batch sharding comes from these types: the loader's arrays
 (``shardings(TokenBatch, mesh)``), the train and eval steps' in_shardings, the model's
 shard_map in_specs, ``seqshard show``'s abstract inputs (:func:`batch_structs`), and the
 gradient-accumulation split (:func:`split_microbatches`, typed
-``Array['microbatches', TokenBatch]``: ``'microbatches B/d/e L/c'``).
+``Array['microbatches', TokenBatch]``: ``'microbatches B/dp L/c'``).
 
 The positions are in their natural order, split contiguously over the context axis c (the
 loader's layout); the model reorders them into its zigzag layout itself
@@ -45,9 +45,9 @@ __all__ = ["TokenBatch", "batch_structs", "split_microbatches", "token_batch"]
 class TokenBatch:
     """One global batch of packed rows, ``[B, L]`` each, rows split over d, positions over c."""
 
-    tokens: i32[b"B/d/e L/c"]
-    is_seq_start: bool_[b"B/d/e L/c"]
-    loss_mask: bool_[b"B/d/e L/c"]
+    tokens: i32[b"B/dp L/c"]
+    is_seq_start: bool_[b"B/dp L/c"]
+    loss_mask: bool_[b"B/dp L/c"]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -82,9 +82,9 @@ def batch_structs(batch_size: int, seq_len: int, mesh: Mesh | None = None) -> To
 
 
 def split_microbatches(batch: TokenBatch, k: int, mesh: Mesh) -> TokenBatch:
-    """``'B/d/e L/c'`` -> ``'microbatches B/d/e L/c'``: row i goes to microbatch i % k.
+    """``'B/dp L/c'`` -> ``'microbatches B/dp L/c'``: row i goes to microbatch i % k.
 
-    Each device's block of ``B/d/e`` rows already holds its share of every microbatch (rows
+    Each device's block of ``B/dp`` rows already holds its share of every microbatch (rows
     i, i+k, ... of a block stay on it), so with the layout pinned to the stacked type's
     sharding the split moves no data."""
     rows, length = batch.shape

@@ -179,7 +179,7 @@ def test_a_sequence_the_residual_cannot_split_is_rejected():
         and "model.residual=M/t" in msg
     )
     cfg = load("mesh.d=2", "mesh.t=4", "model.n_kv=4", "train.seq_len=130", "model.residual=M/t")
-    assert cfg.model.residual_spec == "B/d/e L@zigzag/c M/t"
+    assert cfg.model.residual_spec == "B/dp L@zigzag/c M/t"
 
 
 def test_a_sequence_the_context_axis_cannot_cut_in_zigzag_chunks_is_rejected():

@@ -1,7 +1,7 @@
-"""Global batches of packed tokens, sharded ``B/d/e L/c`` on the mesh, with a prefetch thread.
+"""Global batches of packed tokens, sharded ``B/dp L/c`` on the mesh, with a prefetch thread.
 
     with Loader("data/tokens", "train", batch_size=32, seq_len=256, mesh=mesh) as loader:
-        for batch in loader:    # TokenBatch(tokens, is_seq_start, loss_mask), each 'B/d/e L/c'
+        for batch in loader:    # TokenBatch(tokens, is_seq_start, loss_mask), each 'B/dp L/c'
             state = step_fn(state, batch)
             ckpt["data"] = loader.state()  # {'step': next step, 'seed': ..., ...}
     # resume: Loader(..., seed=ckpt["data"]["seed"], start_step=ckpt["data"]["step"])

@@ -6,18 +6,18 @@ expert) and that tensor's layout written in seqshard's dimension names, the name
 axes left out (and the ``layers`` dimension, which is ``{i}``); einops moves between the two::
 
     seqshard weight  type                                     Hugging Face tensor                         its layout
-    embed            f32['vocab/t d_model/d/e/c']               model.embed_tokens.weight                   vocab d_model
-    layers.ln1       f32['d_model/t/d/e/c']                     model.layers.{i}.input_layernorm.weight     d_model
-    layers.w_q       f32['d_model/d/e/c n_q_per_kv n_kv/t d_head']  model.layers.{i}.self_attn.q_proj.weight  (n_kv n_q_per_kv d_head) d_model
-    layers.w_kv[0]   f32['2 d_model/d/e/c n_kv/t d_head'] [0]   model.layers.{i}.self_attn.k_proj.weight    (n_kv d_head) d_model
+    embed            f32['vocab/t d_model/fsdp']               model.embed_tokens.weight                   vocab d_model
+    layers.ln1       f32['d_model/t/fsdp']                     model.layers.{i}.input_layernorm.weight     d_model
+    layers.w_q       f32['d_model/fsdp n_q_per_kv n_kv/t d_head']  model.layers.{i}.self_attn.q_proj.weight  (n_kv n_q_per_kv d_head) d_model
+    layers.w_kv[0]   f32['2 d_model/fsdp n_kv/t d_head'] [0]   model.layers.{i}.self_attn.k_proj.weight    (n_kv d_head) d_model
     layers.w_kv[1]                                     [1]   model.layers.{i}.self_attn.v_proj.weight    (n_kv d_head) d_model
-    layers.w_o       f32['d_model/d/e/c n_q_per_kv n_kv/t d_head']  model.layers.{i}.self_attn.o_proj.weight  d_model (n_kv n_q_per_kv d_head)
-    layers.ln2       f32['d_model/t/d/e/c']                     model.layers.{i}.post_attention_layernorm.weight  d_model
-    layers.w_gate    f32['d_model/d/e/c d_ff/t']                model.layers.{i}.mlp.gate_proj.weight       d_ff d_model
-    layers.w_up      f32['d_model/d/e/c d_ff/t']                model.layers.{i}.mlp.up_proj.weight         d_ff d_model
-    layers.w_down    f32['d_model/d/e/c d_ff/t']                model.layers.{i}.mlp.down_proj.weight       d_model d_ff
-    final_norm       f32['d_model/t/d/e/c']                     model.norm.weight                           d_model
-    unembed          f32['vocab/t d_model/d/e/c']               lm_head.weight                              vocab d_model
+    layers.w_o       f32['d_model/fsdp n_q_per_kv n_kv/t d_head']  model.layers.{i}.self_attn.o_proj.weight  d_model (n_kv n_q_per_kv d_head)
+    layers.ln2       f32['d_model/t/fsdp']                     model.layers.{i}.post_attention_layernorm.weight  d_model
+    layers.w_gate    f32['d_model/fsdp d_ff/t']                model.layers.{i}.mlp.gate_proj.weight       d_ff d_model
+    layers.w_up      f32['d_model/fsdp d_ff/t']                model.layers.{i}.mlp.up_proj.weight         d_ff d_model
+    layers.w_down    f32['d_model/fsdp d_ff/t']                model.layers.{i}.mlp.down_proj.weight       d_model d_ff
+    final_norm       f32['d_model/t/fsdp']                     model.norm.weight                           d_model
+    unembed          f32['vocab/t d_model/fsdp']               lm_head.weight                              vocab d_model
 
 With ``model.qk_norm`` (Qwen3, Qwen3-MoE), each layer also has::
 
@@ -29,7 +29,7 @@ With experts (:class:`~seqshard.model.weights.MoEWeights`), the layers from
 ``moe.n_dense_layers`` on are ``moe_layers`` (Hugging Face layer ``{i}`` = n_dense_layers + its
 index there), their FFN one tensor per expert ``{x}`` (Qwen3-MoE's names; Mixtral's below)::
 
-    moe_layers.router  f32['d_model/d/e/c experts']             model.layers.{i}.mlp.gate.weight            experts d_model
+    moe_layers.router  f32['d_model/fsdp experts']             model.layers.{i}.mlp.gate.weight            experts d_model
     moe_layers.w_gate  f32['experts/e d_model/d/c d_expert/t'] model.layers.{i}.mlp.experts.{x}.gate_proj.weight  d_expert d_model
     moe_layers.w_up    (as w_gate)                             model.layers.{i}.mlp.experts.{x}.up_proj.weight    d_expert d_model
     moe_layers.w_down  (as w_gate)                             model.layers.{i}.mlp.experts.{x}.down_proj.weight  d_model d_expert
@@ -123,13 +123,13 @@ class TensorRow:
 
     @property
     def weight_type(self) -> ArrayType:
-        """The seqshard weight's type, for one layer if stacked: ``f32['d_model/d/e/c d_ff/t']``."""
+        """The seqshard weight's type, for one layer if stacked: ``f32['d_model/fsdp d_ff/t']``."""
         return _types()[self.field]
 
     @property
     def block_type(self) -> ArrayType:
         """One Hugging Face tensor's block of the weight: the type with the part or expert dim
-        dropped (``w_kv[0]``: ``f32['d_model/d/e/c n_kv/t d_head']``)."""
+        dropped (``w_kv[0]``: ``f32['d_model/fsdp n_kv/t d_head']``)."""
         t = self.weight_type
         dropped = (self.part is not None) + self.per_expert
         return ArrayType(t.dtype, Shape(t.shape.dims[dropped:]), t.dtype_name)

@@ -1,6 +1,6 @@
 """Grouped-query attention with RoPE and packed-document masks, per device.
 
-Shapes inside the shard_map (per-device blocks): ``q: 'B/d/e L@zigzag/c Q K/t D'``, ``k, v: 'B/d/e L@zigzag/c K/t D'``.
+Shapes inside the shard_map (per-device blocks): ``q: 'B/dp L@zigzag/c Q K/t D'``, ``k, v: 'B/dp L@zigzag/c K/t D'``.
 Each t shard holds whole kv heads and their query heads, so attention needs no communication.
 
 Positions restart at every document start, so a document's logits do not depend on where it
@@ -122,7 +122,7 @@ def attention(
     impl: AttentionImpl,
     causal_only: bool,
 ) -> jax.Array:
-    """Softmax(q k^T / sqrt(D), masked) v per (q head, kv head) pair: 'B/d/e L@zigzag/c Q K/t D' out.
+    """Softmax(q k^T / sqrt(D), masked) v per (q head, kv head) pair: 'B/dp L@zigzag/c Q K/t D' out.
 
     ``mask``: :func:`attention_mask`'s for this ``impl``, ``[B, Lq, Lk]`` bool (splash: segment
     ids ``[B, L]``). ``causal_only`` says the mask is exactly causal, so fused kernels may use
@@ -151,14 +151,14 @@ def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
 
 def einsum_probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     """Einsum attention's softmax(q k^T / sqrt(D)) under ``mask`` [B, Lq, Lk]: f32
-    'B/d/e K/t Q Qlen@zigzag/c Klen@zigzag' (the hand-written backward keeps or rebuilds it).
+    'B/dp K/t Q Qlen@zigzag/c Klen@zigzag' (the hand-written backward keeps or rebuilds it).
 
     Scores and softmax in f32: bf16 scores lose the small differences softmax amplifies.
     Heads major, keys minor: batched dots over (B, K, Q) as XLA lays them out, and a softmax
-    along the last axis. With 'B/d/e Qlen@zigzag/c Klen Q K/t' the hand-written backward's score-shaped
+    along the last axis. With 'B/dp Qlen@zigzag/c Klen Q K/t' the hand-written backward's score-shaped
     fusion ran at 0.8x on CPU."""
     scores = shardops.einsum_unreduced(
-        "B/d/e Qlen@zigzag/c Q K/t D, B/d/e Klen@zigzag K/t D -> B/d/e K/t Q Qlen@zigzag/c Klen@zigzag",
+        "B/dp Qlen@zigzag/c Q K/t D, B/dp Klen@zigzag K/t D -> B/dp K/t Q Qlen@zigzag/c Klen@zigzag",
         q,
         k,
         out_dtype=jnp.float32,
@@ -168,9 +168,9 @@ def einsum_probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Arr
 
 
 def einsum_values(probs: jax.Array, v: jax.Array) -> jax.Array:
-    """The attention output 'B/d/e Qlen@zigzag/c Q K/t D' from :func:`einsum_probabilities` (in v's dtype)."""
+    """The attention output 'B/dp Qlen@zigzag/c Q K/t D' from :func:`einsum_probabilities` (in v's dtype)."""
     return shardops.einsum_unreduced(
-        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Klen@zigzag K/t D -> B/d/e Qlen@zigzag/c Q K/t D",
+        "B/dp K/t Q Qlen@zigzag/c Klen@zigzag, B/dp Klen@zigzag K/t D -> B/dp Qlen@zigzag/c Q K/t D",
         probs,
         v,
     )

@@ -95,18 +95,18 @@ def _has_qk_norm(cfg: ModelConfig) -> bool:
 class AttentionWeights:
     """The attention block's weights (one layer's)."""
 
-    ln1: f32["d_model/t/d/e/c"] = gain(_LAYER + "input_layernorm.weight")
-    w_q: f32["d_model/d/e/c n_q_per_kv n_kv/t d_head"] = weight(
+    ln1: f32["d_model/t/fsdp"] = gain(_LAYER + "input_layernorm.weight")
+    w_q: f32["d_model/fsdp n_q_per_kv n_kv/t d_head"] = weight(
         _fan_in, hf=_LAYER + "self_attn.q_proj.weight", layout="(n_kv n_q_per_kv d_head) d_model"
     )
-    w_kv: f32["2 d_model/d/e/c n_kv/t d_head"] = weight(  # [0] makes k, [1] makes v
+    w_kv: f32["2 d_model/fsdp n_kv/t d_head"] = weight(  # [0] makes k, [1] makes v
         _fan_in,
         hf=(
             (_LAYER + "self_attn.k_proj.weight", "(n_kv d_head) d_model"),
             (_LAYER + "self_attn.v_proj.weight", "(n_kv d_head) d_model"),
         ),
     )
-    w_o: f32["d_model/d/e/c n_q_per_kv n_kv/t d_head"] = weight(
+    w_o: f32["d_model/fsdp n_q_per_kv n_kv/t d_head"] = weight(
         _w_o_std, hf=_LAYER + "self_attn.o_proj.weight", layout="d_model (n_kv n_q_per_kv d_head)"
     )
     # model.qk_norm's gains (absent without it), replicated: each device normalizes whole
@@ -133,36 +133,36 @@ def _qk_norm(cfg: ModelConfig, c: int) -> bool:
     return cfg.qk_norm
 
 
-_R = "B/d/e L/c M/t"  # the residual's size per device (either layout of model.residual)
+_R = "B/dp L/c M/t"  # the residual's size per device (either layout of model.residual)
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
 
 
 def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ...]:
-    """Pre-norm, then q 'B/d/e L@zigzag/c Q K/t D' and k, v 'B/d/e L@zigzag/c K/t D', q and k
+    """Pre-norm, then q 'B/dp L@zigzag/c Q K/t D' and k, v 'B/dp L@zigzag/c K/t D', q and k
     rotated by RoPE. ``a`` holds the layer input ``x``."""
     dt = jnp.dtype(cfg.compute_dtype)
     cos, sin = rope
     x = a["x"]
     # The norm needs all of M, the projections every row: gather the gain, and the residual
     # over t (before the norm for M/t, its output after it for L/t).
-    ln1 = a("ln1", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln1))
+    ln1 = a("ln1", lambda: shardops.all_gather("M/t/fsdp -> M", w.ln1))
     gx = a("gx", lambda: norm_input(cfg, x))
     nx = a("nx", lambda: normed(cfg, gx, ln1))
     # FSDP: each matrix is gathered over d and c just before use (in the backward pass again:
     # only remat=none keeps gathered weights).
-    w_q = a("w_q", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
+    w_q = a("w_q", lambda: shardops.all_gather("M/fsdp Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
 
     def project_q() -> jax.Array:
         return shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, M Q K/t D -> B/d/e L@zigzag/c Q K/t D", nx, w_q
+            "B/dp L@zigzag/c M, M Q K/t D -> B/dp L@zigzag/c Q K/t D", nx, w_q
         )
 
-    w_kv = a("w_kv", lambda: shardops.all_gather("2 M/d/e/c K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
+    w_kv = a("w_kv", lambda: shardops.all_gather("2 M/fsdp K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
 
     def project_kv() -> tuple[jax.Array, jax.Array]:
         k, v = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, 2 M K/t D -> 2 B/d/e L@zigzag/c K/t D", nx, w_kv
+            "B/dp L@zigzag/c M, 2 M K/t D -> 2 B/dp L@zigzag/c K/t D", nx, w_kv
         )
         return k, v
 
@@ -187,15 +187,15 @@ def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Arr
 
 
 def head_norm(cfg: ModelConfig, x: jax.Array, gain: jax.Array) -> jax.Array:
-    """model.qk_norm's RMSNorm of each head of q 'B/d/e L@zigzag/c Q K/t D' or k
-    'B/d/e L@zigzag/c K/t D' over D by ``gain`` 'D' (f32), in compute dtype."""
+    """model.qk_norm's RMSNorm of each head of q 'B/dp L@zigzag/c Q K/t D' or k
+    'B/dp L@zigzag/c K/t D' over D by ``gain`` 'D' (f32), in compute dtype."""
     return rms_norm(x, gain, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
 
 
 def attention_core(
     cfg: ModelConfig, a: Activations, rows: SequenceRows, mask: jax.Array | None
 ) -> jax.Array:
-    """This device's queries over the whole row: 'B/d/e L@zigzag/c Q K/t D'. With the row split
+    """This device's queries over the whole row: 'B/dp L@zigzag/c Q K/t D'. With the row split
     over c, the ring passes k and v blocks around (its own backward), or allgather gathers
     them; einsum attention keeps its probabilities as an activation, fused kernels do not."""
     q, k, v = a["q"], a["k"], a["v"]
@@ -220,15 +220,15 @@ def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
     """The output projection of ``attn`` plus the residual ``x``: h, a residual."""
     dt = jnp.dtype(cfg.compute_dtype)
     x, attn = a["x"], a["attn"]
-    w_o = a("w_o", lambda: shardops.all_gather("M/d/e/c Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
+    w_o = a("w_o", lambda: shardops.all_gather("M/fsdp Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
 
     def residual() -> jax.Array:
         out = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c Q K/t D, M Q K/t D -> B/d/e L@zigzag/c M", attn, w_o
+            "B/dp L@zigzag/c Q K/t D, M Q K/t D -> B/dp L@zigzag/c M", attn, w_o
         )
         # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
         # residual's layout.
-        return x + shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
+        return x + shardops.psum_scatter(f"B/dp L@zigzag/c M -> {cfg.residual_spec}", out)
 
     return a("h", residual)
 
@@ -272,7 +272,7 @@ def attention_block_backward(
 def attention_backward(
     cfg: ModelConfig, rows: SequenceRows, mask: jax.Array | None, a: Activations, d_attn: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dL/dq 'B/d/e L@zigzag/c Q K/t D' and dL/dk, dL/dv 'B/d/e L@zigzag/c K/t D' from dL/dattn; per device (each t
+    """dL/dq 'B/dp L@zigzag/c Q K/t D' and dL/dk, dL/dv 'B/dp L@zigzag/c K/t D' from dL/dattn; per device (each t
     shard holds whole kv heads and their query heads), no communication.
 
     Einsum attention: written out. Fused kernels (cudnn, xla, splash): the implementation's
@@ -293,7 +293,7 @@ def attention_backward(
     # Each c shard's queries reached every key: the transposes of the gathers over c sum the
     # shards' partial gradients, each keeping its own positions (nothing moves when c = 1).
     with part("context"):
-        spec = "B/d/e L@zigzag K/t D{U_c} -> B/d/e L@zigzag/c K/t D"
+        spec = "B/dp L@zigzag K/t D{U_c} -> B/dp L@zigzag/c K/t D"
         return dq, shardops.psum_scatter(spec, dk), shardops.psum_scatter(spec, dv)
 
 
@@ -302,13 +302,13 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
     attention, from its probabilities."""
     # attn = probs . v
     d_probs = shardops.einsum_unreduced(
-        "B/d/e Qlen@zigzag/c Q K/t D, B/d/e Klen@zigzag K/t D -> B/d/e K/t Q Qlen@zigzag/c Klen@zigzag",
+        "B/dp Qlen@zigzag/c Q K/t D, B/dp Klen@zigzag K/t D -> B/dp K/t Q Qlen@zigzag/c Klen@zigzag",
         d_attn,
         v,
         out_dtype=jnp.float32,
     )
     dv = shardops.einsum_unreduced(
-        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",
+        "B/dp K/t Q Qlen@zigzag/c Klen@zigzag, B/dp Qlen@zigzag/c Q K/t D -> B/dp Klen@zigzag K/t D",
         probs.astype(v.dtype),
         d_attn,
     )
@@ -318,12 +318,12 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
     d_scores = (d_scores * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)
     # scores = q . k (each kv head's gradient sums over its Q query heads)
     dq = shardops.einsum_unreduced(
-        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Klen@zigzag K/t D -> B/d/e Qlen@zigzag/c Q K/t D",
+        "B/dp K/t Q Qlen@zigzag/c Klen@zigzag, B/dp Klen@zigzag K/t D -> B/dp Qlen@zigzag/c Q K/t D",
         d_scores,
         k,
     )
     dk = shardops.einsum_unreduced(
-        "B/d/e K/t Q Qlen@zigzag/c Klen@zigzag, B/d/e Qlen@zigzag/c Q K/t D -> B/d/e Klen@zigzag K/t D",
+        "B/dp K/t Q Qlen@zigzag/c Klen@zigzag, B/dp Qlen@zigzag/c Q K/t D -> B/dp Klen@zigzag K/t D",
         d_scores,
         q,
     )
@@ -334,16 +334,16 @@ def qk_norm_backward(
     cfg: ModelConfig, a: Activations, d_q: jax.Array, d_k: jax.Array
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """The transpose of ``model.qk_norm``'s head norms: dL/d(q before its norm)
-    'B/d/e L@zigzag/c Q K/t D' and dL/d(k before it) 'B/d/e L@zigzag/c K/t D' (compute dtype),
+    'B/dp L@zigzag/c Q K/t D' and dL/d(k before it) 'B/dp L@zigzag/c K/t D' (compute dtype),
     from the cotangents of the normed q and k, and the gains' gradients 'D' (f32)."""
     dt = jnp.dtype(cfg.compute_dtype)
     with part("qk_norm"):
         d_q, d_q_norm = rms_norm_backward(a["q_proj"], a["q_norm"], d_q, cfg.norm_eps)
         d_k, d_k_norm = rms_norm_backward(a["k_proj"], a["k_norm"], d_k, cfg.norm_eps)
-        # Each gain's gradient summed over this device's rows (B/d/e, L/c) and heads (K/t):
+        # Each gain's gradient summed over this device's rows (B/dp, L/c) and heads (K/t):
         # summed over every device, the gains rest replicated.
-        d_q_norm = shardops.psum("D{U_t,d,e,c} -> D", d_q_norm)
-        d_k_norm = shardops.psum("D{U_t,d,e,c} -> D", d_k_norm)
+        d_q_norm = shardops.psum("D{U_t,dp,c} -> D", d_q_norm)
+        d_k_norm = shardops.psum("D{U_t,dp,c} -> D", d_k_norm)
     return d_q.astype(dt), d_k.astype(dt), {"q_norm": d_q_norm, "k_norm": d_k_norm}
 
 
@@ -352,28 +352,28 @@ ATTENTION = Block(
     activations=(
         Activation("x", _R, "compute", "x", saved=True),  # the layer input, the residual
         Activation("ln1", "M", "f32", "attn_norm"),  # the norm gain, gathered
-        Activation("gx", "B/d/e L/c M", "compute", "attn_norm"),  # norm_input: x with all of M
-        Activation("nx", "B/d/e L/c M", "compute", "attn_norm"),  # the normed input of q, k, v
+        Activation("gx", "B/dp L/c M", "compute", "attn_norm"),  # norm_input: x with all of M
+        Activation("nx", "B/dp L/c M", "compute", "attn_norm"),  # the normed input of q, k, v
         Activation("w_q", "M Q K/t D", "compute", "q"),  # gathered over d, c
         Activation("w_kv", "2 M K/t D", "compute", "kv"),
         # model.qk_norm: the gains, and q and k before their norm (its backward reads them;
         # kept, so that no remat but full repeats the projections).
         Activation("q_norm", "D", "f32", "qk_norm", present=_qk_norm),
         Activation("k_norm", "D", "f32", "qk_norm", present=_qk_norm),
-        Activation("q_proj", "B/d/e L/c Q K/t D", "compute", "q", saved=True, present=_qk_norm),
-        Activation("k_proj", "B/d/e L/c K/t D", "compute", "kv", saved=True, present=_qk_norm),
-        Activation("q", "B/d/e L/c Q K/t D", "compute", "q", saved=True),  # after RoPE
-        Activation("k", "B/d/e L/c K/t D", "compute", "kv", saved=True),  # after RoPE
-        Activation("v", "B/d/e L/c K/t D", "compute", "kv", saved=True),
+        Activation("q_proj", "B/dp L/c Q K/t D", "compute", "q", saved=True, present=_qk_norm),
+        Activation("k_proj", "B/dp L/c K/t D", "compute", "kv", saved=True, present=_qk_norm),
+        Activation("q", "B/dp L/c Q K/t D", "compute", "q", saved=True),  # after RoPE
+        Activation("k", "B/dp L/c K/t D", "compute", "kv", saved=True),  # after RoPE
+        Activation("v", "B/dp L/c K/t D", "compute", "kv", saved=True),
         # k and v gathered over c: every key of the row (allgather attention, c > 1).
-        Activation("keys", "B/d/e L K/t D", "compute", "context", present=_gathered),
-        Activation("values", "B/d/e L K/t D", "compute", "context", present=_gathered),
-        Activation("probs", "B/d/e K/t Q L/c Lk", "f32", "attn", present=_einsum),
-        Activation("attn", "B/d/e L/c Q K/t D", "compute", "attn", saved=True),
+        Activation("keys", "B/dp L K/t D", "compute", "context", present=_gathered),
+        Activation("values", "B/dp L K/t D", "compute", "context", present=_gathered),
+        Activation("probs", "B/dp K/t Q L/c Lk", "f32", "attn", present=_einsum),
+        Activation("attn", "B/dp L/c Q K/t D", "compute", "attn", saved=True),
         # The ring's softmax logsumexp per query (ring attention over c > 1 only).
         Activation(
             "lse",
-            "B/d/e L/c Q K/t",
+            "B/dp L/c Q K/t",
             "f32",
             "context",
             saved=True,
@@ -388,21 +388,21 @@ ATTENTION = Block(
         matmul(
             "q",
             "token",
-            "B/d/e L M, M Q K/t D -> B/d/e L Q K/t D",
+            "B/dp L M, M Q K/t D -> B/dp L Q K/t D",
             lambda m: 2 * m.d_model * m.n_heads * m.d_head,
             _FULL,
         ),
         matmul(
             "k",
             "token",
-            "B/d/e L M, M K/t D -> B/d/e L K/t D",
+            "B/dp L M, M K/t D -> B/dp L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
             _FULL,
         ),
         matmul(
             "v",
             "token",
-            "B/d/e L M, M K/t D -> B/d/e L K/t D",
+            "B/dp L M, M K/t D -> B/dp L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
             _FULL,
         ),
@@ -410,7 +410,7 @@ ATTENTION = Block(
         elementwise(
             "qk_norm",
             "token",
-            "B/d/e L Q K/t D",
+            "B/dp L Q K/t D",
             lambda m: (m.n_heads + m.n_kv) * (4 * m.d_head + 3),
             lambda m: (m.n_heads + m.n_kv) * 8 * m.d_head,
             _FULL,
@@ -421,41 +421,41 @@ ATTENTION = Block(
         elementwise(
             "rope",
             "token",
-            "B/d/e L Q K/t D",
+            "B/dp L Q K/t D",
             lambda m: 3 * (m.n_heads + m.n_kv) * m.d_head,
             lambda m: 3 * (m.n_heads + m.n_kv) * m.d_head,
             _FULL,
         ),
         # With the row split over c: k and v gathered over c again, or the ring's forward.
-        Op("context", "transfer", "token", "B/d/e L K/t D", lambda m: 0, lambda m: 0, _SAVED_FULL),
+        Op("context", "transfer", "token", "B/dp L K/t D", lambda m: 0, lambda m: 0, _SAVED_FULL),
         matmul(
             "scores",
             "pair",
-            "B/d/e Lq Q K/t D, B/d/e Lk K/t D -> B/d/e Lq Lk Q K/t",
+            "B/dp Lq Q K/t D, B/dp Lk K/t D -> B/dp Lq Lk Q K/t",
             lambda m: 2 * m.d_head,
             _SAVED_FULL,
         ),
         # Scale by 1/sqrt(D), select the masked out; the backward does both to the cotangent.
-        elementwise("mask", "pair", "B/d/e Lq Lk Q K/t", lambda m: 2, lambda m: 2, _SAVED_FULL),
+        elementwise("mask", "pair", "B/dp Lq Lk Q K/t", lambda m: 2, lambda m: 2, _SAVED_FULL),
         # max, subtract, exp, sum, divide; backward p * (g - sum(p * g)): seed 004's 4.
-        elementwise("softmax", "pair", "B/d/e Lq Lk Q K/t", lambda m: 5, lambda m: 4, _SAVED_FULL),
+        elementwise("softmax", "pair", "B/dp Lq Lk Q K/t", lambda m: 5, lambda m: 4, _SAVED_FULL),
         matmul(
             "values",
             "pair",
-            "B/d/e Lq Lk Q K/t, B/d/e Lk K/t D -> B/d/e Lq Q K/t D",
+            "B/dp Lq Lk Q K/t, B/dp Lk K/t D -> B/dp Lq Q K/t D",
             lambda m: 2 * m.d_head,
             _FULL,
         ),
         matmul(
             "o",
             "token",
-            "B/d/e L Q K/t D, M Q K/t D -> B/d/e L M",
+            "B/dp L Q K/t D, M Q K/t D -> B/dp L M",
             lambda m: 2 * m.n_heads * m.d_head * m.d_model,
             _FULL,
         ),
         # x + out; the backward sums the cotangents of the residual path and the block's.
         elementwise(
-            "attn_residual", "token", "B/d/e L M/t", lambda m: m.d_model, lambda m: m.d_model, _FULL
+            "attn_residual", "token", "B/dp L M/t", lambda m: m.d_model, lambda m: m.d_model, _FULL
         ),
     ),
     weights=AttentionWeights,

@@ -16,9 +16,9 @@ Dimensions and mesh axes as in transformer.py: B, L (Qlen, Klen), M, F, V, Q, K,
 is differentiated by ``jax.vjp`` of its forward inside this backward. Every weight's gradient follows one pattern, the
 transpose of the forward's all_gather -> einsum:
 
-    w = all_gather('M/d/e/c F/t -> M F/t', w)                          # again, as FSDP does
-    dw = einsum_unreduced('B/d/e L@zigzag/c M, B/d/e L@zigzag/c F/t -> M F/t{U_d,e,c}', nx, dy)   # sums this B/d/e only
-    dw = psum_scatter('M F/t{U_d,e,c} -> M/d/e/c F/t', dw)                 # FSDP's reduce-scatter
+    w = all_gather('M/fsdp F/t -> M F/t', w)                          # again, as FSDP does
+    dw = einsum_unreduced('B/dp L@zigzag/c M, B/dp L@zigzag/c F/t -> M F/t{U_dp,c}', nx, dy)   # sums this B/dp only
+    dw = psum_scatter('M F/t{U_fsdp} -> M/fsdp F/t', dw)                 # FSDP's reduce-scatter
 
 Communication per layer, backward pass (``remat=saved``; each line is the transpose of a
 forward collective, or the forward's own collective repeated to recompute what is not kept):
@@ -47,11 +47,11 @@ reduce-scatters its table over d. So the step holds exactly autodiff's collectiv
 
 How the seed's open questions are resolved:
 
-* **Residual 'B/d/e L@zigzag/c M' or 'B/d/e L@zigzag/c M/t'.** The forward's residual between blocks
-  (``model.residual``: 'B/d/e L@zigzag/c M/t', or 'B/d/e L/t M' under sequence parallelism; every spec
-  below that names the residual reads ``cfg.residual_spec``): the scan carries dL/dx split over t, and the seed's 'B/d/e L@zigzag/c M' gradient exists only
+* **Residual 'B/dp L@zigzag/c M' or 'B/dp L@zigzag/c M/t'.** The forward's residual between blocks
+  (``model.residual``: 'B/dp L@zigzag/c M/t', or 'B/dp L/t M' under sequence parallelism; every spec
+  below that names the residual reads ``cfg.residual_spec``): the scan carries dL/dx split over t, and the seed's 'B/dp L@zigzag/c M' gradient exists only
   inside a block, gathered over t just before the output projections' backward (the
-  transposes of the forward's psum_scatters). Keeping 'B/d/e L@zigzag/c M' through the layer would need
+  transposes of the forward's psum_scatters). Keeping 'B/dp L@zigzag/c M' through the layer would need
   an all-reduce over t where the norms' partial sums meet the residual (the same bytes as
   reduce-scatter + all-gather) and t times the memory for the carry.
 * **Where the sums over t happen.** Einsums that contract a t-split dimension (F/t into the
@@ -60,19 +60,19 @@ How the seed's open questions are resolved:
   also reads is whole), so it runs on the partial sums, and the one reduce-scatter that
   transposes the residual's all_gather does the sum over t and lands it split over t: no
   all-reduce, nowhere.
-* **Norm gains.** dL/dgain sums dy * x / rms(x) over this device's B/d/e rows of a dy that owes
-  a sum over t: 'M{U_t,d,e,c}', reduced by one psum_scatter over (t, d) straight into
-  'd_model/t/d/e/c', t major, the one order weights.py declares for all three norms (ln1, ln2,
+* **Norm gains.** dL/dgain sums dy * x / rms(x) over this device's B/dp rows of a dy that owes
+  a sum over t: 'M{U_t,dp,c}', reduced by one psum_scatter over (t, d) straight into
+  'd_model/t/fsdp', t major, the one order weights.py declares for all three norms (ln1, ln2,
   final_norm) and their forward all_gathers read.
 * **Why gather a weight only to reduce-scatter its gradient (the seed's TODO at unembed).**
-  The table rests split 'V/t M/d/e/c' (FSDP); the logits contract all of M, so it is gathered
+  The table rests split 'V/t M/fsdp' (FSDP); the logits contract all of M, so it is gathered
   over d. Each d shard then holds other batch rows, so its gradient of the whole gathered
   table is a partial sum over d: the psum_scatter adds the shards' partials and hands each
-  one its own M/d/e/c block, the layout the optimizer updates. It is the gather's transpose and
+  one its own M/fsdp block, the layout the optimizer updates. It is the gather's transpose and
   the gradient's only communication (the same for every matrix).
 * **index_add.** :func:`seqshard.shardlib.shardops.index_add`, the transpose of ``index_unreduced``:
   each t shard scatter-adds the rows of its vocab block, owing the other d shards' rows, and
-  a psum_scatter over d lands the table gradient 'V/t M/d/e/c'.
+  a psum_scatter over d lands the table gradient 'V/t M/fsdp'.
 * **Fused attention.** For ``attention_impl`` cudnn, xla and splash the backward calls the
   implementation's own VJP (``jax.vjp``) for the attention core only (softmax(q k^T) v); it
   re-runs the kernel's forward for its residuals, as those kernels do. Einsum attention
@@ -260,14 +260,14 @@ def head_backward(
     # unembed: logits = nx . table^T, the table gathered over d.
     ln, gx, nx, table = kept["ln"], kept["gx"], kept["nx"], kept["table"]
     d_nx = shardops.einsum_unreduced(
-        "B/d/e L@zigzag/c V/t, V/t M -> B/d/e L@zigzag/c M{U_t}", d_logits, table
+        "B/dp L@zigzag/c V/t, V/t M -> B/dp L@zigzag/c M{U_t}", d_logits, table
     )
     d_table = shardops.einsum_unreduced(
-        "B/d/e L@zigzag/c M, B/d/e L@zigzag/c V/t -> V/t M{U_d,e,c}", nx, d_logits
+        "B/dp L@zigzag/c M, B/dp L@zigzag/c V/t -> V/t M{U_dp,c}", nx, d_logits
     )
-    # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
+    # Each d shard summed over its own B/dp rows: sum the shards, keep FSDP's M/fsdp.
     with part("logits"):
-        d_unembed = shardops.psum_scatter("V/t M{U_d,e,c} -> V/t M/d/e/c", d_table).astype(f32)
+        d_unembed = shardops.psum_scatter("V/t M{U_fsdp} -> V/t M/fsdp", d_table).astype(f32)
     # final_norm, with d_nx owing the sum over the vocab blocks (as in layer_backward).
     with part("final_norm"):
         d_x, d_final_norm = norm_backward(cfg, gx, ln, d_nx)
@@ -276,18 +276,18 @@ def head_backward(
 
 @part("embed")
 def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.Array:
-    """The embedding table's gradient 'V/t M/d/e/c' (f32) from dL/dx of the first
+    """The embedding table's gradient 'V/t M/fsdp' (f32) from dL/dx of the first
     residual: the transpose of transformer.py's ``embed``."""
     # The forward's psum_scatter summed the vocab shards' lookups over t; its transpose gives
     # every t shard the gradient of all of M.
-    g = shardops.all_gather(f"{cfg.residual_spec} -> B/d/e L@zigzag/c M", d_x)
+    g = shardops.all_gather(f"{cfg.residual_spec} -> B/dp L@zigzag/c M", d_x)
     # index_unreduced's transpose: each t shard adds up the rows of its vocab block, over its
-    # own B/d/e rows only.
+    # own B/dp rows only.
     d_table = shardops.index_add(
-        "B/d/e L@zigzag/c M, B/d/e L@zigzag/c -> V/t M{U_d,e,c}", g, tokens, vocab=cfg.vocab
+        "B/dp L@zigzag/c M, B/dp L@zigzag/c -> V/t M{U_dp,c}", g, tokens, vocab=cfg.vocab
     )
-    # Each d shard summed its own rows: sum the shards, keep FSDP's M/d/e/c (the gather's transpose).
-    return shardops.psum_scatter("V/t M{U_d,e,c} -> V/t M/d/e/c", d_table).astype(jnp.float32)
+    # Each d shard summed its own rows: sum the shards, keep FSDP's M/fsdp (the gather's transpose).
+    return shardops.psum_scatter("V/t M{U_fsdp} -> V/t M/fsdp", d_table).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def weight(
     layout: str | None = None,
     present: Callable[[ModelConfig], bool] = lambda m: True,
 ) -> Any:
-    """A weight field's declaration: ``w_up: f32['d_model/d/e/c d_ff/t'] = weight(fan_in,
+    """A weight field's declaration: ``w_up: f32['d_model/fsdp d_ff/t'] = weight(fan_in,
     hf='model.layers.{i}.mlp.up_proj.weight', layout='d_ff d_model')``. ``present``: whether
     a config has it (a weight it leaves off is absent from the weights' tree)."""
     if isinstance(hf, str):

@@ -1,6 +1,6 @@
 """ModelConfig: the sizes and numerics of the decoder; its field names name the weight dims.
 
-Weight types are written in these names (``w_up: f32['d_model/d/e/c d_ff/t']``), so a config gives
+Weight types are written in these names (``w_up: f32['d_model/fsdp d_ff/t']``), so a config gives
 every weight's global shape through :meth:`ModelConfig.dim_sizes`.
 """
 
@@ -36,7 +36,7 @@ Residual = Literal["M/t", "L/t"]
 ContextImpl = Literal["allgather", "ring"]
 RopeType = Literal["default", "llama3"]
 
-RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/d/e L@zigzag/c M/t", "L/t": "B/d/e L@zigzag/c/t M"}
+RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/dp L@zigzag/c M/t", "L/t": "B/dp L@zigzag/c/t M"}
 """``model.residual`` -> the residual stream's layout between blocks, per device."""
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2}
 """The compute dtypes (``model.compute_dtype``) and their bytes: the one table of them."""
@@ -172,9 +172,9 @@ class ModelConfig:
         ``autodiff``: JAX
         differentiates the forward pass (transposing each collective).
     residual: the residual stream's layout between blocks (:data:`RESIDUAL_SPECS`). ``L/t``
-        (default; Megatron's sequence parallelism): ``'B/d/e L@zigzag/c/t M'``, the sequence split over t
-        (``train.seq_len`` divisible by c x t). ``M/t``: ``'B/d/e L@zigzag/c M/t'``, d_model split over t.
-        Either way each block gathers over t to ``'B/d/e L@zigzag/c M'`` around its norm (M/t before it,
+        (default; Megatron's sequence parallelism): ``'B/dp L@zigzag/c/t M'``, the sequence split over t
+        (``train.seq_len`` divisible by c x t). ``M/t``: ``'B/dp L@zigzag/c M/t'``, d_model split over t.
+        Either way each block gathers over t to ``'B/dp L@zigzag/c M'`` around its norm (M/t before it,
         L/t its normalized rows after it) and reduce-scatters its output back: the same model,
         other spec strings; L/t runs faster (docs/benchmarks.md); with t = 1 they are the
         same layout.
@@ -298,7 +298,7 @@ class ModelConfig:
 
     @property
     def residual_spec(self) -> str:
-        """The residual stream between blocks: ``'B/d/e L@zigzag/c M/t'`` or ``'B/d/e L@zigzag/c/t M'``
+        """The residual stream between blocks: ``'B/dp L@zigzag/c M/t'`` or ``'B/dp L@zigzag/c/t M'``
         (the sequence in zigzag order over the context axis c: :mod:`seqshard.model.context`)."""
         return RESIDUAL_SPECS[self.residual]
 

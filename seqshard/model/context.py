@@ -4,22 +4,22 @@ With ``mesh.c > 1`` each device holds ``L/c`` positions of every row it holds. A
 gives later positions more keys, so a contiguous split would hand the last shard c times the
 first one's attention work. The model's rows are laid out in *zigzag* order instead
 (:mod:`seqshard.shardlib.notation`: the row cut into 2c chunks, shard i holding chunks i and 2c-1-i),
-written in every spec as ``'B/d/e L@zigzag/c ...'``: each shard then holds one early and one
+written in every spec as ``'B/dp L@zigzag/c ...'``: each shard then holds one early and one
 late chunk, and the same amount of work.
 
-The batch arrives in the natural order, ``TokenBatch`` 'B/d/e L/c'. :func:`sequence_rows`
+The batch arrives in the natural order, ``TokenBatch`` 'B/dp L/c'. :func:`sequence_rows`
 gathers its ids and document starts over c (int32 and bool, one row of each per step: a few
 KB against the megabytes of activations a layer moves), computes everything
 position-dependent on the whole row (document positions for RoPE, segment ids, each
 position's next-token target and whether it counts, which lives on the next shard for a
 shard's last position), and keeps this device's zigzag chunks of each::
 
-    ids   = all_gather('B/d/e L/c -> B/d/e L', tokens)              # over c
-    local = split('B/d/e L@zigzag -> B/d/e L@zigzag/c', reorder('B/d/e L -> B/d/e L@zigzag', x))
+    ids   = all_gather('B/dp L/c -> B/dp L', tokens)              # over c
+    local = split('B/dp L@zigzag -> B/dp L@zigzag/c', reorder('B/dp L -> B/dp L@zigzag', x))
 
 Attention across the split (``model.context_impl``):
 
-    allgather   k, v = all_gather('B/d/e L@zigzag/c K/t D -> B/d/e L@zigzag K/t D')   one each
+    allgather   k, v = all_gather('B/dp L@zigzag/c K/t D -> B/dp L@zigzag K/t D')   one each
                 over c, inside the layer; queries stay local; the mask compares true
                 positions. Backward: the gathers' transposes, reduce-scatters over c.
     ring        k, v blocks travel around the c ring (ring_shift, a collective-permute over
@@ -67,19 +67,19 @@ __all__ = [
 class SequenceRows(NamedTuple):
     """Per device: this device's positions of its rows (zigzag chunks) and whole-row facts."""
 
-    tokens: jax.Array  # i32 'B/d/e L@zigzag/c': the ids to embed
-    targets: jax.Array  # i32 'B/d/e L@zigzag/c': each position's next token
-    counted: jax.Array  # bool 'B/d/e L@zigzag/c': the next token is in the same document
+    tokens: jax.Array  # i32 'B/dp L@zigzag/c': the ids to embed
+    targets: jax.Array  # i32 'B/dp L@zigzag/c': each position's next token
+    counted: jax.Array  # bool 'B/dp L@zigzag/c': the next token is in the same document
     #   and counts (its loss_mask)
-    positions: jax.Array  # i32 'B/d/e L@zigzag/c': position within its document (RoPE)
-    is_seq_start: jax.Array  # bool 'B/d/e L/c' (natural order, as the batch has it)
-    segments: jax.Array  # i32 'B/d/e L': document number along the whole row (masks)
+    positions: jax.Array  # i32 'B/dp L@zigzag/c': position within its document (RoPE)
+    is_seq_start: jax.Array  # bool 'B/dp L/c' (natural order, as the batch has it)
+    segments: jax.Array  # i32 'B/dp L': document number along the whole row (masks)
 
 
 def _local(x: jax.Array) -> jax.Array:
-    """A whole row 'B/d/e L' -> this device's zigzag chunks 'B/d/e L@zigzag/c' (local)."""
+    """A whole row 'B/dp L' -> this device's zigzag chunks 'B/dp L@zigzag/c' (local)."""
     return shardops.split(
-        "B/d/e L@zigzag -> B/d/e L@zigzag/c", shardops.reorder("B/d/e L -> B/d/e L@zigzag", x)
+        "B/dp L@zigzag -> B/dp L@zigzag/c", shardops.reorder("B/dp L -> B/dp L@zigzag", x)
     )
 
 
@@ -101,16 +101,16 @@ def next_token_targets(
 def sequence_rows(
     tokens: jax.Array, is_seq_start: jax.Array, loss_mask: jax.Array | None = None
 ) -> SequenceRows:
-    """The batch's 'B/d/e L/c' ids, document starts and loss mask (None: all counted) ->
+    """The batch's 'B/dp L/c' ids, document starts and loss mask (None: all counted) ->
     :class:`SequenceRows` (inside the model's shard_map). One all-gather over c of the ids and
     one of the starts and mask, packed in one int8 (none when c = 1)."""
-    whole = shardops.all_gather("B/d/e L/c -> B/d/e L", tokens)
+    whole = shardops.all_gather("B/dp L/c -> B/dp L", tokens)
     if loss_mask is None:
-        starts = shardops.all_gather("B/d/e L/c -> B/d/e L", is_seq_start)
+        starts = shardops.all_gather("B/dp L/c -> B/dp L", is_seq_start)
         mask = None
     else:
         flags = is_seq_start.astype(jnp.int8) | (loss_mask.astype(jnp.int8) << 1)
-        flags = shardops.all_gather("B/d/e L/c -> B/d/e L", flags)
+        flags = shardops.all_gather("B/dp L/c -> B/dp L", flags)
         starts, mask = (flags & 1).astype(bool), (flags & 2).astype(bool)
     targets, counted = next_token_targets(whole, starts, mask)
     return SequenceRows(
@@ -135,8 +135,8 @@ def context_mask(rows: SequenceRows, causal_only: bool) -> jax.Array:
     mask = (k_index[None, :] <= q_index[:, None])[None]
     if causal_only:
         return jnp.broadcast_to(mask, (rows.segments.shape[0], *mask.shape[1:]))
-    k_segments = shardops.reorder("B/d/e L -> B/d/e L@zigzag", rows.segments)
-    q_segments = shardops.split("B/d/e L@zigzag -> B/d/e L@zigzag/c", k_segments)
+    k_segments = shardops.reorder("B/dp L -> B/dp L@zigzag", rows.segments)
+    q_segments = shardops.split("B/dp L@zigzag -> B/dp L@zigzag/c", k_segments)
     return mask & (q_segments[:, :, None] == k_segments[:, None, :])
 
 
@@ -145,8 +145,8 @@ def context_mask(rows: SequenceRows, causal_only: bool) -> jax.Array:
 
 
 def attend(cfg, q, k, v, mask, rows: SequenceRows) -> jax.Array:
-    """Attention of this device's queries 'B/d/e L@zigzag/c Q K/t D' over the whole row: the
-    output 'B/d/e L@zigzag/c Q K/t D'. ``mask`` is the model's
+    """Attention of this device's queries 'B/dp L@zigzag/c Q K/t D' over the whole row: the
+    output 'B/dp L@zigzag/c Q K/t D'. ``mask`` is the model's
     (:func:`~seqshard.model.transformer.rope_and_mask`)."""
     c, causal_only = shardops.axis_size("c"), cfg.attention_mask == "causal"
     if cfg.ring_over(c):
@@ -158,8 +158,8 @@ def attend(cfg, q, k, v, mask, rows: SequenceRows) -> jax.Array:
 
 
 def gathered_kv(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """k, v gathered over c, 'B/d/e L@zigzag K/t D' (``allgather``; nothing moves when c = 1)."""
-    spec = "B/d/e L@zigzag/c K/t D -> B/d/e L@zigzag K/t D"
+    """k, v gathered over c, 'B/dp L@zigzag K/t D' (``allgather``; nothing moves when c = 1)."""
+    spec = "B/dp L@zigzag/c K/t D -> B/dp L@zigzag K/t D"
     return shardops.all_gather(spec, k), shardops.all_gather(spec, v)
 
 
@@ -168,7 +168,7 @@ def gathered_kv(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _chunks(x: jax.Array) -> jax.Array:
-    """A block of two zigzag chunks 'B/d/e L@zigzag/c ...' -> '2 B/d/e C ...' (C = L / 2c)."""
+    """A block of two zigzag chunks 'B/dp L@zigzag/c ...' -> '2 B/dp C ...' (C = L / 2c)."""
     b, n2 = x.shape[:2]
     return jnp.moveaxis(x.reshape(b, 2, n2 // 2, *x.shape[2:]), 1, 0)
 
@@ -212,9 +212,9 @@ def _pairs(segments, mine, theirs, size: int, causal_only: bool):
 
 
 def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """One chunk pair's scores, f32 'B/d/e K/t Q Qc Kc' (Qc, Kc: a chunk of queries, of keys)."""
+    """One chunk pair's scores, f32 'B/dp K/t Q Qc Kc' (Qc, Kc: a chunk of queries, of keys)."""
     scores = shardops.einsum_unreduced(
-        "B/d/e Qc Q K/t D, B/d/e Kc K/t D -> B/d/e K/t Q Qc Kc",
+        "B/dp Qc Q K/t D, B/dp Kc K/t D -> B/dp K/t Q Qc Kc",
         q,
         k,
         out_dtype=jnp.float32,
@@ -223,10 +223,10 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def _per_query(w: jax.Array, x: jax.Array) -> jax.Array:
-    """A chunk pair's weights times key-side rows, f32 'B/d/e Qc Q K/t D': P V (forward), dS K
+    """A chunk pair's weights times key-side rows, f32 'B/dp Qc Q K/t D': P V (forward), dS K
     (dq)."""
     return shardops.einsum_unreduced(
-        "B/d/e K/t Q Qc Kc, B/d/e Kc K/t D -> B/d/e Qc Q K/t D",
+        "B/dp K/t Q Qc Kc, B/dp Kc K/t D -> B/dp Qc Q K/t D",
         w,
         x,
         out_dtype=jnp.float32,
@@ -234,10 +234,10 @@ def _per_query(w: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def _per_key(w: jax.Array, x: jax.Array) -> jax.Array:
-    """A chunk pair's weights, transposed, times query-side rows, f32 'B/d/e Kc K/t D': P^T dO
+    """A chunk pair's weights, transposed, times query-side rows, f32 'B/dp Kc K/t D': P^T dO
     (dv), dS^T Q (dk)."""
     return shardops.einsum_unreduced(
-        "B/d/e K/t Q Qc Kc, B/d/e Qc Q K/t D -> B/d/e Kc K/t D",
+        "B/dp K/t Q Qc Kc, B/dp Qc Q K/t D -> B/dp Kc K/t D",
         w,
         x,
         out_dtype=jnp.float32,
@@ -245,8 +245,8 @@ def _per_key(w: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def ring_forward(q, k, v, segments, causal_only: bool):
-    """Ring attention's forward: (output 'B/d/e L@zigzag/c Q K/t D' in v's dtype, logsumexp
-    f32 '2 B/d/e K/t Q C' per query chunk). See the module docstring."""
+    """Ring attention's forward: (output 'B/dp L@zigzag/c Q K/t D' in v's dtype, logsumexp
+    f32 '2 B/dp K/t Q C' per query chunk). See the module docstring."""
     c, me = shardops.axis_size("c"), shardops.axis_index("c")
     qs = _chunks(q)
     size = qs.shape[2]
@@ -270,7 +270,7 @@ def ring_forward(q, k, v, segments, causal_only: bool):
                 p = jnp.where(pair.mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
                 scale = jnp.exp(m[a] - m_new)
                 pv = _per_query(p.astype(vs.dtype), vs[b])
-                rescale = jnp.swapaxes(scale, -1, -3)[..., None]  # 'B/d/e Qc Q K/t 1'
+                rescale = jnp.swapaxes(scale, -1, -3)[..., None]  # 'B/dp Qc Q K/t 1'
                 total_new = total[a] * scale + jnp.sum(p, axis=-1)
                 acc = acc.at[a].set(acc[a] * rescale + pv)
                 return m.at[a].set(m_new), total.at[a].set(total_new), acc
@@ -278,7 +278,7 @@ def ring_forward(q, k, v, segments, causal_only: bool):
             state = lax.cond(pair.visible, add, lambda s: s, state)
         return state
 
-    spec = "B/d/e L@zigzag/c K/t D"
+    spec = "B/dp L@zigzag/c K/t D"
 
     def step(carry, _):
         state, k, v, source = carry
@@ -302,7 +302,7 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
     c, me = shardops.axis_size("c"), shardops.axis_index("c")
     qs, gs = _chunks(q), _chunks(g)
     size = qs.shape[2]
-    # D = rowsum(g * out): the softmax backward's correction per query row, '2 B/d/e K/t Q C'.
+    # D = rowsum(g * out): the softmax backward's correction per query row, '2 B/dp K/t Q C'.
     delta = jnp.sum(gs.astype(jnp.float32) * _chunks(out).astype(jnp.float32), axis=-1)
     delta = jnp.swapaxes(delta, -1, -3)
     mine = _chunk_ids(me, c)
@@ -317,7 +317,7 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
                 p = jnp.where(pair.mask[:, None, None], jnp.exp(s - lse[a][..., None]), 0.0)
                 dvs = dvs.at[b].add(_per_key(p.astype(g.dtype), gs[a]))
                 dp = shardops.einsum_unreduced(
-                    "B/d/e Qc Q K/t D, B/d/e Kc K/t D -> B/d/e K/t Q Qc Kc",
+                    "B/dp Qc Q K/t D, B/dp Kc K/t D -> B/dp K/t Q Qc Kc",
                     gs[a],
                     vs[b],
                     out_dtype=jnp.float32,
@@ -330,7 +330,7 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
             dq, dks, dvs = lax.cond(pair.visible, add, lambda x: x, (dq, dks, dvs))
         return dq, dks, dvs
 
-    spec = "B/d/e L@zigzag/c K/t D"
+    spec = "B/dp L@zigzag/c K/t D"
     zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q, k, v, g)
 
     def visit(dq, k, v, dk, dv, source):

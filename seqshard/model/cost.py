@@ -142,7 +142,7 @@ class OpFlops:
 
     name: str  # 'q', 'scores', 'softmax', ...
     kind: OpKind
-    spec: str  # e.g. 'B/d/e L M, M F/t -> B/d/e L F/t' or 'B/d/e L M'
+    spec: str  # e.g. 'B/dp L M, M F/t -> B/dp L F/t' or 'B/dp L M'
     runs: int  # times one pass over the batch runs it: n_layers for a layer's operations, else 1
     in_layer: bool  # one of the scanned layer's operations
     per: str  # its FLOPs scale with: 'token', 'pair' (query, key, head), 'parameter'
@@ -169,7 +169,7 @@ class OpFlops:
         """This operation's FLOPs on one device: each phase divided by the sizes of
         :attr:`split_axes` (an axis missing from ``mesh_sizes`` has size 1). Work on a
         dimension not split over an axis is repeated on every device along it: the norms of
-        the gathered ``'B/d/e L M'`` residual run whole on each t shard."""
+        the gathered ``'B/dp L M'`` residual run whole on each t shard."""
         n = math.prod(mesh_sizes.get(a, 1) for a in self.split_axes)
         return self._scaled(n, f"over the mesh {dict(mesh_sizes)}")
 
@@ -242,7 +242,7 @@ def _optimizer_op(microbatches: int) -> Op:
         "optimizer",
         "elementwise",
         _PARAM,
-        "d_model/d/e/c d_ff/t",
+        "d_model/fsdp d_ff/t",
         lambda m: 0,
         lambda m: 0,
         update=lambda m: update,
@@ -551,7 +551,7 @@ class MemoryEstimate:
     optimizer: int  # AdamW: two f32 moments, sharded like the weights
     activations_per_layer: int  # saved for the backward pass, one layer (the largest kind)
     activations: int  # summed over every layer of every stack
-    logits: int  # f32 'B/d/e L V/t', once
+    logits: int  # f32 'B/dp L V/t', once
 
     @property
     def total(self) -> int:
@@ -657,5 +657,5 @@ def _check_step(
     if batch % (d * e):
         raise ValueError(
             f"batch={batch} is not divisible by mesh axes d x e = {d} x {e} (the batch "
-            f"is split 'B/d/e'). Choose a batch divisible by {d * e}."
+            f"is split 'B/dp'). Choose a batch divisible by {d * e}."
         )

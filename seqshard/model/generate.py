@@ -15,9 +15,9 @@ shards pool. Mesh axes: d (batch, and FSDP weight rows) and t (heads, d_ff, voca
 Everything runs in the training layout, one shard_map per phase, in one jit per
 :class:`DecodeSpec` (the static options) and prompt shape:
 
-    _prefill      'B/d/e L@zigzag/c' prompt -> cache 'all_layers 2 B/d/e S K/t D' (k at [:, 0], v at [:, 1])
-                  and the last position's logits 'B/d/e V/t'
-    _decode_step  'B/d/e' token, cache -> cache with the token's k, v written at its index, logits
+    _prefill      'B/dp L@zigzag/c' prompt -> cache 'all_layers 2 B/dp S K/t D' (k at [:, 0], v at [:, 1])
+                  and the last position's logits 'B/dp V/t'
+    _decode_step  'B/dp' token, cache -> cache with the token's k, v written at its index, logits
     sampling      inside both shard_maps, on the vocab-sharded logits; the steps run in a
                   ``lax.while_loop`` (:func:`_run`), which ends once every row has stopped
                   (at ``stop_token``, or where a :class:`StopMatcher` accepts)
@@ -30,8 +30,8 @@ Sampling never gathers the vocabulary. Softmax sampling at temperature T is the 
 trick: ``argmax(logits / T + g)`` with g standard Gumbel noise, drawn for the global
 'B V' array (partitionable threefry, so every device makes only its block and the same key
 gives the same tokens on every mesh). Each t shard takes its block's max and argmax; two
-``pmax`` over t of 'B/d/e' scalars pick the winner (the lowest id on ties, as ``jnp.argmax``).
-top-k pools each shard's k largest logits ('B/d/e C/t', all-gathered over t: B*t*k values),
+``pmax`` over t of 'B/dp' scalars pick the winner (the lowest id on ties, as ``jnp.argmax``).
+top-k pools each shard's k largest logits ('B/dp C/t', all-gathered over t: B*t*k values),
 takes the k-th largest of the pool as the threshold, and masks the logits below it (ties at
 the threshold all stay in). Temperature 0 is greedy: the same argmax without noise.
 
@@ -190,7 +190,7 @@ class DecodeSpec:
     @property
     def cache_type(self) -> ArrayType:
         """The KV cache, k at [:, 0] and v at [:, 1], in the matmuls' dtype."""
-        return _CACHE_DTYPES[self.cfg.compute_dtype][b"all_layers 2 B/d/e S K/t D"]
+        return _CACHE_DTYPES[self.cfg.compute_dtype][b"all_layers 2 B/dp S K/t D"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def decode_mesh(
 
 
 def _next_logits(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
-    """The last residual 'B/d/e M/t' -> final norm -> logits 'B/d/e V/t' f32 (each t shard its block).
+    """The last residual 'B/dp M/t' -> final norm -> logits 'B/dp V/t' f32 (each t shard its block).
 
     A scope of its own: its L is 1, while the prompt around it binds L to the prompt length."""
     with shape_scope():
@@ -246,14 +246,14 @@ def _next_logits(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
 def _sample(
     spec: DecodeSpec, logits: jax.Array, noise: jax.Array, temperature: jax.Array
 ) -> jax.Array:
-    """Sample 'B/d/e' ids from vocab-sharded logits 'B/d/e V/t' without gathering the vocabulary."""
+    """Sample 'B/dp' ids from vocab-sharded logits 'B/dp V/t' without gathering the vocabulary."""
     vocab, top_k, block = spec.cfg.vocab, spec.top_k, logits.shape[-1]
     scores = logits
     if not spec.greedy:
         if top_k is not None and top_k < vocab:
             # The k-th largest logit of the whole vocab is among the shards' own k largest.
             local_top = lax.top_k(logits, min(top_k, block))[0]
-            pool = shardops.all_gather("B/d/e C/t -> B/d/e C", local_top)
+            pool = shardops.all_gather("B/dp C/t -> B/dp C", local_top)
             kth = lax.top_k(pool, top_k)[0][:, -1:]
             scores = jnp.where(logits >= kth, logits, -jnp.inf)
         # Gumbel-max: argmax(logits / T + Gumbel noise) is a sample of softmax(logits / T).
@@ -261,10 +261,10 @@ def _sample(
     local_best = jnp.max(scores, axis=-1)
     local_id = jnp.argmax(scores, axis=-1).astype(jnp.int32) + shardops.axis_index("t") * block
     # The winner lives on one t shard: reduce this row's best score, then its id, over t.
-    best = shardops.pmax("B/d/e{U_t} -> B/d/e", local_best)
+    best = shardops.pmax("B/dp{U_t} -> B/dp", local_best)
     # On a tie across shards the lowest id wins (max of the negated ids), as jnp.argmax.
     neg_id = jnp.where(local_best == best, -local_id, -vocab)
-    return -shardops.pmax("B/d/e{U_t} -> B/d/e", neg_id)
+    return -shardops.pmax("B/dp{U_t} -> B/dp", neg_id)
 
 
 def _stacks(cfg, w: Weights) -> list:
@@ -276,7 +276,7 @@ def _stacks(cfg, w: Weights) -> list:
 def _prefill_layer(
     spec: DecodeSpec, blocks, rope, mask: jax.Array, x: jax.Array, w
 ) -> tuple[jax.Array, jax.Array]:
-    """One layer on the prompt's residual 'B/d/e L@zigzag/c M/t'; also its k, v '2 B/d/e L@zigzag/c K/t D'."""
+    """One layer on the prompt's residual 'B/dp L@zigzag/c M/t'; also its k, v '2 B/dp L@zigzag/c K/t D'."""
     cfg = spec.cfg
     q, k, v = attention_inputs(cfg, w, x, rope)
     keys, values = gathered_kv(k, v)  # c = 1: k and v themselves, typed as every key
@@ -293,8 +293,8 @@ def _prefill(
     noise: jax.Array,
     temperature: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per device: the prompt 'B/d/e L@zigzag/c' (row b's first real token at start[b]) -> the first new
-    token 'B/d/e', its logits 'B/d/e V/t' and the cache 'all_layers 2 B/d/e S K/t D'."""
+    """Per device: the prompt 'B/dp L@zigzag/c' (row b's first real token at start[b]) -> the first new
+    token 'B/dp', its logits 'B/dp V/t' and the cache 'all_layers 2 B/dp S K/t D'."""
     cfg = spec.cfg
     length = prompt.shape[1]
     index = jnp.arange(length, dtype=jnp.int32)
@@ -314,7 +314,7 @@ def _prefill(
         x, stack_kv = lax.scan(body, x, stack)
         kv.append(stack_kv)
     kv = jnp.concatenate(kv) if len(kv) > 1 else kv[0]
-    # kv: 'all_layers 2 B/d/e L@zigzag/c K/t D', every stack's layers in order; the cache holds
+    # kv: 'all_layers 2 B/dp L@zigzag/c K/t D', every stack's layers in order; the cache holds
     # S positions, the rest filled by decode.
     kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, spec.cache_len - length), (0, 0), (0, 0)))
     logits = _next_logits(cfg, w, x[:, -1])
@@ -324,13 +324,13 @@ def _prefill(
 def _decode_layer(
     spec: DecodeSpec, blocks, rope, mask: jax.Array, index: jax.Array, carry, xs
 ) -> tuple[tuple[jax.Array, jax.Array], None]:
-    """One layer on the fed token's residual 'B/d/e 1 M/t', writing its k, v into the cache."""
+    """One layer on the fed token's residual 'B/dp 1 M/t', writing its k, v into the cache."""
     cfg = spec.cfg
     x, kv = carry
     w, layer = xs
     q, k, v = attention_inputs(cfg, w, x, rope)
     # Write this token's k, v in place at cache index `index`, then read the layer's cache.
-    new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/d/e L@zigzag/c K/t D', L = 1
+    new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/dp L@zigzag/c K/t D', L = 1
     zero = jnp.int32(0)
     kv = lax.dynamic_update_slice(kv, new, (layer, zero, zero, index, zero, zero))
     cache_k, cache_v = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
@@ -349,8 +349,8 @@ def _decode_step(
     noise: jax.Array,
     temperature: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per device: feed token 'B/d/e' at cache index ``index`` -> the next token 'B/d/e', its
-    logits 'B/d/e V/t' and the cache 'all_layers 2 B/d/e S K/t D' holding the fed token's k, v."""
+    """Per device: feed token 'B/dp' at cache index ``index`` -> the next token 'B/dp', its
+    logits 'B/dp V/t' and the cache 'all_layers 2 B/dp S K/t D' holding the fed token's k, v."""
     cfg = spec.cfg
     rope = rope_tables((index - start)[:, None], rope_frequencies(cfg))
     keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
@@ -379,22 +379,22 @@ def _shard_mapped(spec: DecodeSpec) -> tuple[Callable, Callable]:
 
     def prefill(
         w: Weights,
-        prompt: i32[b"B/d/e L@zigzag/c"],
-        start: i32[b"B/d/e"],
-        noise: f32[b"B/d/e V/t"],
+        prompt: i32[b"B/dp L@zigzag/c"],
+        start: i32[b"B/dp"],
+        noise: f32[b"B/dp V/t"],
         temperature: f32[()],
-    ) -> tuple[i32[b"B/d/e"], f32[b"B/d/e V/t"], kv_type]:
+    ) -> tuple[i32[b"B/dp"], f32[b"B/dp V/t"], kv_type]:
         return _prefill(spec, w, prompt, start, noise, temperature)
 
     def decode_step(
         w: Weights,
         kv: kv_type,
-        token: i32[b"B/d/e"],
+        token: i32[b"B/dp"],
         index: i32[()],
-        start: i32[b"B/d/e"],
-        noise: f32[b"B/d/e V/t"],
+        start: i32[b"B/dp"],
+        noise: f32[b"B/dp V/t"],
         temperature: f32[()],
-    ) -> tuple[i32[b"B/d/e"], f32[b"B/d/e V/t"], kv_type]:
+    ) -> tuple[i32[b"B/dp"], f32[b"B/dp V/t"], kv_type]:
         return _decode_step(spec, w, kv, token, index, start, noise, temperature)
 
     for fn in (prefill, decode_step):  # the weights' class is the config's
@@ -417,7 +417,7 @@ def _run(
     cfg, max_new_tokens, stop_token = spec.cfg, spec.max_new_tokens, spec.stop_token
     prefill, decode_step = _shard_mapped(spec)
     batch, length = prompt.shape
-    noise_sharding = shardings(f32[b"B/d/e V/t"], spec.mesh)
+    noise_sharding = shardings(f32[b"B/dp V/t"], spec.mesh)
 
     def noise(step):
         if spec.greedy:
@@ -606,7 +606,7 @@ def _checked(
     prompt, start = _check_prompt(prompt_tokens, prompt_lengths, cfg, axis_size(mesh, "d"))
     spec = DecodeSpec(
         # A decode step feeds one token per row: nothing to split over t in L. Whatever the
-        # training layout, the residual is 'B/d/e L@zigzag/c M/t' here (the same model and weights).
+        # training layout, the residual is 'B/dp L@zigzag/c M/t' here (the same model and weights).
         cfg=dataclasses.replace(cfg, residual="M/t"),
         mesh=mesh,
         max_new_tokens=sampling.max_new_tokens,

@@ -7,9 +7,9 @@ pieces in the order of their forward; :mod:`seqshard.model.backward` runs them f
 Every weight's gradient follows one pattern, the transpose of the forward's all_gather ->
 einsum::
 
-    w = all_gather('M/d/e/c F/t -> M F/t', w)                          # again, as FSDP does
-    dw = einsum_unreduced('B/d/e L@zigzag/c M, B/d/e L@zigzag/c F/t -> M F/t{U_d,e,c}', nx, dy)
-    dw = psum_scatter('M F/t{U_d,e,c} -> M/d/e/c F/t', dw)             # FSDP's reduce-scatter
+    w = all_gather('M/fsdp F/t -> M F/t', w)                          # again, as FSDP does
+    dw = einsum_unreduced('B/dp L@zigzag/c M, B/dp L@zigzag/c F/t -> M F/t{U_dp,c}', nx, dy)
+    dw = psum_scatter('M F/t{U_fsdp} -> M/fsdp F/t', dw)             # FSDP's reduce-scatter
 
 Numerics mirror autodiff of the forward: cotangents of compute-dtype values are in the
 compute dtype, norms in f32, every weight gradient cast to f32 (the weights' dtype).
@@ -39,7 +39,7 @@ __all__ = [
 
 Activations = Mapping[str, jax.Array]
 
-_ROWS = "B/d/e L@zigzag/c"
+_ROWS = "B/dp L@zigzag/c"
 
 
 def rms_norm_backward(
@@ -65,8 +65,8 @@ def norm_backward(
     cfg: ModelConfig, x: jax.Array, gain: jax.Array, d_n: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The transpose of ``normed(cfg, x, gain)`` and of the gather in ``norm_input``: dL/d(the
-    residual) in its layout (compute dtype) and the gain's gradient 'M/t/d/e/c' (f32), from
-    ``d_n``, dL/d(normed rows) 'B/d/e L@zigzag/c M' owing a sum over t (the projections contracted a
+    residual) in its layout (compute dtype) and the gain's gradient 'M/t/fsdp' (f32), from
+    ``d_n``, dL/d(normed rows) 'B/dp L@zigzag/c M' owing a sum over t (the projections contracted a
     t-split dimension). ``x`` is what :func:`~seqshard.model.norm.norm_input` gave."""
     dt, residual = jnp.dtype(cfg.compute_dtype), cfg.residual_spec
     if cfg.residual == "M/t":
@@ -74,16 +74,16 @@ def norm_backward(
         # it runs on the partial sums; the transpose of the residual's gather over t sums them
         # as it scatters.
         d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
-        d_x = shardops.psum_scatter(f"B/d/e L@zigzag/c M{{U_t}} -> {residual}", d_x.astype(dt))
+        d_x = shardops.psum_scatter(f"B/dp L@zigzag/c M{{U_t}} -> {residual}", d_x.astype(dt))
     else:
         # The transpose of the gather of the normed rows: summed over t, each shard its own
         # rows; then the norm's backward on them, local.
-        d_n = shardops.psum_scatter(f"B/d/e L@zigzag/c M{{U_t}} -> {residual}", d_n.astype(dt))
+        d_n = shardops.psum_scatter(f"B/dp L@zigzag/c M{{U_t}} -> {residual}", d_n.astype(dt))
         d_x, d_gain = rms_norm_backward(x, gain, d_n, cfg.norm_eps)
         d_x = d_x.astype(dt)
     # Summed over this device's rows, partial over t (partial sums, or other rows): one
-    # reduce-scatter over both, into the gain's 'M/t/d/e/c' (the transpose of its gather).
-    return d_x, shardops.psum_scatter("M{U_t,d,e,c} -> M/t/d/e/c", d_gain)
+    # reduce-scatter over both, into the gain's 'M/t/fsdp' (the transpose of its gather).
+    return d_x, shardops.psum_scatter("M{U_t,fsdp} -> M/t/fsdp", d_gain)
 
 
 def projections_backward(
@@ -92,13 +92,13 @@ def projections_backward(
     part_name: str,
 ) -> tuple[jax.Array, list[jax.Array]]:
     """The backward of projections ``y_i = x . w_i`` of one normed input ``x``
-    'B/d/e L@zigzag/c M', each given as (y's spec, the gathered weight's spec, dL/dy_i, w_i):
+    'B/dp L@zigzag/c M', each given as (y's spec, the gathered weight's spec, dL/dy_i, w_i):
     dL/dx, which owes the sum over t of the contracted t-split dims, and each weight's
-    gradient in its FSDP layout 'M/d/e/c ...'::
+    gradient in its FSDP layout 'M/fsdp ...'::
 
-        dx  = sum_i einsum_unreduced('Y_i, W_i -> B/d/e L@zigzag/c M{U_t}', dy_i, w_i)
-        dw_i = einsum_unreduced('B/d/e L@zigzag/c M, Y_i -> W_i{U_d,e,c}', x, dy_i)
-        dw_i = psum_scatter('W_i{U_d,e,c} -> W_i with M/d/e/c', dw_i)
+        dx  = sum_i einsum_unreduced('Y_i, W_i -> B/dp L@zigzag/c M{U_t}', dy_i, w_i)
+        dw_i = einsum_unreduced('B/dp L@zigzag/c M, Y_i -> W_i{U_dp,c}', x, dy_i)
+        dw_i = psum_scatter('W_i{U_fsdp} -> W_i with M/fsdp', dw_i)
     """
     rows = f"{_ROWS} M"
     d_x = functools.reduce(
@@ -109,13 +109,13 @@ def projections_backward(
         ),
     )
     d_ws = [
-        shardops.einsum_unreduced(f"{rows}, {y} -> {w}{{U_d,e,c}}", x, dy)
+        shardops.einsum_unreduced(f"{rows}, {y} -> {w}{{U_dp,c}}", x, dy)
         for y, w, dy, _ in projections
     ]
-    # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
+    # Each d shard summed over its own B/dp rows: sum the shards, keep FSDP's M/fsdp.
     with part(part_name):
         d_ws = [
-            shardops.psum_scatter(f"{w}{{U_d,e,c}} -> {w.replace('M', 'M/d/e/c', 1)}", dw)
+            shardops.psum_scatter(f"{w}{{U_fsdp}} -> {w.replace('M', 'M/fsdp', 1)}", dw)
             for (_, w, _, _), dw in zip(projections, d_ws, strict=True)
         ]
     return d_x, d_ws
@@ -153,19 +153,19 @@ def output_projection_backward(
     cfg: ModelConfig, d_out: jax.Array, x: jax.Array, w: jax.Array, dims: str, part_name: str
 ) -> tuple[jax.Array, jax.Array]:
     """The backward of an output projection ``out = psum_scatter(x . w)`` (attention's o, the
-    FFN's down) of ``x`` 'B/d/e L@zigzag/c X' (``dims`` is X, t-split) and the gathered ``w``
-    'M X': (dL/dx, dL/dw in FSDP's layout 'M/d/e/c X'). The forward reduce-scattered over t;
+    FFN's down) of ``x`` 'B/dp L@zigzag/c X' (``dims`` is X, t-split) and the gathered ``w``
+    'M X': (dL/dx, dL/dw in FSDP's layout 'M/fsdp X'). The forward reduce-scattered over t;
     its transpose gathers dL/d(out) over t, so each t shard has all of M against its X::
 
-        g  = all_gather('<residual> -> B/d/e L@zigzag/c M', d_out)
-        dx = einsum_unreduced('B/d/e L@zigzag/c M, M X -> B/d/e L@zigzag/c X', g, w)
-        dw = einsum_unreduced('B/d/e L@zigzag/c X, B/d/e L@zigzag/c M -> M X{U_d,e,c}', x, g)
-        dw = psum_scatter('M X{U_d,e,c} -> M/d/e/c X', dw)
+        g  = all_gather('<residual> -> B/dp L@zigzag/c M', d_out)
+        dx = einsum_unreduced('B/dp L@zigzag/c M, M X -> B/dp L@zigzag/c X', g, w)
+        dw = einsum_unreduced('B/dp L@zigzag/c X, B/dp L@zigzag/c M -> M X{U_dp,c}', x, g)
+        dw = psum_scatter('M X{U_fsdp} -> M/fsdp X', dw)
     """
     with part(part_name):
         g = shardops.all_gather(f"{cfg.residual_spec} -> {_ROWS} M", d_out)
         d_x = shardops.einsum_unreduced(f"{_ROWS} M, M {dims} -> {_ROWS} {dims}", g, w)
-        d_w = shardops.einsum_unreduced(f"{_ROWS} {dims}, {_ROWS} M -> M {dims}{{U_d,e,c}}", x, g)
-        # Each d shard summed over its own B/d/e rows: sum the shards, keep FSDP's M/d/e/c.
-        d_w = shardops.psum_scatter(f"M {dims}{{U_d,e,c}} -> M/d/e/c {dims}", d_w)
+        d_w = shardops.einsum_unreduced(f"{_ROWS} {dims}, {_ROWS} M -> M {dims}{{U_dp,c}}", x, g)
+        # Each d shard summed over its own B/dp rows: sum the shards, keep FSDP's M/fsdp.
+        d_w = shardops.psum_scatter(f"M {dims}{{U_fsdp}} -> M/fsdp {dims}", d_w)
     return d_x, d_w

@@ -13,7 +13,7 @@ copies one shard sends another), G (the router's statistics, 2 E + 3 numbers).
 Layout. Routed experts rest ``'experts/e d_model/d/c d_expert/t'``: split over e (expert
 parallelism), their rows over d and c (FSDP), their hidden dim over t (tensor parallelism
 inside each expert). Everything else treats e as data parallelism: the batch is
-``'B/d/e L/c'`` and the other weights' rows ``d_model/d/e/c``, so no device idles in attention
+``'B/dp L/c'`` and the other weights' rows ``d_model/fsdp``, so no device idles in attention
 (as MaxText and torchtitan borrow expert parallelism from data parallelism).
 
 Per device, per MoE layer, forward:
@@ -117,11 +117,11 @@ class ExpertFfnWeights:
     without a gradient (for the top-k choice only) and the train step moves it after each
     optimizer step (``moe.balance=bias``); it rests with the weights, so checkpoints carry it."""
 
-    ln2: f32["d_model/t/d/e/c"] = gain(_LAYER + "post_attention_layernorm.weight")
+    ln2: f32["d_model/t/fsdp"] = gain(_LAYER + "post_attention_layernorm.weight")
     # Its rows split over t as well as d, e, c (as the norm gains): gathered over t too, it
     # stays varying over t, so its gradient is the gather's transpose (a reduce-scatter the
     # notation predicts), not an all-reduce JAX would add for an invariant weight.
-    router: f32["d_model/t/d/e/c experts"] = weight(
+    router: f32["d_model/t/fsdp experts"] = weight(
         _fan_in, gathered_in="f32", hf=_LAYER + "mlp.gate.weight", layout="experts d_model"
     )
     # No Hugging Face tensor: Mixtral and Qwen3-MoE choose their experts without a bias.
@@ -132,9 +132,9 @@ class ExpertFfnWeights:
     w_up: f32["experts/e d_model/d/c d_expert/t"] = _expert(_fan_in, "up_proj")
     w_down: f32["experts/e d_model/d/c d_expert/t"] = _expert(_w_down_std, "down_proj")
     # The shared experts (absent without any): one SwiGLU of n_shared x d_ff.
-    s_gate: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in, present=_has_shared)
-    s_up: f32["d_model/d/e/c d_shared/t"] = weight(_fan_in, present=_has_shared)
-    s_down: f32["d_model/d/e/c d_shared/t"] = weight(_w_down_std, present=_has_shared)
+    s_gate: f32["d_model/fsdp d_shared/t"] = weight(_fan_in, present=_has_shared)
+    s_up: f32["d_model/fsdp d_shared/t"] = weight(_fan_in, present=_has_shared)
+    s_down: f32["d_model/fsdp d_shared/t"] = weight(_w_down_std, present=_has_shared)
 
 
 # Nothing inside the block is marked saved: under remat saved or full, autodiff re-runs the
@@ -202,42 +202,42 @@ MOE = Block(
     name="moe",
     activations=(
         Activation("ln2", "M", "f32", "ffn_norm", needed=False),
-        Activation("gh", "B/d/e L/c M", "compute", "ffn_norm", needed=False),
-        Activation("nh", "B/d/e L/c M", "compute", "ffn_norm", needed=False),
-        Activation("out", "B/d/e L/c M/t", "compute", "ffn_residual", needed=False),
+        Activation("gh", "B/dp L/c M", "compute", "ffn_norm", needed=False),
+        Activation("nh", "B/dp L/c M", "compute", "ffn_norm", needed=False),
+        Activation("out", "B/dp L/c M/t", "compute", "ffn_residual", needed=False),
     ),
     ops=(
         norm_op("ffn_norm", consumers=3, recomputed_by=tuple(_RERUN)),  # router, experts, shared
-        matmul("router", "token", "B/d/e L M, M E -> B/d/e L E",
+        matmul("router", "token", "B/dp L M, M E -> B/dp L E",
                lambda m: 2 * m.d_model * m.moe.n_experts, _RERUN),
         # softmax or sigmoid, the top-k choice, the gates' normalization (about 8 per expert)
-        elementwise("routing", "token", "B/d/e L E", lambda m: 8 * m.moe.n_experts,
+        elementwise("routing", "token", "B/dp L E", lambda m: 8 * m.moe.n_experts,
                     lambda m: 4 * m.moe.n_experts, _RERUN),
-        Op("dispatch", "transfer", "token", "B/d/e L M", lambda m: 0, lambda m: 0, _RERUN),
+        Op("dispatch", "transfer", "token", "B/dp L M", lambda m: 0, lambda m: 0, _RERUN),
         # The experts' work per token is its k copies': FLOPs on active parameters.
-        matmul("expert_gate", "token", "B/d/e L/c M, E M X/t -> B/d/e L/c X/t",
+        matmul("expert_gate", "token", "B/dp L/c M, E M X/t -> B/dp L/c X/t",
                lambda m: 2 * m.d_model * m.moe.d_ff * _active(m), _RERUN),
-        matmul("expert_up", "token", "B/d/e L/c M, E M X/t -> B/d/e L/c X/t",
+        matmul("expert_up", "token", "B/dp L/c M, E M X/t -> B/dp L/c X/t",
                lambda m: 2 * m.d_model * m.moe.d_ff * _active(m), _RERUN),
-        elementwise("expert_swiglu", "token", "B/d/e L/c X/t", lambda m: 3 * m.moe.d_ff * _active(m),
+        elementwise("expert_swiglu", "token", "B/dp L/c X/t", lambda m: 3 * m.moe.d_ff * _active(m),
                     lambda m: 7 * m.moe.d_ff * _active(m), _RERUN),
         # The combine needs each copy's output (its gate's gradient): the down projection is
         # re-run too, unlike the dense FFN's.
-        matmul("expert_down", "token", "B/d/e L/c X/t, E M X/t -> B/d/e L/c M",
+        matmul("expert_down", "token", "B/dp L/c X/t, E M X/t -> B/dp L/c M",
                lambda m: 2 * m.moe.d_ff * m.d_model * _active(m), _RERUN),
         # out = sum over the k copies of gate x copy; backward: the same, and the gates' dot.
-        elementwise("combine", "token", "B/d/e L M", lambda m: 2 * m.d_model * _active(m),
+        elementwise("combine", "token", "B/dp L M", lambda m: 2 * m.d_model * _active(m),
                     lambda m: 4 * m.d_model * _active(m), _RERUN),
-        matmul("shared_gate", "token", "B/d/e L M, M Sh/t -> B/d/e L Sh/t",
+        matmul("shared_gate", "token", "B/dp L M, M Sh/t -> B/dp L Sh/t",
                lambda m: 2 * m.d_model * m.moe.n_shared * m.moe.d_ff, _RERUN),
-        matmul("shared_up", "token", "B/d/e L M, M Sh/t -> B/d/e L Sh/t",
+        matmul("shared_up", "token", "B/dp L M, M Sh/t -> B/dp L Sh/t",
                lambda m: 2 * m.d_model * m.moe.n_shared * m.moe.d_ff, _RERUN),
-        elementwise("shared_swiglu", "token", "B/d/e L Sh/t",
+        elementwise("shared_swiglu", "token", "B/dp L Sh/t",
                     lambda m: 3 * m.moe.n_shared * m.moe.d_ff,
                     lambda m: 7 * m.moe.n_shared * m.moe.d_ff, _RERUN),
-        matmul("shared_down", "token", "B/d/e L Sh/t, M Sh/t -> B/d/e L M",
+        matmul("shared_down", "token", "B/dp L Sh/t, M Sh/t -> B/dp L M",
                lambda m: 2 * m.moe.n_shared * m.moe.d_ff * m.d_model, _RERUN),
-        elementwise("ffn_residual", "token", "B/d/e L M/t", lambda m: m.d_model,
+        elementwise("ffn_residual", "token", "B/dp L M/t", lambda m: m.d_model,
                     lambda m: m.d_model),
     ),
     weights=ExpertFfnWeights,
@@ -314,7 +314,7 @@ def _router_stats(cfg: ModelConfig, ids, probs, logits, dropped: jax.Array) -> d
     # Each (d, e, c) shard summed its own tokens: add them up. The t shards computed the same
     # sums (the router reads the normed rows gathered over t): each adds its 1/t share, so
     # the result is the same on every device, as the loss it joins must be.
-    total = shardops.psum("G{U_d,e,c,t} -> G", local / shardops.axis_size("t"))
+    total = shardops.psum("G{U_dp,c,t} -> G", local / shardops.axis_size("t"))
     load, prob_sum = total[:n_experts], total[n_experts : 2 * n_experts]
     z_sum, dropped, tokens = total[2 * n_experts], total[2 * n_experts + 1], total[-1]
     f = load / (tokens * moe.top_k)
@@ -380,7 +380,7 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, dict
     moe = cfg.moe
     dt = jnp.dtype(cfg.compute_dtype)
     h = a["h"]
-    ln2 = a("ln2", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln2))
+    ln2 = a("ln2", lambda: shardops.all_gather("M/t/fsdp -> M", w.ln2))
     gh = a("gh", lambda: norm_input(cfg, h))
     nh = a("nh", lambda: normed(cfg, gh, ln2))
     b, length, m = nh.shape
@@ -388,7 +388,7 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, dict
 
     with part("router"):
         # f32 logits: the choice and the gates are sensitive to rounding.
-        router = shardops.all_gather("M/t/d/e/c E -> M E", w.router)
+        router = shardops.all_gather("M/t/fsdp E -> M E", w.router)
         logits = shardops.einsum_unreduced(
             "T M, M E -> T E", x.astype(jnp.float32), router, out_dtype=jnp.float32
         )
@@ -419,7 +419,7 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, dict
         y = einsum("tkm,tk->tm", copies, (gates * kept).astype(copies.dtype))
 
     if moe.n_shared:  # shared experts: a dense SwiGLU every token passes through
-        s_gate, s_up, s_down = _gathered_swiglu(w, "s", "shared", "M/d/e/c Sh/t -> M Sh/t", dt)
+        s_gate, s_up, s_down = _gathered_swiglu(w, "s", "shared", "M/fsdp Sh/t -> M Sh/t", dt)
         sg = shardops.einsum_unreduced("T M, M Sh/t -> T Sh/t", x, s_gate)
         su = shardops.einsum_unreduced("T M, M Sh/t -> T Sh/t", x, s_up)
         y = y + shardops.einsum_unreduced("T Sh/t, M Sh/t -> T M", jax.nn.silu(sg) * su, s_down)
@@ -431,7 +431,7 @@ def moe_ffn(cfg: ModelConfig, w, a: Activations) -> tuple[jax.Array | None, dict
         out = y.reshape(b, length, m).astype(dt)
         # Each t shard contracted only its own slice of X and Sh (X/t, Sh/t): sum the shards,
         # scattered into the residual's layout.
-        out = shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
+        out = shardops.psum_scatter(f"B/dp L@zigzag/c M -> {cfg.residual_spec}", out)
         return (h + out).astype(dt)
 
     return a("out", residual), stats

@@ -3,7 +3,7 @@ logits of a batch, on any mesh.
 
     loss_fn(weights, tokens, is_seq_start, cfg, mesh)             mean next-token loss
     batch_loss_terms(weights, batch, cfg, mesh, pipeline)         (summed loss, positions counted)
-    logits_fn(weights, tokens, is_seq_start, cfg, mesh)           'B/d/e L/c V/t' logits
+    logits_fn(weights, tokens, is_seq_start, cfg, mesh)           'B/dp L/c V/t' logits
 
 Which program runs inside the shard_map: on a mesh with p > 1 the pipelined layers
 (:mod:`seqshard.model.pipeline.pipelined`); else transformer.py's forward, whose gradient is
@@ -71,14 +71,14 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
         out = unembed(cfg, w, final_hidden(cfg, w, rows))
         # Back to the natural order of the batch: gathered over c, reordered, split (all the
         # identity when c = 1). For tests and evaluation: training never gathers logits.
-        out = shardops.all_gather("B/d/e L@zigzag/c V/t -> B/d/e L@zigzag V/t", out)
-        out = shardops.reorder("B/d/e L@zigzag V/t -> B/d/e L V/t", out)
-        return shardops.split("B/d/e L V/t -> B/d/e L/c V/t", out)
+        out = shardops.all_gather("B/dp L@zigzag/c V/t -> B/dp L@zigzag V/t", out)
+        out = shardops.reorder("B/dp L@zigzag V/t -> B/dp L V/t", out)
+        return shardops.split("B/dp L V/t -> B/dp L/c V/t", out)
 
     terms_type = (f32["2"], aux_type(cfg))
     body, out = {
         "loss_terms": (loss_terms, terms_type),
-        "logits": (logits, f32[b"B/d/e L/c V/t"]),
+        "logits": (logits, f32[b"B/dp L/c V/t"]),
     }[output]
     return typed_shard_map(_typed(body, weights, out), mesh=mesh)
 
@@ -152,7 +152,7 @@ def loss_fn(
 def logits_fn(
     weights: Weights, tokens: jax.Array, is_seq_start: jax.Array, cfg: ModelConfig, mesh: Mesh
 ) -> jax.Array:
-    """f32['B L V']: next-token logits, sharded 'B/d/e L/c V/t' as they come out of the shard_map.
+    """f32['B L V']: next-token logits, sharded 'B/dp L/c V/t' as they come out of the shard_map.
 
     On a mesh with p = 1: each device runs every layer (a stage's block alone would give
     another model's logits)."""

@@ -1,7 +1,7 @@
 """Splash attention (Pallas' TPU flash-attention kernel), hosted in the model's checked shard_map.
 
-Per device, as every implementation in :mod:`seqshard.model.attention`: ``q: 'B/d/e L Q K/t D'``,
-``k, v: 'B/d/e L K/t D'``, and the documents as segment ids ``'B/d/e L'`` int32 (keys attend within
+Per device, as every implementation in :mod:`seqshard.model.attention`: ``q: 'B/dp L Q K/t D'``,
+``k, v: 'B/dp L K/t D'``, and the documents as segment ids ``'B/dp L'`` int32 (keys attend within
 their own segment; None: causal only). The kernel takes heads-major blocks per batch row,
 ``q [K*Q, L, D]`` (kv-major: q head n uses kv head n // Q, as GQA) and ``k, v [K, L, D]``, and
 is vmapped over B. It does not scale q: q is multiplied by 1/sqrt(D) first.
@@ -62,9 +62,9 @@ def block_size(length: int) -> int:
 def splash_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None
 ) -> jax.Array:
-    """Causal softmax(q k^T / sqrt(D)) v within segments: 'B/d/e L Q K/t D' out.
+    """Causal softmax(q k^T / sqrt(D)) v within segments: 'B/dp L Q K/t D' out.
 
-    ``segment_ids: 'B/d/e L'`` int32, or None for a causal mask across the whole row.
+    ``segment_ids: 'B/dp L'`` int32, or None for a causal mask across the whole row.
 
     Inside a shard_map the kernel runs in an unchecked region, which is sound because:
 

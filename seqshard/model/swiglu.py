@@ -52,19 +52,19 @@ def _w_down_std(cfg: ModelConfig) -> float:
 class SwigluWeights:
     """The SwiGLU block's weights (one layer's)."""
 
-    ln2: f32["d_model/t/d/e/c"] = gain(_LAYER + "post_attention_layernorm.weight")
-    w_gate: f32["d_model/d/e/c d_ff/t"] = weight(
+    ln2: f32["d_model/t/fsdp"] = gain(_LAYER + "post_attention_layernorm.weight")
+    w_gate: f32["d_model/fsdp d_ff/t"] = weight(
         _fan_in, hf=_LAYER + "mlp.gate_proj.weight", layout="d_ff d_model"
     )
-    w_up: f32["d_model/d/e/c d_ff/t"] = weight(
+    w_up: f32["d_model/fsdp d_ff/t"] = weight(
         _fan_in, hf=_LAYER + "mlp.up_proj.weight", layout="d_ff d_model"
     )
-    w_down: f32["d_model/d/e/c d_ff/t"] = weight(
+    w_down: f32["d_model/fsdp d_ff/t"] = weight(
         _w_down_std, hf=_LAYER + "mlp.down_proj.weight", layout="d_model d_ff"
     )
 
 
-_R = "B/d/e L/c M/t"
+_R = "B/dp L/c M/t"
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
 
@@ -74,34 +74,34 @@ def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
     ``a`` rebuilds a layer for its backward, which never reads it)."""
     dt = jnp.dtype(cfg.compute_dtype)
     h = a["h"]
-    ln2 = a("ln2", lambda: shardops.all_gather("M/t/d/e/c -> M", w.ln2))
+    ln2 = a("ln2", lambda: shardops.all_gather("M/t/fsdp -> M", w.ln2))
     gh = a("gh", lambda: norm_input(cfg, h))
     nh = a("nh", lambda: normed(cfg, gh, ln2))
     # FSDP: each matrix is gathered over d and c just before use.
-    w_gate = a("w_gate", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_gate.astype(dt)))
+    w_gate = a("w_gate", lambda: shardops.all_gather("M/fsdp F/t -> M F/t", w.w_gate.astype(dt)))
     gate = a(
         "gate",
         lambda: shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", nh, w_gate
+            "B/dp L@zigzag/c M, M F/t -> B/dp L@zigzag/c F/t", nh, w_gate
         ),
     )
-    w_up = a("w_up", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_up.astype(dt)))
+    w_up = a("w_up", lambda: shardops.all_gather("M/fsdp F/t -> M F/t", w.w_up.astype(dt)))
     up = a(
         "up",
         lambda: shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c M, M F/t -> B/d/e L@zigzag/c F/t", nh, w_up
+            "B/dp L@zigzag/c M, M F/t -> B/dp L@zigzag/c F/t", nh, w_up
         ),
     )
     y = a("y", lambda: jax.nn.silu(gate) * up)
-    w_down = a("w_down", lambda: shardops.all_gather("M/d/e/c F/t -> M F/t", w.w_down.astype(dt)))
+    w_down = a("w_down", lambda: shardops.all_gather("M/fsdp F/t -> M F/t", w.w_down.astype(dt)))
 
     def down() -> jax.Array:
         out = shardops.einsum_unreduced(
-            "B/d/e L@zigzag/c F/t, M F/t -> B/d/e L@zigzag/c M", y, w_down
+            "B/dp L@zigzag/c F/t, M F/t -> B/dp L@zigzag/c M", y, w_down
         )
         # Each t shard contracted only its own slice of F (F/t): sum the shards, scattered into
         # the residual's layout.
-        return shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", out)
+        return shardops.psum_scatter(f"B/dp L@zigzag/c M -> {cfg.residual_spec}", out)
 
     out = a("down", down)
     return a("out", lambda: (h + out).astype(dt))
@@ -141,14 +141,14 @@ SWIGLU = Block(
     name="swiglu",
     activations=(
         Activation("ln2", "M", "f32", "ffn_norm"),
-        Activation("gh", "B/d/e L/c M", "compute", "ffn_norm"),  # h with all of M
-        Activation("nh", "B/d/e L/c M", "compute", "ffn_norm"),  # the normed input of gate, up
+        Activation("gh", "B/dp L/c M", "compute", "ffn_norm"),  # h with all of M
+        Activation("nh", "B/dp L/c M", "compute", "ffn_norm"),  # the normed input of gate, up
         Activation("w_gate", "M F/t", "compute", "gate"),  # gathered over d, c
         Activation("w_up", "M F/t", "compute", "up"),
         Activation("w_down", "M F/t", "compute", "down"),
-        Activation("gate", "B/d/e L/c F/t", "compute", "gate", saved=True),
-        Activation("up", "B/d/e L/c F/t", "compute", "up", saved=True),
-        Activation("y", "B/d/e L/c F/t", "compute", "swiglu"),  # silu(gate) * up
+        Activation("gate", "B/dp L/c F/t", "compute", "gate", saved=True),
+        Activation("up", "B/dp L/c F/t", "compute", "up", saved=True),
+        Activation("y", "B/dp L/c F/t", "compute", "swiglu"),  # silu(gate) * up
         # The down projection, into the residual: read by no backward.
         Activation("down", _R, "compute", "down", needed=False),
         Activation("out", _R, "compute", "ffn_residual", needed=False),
@@ -158,14 +158,14 @@ SWIGLU = Block(
         matmul(
             "gate",
             "token",
-            "B/d/e L M, M F/t -> B/d/e L F/t",
+            "B/dp L M, M F/t -> B/dp L F/t",
             lambda m: 2 * m.d_model * m.d_ff,
             _FULL,
         ),
         matmul(
             "up",
             "token",
-            "B/d/e L M, M F/t -> B/d/e L F/t",
+            "B/dp L M, M F/t -> B/dp L F/t",
             lambda m: 2 * m.d_model * m.d_ff,
             _FULL,
         ),
@@ -174,18 +174,16 @@ SWIGLU = Block(
         elementwise(
             "swiglu",
             "token",
-            "B/d/e L F/t",
+            "B/dp L F/t",
             lambda m: 3 * m.d_ff,
             lambda m: 7 * m.d_ff,
             _SAVED_FULL,
         ),
         # Nothing in the backward needs the down projection's output nor the layer's: no
         # policy re-runs them (XLA drops them from remat=full's recomputation too).
-        matmul(
-            "down", "token", "B/d/e L F/t, M F/t -> B/d/e L M", lambda m: 2 * m.d_ff * m.d_model
-        ),
+        matmul("down", "token", "B/dp L F/t, M F/t -> B/dp L M", lambda m: 2 * m.d_ff * m.d_model),
         elementwise(
-            "ffn_residual", "token", "B/d/e L M/t", lambda m: m.d_model, lambda m: m.d_model
+            "ffn_residual", "token", "B/dp L M/t", lambda m: m.d_model, lambda m: m.d_model
         ),
     ),
     weights=SwigluWeights,

@@ -15,8 +15,8 @@ pipeline/pipelined.py).
 
 Per device, a layer holds the residual ``x`` and, per weight, one all-gather over (d, e, c)
 just before use. The residual's layout is ``model.residual`` (``cfg.residual_spec``): Megatron's
-sequence parallelism ``'B/d/e L@zigzag/c/t M'`` (``L/t``, the default) or
-``'B/d/e L@zigzag/c M/t'`` (``M/t``). Each block gathers it over t to ``'B/d/e L@zigzag/c M'``
+sequence parallelism ``'B/dp L@zigzag/c/t M'`` (``L/t``, the default) or
+``'B/dp L@zigzag/c M/t'`` (``M/t``). Each block gathers it over t to ``'B/dp L@zigzag/c M'``
 around its norm (after the norm for ``L/t``, which holds all of M per row; before it for
 ``M/t``) and reduce-scatters its output back: one model, other spec strings. Communication per
 layer, forward (``remat=saved`` repeats the gathers in the backward pass, whose transposes add
@@ -24,7 +24,7 @@ the reduce-scatters of FSDP; ``model.backward=explicit`` writes that backward pa
 backward.py):
 
     all_gather over t,d,c  ln1, ln2                       (norm gains, tiny)
-    all_gather over t      the residual around each norm (2) (activations: B/d/e L@zigzag/c M)
+    all_gather over t      the residual around each norm (2) (activations: B/dp L@zigzag/c M)
     all_gather over d,c    w_q, w_kv, w_o, w_gate, w_up, w_down
     all_gather over c      k, v (allgather), or c-1 ring_shifts of each (ring)   (c > 1)
     psum_scatter over t    attention and FFN outputs (2)   (they contract a t-split dim)
@@ -80,10 +80,10 @@ EMBED = Block(
     ops=(
         # A lookup (each t shard selecting the rows of its vocab block is not counted); the
         # backward scatter-adds each token's cotangent into its row.
-        elementwise("embed", "token", "B/d/e L M", lambda m: 0, lambda m: m.d_model),
+        elementwise("embed", "token", "B/dp L M", lambda m: 0, lambda m: m.d_model),
         # angle = position * frequency, cos, sin, on D/2. Positions and masks (integer and
         # boolean work, once per step) are not counted.
-        elementwise("rope_tables", "token", "B/d/e L D", lambda m: 3 * m.d_head // 2, lambda m: 0),
+        elementwise("rope_tables", "token", "B/dp L D", lambda m: 3 * m.d_head // 2, lambda m: 0),
     ),
 )
 """The operations before the layers (outside the checkpointed layer scan: never re-run)."""
@@ -92,35 +92,33 @@ HEAD = Block(
     name="head",
     activations=(
         Activation("ln", "M", "f32", "final_norm"),  # the final norm's gain, gathered
-        Activation("gx", "B/d/e L/c M", "compute", "final_norm"),  # the residual with all of M
-        Activation("nx", "B/d/e L/c M", "compute", "final_norm"),  # normed: the logits' input
+        Activation("gx", "B/dp L/c M", "compute", "final_norm"),  # the residual with all of M
+        Activation("nx", "B/dp L/c M", "compute", "final_norm"),  # normed: the logits' input
         Activation("table", "V/t M", "compute", "logits"),  # the unembedding, gathered over d, c
     ),
     ops=(
         norm_op("final_norm", consumers=1),
         matmul(
-            "logits", "token", "B/d/e L M, V/t M -> B/d/e L V/t", lambda m: 2 * m.d_model * m.vocab
+            "logits", "token", "B/dp L M, V/t M -> B/dp L V/t", lambda m: 2 * m.d_model * m.vocab
         ),
         # logsumexp over the vocabulary: max, subtract, exp, sum (the per-position scalars
         # after it are not counted); backward softmax(logits) - onehot(target): 2 per logit.
-        elementwise("loss", "token", "B/d/e L V/t", lambda m: 4 * m.vocab, lambda m: 2 * m.vocab),
+        elementwise("loss", "token", "B/dp L V/t", lambda m: 4 * m.vocab, lambda m: 2 * m.vocab),
     ),
 )
 """The final norm, the unembedding and the loss, after the layers (never re-run)."""
 
 
 def embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
-    """'B/d/e L@zigzag/c' ids -> the residual (``cfg.residual_spec``) in compute dtype."""
+    """'B/dp L@zigzag/c' ids -> the residual (``cfg.residual_spec``) in compute dtype."""
     with part("embed"):
         table = shardops.all_gather(
-            "V/t M/d/e/c -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype))
+            "V/t M/fsdp -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype))
         )
-        x = shardops.index_unreduced(
-            "[V/t] M, B/d/e L@zigzag/c -> B/d/e L@zigzag/c M", table, tokens
-        )
+        x = shardops.index_unreduced("[V/t] M, B/dp L@zigzag/c -> B/dp L@zigzag/c M", table, tokens)
         # Each t shard looked up only the rows of its vocab block: sum the shards, scattered
         # into the residual's layout.
-        return shardops.psum_scatter(f"B/d/e L@zigzag/c M -> {cfg.residual_spec}", x)
+        return shardops.psum_scatter(f"B/dp L@zigzag/c M -> {cfg.residual_spec}", x)
 
 
 def attention_inputs(cfg: ModelConfig, w, x: jax.Array, rope) -> tuple[jax.Array, ...]:
@@ -146,28 +144,28 @@ def after_attention(cfg: ModelConfig, blocks: tuple[Block, ...], w, h: jax.Array
 def final_norm(
     cfg: ModelConfig, w: Weights, x: jax.Array, a: Activations | None = None
 ) -> jax.Array:
-    """The residual -> final RMSNorm 'B/d/e L@zigzag/c M' in compute dtype (its values named in
+    """The residual -> final RMSNorm 'B/dp L@zigzag/c M' in compute dtype (its values named in
     ``a`` when given: the hand-written backward keeps them)."""
     a = a or Activations((HEAD,))
-    ln = a("ln", lambda: shardops.all_gather("M/t/d/e/c -> M", w.final_norm))
+    ln = a("ln", lambda: shardops.all_gather("M/t/fsdp -> M", w.final_norm))
     gx = a("gx", lambda: norm_input(cfg, x))
     return a("nx", lambda: normed(cfg, gx, ln))
 
 
 def final_hidden(cfg: ModelConfig, w: Weights, rows: SequenceRows) -> jax.Array:
-    """Embedding, the scanned layers and the final norm: 'B/d/e L@zigzag/c M' in compute dtype."""
+    """Embedding, the scanned layers and the final norm: 'B/dp L@zigzag/c M' in compute dtype."""
     x, _ = run_stacks(cfg, w, rows, embed(cfg, w, rows.tokens))
     return final_norm(cfg, w, x)
 
 
 def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array, a: Activations | None = None) -> jax.Array:
-    """'B/d/e L@zigzag/c M' -> logits 'B/d/e L@zigzag/c V/t' f32: each t shard computes the logits
+    """'B/dp L@zigzag/c M' -> logits 'B/dp L@zigzag/c V/t' f32: each t shard computes the logits
     of its vocab block."""
     a = a or Activations((HEAD,))
     dt = jnp.dtype(cfg.compute_dtype)
-    table = a("table", lambda: shardops.all_gather("V/t M/d/e/c -> V/t M", w.unembed.astype(dt)))
+    table = a("table", lambda: shardops.all_gather("V/t M/fsdp -> V/t M", w.unembed.astype(dt)))
     return shardops.einsum_unreduced(
-        "B/d/e L@zigzag/c M, V/t M -> B/d/e L@zigzag/c V/t",
+        "B/dp L@zigzag/c M, V/t M -> B/dp L@zigzag/c V/t",
         nx,
         table,
         out_dtype=jnp.float32,
@@ -179,13 +177,13 @@ def loss_terms_and_softmax(
     logits: jax.Array, targets: jax.Array, counted: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The loss terms f32[2], and the softmax's pieces the hand-written backward reuses:
-    ``exp(logits - max)`` 'B/d/e L@zigzag/c V/t' and its sum over the whole vocab
-    'B/d/e L@zigzag/c'. ``targets`` and ``counted`` are :class:`SequenceRows`'s: each position's
+    ``exp(logits - max)`` 'B/dp L@zigzag/c V/t' and its sum over the whole vocab
+    'B/dp L@zigzag/c'. ``targets`` and ``counted`` are :class:`SequenceRows`'s: each position's
     next token and whether it counts (found on the whole row, before the split over c)."""
     # A stable logsumexp over the vocab split across t. The max only shifts the exponent, so it
     # needs no gradient (and pmax has none): take it of the stop-gradiented local max.
     local_max = jnp.max(logits, axis=-1)
-    shift = shardops.pmax("B/d/e L@zigzag/c{U_t} -> B/d/e L@zigzag/c", lax.stop_gradient(local_max))
+    shift = shardops.pmax("B/dp L@zigzag/c{U_t} -> B/dp L@zigzag/c", lax.stop_gradient(local_max))
     exp = jnp.exp(logits - shift[..., None])
     sum_exp = jnp.sum(exp, axis=-1)
     # The target's logit lives on the one t shard whose vocab block holds it; others give 0.
@@ -198,19 +196,19 @@ def loss_terms_and_softmax(
     target_logit = jnp.where(here, picked[..., 0], 0.0)
     # Both are partial over the vocab blocks: one all-reduce over t carries the pair.
     sum_exp, target_logit = shardops.psum(
-        "2 B/d/e L@zigzag/c{U_t} -> 2 B/d/e L@zigzag/c", jnp.stack([sum_exp, target_logit])
+        "2 B/dp L@zigzag/c{U_t} -> 2 B/dp L@zigzag/c", jnp.stack([sum_exp, target_logit])
     )
     nll = jnp.log(sum_exp) + shift - target_logit
     counted = counted.astype(jnp.float32)
     local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
     # Each (d, e, c) shard summed its own rows and positions of the batch: add them up.
-    return shardops.psum("2{U_d,e,c} -> 2", local), exp, sum_exp
+    return shardops.psum("2{U_dp,c} -> 2", local), exp, sum_exp
 
 
 def forward_terms_and_aux(
     cfg: ModelConfig, w: Weights, batch: TokenBatch
 ) -> tuple[jax.Array, dict]:
-    """The forward pass on the per-device blocks 'B/d/e L/c' of ``batch`` (inside the
+    """The forward pass on the per-device blocks 'B/dp L/c' of ``batch`` (inside the
     shard_map): (f32[2], the summed loss, the blocks' loss terms included, and the positions
     counted; the stacks' auxiliary outputs, :func:`~seqshard.model.layers.run_stacks`)."""
     rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)

@@ -1,9 +1,9 @@
 """The model's weights: each layout declared once, in its field type, and made in place.
 
 Weights at rest are fully sharded: rows (``d_model``) over d, e and c (the FSDP group:
-``d_model/d/e/c``; routed experts split over e instead, their rows over d and c), heads /
+``d_model/fsdp``; routed experts split over e instead, their rows over d and c), heads /
 ``d_ff`` / ``vocab`` over t (Megatron). Norm weights are split over all of them, t major:
-``'d_model/t/d/e/c'``, the same order for every norm (the seed mixes ``d/t`` and ``t/d``).
+``'d_model/t/fsdp'``, the same order for every norm (the seed mixes ``d/t`` and ``t/d``).
 
 A layer's weights are its blocks' (:func:`seqshard.model.layers.stacks`): each block module
 declares its fields, with their init, decay, gather dtype, Hugging Face names and whether a
@@ -74,11 +74,11 @@ class Weights:
     weights its blocks have differ between configs); these are the fields outside the
     layers, declared once."""
 
-    embed: f32["vocab/t d_model/d/e/c"] = weight(
+    embed: f32["vocab/t d_model/fsdp"] = weight(
         1.0, hf="model.embed_tokens.weight", layout="vocab d_model"
     )
-    final_norm: f32["d_model/t/d/e/c"] = gain("model.norm.weight")
-    unembed: f32["vocab/t d_model/d/e/c"] = weight(
+    final_norm: f32["d_model/t/fsdp"] = gain("model.norm.weight")
+    unembed: f32["vocab/t d_model/fsdp"] = weight(
         _fan_in, hf="lm_head.weight", layout="vocab d_model"
     )
 
@@ -142,7 +142,7 @@ def weight_structs(cfg: ModelConfig, mesh: Mesh | None = None) -> Weights:
 def check_mesh(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
     """Raise ValueError, before anything compiles, if a mesh of these axis sizes (e.g.
     ``{'d': 4, 't': 2}``, missing axes 1) cannot split the model's weights: a weight dimension
-    not divisible by the mesh axes its type splits it over: ``embed: 'vocab/t d_model/d/e/c'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
+    not divisible by the mesh axes its type splits it over: ``embed: 'vocab/t d_model/fsdp'`` needs ``vocab % t == 0`` and ``d_model % d == 0``.
 
     Dimensions are named after config fields, so the message names the field to change."""
     sizes, mesh = cfg.dim_sizes(), axis_sizes(mesh_sizes)

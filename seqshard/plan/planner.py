@@ -275,7 +275,7 @@ def _microbatch_rows(cfg: Config) -> int:
 
 
 def moe_tokens_per_device(cfg: Config) -> int:
-    """T, the tokens one device routes per microbatch: its rows ``'B/d/e'`` times its
+    """T, the tokens one device routes per microbatch: its rows ``'B/dp'`` times its
     positions ``'L/c'`` (every t shard routes the same tokens: the MoE block gathers the
     residual over t before its norm)."""
     sizes = cfg.mesh.sizes()

@@ -254,7 +254,7 @@ def context_report(cfg: Config) -> str:
     if c == 1:
         return (
             "context: mesh.c = 1, the sequence is not split (mesh.c=k splits each row k ways, "
-            "'B/d/e L@zigzag/c M/t', for sequences whose activations do not fit)"
+            "'B/dp L@zigzag/c M/t', for sequences whose activations do not fit)"
         )
     impl = "einsum" if m.attention_impl == "auto" else m.attention_impl
     rows = []
@@ -277,7 +277,7 @@ def context_report(cfg: Config) -> str:
             )
         )
     head = (
-        f"context: the sequence split over c = {c} ('B/d/e L@zigzag/c', zigzag chunks i and "
+        f"context: the sequence split over c = {c} ('B/dp L@zigzag/c', zigzag chunks i and "
         f"{2 * c - 1}-i per shard), per device; collectives and bytes sent per layer, from "
         f"the notation; memory from the planner (* model.context_impl):"
     )

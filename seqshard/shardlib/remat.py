@@ -110,7 +110,7 @@ class SavedRemat:
 class FullRemat:
     """``full``: keep only the layer input; the backward pass re-runs the layer's forward.
 
-    The least memory (one ``'B/d/e L M/t'`` residual per layer) for the most recomputation:
+    The least memory (one ``'B/dp L M/t'`` residual per layer) for the most recomputation:
     every operation of the layer but the last two (``down``, ``ffn_residual``). Nothing in the
     backward pass needs the down projection's output (only its input and weight), nor the
     layer's output, so JAX / XLA drop both from the recomputation (checked against XLA's
@@ -130,7 +130,7 @@ class NoRemat:
 
     Nothing is recomputed, and every intermediate of every layer stays alive until its
     backward step: the marked values, the layer's gathered weights, the normalized inputs,
-    the ``'B/d/e L L Q K/t'`` attention probabilities (quadratic in the sequence length) and
+    the ``'B/dp L L Q K/t'`` attention probabilities (quadratic in the sequence length) and
     the SwiGLU products. For small models or short sequences, where memory is not the limit.
     """
 

@@ -6,7 +6,7 @@ exactly the full-batch mean gradient even when packed documents give microbatche
 token counts (a mean of microbatch means would weight them wrongly).
 
 Microbatch m takes rows m, m+k, m+2k, ... of the global batch, so every device's block of
-``B/d/e`` rows already holds its share of each microbatch: splitting moves no data.
+``B/dp`` rows already holds its share of each microbatch: splitting moves no data.
 """
 
 from __future__ import annotations

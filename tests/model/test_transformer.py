@@ -160,7 +160,7 @@ SEQUENCE_PARALLEL = [(8, 1), (4, 2), (2, 4), (1, 8)]
     ],
 )
 def test_sequence_parallel_residual_equals_reference(shape, backward):
-    """model.residual=L/t: the residual 'B/d/e L/t M' between blocks (Megatron's sequence
+    """model.residual=L/t: the residual 'B/dp L/t M' between blocks (Megatron's sequence
     parallelism), gathered over t along L before each norm. The same model: the same loss,
     logits and gradients as the reference, to the same f32 tolerances."""
     cfg = dataclasses.replace(CFG, residual="L/t", backward=backward)
@@ -199,14 +199,14 @@ def loss_2x4():
     return jax.jit(lambda w, tokens, is_seq_start: loss_fn(w, tokens, is_seq_start, CFG, mesh))
 
 
-@pytest.mark.parametrize("inputs", ["numpy", "sharded as B/d/e", "sharded over t"])
+@pytest.mark.parametrize("inputs", ["numpy", "sharded as B/dp", "sharded over t"])
 def test_loss_takes_inputs_in_any_sharding(loss_2x4, inputs):
     """Global arrays in any layout: numpy (weights too), or already on the mesh."""
     mesh = mesh_of((2, 4))
     w, tokens, starts = WEIGHTS, TOKENS, IS_SEQ_START
     if inputs != "numpy":
         w = on_mesh(w, CFG, mesh)
-        spec = P("d", None) if inputs == "sharded as B/d/e" else P(None, "t")
+        spec = P("d", None) if inputs == "sharded as B/dp" else P(None, "t")
         tokens, starts = jax.device_put((tokens, starts), NamedSharding(mesh, spec))
         assert tokens.sharding.spec == spec
     loss = loss_2x4(w, tokens, starts)
@@ -340,48 +340,46 @@ class Comm:
 GATHERED_AGAIN = frozenset({"saved", "full"})  # save_for_backward marks no gathered value
 
 OUTSIDE_SCAN = (  # in the order the forward pass runs them: embed, final norm, unembed, loss
-    Comm("embed", "all_gather", "V/t M/d/e/c -> V/t M", ("d",)),
+    Comm("embed", "all_gather", "V/t M/fsdp -> V/t M", ("d",)),
     Comm(
         "embeddings (partial: vocab blocks)",
         "psum_scatter",
-        "B/d/e L@zigzag/c M -> B/d/e L@zigzag/c M/t",
+        "B/dp L@zigzag/c M -> B/dp L@zigzag/c M/t",
         ("t",),
     ),
-    Comm("final_norm", "all_gather", "M/t/d/e/c -> M", ("t", "d")),
+    Comm("final_norm", "all_gather", "M/t/fsdp -> M", ("t", "d")),
     Comm(
         "residual, before the final norm",
         "all_gather",
-        "B/d/e L@zigzag/c M/t -> B/d/e L@zigzag/c M",
+        "B/dp L@zigzag/c M/t -> B/dp L@zigzag/c M",
         ("t",),
     ),
-    Comm("unembed", "all_gather", "V/t M/d/e/c -> V/t M", ("d",)),
-    Comm("logsumexp shift", "pmax", "B/d/e L@zigzag/c{U_t} -> B/d/e L@zigzag/c", ("t",)),
-    Comm(
-        "(sum_exp, target_logit)", "psum", "2 B/d/e L@zigzag/c{U_t} -> 2 B/d/e L@zigzag/c", ("t",)
-    ),
-    Comm("(loss_sum, count)", "psum", "2{U_d,e,c} -> 2", ("d",)),
+    Comm("unembed", "all_gather", "V/t M/fsdp -> V/t M", ("d",)),
+    Comm("logsumexp shift", "pmax", "B/dp L@zigzag/c{U_t} -> B/dp L@zigzag/c", ("t",)),
+    Comm("(sum_exp, target_logit)", "psum", "2 B/dp L@zigzag/c{U_t} -> 2 B/dp L@zigzag/c", ("t",)),
+    Comm("(loss_sum, count)", "psum", "2{U_dp,c} -> 2", ("d",)),
 )
 LAYER_BODY = (  # the scanned layer body, in order
-    Comm("ln1", "all_gather", "M/t/d/e/c -> M", ("t", "d"), GATHERED_AGAIN),
-    Comm("x", "all_gather", "B/d/e L@zigzag/c M/t -> B/d/e L@zigzag/c M", ("t",), GATHERED_AGAIN),
-    Comm("w_q", "all_gather", "M/d/e/c Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
-    Comm("w_kv", "all_gather", "2 M/d/e/c K/t D -> 2 M K/t D", ("d",), GATHERED_AGAIN),
-    Comm("w_o", "all_gather", "M/d/e/c Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
+    Comm("ln1", "all_gather", "M/t/fsdp -> M", ("t", "d"), GATHERED_AGAIN),
+    Comm("x", "all_gather", "B/dp L@zigzag/c M/t -> B/dp L@zigzag/c M", ("t",), GATHERED_AGAIN),
+    Comm("w_q", "all_gather", "M/fsdp Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
+    Comm("w_kv", "all_gather", "2 M/fsdp K/t D -> 2 M K/t D", ("d",), GATHERED_AGAIN),
+    Comm("w_o", "all_gather", "M/fsdp Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
     # 'saved' keeps h = x + out, so only 'full' recomputes this sum to rebuild h.
     Comm(
         "attention output",
         "psum_scatter",
-        "B/d/e L@zigzag/c M -> B/d/e L@zigzag/c M/t",
+        "B/dp L@zigzag/c M -> B/dp L@zigzag/c M/t",
         ("t",),
         frozenset({"full"}),
     ),
-    Comm("ln2", "all_gather", "M/t/d/e/c -> M", ("t", "d"), GATHERED_AGAIN),
-    Comm("h", "all_gather", "B/d/e L@zigzag/c M/t -> B/d/e L@zigzag/c M", ("t",), GATHERED_AGAIN),
-    Comm("w_gate", "all_gather", "M/d/e/c F/t -> M F/t", ("d",), GATHERED_AGAIN),
-    Comm("w_up", "all_gather", "M/d/e/c F/t -> M F/t", ("d",), GATHERED_AGAIN),
-    Comm("w_down", "all_gather", "M/d/e/c F/t -> M F/t", ("d",), GATHERED_AGAIN),
+    Comm("ln2", "all_gather", "M/t/fsdp -> M", ("t", "d"), GATHERED_AGAIN),
+    Comm("h", "all_gather", "B/dp L@zigzag/c M/t -> B/dp L@zigzag/c M", ("t",), GATHERED_AGAIN),
+    Comm("w_gate", "all_gather", "M/fsdp F/t -> M F/t", ("d",), GATHERED_AGAIN),
+    Comm("w_up", "all_gather", "M/fsdp F/t -> M F/t", ("d",), GATHERED_AGAIN),
+    Comm("w_down", "all_gather", "M/fsdp F/t -> M F/t", ("d",), GATHERED_AGAIN),
     # Its result only leaves the layer; no policy's backward pass needs it again.
-    Comm("FFN output", "psum_scatter", "B/d/e L@zigzag/c M -> B/d/e L@zigzag/c M/t", ("t",)),
+    Comm("FFN output", "psum_scatter", "B/dp L@zigzag/c M -> B/dp L@zigzag/c M/t", ("t",)),
 )
 HLO_KIND = {
     "all_gather": "all-gather",
@@ -418,9 +416,9 @@ def totals(counter: collections.Counter) -> dict[str, int]:
 
 
 def _for_residual(comms: tuple[Comm, ...], residual: str) -> list[tuple[str, str]]:
-    """(op, spec) of each call, the tables' 'B/d/e L@zigzag/c M/t' read as ``residual``'s layout."""
+    """(op, spec) of each call, the tables' 'B/dp L@zigzag/c M/t' read as ``residual``'s layout."""
     layout = RESIDUAL_SPECS[residual]
-    return [(c.op, c.spec.replace("B/d/e L@zigzag/c M/t", layout)) for c in comms]
+    return [(c.op, c.spec.replace("B/dp L@zigzag/c M/t", layout)) for c in comms]
 
 
 @pytest.mark.parametrize("residual", ["M/t", "L/t"])
@@ -490,7 +488,7 @@ BAD_FOR_4x2 = [  # (field, value, the mesh axes that must divide it, their size)
     ("n_kv", 3, "t", 2),
     ("d_ff", 65, "t", 2),
     ("vocab", 65, "t", 2),
-    ("d_model", 36, "t*d*e*c", 8),  # norm gains are d_model/t/d/e/c
+    ("d_model", 36, "t*d*e*c", 8),  # norm gains are d_model/t/fsdp
 ]
 
 

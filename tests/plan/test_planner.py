@@ -164,16 +164,16 @@ def test_collectives_follow_the_remat_policy():
         )
 
     n = 2  # layers
-    w_gate = "gate: all_gather('M/d/e/c F/t -> M F/t')"
+    w_gate = "gate: all_gather('M/fsdp F/t -> M F/t')"
     for remat in ("saved", "full"):
         assert count(remat, "recompute", w_gate) == n
     assert count("none", "recompute", "all_gather") == 0
     attention_output = (
-        "o: psum_scatter('B/d/e L@zigzag/c M -> B/d/e L@zigzag/c/t M')"  # model.residual=L/t
+        "o: psum_scatter('B/dp L@zigzag/c M -> B/dp L@zigzag/c/t M')"  # model.residual=L/t
     )
     assert count("full", "recompute", attention_output) == n
     assert count("saved", "recompute", attention_output) == 0
-    assert count("saved", "backward", "q: all_gather('M/d/e/c Q K/t D -> M Q K/t D')") == n
+    assert count("saved", "backward", "q: all_gather('M/fsdp Q K/t D -> M Q K/t D')") == n
 
 
 def test_a_single_device_moves_nothing():
@@ -270,7 +270,7 @@ def test_a_plan_that_does_not_fit_names_the_cheapest_change_that_would():
 
 
 def test_more_d_through_a_smaller_t_is_a_candidate():
-    """Without remat every layer keeps its normalized inputs 'B/d/e L M', which t does not
+    """Without remat every layer keeps its normalized inputs 'B/dp L M', which t does not
     split: on d=1 x c=1 x t=8 they do not fit 16 GB. d=8 x c=1 x t=1 splits them 8 ways and, with no
     activation traffic over t left, is faster than the microbatches that would also fit."""
 

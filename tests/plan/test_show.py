@@ -38,7 +38,7 @@ def test_weight_table_rows_come_from_the_types(cfg):
     rows = {r[0]: r for r in weight_table(cfg)}
     assert rows["embed"] == (
         "embed",
-        "f32['vocab/t d_model/d/e/c']",
+        "f32['vocab/t d_model/d/e/c']",  # a type prints spelled out
         "[64, 32]",
         "[32, 8]",
         "P('t', ('d', 'e', 'c'))",
@@ -55,7 +55,7 @@ def test_describe_without_compiling(cfg):
     # Every collective of the step, predicted from the notation without compiling.
     assert "communication per train step, predicted from the notation (nothing compiled" in text
     assert re.search(
-        r"^backward +per layer +down: psum_scatter\('M F/t\{U_d,e,c\} -> M/d/e/c F/t'\) +reduce-scatter +d ",
+        r"^backward +per layer +down: psum_scatter\('M F/t\{U_fsdp\} -> M/fsdp F/t'\) +reduce-scatter +d ",
         text,
         re.M,
     )
@@ -105,7 +105,7 @@ def test_flops_table_is_the_step_table(cfg):
         cells = lines[op.name].split()
         assert cells[1:3] == [op.kind, str(op.runs)], op.name
     # 8 x 16 tokens of d_model 32: the embedding's backward scatter-adds 128 x 32; on mesh
-    # d=4 x c=1 x t=2 its 'B/d/e L M' runs whole on each t shard, so 1/4 of it per device.
+    # d=4 x c=1 x t=2 its 'B/dp L M' runs whole on each t shard, so 1/4 of it per device.
     assert lines["embed"].split()[2:] == ["1", "-", "4,096", "-", "-", "4,096", "1,024"]
     assert step["embed"].backward == 8 * 16 * 32
     assert re.search(
@@ -129,7 +129,7 @@ def test_context_report_compares_the_strategies_for_the_split_sequence():
         None, [*OVERRIDES, "mesh.d=2", "mesh.c=4", "mesh.t=1", "model.context_impl=ring"]
     )
     text = context_report(split)
-    assert text.startswith("context: the sequence split over c = 4 ('B/d/e L@zigzag/c'")
+    assert text.startswith("context: the sequence split over c = 4 ('B/dp L@zigzag/c'")
     rows = {line.split()[0]: line.split() for line in text.splitlines()[3:]}
     assert set(rows) == {"allgather", "ring"} and rows["ring"][1] == "*"
     # Per layer: allgather gathers k and v once each; the ring shifts each c - 1 = 3 times

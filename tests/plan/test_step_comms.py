@@ -160,7 +160,7 @@ def test_predicted_collectives_with_the_sequence_split_residual(backward):
     cfg = _config("2x4", backward, "saved", 1, residual="L/t")
     _check(cfg)
     gathers = {c.what for c in collectives_per_step(cfg) if c.kind == "all-gather"}
-    assert "attn_norm: all_gather('B/d/e L@zigzag/c/t M -> B/d/e L@zigzag/c M')" in gathers
+    assert "attn_norm: all_gather('B/dp L@zigzag/c/t M -> B/dp L@zigzag/c M')" in gathers
 
 
 @pytest.mark.slow
@@ -230,7 +230,7 @@ def test_phases_and_layers():
     assert by[("forward", "all-gather")] == by[("backward", "reduce-scatter")]
     assert by[("forward", "reduce-scatter")] == by[("backward", "all-gather")]
     recomputed = {c.what for c in auto if c.phase == "recompute"}
-    assert "q: all_gather('M/d/e/c Q K/t D -> M Q K/t D')" in recomputed
+    assert "q: all_gather('M/fsdp Q K/t D -> M Q K/t D')" in recomputed
     assert not any("psum_scatter" in w for w in recomputed)  # h is kept; the FFN output unread
     assert all(c.in_layers and c.calls == 2 for c in auto if c.phase == "recompute")
     explicit = _config("2x4", "explicit", "saved", 1)
@@ -239,7 +239,7 @@ def test_phases_and_layers():
     # backward.py writes every transfer of the backward pass: no transposes derived
     assert not any(c.autodiff for c in logged if c.phase == "forward")
     table = format_planned_table(collectives_per_step(explicit), n_layers=2)
-    assert "backward   per layer  down: psum_scatter('M F/t{U_d,e,c} -> M/d/e/c F/t')" in table
+    assert "backward   per layer  down: psum_scatter('M F/t{U_fsdp} -> M/fsdp F/t')" in table
     assert table.splitlines()[-1].startswith("sent per device per step: forward ")
 
 

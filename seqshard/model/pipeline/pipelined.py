@@ -8,10 +8,10 @@ restores convert) and one call runs the local batch as
 ``train.microbatches`` microbatches through the stages, in the ticks of
 :mod:`seqshard.model.pipeline.schedule`, inside the model's one shard_map (per device)::
 
-    rows = sequence_rows(tokens)                      'B/d/e L@zigzag/c', every stage
+    rows = sequence_rows(tokens)                      'B/dp L@zigzag/c', every stage
     xs = embed(rows.tokens) as 'm b ...'              the residual, read on stage 0
     ys = circular_forward(stage, layers, xs)          stage s: run_stack on its block, then
-                                                      ring_shift('S/p B/d/e L@zigzag/c/t M', ., 'p')
+                                                      ring_shift('S/p B/dp L@zigzag/c/t M', ., 'p')
     terms = head(ys) on stage p-1; psum('2{U_p} -> 2')   f32[2]: loss sum, positions counted
 
 Microbatch i is local rows i, i + m, i + 2m, ...: the rows ``split_microbatches`` gives
@@ -20,7 +20,7 @@ gradient accumulation (which runs at p = 1), so both sum the same terms.
 **Where the embedding and the head sit.** ``embed``, ``final_norm`` and ``unembed`` name no p
 in their types: they rest replicated over p (each stage a copy, still split over d, e, c and t).
 Stage 0 embeds, stage p-1 runs the norm, the unembedding and the loss; their gradients, made on
-one stage, are summed over p once per step (``psum('V/t M/d/e/c{U_p} -> V/t M/d/e/c')`` and the
+one stage, are summed over p once per step (``psum('V/t M/fsdp{U_p} -> V/t M/fsdp')`` and the
 norm's, written out in both schedules). They are small next to L/p layers per stage, and
 splitting them over p would gather them across the pipeline's (slow) links every step.
 
@@ -181,7 +181,7 @@ def _microbatch_counts(micro: SequenceRows) -> jax.Array:
     local = jnp.sum(micro.counted.astype(jnp.float32), axis=tuple(range(1, micro.counted.ndim)))
     with shape_scope():
         # Each (d, e, c) shard counted its own rows: add them up.
-        return shardops.psum("m{U_d,e,c} -> m", local)
+        return shardops.psum("m{U_dp,c} -> m", local)
 
 
 def _balancing_and_stats(cfg: ModelConfig, aux: dict, counts: jax.Array):
@@ -277,7 +277,7 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch
     return _on_last_stage_summed(terms, balancing), {_stack(cfg).name: step_aux}
 
 
-_TABLE, _GAIN = "V/t M/d/e/c", "M/t/d/e/c"  # the replicated weights' per-device layouts
+_TABLE, _GAIN = "V/t M/fsdp", "M/t/fsdp"  # the replicated weights' per-device layouts
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -351,7 +351,7 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: To
     )
     (d_embed,) = embed_vjp(d_xs)
     count = jnp.sum(micro.counted.astype(jnp.float32))
-    count = shardops.psum("1{U_d,e,c} -> 1", count[None])[0]
+    count = shardops.psum("1{U_dp,c} -> 1", count[None])[0]
     balancing, step_aux = None, {}
     if aux:
         aux = jax.tree.map(lambda a: a[None], aux)  # one round
