@@ -87,6 +87,7 @@ from seqshard.model.layers import Stack, runs, stacks
 from seqshard.model.moe import MOE, ROUTED_OPS, buffer_bytes
 from seqshard.model.weights import weights_type
 from seqshard.plan.step_comms import PlannedCollective, collectives_per_step
+from seqshard.shardlib.axes import group_size
 from seqshard.shardlib.shardtypes import block_shape, type_tree
 from seqshard.shardlib.tables import format_bytes
 
@@ -279,7 +280,7 @@ def moe_tokens_per_device(cfg: Config) -> int:
     positions ``'L/c'`` (every t shard routes the same tokens: the MoE block gathers the
     residual over t before its norm)."""
     sizes = cfg.mesh.sizes()
-    rows = _microbatch_rows(cfg) // (sizes["d"] * sizes["e"])
+    rows = _microbatch_rows(cfg) // group_size(sizes, "dp")  # 'B/dp'
     return rows * (cfg.train.seq_len // sizes["c"])
 
 

@@ -45,6 +45,7 @@ from seqshard.plan.step_comms import (
     collectives_per_step,
     format_planned_table,
 )
+from seqshard.shardlib.axes import group_size
 from seqshard.shardlib.comms import Collective, collectives, format_comm_table
 from seqshard.shardlib.shardtypes import block_shape, type_tree
 from seqshard.shardlib.tables import format_bytes, format_table
@@ -358,7 +359,7 @@ def pipeline_shifts(cfg: Config) -> tuple[int, int]:
 
     m, train_cfg, sizes = cfg.model, cfg.train, cfg.mesh.sizes()
     schedule = train_cfg.pipeline().on(sizes["p"])
-    rows = train_cfg.batch_size // (sizes["d"] * train_cfg.microbatches)
+    rows = train_cfg.batch_size // (group_size(sizes, "dp") * train_cfg.microbatches)
     block = rows * train_cfg.seq_len * m.d_model // (sizes["c"] * sizes["t"])
     shifts = 2 * schedule.n_ticks if schedule.name == "1f1b" else schedule.n_ticks
     return shifts, block * np.dtype(m.compute_dtype).itemsize
@@ -377,7 +378,7 @@ def pipeline_report(cfg: Config) -> str:
         )
     schedule = train_cfg.pipeline().on(p)
     k = train_cfg.microbatches
-    rows = train_cfg.batch_size // (sizes["d"] * k)
+    rows = train_cfg.batch_size // (group_size(sizes, "dp") * k)
     shifts, block_bytes = pipeline_shifts(cfg)
     held = [schedule.max_in_flight(s) for s in range(p)]
     lines = [
@@ -480,7 +481,7 @@ def _plan_target(p: Plan) -> list[str]:
         f"  attention_impl={cfg.model.attention_impl} runs as {p.attention_impl}; "
         f"remat={cfg.model.remat}; {train.microbatches} microbatch"
         f"{'es' * (train.microbatches != 1)} of {micro} x {train.seq_len} tokens "
-        f"({micro // (cfg.mesh.d * cfg.mesh.e)} rows per device)",
+        f"({micro // group_size(cfg.mesh.sizes(), 'dp')} rows per device)",
     ]
     moe = cfg.model.moe
     if runs(cfg.model, MOE):

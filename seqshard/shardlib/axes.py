@@ -39,6 +39,7 @@ __all__ = [
     "describe_groups",
     "full_axis_sizes",
     "group",
+    "group_size",
 ]
 
 
@@ -124,6 +125,15 @@ def group(name: str) -> tuple[str, ...]:
     if name not in GROUPS:
         raise ValueError(f"unknown axis group {name!r}: the groups are {describe_groups()}.")
     return GROUPS[name]
+
+
+def group_size(sizes: Mapping[str, int], name: str) -> int:
+    """The devices group ``name`` splits over on a mesh of axis ``sizes`` (missing axes 1):
+    ``group_size({'d': 4, 'e': 2, 't': 2}, 'dp') == 8``, the ways the batch rows are split."""
+    n = 1
+    for axis in group(name):
+        n *= sizes.get(axis, 1)
+    return n
 
 
 def describe_groups() -> str:

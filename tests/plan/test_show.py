@@ -178,3 +178,30 @@ def test_the_plan_header_counts_a_small_moes_parameters_in_millions():
     n = param_counts(cfg.model)
     text = format_plan(plan(cfg, cfg.mesh.n_devices, "cpu"))
     assert f"parameters {n.total / 1e6:.2f} M total, {n.active / 1e6:.2f} M active" in text, text
+
+
+def test_the_pipeline_report_counts_the_rows_of_every_batch_axis():
+    """The residual block ring_shift moves over p holds a microbatch's rows per device,
+    'B/dp': split over d and e (it was counted over d alone, twice too large with e = 2)."""
+    from seqshard.plan.show import pipeline_report, pipeline_shifts
+
+    cfg = load_config(
+        None,
+        [
+            *OVERRIDES,
+            "model.n_layers=2",
+            "model.moe.n_experts=4",
+            "model.moe.top_k=2",
+            "model.moe.d_ff=16",
+            "mesh.p=2",
+            "mesh.e=2",
+            "mesh.d=2",
+            "mesh.t=1",
+            "train.microbatches=2",
+        ],
+    )
+    batch, seq, width = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
+    rows = batch // (2 * 2 * 2)  # d x e x microbatches
+    _, block = pipeline_shifts(cfg)
+    assert block == rows * seq * width * 4  # f32, L and M whole (c = t = 1)
+    assert f"2 microbatch(es) of {rows} rows" in pipeline_report(cfg)
