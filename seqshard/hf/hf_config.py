@@ -86,7 +86,6 @@ HF_KEYS = {
     "n_q_per_kv": "num_attention_heads / num_key_value_heads",
     "d_head": "head_dim",
     "d_ff": "intermediate_size",
-    "d_qk_norm": "head_dim",
 }
 """Each weight dimension's name -> the ``config.json`` key that sizes it (for messages): a
 Llama's; :func:`hf_keys` gives each architecture's."""

@@ -21,11 +21,11 @@ axes left out (and the ``layers`` dimension, which is ``{i}``); einops moves bet
 
 With ``model.qk_norm`` (Qwen3, Qwen3-MoE), each layer also has::
 
-    layers.q_norm    f32['d_qk_norm']                           model.layers.{i}.self_attn.q_norm.weight    d_qk_norm
-    layers.k_norm    f32['d_qk_norm']                           model.layers.{i}.self_attn.k_norm.weight    d_qk_norm
+    layers.q_norm    f32['d_head']                              model.layers.{i}.self_attn.q_norm.weight    d_head
+    layers.k_norm    f32['d_head']                              model.layers.{i}.self_attn.k_norm.weight    d_head
 
-(without it they are [0] and have no tensor: a row whose tensor has no element is left out).
-With experts (:class:`~seqshard.model.weights.MoEWeights`), the layers from
+(without it the model has no such weights, and no tensor is read or written for them).
+With experts (the MoE stack, :func:`seqshard.model.layers.stacks`), the layers from
 ``moe.n_dense_layers`` on are ``moe_layers`` (Hugging Face layer ``{i}`` = n_dense_layers + its
 index there), their FFN one tensor per expert ``{x}`` (Qwen3-MoE's names; Mixtral's below)::
 

@@ -60,7 +60,6 @@ DIM_KEYS = {
     "experts": "moe.n_experts",
     "d_expert": "moe.d_ff",
     "d_shared": "moe.n_shared",
-    "d_qk_norm": "qk_norm",
 }
 """Each dimension name -> the config key (under ``model.``) that sizes it, for messages."""
 
@@ -293,7 +292,6 @@ class ModelConfig:
         sizes["experts"] = moe.n_experts
         sizes["d_expert"] = moe.d_ff
         sizes["d_shared"] = moe.n_shared * moe.d_ff
-        sizes["d_qk_norm"] = self.d_head if self.qk_norm else 0
         return sizes
 
     @property
