@@ -21,8 +21,13 @@ The readers are plain functions over these tables:
     cost            :func:`activation_bytes` and the ops' FLOP rows (seqshard.model.cost)
     optimizer, planner, Hugging Face table: :func:`weight_info` of each weight field
 
-Adding a block kind is one new module: its weights' dataclass, its math written through an
-:class:`Activations`, and its :class:`Block`.
+Beside these a :class:`Block` carries what runs it: its weights' dataclass, its forward
+(written through an :class:`Activations`), its hand-written backward or none (the model's
+backward then takes ``jax.vjp`` of the forward), the activation it reads and the one it makes,
+and its auxiliary outputs (:class:`Aux`: extra loss terms, logged figures, per-step state).
+:mod:`seqshard.model.layers` runs layers of blocks. Adding a block kind is one new module;
+an FFN kind is then a choice of ``model.ffn`` by :func:`seqshard.model.layers.register_ffn`
+(``tests/model/test_block_kinds.py`` adds one from a test file).
 """
 
 from __future__ import annotations
