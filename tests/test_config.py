@@ -151,6 +151,10 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
             "bias_rate": 0.01,
             "z_loss_weight": 0.001,
             "capacity_factor": 1.5,
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 2.0,
         },
     }
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (

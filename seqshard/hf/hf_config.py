@@ -24,9 +24,8 @@ null) and ``torch_dtype``. Export writes the older form, which transformers 4 an
     num_experts_per_tok                   moe.top_k
     moe_intermediate_size (Qwen3-MoE)     moe.d_ff
     mlp_only_layers [0 .. k-1]            moe.n_dense_layers = k (decoder_sparse_step 1)
-    (the router)                          moe.router softmax, the top k renormalized to sum 1
-                                          (Mixtral always; Qwen3-MoE with norm_topk_prob true),
-                                          moe.n_shared 0
+    (the router)                          moe.router softmax, moe.n_shared 0, no groups
+    norm_topk_prob (Qwen3-MoE)            moe.norm_topk_prob (Mixtral: always true)
     rope_theta                            rope_theta
     rope_type: default | llama3           rope_type, with llama3's factor, low_freq_factor,
                                           high_freq_factor, original_max_position_embeddings
@@ -34,7 +33,7 @@ null) and ``torch_dtype``. Export writes the older form, which transformers 4 an
                                           rope_high_freq_factor, rope_original_max_position
 
 Anything seqshard does not compute (biases, another activation, another rope type, sliding
-windows, partial rotary, Qwen3-MoE's norm_topk_prob false, sparse layers that are not all after
+windows, partial rotary, sparse layers that are not all after
 the dense ones, router jitter) is an error naming the field, never silently dropped.
 """
 
@@ -253,14 +252,9 @@ def _experts(raw: dict[str, Any], path: Path, architecture: str, integer, bad) -
             "moe.n_dense_layers": 0,
         }
     else:
-        if raw.get("norm_topk_prob") is not True:
-            raise bad(
-                "norm_topk_prob",
-                raw.get("norm_topk_prob"),
-                "norm_topk_prob=true (seqshard renormalizes the top k router probabilities to "
-                "sum 1; with false each expert's output is weighted by its plain softmax "
-                "probability, which seqshard does not compute)",
-            )
+        norm = raw.get("norm_topk_prob", False)  # transformers' Qwen3MoeConfig default
+        if not isinstance(norm, bool):
+            raise bad("norm_topk_prob", norm, "norm_topk_prob true or false")
         key = "num_experts" if "num_experts" in raw else "num_local_experts"
         step = raw.get("decoder_sparse_step", 1)
         only_mlp = set(raw.get("mlp_only_layers") or [])
@@ -278,6 +272,7 @@ def _experts(raw: dict[str, Any], path: Path, architecture: str, integer, bad) -
             "moe.n_experts": integer(key),
             "moe.d_ff": integer("moe_intermediate_size"),
             "moe.n_dense_layers": len(dense),
+            "moe.norm_topk_prob": norm,
         }
     return {
         **fields,
@@ -346,6 +341,18 @@ def architecture_of(cfg: ModelConfig) -> str:
         )
     unsupported = [
         (moe.router != "softmax", f"model.moe.router={moe.router!r}", "'softmax'"),
+        (moe.n_group != 1, f"model.moe.n_group={moe.n_group}", "no expert groups (1)"),
+        (
+            moe.routed_scaling_factor != 1.0,
+            f"model.moe.routed_scaling_factor={moe.routed_scaling_factor:g}",
+            "unscaled gates (1.0)",
+        ),
+        (
+            not moe.norm_topk_prob and not cfg.qk_norm,
+            "model.moe.norm_topk_prob=false without model.qk_norm",
+            "norm_topk_prob true (Mixtral always normalizes the top k; Qwen3-MoE, which may "
+            "not, normalizes q and k: model.qk_norm=true)",
+        ),
         (
             moe.n_dense_layers and not cfg.qk_norm,
             f"model.moe.n_dense_layers={moe.n_dense_layers} without model.qk_norm",
@@ -393,7 +400,7 @@ def hf_config_dict(
             "num_experts": moe.n_experts,
             "num_experts_per_tok": moe.top_k,
             "moe_intermediate_size": moe.d_ff,
-            "norm_topk_prob": True,
+            "norm_topk_prob": moe.norm_topk_prob,
             "decoder_sparse_step": 1,
             "mlp_only_layers": list(range(moe.n_dense_layers)),
             "output_router_logits": False,

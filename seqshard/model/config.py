@@ -84,6 +84,14 @@ class MoEConfig:
         scores for the top-k choice only, moved by ``bias_rate`` towards balance after each
         optimizer step from the step's expert load; ``none``.
     z_loss_weight: ``weight`` x mean of logsumexp(router logits)^2 (ST-MoE), 0: off.
+    n_group, topk_group: group-limited routing (DeepSeek-V3): the experts in ``n_group``
+        groups of n_experts / n_group; each token first keeps the ``topk_group`` groups whose
+        two best experts score highest (the scores the choice reads: bias included), then
+        picks its top_k among their experts. 1, 1 (default): no groups.
+    norm_topk_prob: the top_k gates normalized to sum 1 (default; Mixtral, DeepSeek-V3), or
+        each the expert's plain score (Qwen3-MoE with ``norm_topk_prob: false``).
+    routed_scaling_factor: the routed experts' gates multiplied by it (DeepSeek-V3: 2.5), the
+        shared experts' output not.
     capacity_factor: 0 (dropless: no token copy is ever dropped, the exchange buffers sized
         for the worst case); > 0: each expert shard takes at most ``capacity_factor`` x its
         even share of the token copies, the rest are dropped (their gate's output is 0). A
@@ -102,10 +110,44 @@ class MoEConfig:
     bias_rate: float = 0.001  # balance=bias: how far each step moves the expert biases
     z_loss_weight: float = 0.0
     capacity_factor: float = 0.0
+    n_group: int = 1  # expert groups (DeepSeek-V3's n_group); 1: no group limit
+    topk_group: int = 1  # groups each token may route into (of n_group)
+    norm_topk_prob: bool = True  # the top_k gates normalized to sum 1
+    routed_scaling_factor: float = 1.0  # the routed experts' gates times this
 
     @property
     def enabled(self) -> bool:
         return self.n_experts > 0
+
+    def _check_groups(self) -> None:
+        for name in ("n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.moe.{name} must be a positive integer, got {value!r}.")
+        if self.n_experts % self.n_group:
+            raise ValueError(
+                f"model.moe.n_group={self.n_group} does not divide model.moe.n_experts="
+                f"{self.n_experts}: the experts form n_group equal groups. Choose n_group "
+                f"dividing {self.n_experts} (1: no groups)."
+            )
+        per_group = self.n_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(
+                f"model.moe.n_group={self.n_group} leaves {per_group} expert per group: a "
+                f"group is scored by its two best experts (DeepSeek-V3). Use n_group <= "
+                f"{self.n_experts // 2}, or 1."
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"model.moe.topk_group={self.topk_group} is more than model.moe.n_group="
+                f"{self.n_group}: each token keeps topk_group of the n_group groups."
+            )
+        if self.top_k > self.topk_group * per_group:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} is more than the {self.topk_group * per_group} "
+                f"experts in topk_group={self.topk_group} groups of {per_group}: raise "
+                f"model.moe.topk_group or lower top_k."
+            )
 
     def check(self, n_layers: int) -> None:
         """Raise ValueError naming the key, the values and the fix."""
@@ -130,6 +172,16 @@ class MoEConfig:
                 f"model.moe.n_dense_layers={self.n_dense_layers} must be in 0 .. "
                 f"model.n_layers - 1 = {n_layers - 1}: at least one layer routes to experts "
                 f"(set model.moe.n_experts=0 for a dense model)."
+            )
+        self._check_groups()
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(
+                f"model.moe.norm_topk_prob must be true or false, got {self.norm_topk_prob!r}."
+            )
+        if not 0 < self.routed_scaling_factor < math.inf:
+            raise ValueError(
+                f"model.moe.routed_scaling_factor must be finite and > 0, got "
+                f"{self.routed_scaling_factor!r} (1: the gates as the router gives them)."
             )
         _check_choice("moe.router", self.router, Router)
         _check_choice("moe.balance", self.balance, Balance)

@@ -83,6 +83,7 @@ __all__ = [
     "moe_forward",
     "moe_metrics",
     "route",
+    "within_top_groups",
 ]
 
 
@@ -285,8 +286,11 @@ def route(
     """(expert ids i32[..., k], gates f32[..., k], probabilities f32[..., E]) from the router's
     f32 logits [..., E]: softmax (renormalized over the k chosen, as Mixtral and Qwen3-MoE) or
     sigmoid scores (normalized over the k chosen, as DeepSeek-V3); ``bias`` [E] is added to
-    the scores for the choice only. The probabilities are what the auxiliary loss averages
-    (a sigmoid router's scores normalized to sum 1)."""
+    the scores for the choice only. With ``moe.n_group`` > 1 the choice is among the experts
+    of the token's ``topk_group`` best groups only (:func:`within_top_groups`);
+    ``norm_topk_prob`` false leaves the k gates unnormalized; ``routed_scaling_factor``
+    multiplies them. The probabilities are what the auxiliary loss averages (a sigmoid
+    router's scores normalized to sum 1)."""
     moe = cfg.moe
     if moe.router == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
@@ -295,10 +299,26 @@ def route(
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     choice = scores + jnp.broadcast_to(lax.stop_gradient(bias), scores.shape)
+    if moe.n_group > 1:
+        choice = within_top_groups(choice, moe.n_group, moe.topk_group)
     _, ids = lax.top_k(choice, moe.top_k)
-    chosen = jnp.take_along_axis(scores, ids, axis=-1)
-    gates = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+    gates = jnp.take_along_axis(scores, ids, axis=-1)
+    if moe.norm_topk_prob:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    if moe.routed_scaling_factor != 1.0:
+        gates = gates * moe.routed_scaling_factor
     return ids, gates, probs
+
+
+def within_top_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """``choice`` [..., E] with every expert outside the ``topk_group`` best of ``n_group``
+    equal groups set to -inf (DeepSeek-V3's group-limited routing): a group's score is the sum
+    of its two best experts' scores. Per token, on this device: no communication."""
+    grouped = choice.reshape(*choice.shape[:-1], n_group, -1)
+    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # [..., G]
+    _, best = lax.top_k(group_scores, topk_group)
+    kept = jnp.sum(jax.nn.one_hot(best, n_group, dtype=jnp.int32), axis=-2) > 0  # [..., G]
+    return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
 def _router_stats(cfg: ModelConfig, ids, probs, logits, dropped: jax.Array) -> dict[str, jax.Array]:

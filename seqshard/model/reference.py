@@ -185,9 +185,26 @@ def reference_moe_layer(
     scores = (jax.nn.softmax if moe.router == "softmax" else jax.nn.sigmoid)(logits)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     bias = jnp.broadcast_to(jax.lax.stop_gradient(w.router_bias), scores.shape)
-    _, ids = jax.lax.top_k(scores + bias, moe.top_k)
+    choice = scores + bias
+    if moe.n_group > 1:  # DeepSeek-V3: only the experts of the topk_group best groups
+        size = moe.n_experts // moe.n_group
+        group = jnp.arange(moe.n_experts) // size  # each expert's group
+        # A group's score: its best expert's plus its second best's.
+        in_group = group[None, :] == jnp.arange(moe.n_group)[:, None]  # [G, E]
+        per_group = jnp.where(in_group[None, None], choice[..., None, :], -jnp.inf)  # [B, L, G, E]
+        ranked = jnp.sort(per_group, axis=-1)
+        group_scores = ranked[..., -1] + ranked[..., -2]  # [B, L, G]
+        # The topk_group highest-scoring groups (ties to the lower index, as lax.top_k).
+        order = jnp.argsort(-group_scores, axis=-1, stable=True)[..., : moe.topk_group]
+        groups = jnp.arange(moe.n_group)[None, None, None, :]
+        kept = jnp.any(order[..., :, None] == groups, axis=-2)  # [B, L, G]
+        choice = jnp.where(kept[..., group], choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, moe.top_k)
     chosen = jax.nn.one_hot(ids, moe.n_experts, dtype=jnp.float32).sum(axis=-2)  # [B, L, E]
-    gates = scores * chosen / jnp.sum(scores * chosen, axis=-1, keepdims=True)
+    gates = scores * chosen
+    if moe.norm_topk_prob:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    gates = gates * moe.routed_scaling_factor
     gate = einsum("blm,emx->blex", nx, w.w_gate.astype(dt))
     up = einsum("blm,emx->blex", nx, w.w_up.astype(dt))
     experts = einsum("blex,emx->blem", jax.nn.silu(gate) * up, w.w_down.astype(dt))

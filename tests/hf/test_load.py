@@ -20,7 +20,7 @@ are tested here too, mostly through round trips.
                  t=2, and seqshard models export as them with equal logits; a router bias,
                  shared experts (naming the HF families that hold them) or a sigmoid router
                  refuse to export; an expert count or a
-                 router the files contradict, norm_topk_prob false, sparse layers seqshard
+                 router the files contradict, sparse layers seqshard
                  cannot order: errors naming the key, both values and the fix
 
 Tests that need transformers and torch (the ``hf`` extra) skip without them. Nothing downloads.
@@ -41,7 +41,7 @@ import pytest
 
 from seqshard.cli import _run_config, export_checkpoint, export_config, main, with_hf_model
 from seqshard.config import ConfigError, load_config
-from seqshard.hf.hf_config import HFFormatError, read_hf_config
+from seqshard.hf.hf_config import HFFormatError, hf_config_dict, read_hf_config
 from seqshard.hf.load import load_hf_weights
 from seqshard.hf.table import TABLE, hf_tensor_names, row_of
 from seqshard.mesh import training_mesh
@@ -731,6 +731,32 @@ def test_a_transformers_qwen3_mixtral_or_qwen3_moe_imports_with_equal_logits(
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_TOL)
 
 
+@needs_transformers
+def test_a_qwen3_moe_without_norm_topk_prob_imports_with_equal_logits(tmp_path):
+    """Qwen3-MoE's norm_topk_prob false (its config's default): each routed expert weighted by
+    its plain softmax probability, model.moe.norm_topk_prob=false; the logits equal torch's
+    within 1e-5 on e2 x d2 x t2, and the exported config.json says false again."""
+    model = hf_model(tmp_path, "Qwen3MoeForCausalLM", norm_topk_prob=False)
+    cfg = hf_cfg(tmp_path)
+    assert cfg.moe.norm_topk_prob is False
+    mesh = training_mesh(MOE_MESH)
+    weights = load_hf_weights(tmp_path, cfg, mesh, log=lambda m: None)
+    tokens, starts = tokens_and_starts(cfg.vocab)
+    want = torch_logits(model, tokens)
+    got = seqshard_logits(weights, tokens, starts, cfg, mesh)
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_TOL)
+    normalized = seqshard_logits(
+        weights,
+        tokens,
+        starts,
+        dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, norm_topk_prob=True)),
+        mesh,
+    )
+    assert np.abs(normalized - want).max() > 100 * LOGITS_TOL  # the flag matters here
+    exported = hf_config_dict(cfg, dtype="float32", max_position=64, eos_token_id=None)
+    assert exported["norm_topk_prob"] is False
+
+
 def _names(path: Path) -> list[str]:
     from safetensors import safe_open
 
@@ -829,6 +855,9 @@ def test_an_export_refuses_a_router_bias_and_what_no_hf_model_computes(tmp_path)
         ({"n_shared": 1}, "model.moe.n_shared=1 (shared experts, which every token passes"),
         ({"router": "sigmoid"}, "model.moe.router='sigmoid' has no Hugging Face counterpart"),
         ({"n_dense_layers": 1}, "model.moe.n_dense_layers=1 without model.qk_norm"),
+        ({"n_group": 2}, "model.moe.n_group=2 has no Hugging Face counterpart"),
+        ({"routed_scaling_factor": 2.5}, "model.moe.routed_scaling_factor=2.5 has no"),
+        ({"norm_topk_prob": False}, "model.moe.norm_topk_prob=false without model.qk_norm"),
     ]:
         bad = dataclasses.replace(cfg, moe=dataclasses.replace(moe, **change))
         with pytest.raises(ValueError, match=re.escape(needle)):
@@ -937,7 +966,6 @@ def test_a_config_disagreeing_on_experts_names_the_field_and_key(mixtral_copy):
 @pytest.mark.parametrize(
     "architecture, change, needle",
     [
-        ("Qwen3MoeForCausalLM", {"norm_topk_prob": False}, "norm_topk_prob=False"),
         ("Qwen3MoeForCausalLM", {"mlp_only_layers": [1]}, "these make layers [1] dense"),
         ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 2}, "these make layers [0, 2, 4] dense"),
         ("MixtralForCausalLM", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),

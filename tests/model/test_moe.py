@@ -352,3 +352,73 @@ def test_dense_first_layers_do_not_pipeline():
         ValueError, match=r"model.moe.n_dense_layers=1 .* mesh.p=2.*n_dense_layers=0"
     ):
         batch_terms_and_stats(random_weights(cfg, mesh), token_batch(TOKENS, STARTS), cfg, mesh)
+
+
+# -- group-limited routing (DeepSeek-V3) ------------------------------------------------------
+
+GROUPED = dataclasses.replace(
+    MOE, router="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5
+)  # fmt: skip
+
+
+def test_group_limited_routing_picks_within_the_best_groups():
+    """Groups of 2 experts, scored by the sum of both; a token keeps the 2 best groups, then
+    its top 2 experts among their 4. Expert 0 scores highest of all but its group (0, 1) is
+    third: it is not chosen. Gates normalized, times routed_scaling_factor."""
+    cfg = dataclasses.replace(CFG, moe=GROUPED)
+    scores = jnp.array([[0.95, 0.0, 0.6, 0.55, 0.7, 0.7, 0.1, 0.1]])
+    logits = jnp.log(scores / (1 - scores + 1e-9) + 1e-30)  # sigmoid(logits) = scores
+    # group sums: 0.95, 1.15, 1.4, 0.2 -> groups 2 and 1: experts 4, 5, 2, 3
+    ids, gates, _ = route(cfg, logits, jnp.zeros(8))
+    assert sorted(ids.tolist()[0]) == [4, 5]
+    np.testing.assert_allclose(gates, [[1.25, 1.25]], rtol=1e-5)  # 0.5 each x 2.5
+    # The bias moves the groups' scores too: +0.5 on expert 1 makes group 0 the best (1.45).
+    ids, _, _ = route(cfg, logits, jnp.zeros(8).at[1].set(0.5))
+    assert ids.tolist()[0][0] == 0
+    # norm_topk_prob false: the plain scores, scaled.
+    plain = dataclasses.replace(cfg, moe=dataclasses.replace(GROUPED, norm_topk_prob=False))
+    _, gates, _ = route(plain, logits, jnp.zeros(8))
+    np.testing.assert_allclose(gates, [[0.7 * 2.5, 0.7 * 2.5]], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "moe,backward",
+    [
+        (GROUPED, "explicit"),
+        pytest.param(GROUPED, "autodiff", marks=pytest.mark.slow),
+        pytest.param(
+            dataclasses.replace(GROUPED, norm_topk_prob=False, router="softmax"),
+            "explicit",
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["grouped-explicit", "grouped-autodiff", "unnormalized-softmax"],
+)
+def test_group_limited_routing_sharded_equals_the_reference(moe, backward):
+    cfg = dataclasses.replace(CFG, moe=moe, backward=backward)
+    want = jax.jit(jax.value_and_grad(reference_loss_fn), static_argnums=3)(
+        WEIGHTS, TOKENS, STARTS, cfg
+    )
+    assert_close(sharded(cfg, MESHES["e2d2t2"]), jax.tree.map(np.asarray, want))
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["model.moe.n_group=3"], ["model.moe.n_group=3", "n_experts=8"]),
+        (["model.moe.n_group=8"], ["n_group=8", "two best experts"]),
+        (["model.moe.n_group=2", "model.moe.topk_group=3"], ["topk_group=3", "n_group=2"]),
+        (
+            ["model.moe.n_group=4", "model.moe.topk_group=1", "model.moe.top_k=3"],
+            ["model.moe.top_k=3", "topk_group=1"],
+        ),
+        (["model.moe.routed_scaling_factor=0"], ["routed_scaling_factor", "> 0"]),
+    ],
+)
+def test_group_routing_configs_that_cannot_work_name_the_key(overrides, needles):
+    base = [f"model.{k}={v}" for k, v in dataclasses.asdict(tiny_model()).items() if k != "moe"]
+    moe = ["model.moe.n_experts=8", "model.moe.top_k=2"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "model.n_layers=2", *moe, *overrides])
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
