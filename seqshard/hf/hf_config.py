@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from seqshard.model.config import ModelConfig
+from seqshard.model.layers import runs
+from seqshard.model.moe import MOE
 
 __all__ = [
     "ARCHITECTURES",
@@ -325,7 +327,7 @@ def architecture_of(cfg: ModelConfig) -> str:
     Mixtral (experts in every layer) or Qwen3-MoE (qk_norm and experts). Raises ValueError
     naming the field for a model none of them computes."""
     moe = cfg.moe
-    if not moe.enabled:
+    if not runs(cfg, MOE):
         return QWEN3 if cfg.qk_norm else LLAMA
     if moe.n_shared:
         raise ValueError(

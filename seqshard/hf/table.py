@@ -72,7 +72,8 @@ import numpy as np
 
 from seqshard.hf.hf_config import LLAMA, MIXTRAL
 from seqshard.model.config import ModelConfig, MoEConfig
-from seqshard.model.layers import STACK_NAMES
+from seqshard.model.layers import STACK_NAMES, runs
+from seqshard.model.moe import MOE
 from seqshard.model.weights import (
     Weights,
     stack_layer_types,
@@ -255,7 +256,7 @@ def hf_tensor_names(
     present = set(weight_info_by_path(weights_type(cfg)))
     rows = [
         r
-        for r in table(cfg.moe.enabled, architecture)
+        for r in table(runs(cfg, MOE), architecture)
         if r.field in present and np.prod(r.hf_shape(cfg)) > 0
     ]
     sizes = cfg.dim_sizes()

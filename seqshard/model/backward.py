@@ -147,7 +147,7 @@ def kept_activations(cfg: ModelConfig, blocks: tuple[Block, ...], c: int = 1) ->
 # One layer: its forward rebuilt from what it kept, and its backward, block by block
 
 
-def _block_fields(cfg: ModelConfig, block: Block, w) -> list[str]:
+def _block_fields(block: Block, w) -> list[str]:
     """The weight fields of ``block`` the layer ``w`` holds."""
     have = {f.name for f in dataclasses.fields(w)}
     return [name for name in weight_info(block.weights) if name in have]
@@ -157,7 +157,7 @@ def _block_vjp(cfg: ModelConfig, blocks, block: Block, inputs: LayerInputs, w, x
     """(the block's output, the pullback of ``x`` and its weights): its forward from its input
     ``x``, differentiated by ``jax.vjp`` (it has no hand-written backward). Its auxiliary
     outputs' ``loss`` fields are outputs too (the loss adds them)."""
-    fields = _block_fields(cfg, block, w)
+    fields = _block_fields(block, w)
 
     def forward(x, w_block):
         a = BlockActivations(blocks, {block.input: x})

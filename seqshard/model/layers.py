@@ -51,6 +51,7 @@ __all__ = [
     "Layer",
     "STACK_NAMES",
     "Stack",
+    "aux_losses",
     "aux_type",
     "known_blocks",
     "layer_forward",
@@ -304,7 +305,8 @@ def zero_aux(cfg: ModelConfig) -> dict:
 
 def aux_losses(cfg: ModelConfig, aux: Mapping) -> list[jax.Array]:
     """Per layer, the sum of the ``loss`` fields of each block that declares any: one
-    array [layers] per (stack, block)."""
+    array [layers, ...] per (stack, block) of ``aux`` (any leading dims: a pipeline stage's
+    [rounds, microbatches, layers])."""
     out = []
     for s in stacks(cfg):
         for b in s.aux_blocks:

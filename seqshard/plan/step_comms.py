@@ -285,7 +285,12 @@ def _as_compiled(
             out.append((c, phase, how + " and the forward's, combined", 2))
             continue
         out.append((c, phase, how, 1))
-    assert combined == reruns, (combined, reruns)  # each re-run met its forward
+    if combined != reruns:  # each re-run must meet the forward call XLA combines it with
+        raise RuntimeError(
+            f"step_comms: the all-reduces re-run in one-layer stacks {dict(reruns)} did not each "
+            f"find their forward call to combine with (found {dict(combined)}); the logged "
+            f"collectives disagree with themselves: report this with the config."
+        )
     return out
 
 

@@ -74,7 +74,7 @@ from seqshard.batch import TokenBatch
 from seqshard.model.backward import explicit_run_stack
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
-from seqshard.model.layers import Stack, run_stack, stacks, zero_aux
+from seqshard.model.layers import Stack, aux_losses, run_stack, stacks, zero_aux
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.pipeline.spmd import circular_forward_with_aux, one_f_one_b_with_aux
 from seqshard.model.transformer import embed, final_norm, loss_terms_and_softmax, unembed
@@ -191,11 +191,7 @@ def _balancing_and_stats(cfg: ModelConfig, aux: dict, counts: jax.Array):
     stack's order)."""
     stack = _stack(cfg)
     blocks = {b.name: b for b in stack.aux_blocks}
-    losses = [
-        functools.reduce(jnp.add, [aux[name][f] for f in block.aux.loss])
-        for name, block in blocks.items()
-        if block.aux.loss
-    ]
+    losses = aux_losses(cfg, {stack.name: aux})  # per block with loss fields, [v, m, b]
     v, m, b = jax.tree.leaves(aux)[0].shape[:3]
     balancing = jnp.zeros((2,))
     if losses:
