@@ -11,7 +11,14 @@ import numpy as np
 
 from seqshard.model import ModelConfig, Weights, weight_structs
 
-NORM_GAINS = ("layers.ln1", "layers.ln2", "layers.q_norm", "layers.k_norm", "final_norm")
+NORM_GAINS = (
+    "layers.ln1",
+    "layers.ln2",
+    "layers.q_norm",
+    "layers.k_norm",
+    "final_norm",
+    *(f"{s}.{g}" for s in ("layers", "moe_layers") for g in ("q_a_norm", "kv_a_norm")),
+)
 
 TINY = {
     "vocab": 64,

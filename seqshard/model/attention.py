@@ -40,8 +40,12 @@ __all__ = [
     "einsum_values",
     "fused_attention",
     "resolve_impl",
+    "rope",
+    "rope_attention_factor",
     "rope_frequencies",
     "rope_tables",
+    "yarn_frequencies",
+    "yarn_mscale",
 ]
 
 
@@ -55,16 +59,20 @@ def document_positions(is_seq_start: jax.Array) -> jax.Array:
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """f32[D/2]: the angle per position step of pair (i, i + D/2): rope_theta^(-2i/D).
+    """f32[R/2]: the angle per position step of pair (i, i + R/2): rope_theta^(-2i/R), R the
+    numbers of a head RoPE rotates (``cfg.rope_dim``: d_head, or MLA's qk_rope_head_dim).
 
     ``rope_type=llama3`` rescales them as Llama 3.1 (and Hugging Face's ``rope_type: llama3``)
     does, by wavelength 2 pi / f against the original context n = ``rope_original_max_position``:
     longer than n / low_freq_factor: f / rope_factor; shorter than n / high_freq_factor: f;
-    between: (1 - s) f / rope_factor + s f with s = (n / wavelength - low) / (high - low)."""
-    d = cfg.d_head
+    between: (1 - s) f / rope_factor + s f with s = (n / wavelength - low) / (high - low).
+    ``rope_type=yarn``: :func:`yarn_frequencies`."""
+    d = cfg.rope_dim
     freq = cfg.rope_theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2 / d)
     if cfg.rope_type == "default":
         return freq
+    if cfg.rope_type == "yarn":
+        return yarn_frequencies(cfg, freq)
     n, factor = cfg.rope_original_max_position, cfg.rope_factor
     low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     wavelength = 2 * math.pi / freq
@@ -72,6 +80,52 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     between = (1 - s) * freq / factor + s * freq
     slowed = jnp.where(wavelength > n / low, freq / factor, between)
     return jnp.where(wavelength < n / high, freq, slowed)
+
+
+def yarn_frequencies(cfg: ModelConfig, freq: jax.Array) -> jax.Array:
+    """YaRN's frequencies (Hugging Face's ``rope_type: yarn``, truncated correction range): pair
+    i keeps ``freq[i]`` below the dimension where a head turns ``rope_beta_fast`` times over
+    the original context n, is slowed by ``rope_factor`` above the one where it turns
+    ``rope_beta_slow`` times, and ramps linearly between."""
+    d, n, base = cfg.rope_dim, cfg.rope_original_max_position, cfg.rope_theta
+
+    def dim_of(rotations: float) -> float:  # the pair index turning ``rotations`` times over n
+        return d * math.log(n / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_of(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(dim_of(cfg.rope_beta_slow)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # 1: the original frequency (extrapolated), 0: slowed (interpolated)
+    return freq / cfg.rope_factor * (1 - kept) + freq * kept
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: 1, or YaRN's attention factor (Hugging Face's
+    inference from ``factor``, ``mscale`` and ``mscale_all_dim``)."""
+    if cfg.rope_type != "yarn":
+        return 1.0
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(
+            cfg.rope_factor, cfg.rope_mscale_all_dim
+        )
+    return yarn_mscale(cfg.rope_factor)
+
+
+def rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin ``[B, L, R/2]`` at ``positions`` for ``cfg`` (:func:`rope_tables` of
+    :func:`rope_frequencies`, times :func:`rope_attention_factor`)."""
+    cos, sin = rope_tables(positions, rope_frequencies(cfg))
+    factor = rope_attention_factor(cfg)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 def rope_tables(positions: jax.Array, freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -168,9 +222,10 @@ def einsum_probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Arr
 
 
 def einsum_values(probs: jax.Array, v: jax.Array) -> jax.Array:
-    """The attention output 'B/dp Qlen@zigzag/c Q K/t D' from :func:`einsum_probabilities` (in v's dtype)."""
+    """The attention output 'B/dp Qlen@zigzag/c Q K/t Dv' from :func:`einsum_probabilities` (in
+    v's dtype; Dv, v's head, is D but for MLA's v_head_dim)."""
     return shardops.einsum_unreduced(
-        "B/dp K/t Q Qlen@zigzag/c Klen@zigzag, B/dp Klen@zigzag K/t D -> B/dp Qlen@zigzag/c Q K/t D",
+        "B/dp K/t Q Qlen@zigzag/c Klen@zigzag, B/dp Klen@zigzag K/t Dv -> B/dp Qlen@zigzag/c Q K/t Dv",
         probs,
         v,
     )
@@ -212,4 +267,5 @@ def fused_attention(q, k, v, mask, impl: str, causal_only: bool) -> jax.Array:
         is_causal=causal_only,
         implementation=impl,
     )
-    return jnp.swapaxes(out.reshape(batch, length, n_kv, n_q, d_head), 2, 3)
+    # v's head size may differ from q's and k's (MLA's v_head_dim).
+    return jnp.swapaxes(out.reshape(batch, length, n_kv, n_q, v.shape[-1]), 2, 3)

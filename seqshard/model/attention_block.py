@@ -220,11 +220,11 @@ def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
     """The output projection of ``attn`` plus the residual ``x``: h, a residual."""
     dt = jnp.dtype(cfg.compute_dtype)
     x, attn = a["x"], a["attn"]
-    w_o = a("w_o", lambda: shardops.all_gather("M/fsdp Q K/t D -> M Q K/t D", w.w_o.astype(dt)))
+    w_o = a("w_o", lambda: shardops.all_gather("M/fsdp Q K/t Dv -> M Q K/t Dv", w.w_o.astype(dt)))
 
     def residual() -> jax.Array:
         out = shardops.einsum_unreduced(
-            "B/dp L@zigzag/c Q K/t D, M Q K/t D -> B/dp L@zigzag/c M", attn, w_o
+            "B/dp L@zigzag/c Q K/t Dv, M Q K/t Dv -> B/dp L@zigzag/c M", attn, w_o
         )
         # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
         # residual's layout.
@@ -254,7 +254,7 @@ def attention_block_backward(
     rows, (cos, sin), mask = inputs
     # --- h = x + psum_scatter(attn . w_o) --------------------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
-    d_attn, d_w_o = output_projection_backward(cfg, d_h, a["attn"], a["w_o"], "Q K/t D", "o")
+    d_attn, d_w_o = output_projection_backward(cfg, d_h, a["attn"], a["w_o"], "Q K/t Dv", "o")
     d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
     # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
     d_q = apply_rope(d_q, cos, -sin)
@@ -293,8 +293,9 @@ def attention_backward(
     # Each c shard's queries reached every key: the transposes of the gathers over c sum the
     # shards' partial gradients, each keeping its own positions (nothing moves when c = 1).
     with part("context"):
-        spec = "B/dp L@zigzag K/t D{U_c} -> B/dp L@zigzag/c K/t D"
-        return dq, shardops.psum_scatter(spec, dk), shardops.psum_scatter(spec, dv)
+        dk = shardops.psum_scatter("B/dp L@zigzag K/t D{U_c} -> B/dp L@zigzag/c K/t D", dk)
+        dv = shardops.psum_scatter("B/dp L@zigzag K/t Dv{U_c} -> B/dp L@zigzag/c K/t Dv", dv)
+        return dq, dk, dv
 
 
 def _einsum_attention_backward(probs, q, k, v, d_attn):
@@ -302,13 +303,13 @@ def _einsum_attention_backward(probs, q, k, v, d_attn):
     attention, from its probabilities."""
     # attn = probs . v
     d_probs = shardops.einsum_unreduced(
-        "B/dp Qlen@zigzag/c Q K/t D, B/dp Klen@zigzag K/t D -> B/dp K/t Q Qlen@zigzag/c Klen@zigzag",
+        "B/dp Qlen@zigzag/c Q K/t Dv, B/dp Klen@zigzag K/t Dv -> B/dp K/t Q Qlen@zigzag/c Klen@zigzag",
         d_attn,
         v,
         out_dtype=jnp.float32,
     )
     dv = shardops.einsum_unreduced(
-        "B/dp K/t Q Qlen@zigzag/c Klen@zigzag, B/dp Qlen@zigzag/c Q K/t D -> B/dp Klen@zigzag K/t D",
+        "B/dp K/t Q Qlen@zigzag/c Klen@zigzag, B/dp Qlen@zigzag/c Q K/t Dv -> B/dp Klen@zigzag K/t Dv",
         probs.astype(v.dtype),
         d_attn,
     )

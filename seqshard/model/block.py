@@ -317,6 +317,14 @@ def _letter_sizes(cfg: ModelConfig) -> dict[str, int]:
         "K": cfg.n_kv,
         "D": cfg.d_head,
         "V": cfg.vocab,
+        # Multi-head latent attention (seqshard.model.mla): Dv a value head, Rq and R the
+        # query and kv latents, P the rope key, A = R + P, Dkv = D - P + Dv.
+        "Dv": cfg.d_v,
+        "Rq": cfg.mla.q_lora_rank,
+        "R": cfg.mla.kv_lora_rank,
+        "P": cfg.mla.qk_rope_head_dim,
+        "A": cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,
+        "Dkv": cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim,
     }
 
 

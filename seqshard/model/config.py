@@ -16,6 +16,9 @@ from seqshard.shardlib.remat import RematName
 __all__ = [
     "DIM_FIELDS",
     "DIM_KEYS",
+    "AttentionKind",
+    "MLAConfig",
+    "MTPConfig",
     "MoEConfig",
     "DTYPE_BYTES",
     "AttentionImpl",
@@ -34,7 +37,8 @@ AttentionMask = Literal["document", "causal"]
 Backward = Literal["autodiff", "explicit"]
 Residual = Literal["M/t", "L/t"]
 ContextImpl = Literal["allgather", "ring"]
-RopeType = Literal["default", "llama3"]
+RopeType = Literal["default", "llama3", "yarn"]
+AttentionKind = Literal["gqa", "mla"]
 
 RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/dp L@zigzag/c M/t", "L/t": "B/dp L@zigzag/c/t M"}
 """``model.residual`` -> the residual stream's layout between blocks, per device."""
@@ -60,6 +64,11 @@ DIM_KEYS = {
     "experts": "moe.n_experts",
     "d_expert": "moe.d_ff",
     "d_shared": "moe.n_shared",
+    "q_lora": "mla.q_lora_rank",
+    "kv_lora": "mla.kv_lora_rank",
+    "kv_a": "mla.kv_lora_rank + mla.qk_rope_head_dim",
+    "d_kv_b": "mla.qk_nope_head_dim + mla.v_head_dim",
+    "d_v": "mla.v_head_dim",
 }
 """Each dimension name -> the config key (under ``model.``) that sizes it, for messages."""
 
@@ -200,6 +209,82 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (``model.attention: mla``; DeepSeek-V2/V3), its fields named
+    as Hugging Face's ``DeepseekV3Config`` names them (:mod:`seqshard.model.mla`).
+
+    Keys and values come from one compressed latent per token: ``kv_lora_rank`` numbers (RMS
+    normalized), up-projected per head to ``qk_nope_head_dim`` key and ``v_head_dim`` value
+    numbers; beside it ``qk_rope_head_dim`` numbers carry RoPE, one key head shared by every
+    head. Queries: per head ``qk_nope_head_dim + qk_rope_head_dim`` (= ``model.d_head``),
+    projected from the residual, or with ``q_lora_rank`` > 0 through a normed latent of that
+    size. ``rope_interleave``: the RoPE numbers pair as (0, 1), (2, 3), ... (DeepSeek's
+    released weights; Hugging Face's default) rather than (i, i + half).
+    """
+
+    q_lora_rank: int = 0  # 0: queries projected from the residual directly
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    rope_interleave: bool = True
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ValueError naming the key, the values and the fix (only with MLA)."""
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.mla.{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+            raise ValueError(
+                f"model.mla.q_lora_rank must be an integer >= 0 (0: no query latent), got "
+                f"{self.q_lora_rank!r}."
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"model.mla.qk_rope_head_dim must be even (RoPE rotates pairs), got "
+                f"{self.qk_rope_head_dim}."
+            )
+        if not isinstance(self.rope_interleave, bool):
+            raise ValueError(
+                f"model.mla.rope_interleave must be true or false, got {self.rope_interleave!r}."
+            )
+        if cfg.n_q_per_kv != 1:
+            raise ValueError(
+                f"model.attention=mla gives every head its own keys and values: set "
+                f"model.n_q_per_kv=1 (got {cfg.n_q_per_kv}) and model.n_kv to the number of "
+                f"heads (Hugging Face's num_attention_heads, = num_key_value_heads)."
+            )
+        want = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if cfg.d_head != want:
+            raise ValueError(
+                f"model.attention=mla: model.d_head={cfg.d_head} must be the query/key head "
+                f"size model.mla.qk_nope_head_dim + qk_rope_head_dim = "
+                f"{self.qk_nope_head_dim} + {self.qk_rope_head_dim} = {want}: set "
+                f"model.d_head={want}."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (``model.mtp``; DeepSeek-V3): ``depth`` sequential modules after
+    the layers, module k predicting the token k + 1 ahead (:mod:`seqshard.model.mtp`); their
+    mean loss times ``loss_weight`` joins the training loss. ``depth: 0`` (default): off."""
+
+    depth: int = 0
+    loss_weight: float = 0.3
+
+    def check(self) -> None:
+        if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 0:
+            raise ValueError(f"model.mtp.depth must be an integer >= 0, got {self.depth!r}.")
+        if not 0 <= self.loss_weight < math.inf:
+            raise ValueError(
+                f"model.mtp.loss_weight must be finite and >= 0, got {self.loss_weight!r} "
+                f"(DeepSeek-V3: 0.3, then 0.1)."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Llama-style decoder.
 
@@ -243,6 +328,14 @@ class ModelConfig:
         low_freq_factor slow down by ``rope_factor``, shorter than original_max /
         high_freq_factor stay, the band between is interpolated
         (:func:`seqshard.model.attention.rope_frequencies`).
+    attention: the layers' attention block kind: ``gqa`` (default; grouped-query attention,
+        :mod:`seqshard.model.attention_block`) or ``mla`` (multi-head latent attention,
+        ``model.mla``; :mod:`seqshard.model.mla`).
+    rope_type ``yarn``: YaRN (Hugging Face's ``rope_type: yarn``, DeepSeek-V3's): frequencies
+        between the ``rope_beta_fast`` and ``rope_beta_slow`` rotation counts over
+        ``rope_original_max_position`` positions interpolated by ``rope_factor``, cos and sin
+        times the attention factor from ``rope_mscale`` / ``rope_mscale_all_dim``; with MLA
+        the softmax scale is times mscale(rope_factor, rope_mscale_all_dim)^2.
     ffn: the dense layers' FFN block kind: ``swiglu`` (default), or a kind added with
         :func:`seqshard.model.layers.register_ffn` (``tests/model/test_block_kinds.py``).
     """
@@ -268,7 +361,14 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # rope_type=llama3
     rope_high_freq_factor: float = 4.0  # rope_type=llama3
     rope_original_max_position: int = 8192  # rope_type=llama3
+    rope_beta_fast: float = 32.0  # rope_type=yarn
+    rope_beta_slow: float = 1.0  # rope_type=yarn
+    rope_mscale: float = 0.0  # rope_type=yarn (0: none given)
+    rope_mscale_all_dim: float = 0.0  # rope_type=yarn (0: none given)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    attention: AttentionKind = "gqa"  # the attention block kind: gqa, or mla (model.mla)
+    mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
+    mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
     ffn: str = "swiglu"  # the dense layers' FFN block kind (seqshard.model.layers.FFN_KINDS)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
@@ -303,6 +403,30 @@ class ModelConfig:
                 f"{self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
                 f"{self.rope_original_max_position} (Llama 3.1: 8, 1, 4, 8192)."
             )
+        if self.rope_type == "yarn" and not (
+            self.rope_factor > 0
+            and self.rope_original_max_position > 0
+            and self.rope_beta_fast > 0
+            and self.rope_beta_slow > 0
+            and self.rope_mscale >= 0
+            and self.rope_mscale_all_dim >= 0
+        ):
+            raise ValueError(
+                f"model.rope_type=yarn needs rope_factor, rope_original_max_position, "
+                f"rope_beta_fast and rope_beta_slow > 0 and rope_mscale, rope_mscale_all_dim "
+                f">= 0; got {self.rope_factor}, {self.rope_original_max_position}, "
+                f"{self.rope_beta_fast}, {self.rope_beta_slow}, {self.rope_mscale}, "
+                f"{self.rope_mscale_all_dim} (DeepSeek-V3: 40, 4096, 32, 1, 1, 1)."
+            )
+        _check_choice("attention", self.attention, AttentionKind)
+        if self.attention == "mla":
+            self.mla.check(self)
+            if self.qk_norm:
+                raise ValueError(
+                    "model.qk_norm normalizes grouped-query attention's heads; MLA normalizes "
+                    "its latents instead: set model.qk_norm=false with model.attention=mla."
+                )
+        self.mtp.check()
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"model.qk_norm must be true or false, got {self.qk_norm!r}.")
         self.moe.check(self.n_layers)
@@ -344,7 +468,24 @@ class ModelConfig:
         sizes["experts"] = moe.n_experts
         sizes["d_expert"] = moe.d_ff
         sizes["d_shared"] = moe.n_shared * moe.d_ff
+        mla = self.mla
+        sizes["q_lora"] = mla.q_lora_rank
+        sizes["kv_lora"] = mla.kv_lora_rank
+        sizes["kv_a"] = mla.kv_lora_rank + mla.qk_rope_head_dim
+        sizes["d_kv_b"] = mla.qk_nope_head_dim + mla.v_head_dim
+        sizes["d_v"] = mla.v_head_dim
         return sizes
+
+    @property
+    def rope_dim(self) -> int:
+        """The numbers of a query or key head that RoPE rotates: all d_head (GQA), or MLA's
+        qk_rope_head_dim."""
+        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.d_head
+
+    @property
+    def d_v(self) -> int:
+        """A value head's size: d_head (GQA), or MLA's v_head_dim."""
+        return self.mla.v_head_dim if self.attention == "mla" else self.d_head
 
     @property
     def residual_spec(self) -> str:

@@ -158,9 +158,10 @@ def attend(cfg, q, k, v, mask, rows: SequenceRows) -> jax.Array:
 
 
 def gathered_kv(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """k, v gathered over c, 'B/dp L@zigzag K/t D' (``allgather``; nothing moves when c = 1)."""
-    spec = "B/dp L@zigzag/c K/t D -> B/dp L@zigzag K/t D"
-    return shardops.all_gather(spec, k), shardops.all_gather(spec, v)
+    """k 'B/dp L@zigzag K/t D' and v 'B/dp L@zigzag K/t Dv' gathered over c (``allgather``;
+    nothing moves when c = 1). Dv, v's head, is D but for MLA's v_head_dim."""
+    k = shardops.all_gather("B/dp L@zigzag/c K/t D -> B/dp L@zigzag K/t D", k)
+    return k, shardops.all_gather("B/dp L@zigzag/c K/t Dv -> B/dp L@zigzag K/t Dv", v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,22 +223,22 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     return scores * (1 / math.sqrt(q.shape[-1]))
 
 
-def _per_query(w: jax.Array, x: jax.Array) -> jax.Array:
-    """A chunk pair's weights times key-side rows, f32 'B/dp Qc Q K/t D': P V (forward), dS K
-    (dq)."""
+def _per_query(w: jax.Array, x: jax.Array, d: str = "D") -> jax.Array:
+    """A chunk pair's weights times key-side rows, f32 'B/dp Qc Q K/t D': P V (forward, ``d``
+    = Dv), dS K (dq)."""
     return shardops.einsum_unreduced(
-        "B/dp K/t Q Qc Kc, B/dp Kc K/t D -> B/dp Qc Q K/t D",
+        f"B/dp K/t Q Qc Kc, B/dp Kc K/t {d} -> B/dp Qc Q K/t {d}",
         w,
         x,
         out_dtype=jnp.float32,
     )
 
 
-def _per_key(w: jax.Array, x: jax.Array) -> jax.Array:
+def _per_key(w: jax.Array, x: jax.Array, d: str = "D") -> jax.Array:
     """A chunk pair's weights, transposed, times query-side rows, f32 'B/dp Kc K/t D': P^T dO
-    (dv), dS^T Q (dk)."""
+    (dv, ``d`` = Dv), dS^T Q (dk)."""
     return shardops.einsum_unreduced(
-        "B/dp K/t Q Qc Kc, B/dp Qc Q K/t D -> B/dp Kc K/t D",
+        f"B/dp K/t Q Qc Kc, B/dp Qc Q K/t {d} -> B/dp Kc K/t {d}",
         w,
         x,
         out_dtype=jnp.float32,
@@ -255,7 +256,8 @@ def ring_forward(q, k, v, segments, causal_only: bool):
             jnp.full((2, q.shape[0], q.shape[3], q.shape[2], size), -1e30, jnp.float32), q, k
         ),
         vary_like(jnp.zeros((2, q.shape[0], q.shape[3], q.shape[2], size), jnp.float32), q, k),
-        vary_like(jnp.zeros(qs.shape, jnp.float32), q, k, v),
+        # The output accumulates v's head size (MLA's v_head_dim may differ from q's).
+        vary_like(jnp.zeros(qs.shape[:-1] + v.shape[-1:], jnp.float32), q, k, v),
     )
     mine = _chunk_ids(me, c)
 
@@ -269,7 +271,7 @@ def ring_forward(q, k, v, segments, causal_only: bool):
                 m_new = jnp.maximum(m[a], jnp.max(s, axis=-1))
                 p = jnp.where(pair.mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
                 scale = jnp.exp(m[a] - m_new)
-                pv = _per_query(p.astype(vs.dtype), vs[b])
+                pv = _per_query(p.astype(vs.dtype), vs[b], "Dv")
                 rescale = jnp.swapaxes(scale, -1, -3)[..., None]  # 'B/dp Qc Q K/t 1'
                 total_new = total[a] * scale + jnp.sum(p, axis=-1)
                 acc = acc.at[a].set(acc[a] * rescale + pv)
@@ -278,12 +280,12 @@ def ring_forward(q, k, v, segments, causal_only: bool):
             state = lax.cond(pair.visible, add, lambda s: s, state)
         return state
 
-    spec = "B/dp L@zigzag/c K/t D"
+    spec, spec_v = "B/dp L@zigzag/c K/t D", "B/dp L@zigzag/c K/t Dv"
 
     def step(carry, _):
         state, k, v, source = carry
         # Send this block on while folding it in: the transfer can overlap the arithmetic.
-        k_next, v_next = shardops.ring_shift(spec, k, "c"), shardops.ring_shift(spec, v, "c")
+        k_next, v_next = shardops.ring_shift(spec, k, "c"), shardops.ring_shift(spec_v, v, "c")
         state = fold(state, _chunks(k), _chunks(v), source)
         return (state, k_next, v_next, (source - 1) % c), None
 
@@ -315,9 +317,9 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
                 dq, dks, dvs = grads
                 s = _scores(qs[a], ks[b])
                 p = jnp.where(pair.mask[:, None, None], jnp.exp(s - lse[a][..., None]), 0.0)
-                dvs = dvs.at[b].add(_per_key(p.astype(g.dtype), gs[a]))
+                dvs = dvs.at[b].add(_per_key(p.astype(g.dtype), gs[a], "Dv"))
                 dp = shardops.einsum_unreduced(
-                    "B/dp Qc Q K/t D, B/dp Kc K/t D -> B/dp K/t Q Qc Kc",
+                    "B/dp Qc Q K/t Dv, B/dp Kc K/t Dv -> B/dp K/t Q Qc Kc",
                     gs[a],
                     vs[b],
                     out_dtype=jnp.float32,
@@ -330,8 +332,9 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
             dq, dks, dvs = lax.cond(pair.visible, add, lambda x: x, (dq, dks, dvs))
         return dq, dks, dvs
 
-    spec = "B/dp L@zigzag/c K/t D"
-    zeros = vary_like(jnp.zeros(k.shape, jnp.float32), q, k, v, g)
+    spec, spec_v = "B/dp L@zigzag/c K/t D", "B/dp L@zigzag/c K/t Dv"
+    zeros_k = vary_like(jnp.zeros(k.shape, jnp.float32), q, k, v, g)
+    zeros_v = vary_like(jnp.zeros(v.shape, jnp.float32), q, k, v, g)
 
     def visit(dq, k, v, dk, dv, source):
         """Fold in the block of shard ``source``: dq, and that block's dk, dv."""
@@ -341,16 +344,16 @@ def ring_backward(q, k, v, out, lse, segments, causal_only: bool, g):
     def step(carry, _):
         dq, k, v, dk, dv, source = carry
         # k and v go on while this block is folded in; its gradients follow once complete.
-        k_next, v_next = shardops.ring_shift(spec, k, "c"), shardops.ring_shift(spec, v, "c")
+        k_next, v_next = shardops.ring_shift(spec, k, "c"), shardops.ring_shift(spec_v, v, "c")
         dq, dk, dv = visit(dq, k, v, dk, dv, source)
-        dk, dv = shardops.ring_shift(spec, dk, "c"), shardops.ring_shift(spec, dv, "c")
+        dk, dv = shardops.ring_shift(spec, dk, "c"), shardops.ring_shift(spec_v, dv, "c")
         return (dq, k_next, v_next, dk, dv, (source - 1) % c), None
 
-    carry = (dq, k, v, zeros, zeros, me)
+    carry = (dq, k, v, zeros_k, zeros_v, me)
     (dq, k, v, dk, dv, source), _ = collective_log.scan("ring", step, carry, None, length=c - 1)
     dq, dk, dv = visit(dq, k, v, dk, dv, source)
     # The last block's gradients belong to the next shard along the ring: one more shift.
-    dk, dv = shardops.ring_shift(spec, dk, "c"), shardops.ring_shift(spec, dv, "c")
+    dk, dv = shardops.ring_shift(spec, dk, "c"), shardops.ring_shift(spec_v, dv, "c")
     return _unchunk(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

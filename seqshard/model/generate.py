@@ -53,7 +53,8 @@ from jax import lax
 from jax.sharding import Mesh
 
 from seqshard.mesh import AXES, axis_size, mesh_of_sizes
-from seqshard.model.attention import attention, rope_frequencies, rope_tables
+from seqshard.model.attention import attention
+from seqshard.model.attention import rope as rope_cos_sin
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import gathered_kv
 from seqshard.model.layers import stacks
@@ -300,7 +301,7 @@ def _prefill(
     index = jnp.arange(length, dtype=jnp.int32)
     # Row b's first real token is at index start[b]: RoPE position 0 there.
     positions = jnp.maximum(index[None, :] - start[:, None], 0)
-    rope = rope_tables(positions, rope_frequencies(cfg))
+    rope = rope_cos_sin(cfg, positions)
     real_key = index[None, None, :] >= start[:, None, None]
     # A padding query attends to itself only, so no softmax row is empty (fused kernels
     # would give NaN there, and padding's k, v must stay finite: they sit in the cache).
@@ -352,7 +353,7 @@ def _decode_step(
     """Per device: feed token 'B/dp' at cache index ``index`` -> the next token 'B/dp', its
     logits 'B/dp V/t' and the cache 'all_layers 2 B/dp S K/t D' holding the fed token's k, v."""
     cfg = spec.cfg
-    rope = rope_tables((index - start)[:, None], rope_frequencies(cfg))
+    rope = rope_cos_sin(cfg, (index - start)[:, None])
     keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
     # Keys from the row's first real token up to and including this one.
     mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]

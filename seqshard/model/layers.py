@@ -17,8 +17,9 @@ Auxiliary outputs are per stack, per block: ``aux[stack][block][field]``, one va
 (the block's :class:`~seqshard.model.block.Aux` declares them), replicated. The loss adds the
 declared ``loss`` fields once per microbatch, weighted by its counted positions.
 
-Which blocks make a layer is this module's table (:data:`FFN_KINDS`, :func:`stacks`): the FFN of
-dense layers is ``model.ffn`` (a name in :data:`FFN_KINDS`; :func:`register_ffn` adds one), the
+Which blocks make a layer is this module's table (:data:`ATTENTION_KINDS`, :data:`FFN_KINDS`,
+:func:`stacks`): every layer's attention block is ``model.attention`` (grouped-query or
+multi-head latent attention), the FFN of dense layers is ``model.ffn`` (a name in :data:`FFN_KINDS`; :func:`register_ffn` adds one), the
 mixture-of-experts stack follows the dense one when ``model.moe`` has experts.
 """
 
@@ -33,11 +34,13 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from seqshard.model.attention import attention_mask, rope_frequencies, rope_tables
+from seqshard.model.attention import attention_mask
+from seqshard.model.attention import rope as rope_cos_sin
 from seqshard.model.attention_block import ATTENTION
 from seqshard.model.block import Activations, Block, LayerInputs, weight_info
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, context_mask
+from seqshard.model.mla import MLA
 from seqshard.model.moe import MOE
 from seqshard.model.swiglu import SWIGLU
 from seqshard.shardlib import collective_log, shardops
@@ -47,7 +50,9 @@ from seqshard.shardlib.shardtypes import f32, pytree_dataclass, shape_dtype_stru
 from seqshard.shardlib.vma import varying_axes
 
 __all__ = [
+    "ATTENTION_KINDS",
     "FFN_KINDS",
+    "attention_block",
     "Layer",
     "STACK_NAMES",
     "Stack",
@@ -147,7 +152,7 @@ def runs(cfg: ModelConfig, block: Block) -> bool:
 
 def known_blocks() -> tuple[Block, ...]:
     """Every block kind a layer of any config may run (each once)."""
-    return (ATTENTION, *FFN_KINDS.values(), MOE)
+    return (*ATTENTION_KINDS.values(), *FFN_KINDS.values(), MOE)
 
 
 def _ffn(cfg: ModelConfig) -> Block:
@@ -159,9 +164,18 @@ def _ffn(cfg: ModelConfig) -> Block:
     return FFN_KINDS[cfg.ffn]
 
 
+ATTENTION_KINDS: dict[str, Block] = {"gqa": ATTENTION, "mla": MLA}
+"""``model.attention`` -> the attention block of every layer."""
+
+
+def attention_block(cfg: ModelConfig) -> Block:
+    """The attention block kind of ``cfg``'s layers (``model.attention``)."""
+    return ATTENTION_KINDS[cfg.attention]
+
+
 _STACK_KINDS = (
-    ("layers", lambda cfg: (ATTENTION, _ffn(cfg))),
-    ("moe_layers", lambda cfg: (ATTENTION, MOE)),
+    ("layers", lambda cfg: (attention_block(cfg), _ffn(cfg))),
+    ("moe_layers", lambda cfg: (attention_block(cfg), MOE)),
 )
 
 STACK_NAMES: tuple[str, ...] = tuple(name for name, _ in _STACK_KINDS)
@@ -196,7 +210,7 @@ def rope_and_mask(cfg: ModelConfig, rows: SequenceRows):
     (splash: segment ids); with the sequence split over c, ``allgather``'s mask of this device's
     queries against every key (:func:`~seqshard.model.context.context_mask`), and none for the
     ring, which masks its own blocks. Per batch, cheap."""
-    rope = rope_tables(rows.positions, rope_frequencies(cfg))
+    rope = rope_cos_sin(cfg, rows.positions)
     c = shardops.axis_size("c")
     if c == 1:
         return rope, attention_mask(rows.is_seq_start, cfg.attention_mask, cfg.attention_impl)

@@ -31,8 +31,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from seqshard.model.attention import rope_frequencies
+from seqshard.model.attention import rope_attention_factor, rope_frequencies
 from seqshard.model.config import AttentionMask, ModelConfig
+from seqshard.model.mla import softmax_mscale
 from seqshard.model.weights import Layer, Weights
 from seqshard.shardlib.matmul import einsum
 
@@ -76,13 +77,14 @@ def _head_norm(x, gain, eps):
     return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * gain
 
 
-def _rope(x, positions, freq):
-    """x: [B, L, heads..., D]; pairs (i, i + D/2) rotate as complex numbers by position * freq."""
+def _rope(x, positions, freq, factor: float = 1.0):
+    """x: [B, L, heads..., D]; pairs (i, i + D/2) rotate as complex numbers by position * freq
+    (and scale by YaRN's attention ``factor``)."""
     half = x.shape[-1] // 2
     angle = positions[:, :, None].astype(jnp.float32) * freq[None, None, :]  # [B, L, D/2]
     angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
     xf = x.astype(jnp.float32)
-    z = (xf[..., :half] + 1j * xf[..., half:]) * jnp.exp(1j * angle)
+    z = (xf[..., :half] + 1j * xf[..., half:]) * (factor * jnp.exp(1j * angle))
     return jnp.concatenate([z.real, z.imag], axis=-1).astype(x.dtype)
 
 
@@ -156,16 +158,56 @@ def reference_attention_half(
     ``scripts/bench_moe.py``'s baseline puts its own MoE FFN after it)."""
     dt = jnp.dtype(cfg.compute_dtype)
     nx = reference_norm(x, w.ln1, cfg.norm_eps).astype(dt)
+    if cfg.attention == "mla":
+        q, k, v = _reference_mla_inputs(cfg, w, nx, positions)
+        q, k, v = mark(q), mark(k), mark(v)
+        attn = mark((attend or reference_attention)(q, k, v, mask))
+        return mark(constrain(x + einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
     q = einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
     k = einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
     if cfg.qk_norm:  # Qwen3: each head RMS-normalized over D, before RoPE
         q = _head_norm(q, w.q_norm, cfg.norm_eps).astype(dt)
         k = _head_norm(k, w.k_norm, cfg.norm_eps).astype(dt)
     v = mark(einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt)))
-    q = mark(_rope(q, positions, rope_frequencies(cfg)))
-    k = mark(_rope(k, positions, rope_frequencies(cfg)))
+    factor = rope_attention_factor(cfg)
+    q = mark(_rope(q, positions, rope_frequencies(cfg), factor))
+    k = mark(_rope(k, positions, rope_frequencies(cfg), factor))
     attn = mark((attend or reference_attention)(q, k, v, mask))
     return mark(constrain(x + einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
+
+
+def _reference_mla_inputs(cfg: ModelConfig, w: Layer, nx: jax.Array, positions: jax.Array):
+    """Multi-head latent attention's q [B, L, 1, K, D], k [B, L, K, D] and v [B, L, K, Dv]
+    from the normed input, as Hugging Face's DeepSeek-V3 writes them: latents RMS normalized,
+    the rope parts rotated (interleaved pairs gathered as evens then odds first), one rope
+    key shared by every head, q times YaRN's softmax mscale^2."""
+    mla, dt = cfg.mla, jnp.dtype(cfg.compute_dtype)
+    nope, r = mla.qk_nope_head_dim, mla.kv_lora_rank
+    freq = rope_frequencies(cfg)
+    factor = rope_attention_factor(cfg)
+
+    def rotate(x):
+        if mla.rope_interleave:
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        return _rope(x, positions, freq, factor)
+
+    if mla.q_lora_rank:
+        q_a = einsum("blm,mr->blr", nx, w.w_q_a.astype(dt))
+        q_a = _head_norm(q_a, w.q_a_norm, cfg.norm_eps).astype(dt)
+        q = einsum("blr,rqkd->blqkd", q_a, w.w_q_b.astype(dt))
+    else:
+        q = einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
+    q = jnp.concatenate([q[..., :nope], rotate(q[..., nope:])], axis=-1)
+    scale = softmax_mscale(cfg)
+    if scale != 1.0:
+        q = (q.astype(jnp.float32) * scale).astype(dt)
+    kv_a = einsum("blm,ma->bla", nx, w.w_kv_a.astype(dt))
+    latent = _head_norm(kv_a[..., :r], w.kv_a_norm, cfg.norm_eps).astype(dt)
+    k_rope = rotate(kv_a[..., r:])
+    kv = einsum("blr,rke->blke", latent, w.w_kv_b.astype(dt))
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    shared = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:-1] + k_rope.shape[-1:])
+    return q, jnp.concatenate([k_nope, shared], axis=-1), v
 
 
 def reference_moe_layer(

@@ -145,7 +145,9 @@ def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def _local_attention(q, k, v, segment_ids):
     qh, kh, vh = _heads_major(q, k, v)
-    return _from_heads_major(_kernel(q.shape, segment_ids)(qh, kh, vh), q.shape)
+    # The output has v's head size (MLA's v_head_dim may differ from q's).
+    out_shape = q.shape[:-1] + v.shape[-1:]
+    return _from_heads_major(_kernel(q.shape, segment_ids)(qh, kh, vh), out_shape)
 
 
 def _local_attention_vjp(q, k, v, segment_ids, g):
