@@ -17,7 +17,8 @@ NORM_GAINS = (
     "layers.q_norm",
     "layers.k_norm",
     "final_norm",
-    *(f"{s}.{g}" for s in ("layers", "moe_layers") for g in ("q_a_norm", "kv_a_norm")),
+    *(f"{s}.{g}" for s in ("layers", "moe_layers", "mtp") for g in ("q_a_norm", "kv_a_norm")),
+    *(f"mtp.{g}" for g in ("ln1", "ln2", "enorm", "hnorm", "head_norm", "q_norm", "k_norm")),
 )
 
 TINY = {

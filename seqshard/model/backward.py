@@ -100,6 +100,7 @@ from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
 from seqshard.model.grads import norm_backward
 from seqshard.model.layers import (
+    MTP_STACK,
     Stack,
     layer_forward,
     layer_inputs,
@@ -107,6 +108,7 @@ from seqshard.model.layers import (
     stacks,
     with_aux_losses,
 )
+from seqshard.model.mtp import mtp_loss, mtp_terms
 from seqshard.model.transformer import (
     HEAD,
     embed,
@@ -367,7 +369,7 @@ def _forward(cfg: ModelConfig, axes, w: Weights, batch: TokenBatch):
     """The forward pass for differentiation: the loss terms, the auxiliary outputs, and what
     the backward reads."""
     with collective_log.hand_differentiated():  # _backward logs its own collectives
-        rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)
+        rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask, cfg.mtp.depth)
         x = embed(cfg, w, rows.tokens)
         kept_values, aux = {}, {}
         for stack in stacks(cfg):
@@ -377,21 +379,32 @@ def _forward(cfg: ModelConfig, axes, w: Weights, batch: TokenBatch):
             if out:
                 aux[stack.name] = out
         terms, head = head_forward(cfg, w, x, rows)
-        terms = with_aux_losses(cfg, terms, aux)
-    # The weights are kept as they are (FSDP shards): the backward gathers them again.
-    return (terms, aux), (w, rows, kept_values, head, terms[1])
+        terms, aux = mtp_terms(cfg, w, rows, x, with_aux_losses(cfg, terms, aux), aux)
+    # The weights are kept as they are (FSDP shards): the backward gathers them again. The
+    # last residual too, when the multi-token prediction modules re-run from it.
+    last = x if cfg.mtp.depth else None
+    return (terms, aux), (w, rows, kept_values, head, terms[1], last)
 
 
 def _backward(cfg: ModelConfig, axes, residuals, cotangents):
     """The backward pass: Weights of gradients in their own layouts; the batch (ids, starts
     and the loss mask) gets none."""
-    w, rows, kept_values, head, count = residuals
+    w, rows, kept_values, head, count, last = residuals
     d_total = cotangents[0][0]
     sizes, manual = axes
     grads = {}
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
     with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
         d_x, grads["final_norm"], grads["unembed"] = head_backward(cfg, head, rows, d_total)
+        d_embed = None
+        if last is not None:
+            # The modules read the last residual beside the head, and the shared embedding
+            # and output head: their shares of those gradients add up.
+            d_last, grads[MTP_STACK], d_embed, d_unembed = _mtp_backward(
+                cfg, w, rows, last, count, d_total
+            )
+            d_x = d_x + d_last.astype(d_x.dtype)
+            grads["unembed"] = grads["unembed"] + d_unembed
         for stack in reversed(stacks(cfg)):
             # The loss fields joined the summed loss times the positions counted.
             d_loss = _loss_cotangents(stack, d_total * count)
@@ -399,7 +412,29 @@ def _backward(cfg: ModelConfig, axes, residuals, cotangents):
                 cfg, stack, rows, getattr(w, stack.name), kept_values[stack.name], d_x, d_loss
             )
         grads["embed"] = embed_backward(cfg, rows.tokens, d_x)
+        if d_embed is not None:
+            grads["embed"] = grads["embed"] + d_embed
     return type(w)(**grads), None
+
+
+def _mtp_backward(cfg: ModelConfig, w: Weights, rows, last: jax.Array, count, d_total):
+    """The multi-token prediction modules' backward: their forward re-run from the last
+    residual under ``jax.vjp`` (as a block without a hand-written backward), pulled back from
+    dL/d(summed loss) ``d_total``: (dL/d last residual, the modules' gradients, their shares
+    of the embedding's and the unembedding's, f32)."""
+
+    def value(x, w_mtp, embed_w, unembed_w):
+        shared = dataclasses.replace(
+            w, **{MTP_STACK: w_mtp, "embed": embed_w, "unembed": unembed_w}
+        )
+        return mtp_loss(cfg, shared, rows, x, count)[0]
+
+    with collective_log.vjp_in_backward():
+        primals = (last, getattr(w, MTP_STACK), w.embed, w.unembed)
+        _, pullback = jax.vjp(value, *primals)
+        d_x, d_mtp, d_embed, d_unembed = pullback(d_total)
+    d_mtp = jax.tree.map(lambda g: g.astype(jnp.float32), d_mtp)
+    return d_x, d_mtp, d_embed.astype(jnp.float32), d_unembed.astype(jnp.float32)
 
 
 _with_explicit_backward.defvjp(_forward, _backward)

@@ -325,6 +325,7 @@ def _letter_sizes(cfg: ModelConfig) -> dict[str, int]:
         "P": cfg.mla.qk_rope_head_dim,
         "A": cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,
         "Dkv": cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim,
+        "N": 2 * cfg.d_model,  # a multi-token prediction module's [embedding | hidden]
     }
 
 

@@ -69,6 +69,8 @@ DIM_KEYS = {
     "kv_a": "mla.kv_lora_rank + mla.qk_rope_head_dim",
     "d_kv_b": "mla.qk_nope_head_dim + mla.v_head_dim",
     "d_v": "mla.v_head_dim",
+    "mtp": "mtp.depth",
+    "mtp_in": "d_model (x 2)",
 }
 """Each dimension name -> the config key (under ``model.``) that sizes it, for messages."""
 
@@ -474,6 +476,8 @@ class ModelConfig:
         sizes["kv_a"] = mla.kv_lora_rank + mla.qk_rope_head_dim
         sizes["d_kv_b"] = mla.qk_nope_head_dim + mla.v_head_dim
         sizes["d_v"] = mla.v_head_dim
+        sizes["mtp"] = self.mtp.depth
+        sizes["mtp_in"] = 2 * self.d_model
         return sizes
 
     @property

@@ -53,6 +53,8 @@ from seqshard.shardlib.vma import vary_like
 
 __all__ = [
     "SequenceRows",
+    "TokensAhead",
+    "tokens_ahead",
     "attend",
     "gathered_kv",
     "context_mask",
@@ -62,6 +64,15 @@ __all__ = [
     "ring_forward",
     "sequence_rows",
 ]
+
+
+class TokensAhead(NamedTuple):
+    """Per device, for multi-token prediction module k = 1 .. depth (``model.mtp``), at each
+    of this device's positions i: 'D B/dp L@zigzag/c' each, D the depth."""
+
+    tokens: jax.Array  # i32: token i + k, the one module k embeds (0 past the row's end)
+    targets: jax.Array  # i32: token i + k + 1, the one it predicts
+    counted: jax.Array  # bool: i + k + 1 is in i's document (no start between) and counts
 
 
 class SequenceRows(NamedTuple):
@@ -74,6 +85,7 @@ class SequenceRows(NamedTuple):
     positions: jax.Array  # i32 'B/dp L@zigzag/c': position within its document (RoPE)
     is_seq_start: jax.Array  # bool 'B/dp L/c' (natural order, as the batch has it)
     segments: jax.Array  # i32 'B/dp L': document number along the whole row (masks)
+    ahead: TokensAhead | None = None  # multi-token prediction's (model.mtp), or none
 
 
 def _local(x: jax.Array) -> jax.Array:
@@ -98,12 +110,42 @@ def next_token_targets(
     return targets, has_next
 
 
+def tokens_ahead(
+    whole: jax.Array, starts: jax.Array, loss_mask: jax.Array | None, depth: int
+) -> TokensAhead:
+    """:class:`TokensAhead` of whole rows 'B/dp L' (ids, document starts, loss mask), as
+    'D B/dp L' (the caller keeps its zigzag chunks). Module k's target i + k + 1 counts when
+    it lies in the row, in i's document (so no module reads or predicts across a packed
+    document's boundary at a counted position) and is masked in."""
+    segments = jnp.cumsum(starts, axis=-1, dtype=jnp.int32)
+
+    def shifted(x: jax.Array, by: int, fill) -> jax.Array:  # x[:, i + by], ``fill`` past the end
+        pad = jnp.full(x.shape[:-1] + (by,), fill, x.dtype)
+        return jnp.concatenate([x[..., by:], pad], axis=-1)
+
+    tokens, targets, counted = [], [], []
+    for k in range(1, depth + 1):
+        tokens.append(shifted(whole, k, 0))
+        targets.append(shifted(whole, k + 1, 0))
+        same = shifted(segments, k + 1, -1) == segments
+        if loss_mask is not None:
+            same = same & shifted(loss_mask, k + 1, False)
+        counted.append(same)
+    return TokensAhead(jnp.stack(tokens), jnp.stack(targets), jnp.stack(counted))
+
+
 def sequence_rows(
-    tokens: jax.Array, is_seq_start: jax.Array, loss_mask: jax.Array | None = None
+    tokens: jax.Array,
+    is_seq_start: jax.Array,
+    loss_mask: jax.Array | None = None,
+    ahead: int = 0,
 ) -> SequenceRows:
     """The batch's 'B/dp L/c' ids, document starts and loss mask (None: all counted) ->
     :class:`SequenceRows` (inside the model's shard_map). One all-gather over c of the ids and
-    one of the starts and mask, packed in one int8 (none when c = 1)."""
+    one of the starts and mask, packed in one int8 (none when c = 1). ``ahead``: the depth of
+    multi-token prediction, whose tokens ahead (:func:`tokens_ahead`) are read off the same
+    gathered rows: the token k positions ahead of a position may live on another c shard
+    (zigzag order), and it arrives with that gather, no activation moving."""
     whole = shardops.all_gather("B/dp L/c -> B/dp L", tokens)
     if loss_mask is None:
         starts = shardops.all_gather("B/dp L/c -> B/dp L", is_seq_start)
@@ -120,7 +162,12 @@ def sequence_rows(
         positions=_local(document_positions(starts)),
         is_seq_start=is_seq_start,
         segments=jnp.cumsum(starts, axis=-1, dtype=jnp.int32),
+        ahead=_ahead_local(tokens_ahead(whole, starts, mask, ahead)) if ahead else None,
     )
+
+
+def _ahead_local(ahead: TokensAhead) -> TokensAhead:
+    return TokensAhead(*(jnp.stack([_local(x) for x in field]) for field in ahead))
 
 
 def context_mask(rows: SequenceRows, causal_only: bool) -> jax.Array:

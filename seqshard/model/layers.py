@@ -42,6 +42,7 @@ from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, context_mask
 from seqshard.model.mla import MLA
 from seqshard.model.moe import MOE
+from seqshard.model.mtp_block import MTP_ENTRY
 from seqshard.model.swiglu import SWIGLU
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.dataflow import after
@@ -56,7 +57,10 @@ __all__ = [
     "Layer",
     "STACK_NAMES",
     "Stack",
+    "MTP_STACK",
     "aux_losses",
+    "aux_stacks",
+    "mtp_stack",
     "aux_type",
     "known_blocks",
     "layer_forward",
@@ -152,7 +156,7 @@ def runs(cfg: ModelConfig, block: Block) -> bool:
 
 def known_blocks() -> tuple[Block, ...]:
     """Every block kind a layer of any config may run (each once)."""
-    return (*ATTENTION_KINDS.values(), *FFN_KINDS.values(), MOE)
+    return (*ATTENTION_KINDS.values(), *FFN_KINDS.values(), MOE, MTP_ENTRY)
 
 
 def _ffn(cfg: ModelConfig) -> Block:
@@ -199,6 +203,30 @@ def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
                     )
             out.append(Stack(name, blocks, sizes[name], layer_type(name, blocks, cfg)))
     return tuple(out)
+
+
+MTP_STACK = "mtp"
+"""The weights' field of the multi-token prediction modules (``model.mtp``)."""
+
+
+def mtp_stack(cfg: ModelConfig) -> Stack | None:
+    """The multi-token prediction modules as a stack of ``model.mtp.depth`` layers (None
+    without): each the entry block (:mod:`seqshard.model.mtp_block`), then one transformer
+    layer of the model's attention kind and, as DeepSeek-V3's, the MoE FFN when the model
+    has experts (else ``model.ffn``). Not run by :func:`run_stacks`: :mod:`seqshard.model.mtp`
+    runs it beside the head. Its weights rest replicated over p (the last stage runs it)."""
+    if cfg.mtp.depth == 0:
+        return None
+    ffn = MOE if cfg.moe.enabled else _ffn(cfg)
+    blocks = (MTP_ENTRY, attention_block(cfg), ffn)
+    return Stack(MTP_STACK, blocks, cfg.mtp.depth, layer_type(MTP_STACK, blocks, cfg))
+
+
+def aux_stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
+    """Every stack whose layers may make auxiliary outputs: :func:`stacks` and the
+    multi-token prediction modules'."""
+    mtp = mtp_stack(cfg)
+    return stacks(cfg) + ((mtp,) if mtp is not None else ())
 
 
 # -- the forward ----------------------------------------------------------------------------
@@ -306,7 +334,7 @@ def aux_type(cfg: ModelConfig) -> dict:
             b.name: {f: f32[f"{s.name} {dims}".strip()] for f, dims in b.aux.fields.items()}
             for b in s.aux_blocks
         }
-        for s in stacks(cfg)
+        for s in aux_stacks(cfg)
         if s.aux_blocks
     }
 
@@ -322,7 +350,7 @@ def aux_losses(cfg: ModelConfig, aux: Mapping) -> list[jax.Array]:
     array [layers, ...] per (stack, block) of ``aux`` (any leading dims: a pipeline stage's
     [rounds, microbatches, layers])."""
     out = []
-    for s in stacks(cfg):
+    for s in aux_stacks(cfg):
         for b in s.aux_blocks:
             if b.aux.loss and s.name in aux:
                 values = aux[s.name][b.name]

@@ -48,6 +48,7 @@ __all__ = [
     "reference_loss_terms",
     "reference_mask",
     "reference_moe_layer",
+    "reference_mtp",
     "reference_norm",
     "reference_positions",
     "reference_unembed",
@@ -280,8 +281,58 @@ def reference_unembed(cfg: ModelConfig, weights: Weights, x: jax.Array) -> jax.A
     return einsum("blm,vm->blv", nx, weights.unembed.astype(dt), out_dtype=jnp.float32)
 
 
-def _logits_and_balancing(weights, tokens, is_seq_start, cfg: ModelConfig):
-    """(f32[B, L, vocab] logits, the MoE layers' balancing terms summed)."""
+def _ffn_layer(cfg: ModelConfig, w: Layer, x, positions, mask, moe: bool):
+    """A layer: (residual, its balancing terms f32[]: 0 for a dense one)."""
+    if moe:
+        return reference_moe_layer(cfg, w, x, positions, mask)
+    return reference_layer(cfg, w, x, positions, mask), jnp.zeros((), jnp.float32)
+
+
+def _shifted(x: jax.Array, by: int, fill) -> jax.Array:
+    """x[:, i + by] at each i of [B, L], ``fill`` past the row's end."""
+    return jnp.concatenate([x[:, by:], jnp.full((x.shape[0], by), fill, x.dtype)], axis=1)
+
+
+def reference_mtp(cfg: ModelConfig, weights: Weights, x, tokens, is_seq_start, loss_mask=None):
+    """DeepSeek-V3's multi-token prediction on the last residual ``x`` [B, L, M]: (the modules'
+    loss, loss_weight / depth x the sum of each module's mean cross-entropy, f32[]; their
+    balancing terms summed). Module k reads [norm(embed(token i + k)) | norm(h^{k-1}_i)]
+    projected by w_eh, runs one layer, and predicts token i + k + 1 through its head norm and
+    the shared unembedding; a target counts inside the row and i's document (and loss mask)."""
+    positions = reference_positions(is_seq_start)
+    mask = reference_mask(is_seq_start, cfg.attention_mask)
+    dt = jnp.dtype(cfg.compute_dtype)
+    segments = jnp.cumsum(is_seq_start, axis=1)
+    means, balancing = [], jnp.zeros((), jnp.float32)
+    h = x
+    for k in range(1, cfg.mtp.depth + 1):
+        w = jax.tree.map(lambda a, k=k: a[k - 1], weights.mtp)
+        emb = reference_embed(cfg, weights, _shifted(tokens, k, 0))
+        both = jnp.concatenate(
+            [
+                reference_norm(emb, w.enorm, cfg.norm_eps).astype(dt),
+                reference_norm(h, w.hnorm, cfg.norm_eps).astype(dt),
+            ],
+            axis=-1,
+        )
+        h = einsum("bln,mn->blm", both, w.w_eh.astype(dt))
+        h, terms = _ffn_layer(cfg, w, h, positions, mask, cfg.moe.enabled)
+        balancing = balancing + terms
+        nx = reference_norm(h, w.head_norm, cfg.norm_eps).astype(dt)
+        logits = einsum("blm,vm->blv", nx, weights.unembed.astype(dt), out_dtype=jnp.float32)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(log_probs, _shifted(tokens, k + 1, 0)[..., None], axis=-1)
+        counted = _shifted(segments, k + 1, -1) == segments
+        if loss_mask is not None:
+            counted = counted & _shifted(jnp.asarray(loss_mask, bool), k + 1, False)
+        total = jnp.sum(jnp.where(counted, nll[..., 0], 0.0))
+        means.append(total / jnp.maximum(jnp.sum(counted, dtype=jnp.float32), 1.0))
+    return cfg.mtp.loss_weight / cfg.mtp.depth * sum(means), balancing
+
+
+def _logits_and_balancing(weights, tokens, is_seq_start, cfg: ModelConfig, loss_mask=None):
+    """(f32[B, L, vocab] logits, the MoE layers' balancing terms summed, plus the multi-token
+    prediction modules' loss and balancing terms with ``model.mtp``)."""
     tokens = jnp.asarray(tokens).astype(jnp.int32)
     is_seq_start = jnp.asarray(is_seq_start).astype(bool)
     positions = reference_positions(is_seq_start)
@@ -296,6 +347,9 @@ def _logits_and_balancing(weights, tokens, is_seq_start, cfg: ModelConfig):
         w = jax.tree.map(lambda a, i=i: a[i], weights.moe_layers)
         x, terms = reference_moe_layer(cfg, w, x, positions, mask)
         balancing = balancing + terms
+    if cfg.mtp.depth:
+        mtp, terms = reference_mtp(cfg, weights, x, tokens, is_seq_start, loss_mask)
+        balancing = balancing + mtp + terms
     return reference_unembed(cfg, weights, x), balancing
 
 
@@ -327,6 +381,6 @@ def reference_loss_fn(
     experts)."""
     tokens = jnp.asarray(tokens).astype(jnp.int32)
     is_seq_start = jnp.asarray(is_seq_start).astype(bool)
-    logits, balancing = _logits_and_balancing(weights, tokens, is_seq_start, cfg)
+    logits, balancing = _logits_and_balancing(weights, tokens, is_seq_start, cfg, loss_mask)
     total, count = reference_loss_terms(logits, tokens, is_seq_start, loss_mask)
     return total / jnp.maximum(count, 1.0) + balancing

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from seqshard.batch import TokenBatch
 from seqshard.model import attention_block
@@ -50,7 +49,9 @@ from seqshard.model.block import Activation, Activations, Block, elementwise, ma
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
 from seqshard.model.layers import layer_forward, rope_and_mask, run_stacks, with_aux_losses
+from seqshard.model.mtp import mtp_terms
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
+from seqshard.model.vocab import embed_lookup, embed_table, loss_terms_and_softmax
 from seqshard.model.weights import Weights
 from seqshard.shardlib import shardops
 from seqshard.shardlib.collective_log import part
@@ -112,13 +113,7 @@ HEAD = Block(
 def embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
     """'B/dp L@zigzag/c' ids -> the residual (``cfg.residual_spec``) in compute dtype."""
     with part("embed"):
-        table = shardops.all_gather(
-            "V/t M/fsdp -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype))
-        )
-        x = shardops.index_unreduced("[V/t] M, B/dp L@zigzag/c -> B/dp L@zigzag/c M", table, tokens)
-        # Each t shard looked up only the rows of its vocab block: sum the shards, scattered
-        # into the residual's layout.
-        return shardops.psum_scatter(f"B/dp L@zigzag/c M -> {cfg.residual_spec}", x)
+        return embed_lookup(cfg, embed_table(cfg, w), tokens)
 
 
 def attention_inputs(cfg: ModelConfig, w, x: jax.Array, rope) -> tuple[jax.Array, ...]:
@@ -172,47 +167,15 @@ def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array, a: Activations | None =
     )
 
 
-@part("loss")
-def loss_terms_and_softmax(
-    logits: jax.Array, targets: jax.Array, counted: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The loss terms f32[2], and the softmax's pieces the hand-written backward reuses:
-    ``exp(logits - max)`` 'B/dp L@zigzag/c V/t' and its sum over the whole vocab
-    'B/dp L@zigzag/c'. ``targets`` and ``counted`` are :class:`SequenceRows`'s: each position's
-    next token and whether it counts (found on the whole row, before the split over c)."""
-    # A stable logsumexp over the vocab split across t. The max only shifts the exponent, so it
-    # needs no gradient (and pmax has none): take it of the stop-gradiented local max.
-    local_max = jnp.max(logits, axis=-1)
-    shift = shardops.pmax("B/dp L@zigzag/c{U_t} -> B/dp L@zigzag/c", lax.stop_gradient(local_max))
-    exp = jnp.exp(logits - shift[..., None])
-    sum_exp = jnp.sum(exp, axis=-1)
-    # The target's logit lives on the one t shard whose vocab block holds it; others give 0.
-    vocab_block = logits.shape[-1]
-    local_target = targets - shardops.axis_index("t") * vocab_block
-    here = (local_target >= 0) & (local_target < vocab_block)
-    picked = jnp.take_along_axis(
-        logits, jnp.clip(local_target, 0, vocab_block - 1)[..., None], axis=-1
-    )
-    target_logit = jnp.where(here, picked[..., 0], 0.0)
-    # Both are partial over the vocab blocks: one all-reduce over t carries the pair.
-    sum_exp, target_logit = shardops.psum(
-        "2 B/dp L@zigzag/c{U_t} -> 2 B/dp L@zigzag/c", jnp.stack([sum_exp, target_logit])
-    )
-    nll = jnp.log(sum_exp) + shift - target_logit
-    counted = counted.astype(jnp.float32)
-    local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
-    # Each (d, e, c) shard summed its own rows and positions of the batch: add them up.
-    return shardops.psum("2{U_dp,c} -> 2", local), exp, sum_exp
-
-
 def forward_terms_and_aux(
     cfg: ModelConfig, w: Weights, batch: TokenBatch
 ) -> tuple[jax.Array, dict]:
     """The forward pass on the per-device blocks 'B/dp L/c' of ``batch`` (inside the
     shard_map): (f32[2], the summed loss, the blocks' loss terms included, and the positions
     counted; the stacks' auxiliary outputs, :func:`~seqshard.model.layers.run_stacks`)."""
-    rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)
+    rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask, cfg.mtp.depth)
     x, aux = run_stacks(cfg, w, rows, embed(cfg, w, rows.tokens))
     logits = unembed(cfg, w, final_norm(cfg, w, x))
     terms = loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
-    return with_aux_losses(cfg, terms, aux), aux
+    # The multi-token prediction modules (model.mtp), after the layers.
+    return mtp_terms(cfg, w, rows, x, with_aux_losses(cfg, terms, aux), aux)

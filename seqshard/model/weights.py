@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 from seqshard.mesh import axis_sizes, describe_sizes
 from seqshard.model.block import Weight, gain, weight, weight_info
 from seqshard.model.config import DIM_KEYS, ModelConfig
-from seqshard.model.layers import Layer, stacks
+from seqshard.model.layers import MTP_STACK, Layer, mtp_stack, stacks
 from seqshard.shardlib.shardtypes import (
     Array,
     ArrayType,
@@ -92,8 +92,9 @@ def _weights_class(layer_stacks: tuple[tuple[str, type], ...]) -> type:
     annotations: dict = {"embed": hints["embed"]}
     namespace: dict = {"__module__": __name__, "embed": Weights.__dict__["embed"]}
     for name, layer in layer_stacks:
-        # stage s of p: the s-th block of the stack's layers
-        annotations[name] = Array[f"{name}/p", layer]
+        # stage s of p: the s-th block of the stack's layers; the multi-token prediction
+        # modules rest replicated over p (the last stage runs them, beside the head)
+        annotations[name] = Array[name if name == MTP_STACK else f"{name}/p", layer]
         namespace[name] = dataclasses.field()
     for name in _OUTER[1:]:
         annotations[name] = hints[name]
@@ -107,8 +108,11 @@ def _weights_class(layer_stacks: tuple[tuple[str, type], ...]) -> type:
 
 
 def weights_type(cfg: ModelConfig) -> type:
-    """The weights' dataclass of ``cfg``: :class:`Weights` with a field per layer stack."""
-    return _weights_class(tuple((s.name, s.layer_type) for s in stacks(cfg)))
+    """The weights' dataclass of ``cfg``: :class:`Weights` with a field per layer stack (the
+    multi-token prediction modules' ``mtp`` last among them)."""
+    mtp = mtp_stack(cfg)
+    every = stacks(cfg) + ((mtp,) if mtp is not None else ())
+    return _weights_class(tuple((s.name, s.layer_type) for s in every))
 
 
 def stack_layer_types(cls: type) -> dict[str, type]:

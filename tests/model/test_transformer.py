@@ -364,7 +364,7 @@ LAYER_BODY = (  # the scanned layer body, in order
     Comm("x", "all_gather", "B/dp L@zigzag/c M/t -> B/dp L@zigzag/c M", ("t",), GATHERED_AGAIN),
     Comm("w_q", "all_gather", "M/fsdp Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
     Comm("w_kv", "all_gather", "2 M/fsdp K/t D -> 2 M K/t D", ("d",), GATHERED_AGAIN),
-    Comm("w_o", "all_gather", "M/fsdp Q K/t D -> M Q K/t D", ("d",), GATHERED_AGAIN),
+    Comm("w_o", "all_gather", "M/fsdp Q K/t Dv -> M Q K/t Dv", ("d",), GATHERED_AGAIN),
     # 'saved' keeps h = x + out, so only 'full' recomputes this sum to rebuild h.
     Comm(
         "attention output",

@@ -1,0 +1,103 @@
+"""Multi-token prediction (``model.mtp: {depth, loss_weight}``; DeepSeek-V3): sequential modules
+after the layers, module k predicting the token k + 1 ahead of each position, their mean loss
+weighted into the training loss.
+
+    h^0 = the last layer's residual (before the final norm)
+    for k in 1 .. depth:                                   (a scan over the stacked modules)
+        x   = mtp_entry(h^{k-1}, embed(token i + k))       (seqshard.model.mtp_block)
+        h^k = one transformer layer on x                   (the model's attention kind; MoE
+                                                            with experts, as DeepSeek-V3)
+        sum_k, count_k = cross-entropy of unembed(norm(h^k, head_norm)) against token i + k + 1
+    loss += count x (loss_weight / depth x sum_k sum_k / count_k + the modules' MoE terms)
+
+``count`` is the main loss's counted positions: the step's mean loss adds each module's mean
+once per microbatch, as the MoE balancing terms are (:func:`seqshard.model.layers.with_aux_losses`).
+The embedding and the output head are the model's own (shared, one gradient each); the tokens
+ahead come with the batch's ids, gathered over c once (:func:`seqshard.model.context.sequence_rows`):
+under zigzag context parallelism the token k ahead of a position may sit on another device, and
+it arrives in that gather (int32 ids, no activation moving; MaxText refuses load-balanced
+context parallelism with multi-token prediction instead). A target beyond the row or across a
+packed document's boundary is not counted, so no counted position reads another document.
+
+Per module, communication: the entry's (mtp_block.py), the transformer layer's, the head's
+(the unembedding gathered once for all modules, the loss's two reductions per module).
+
+Differentiation: under autodiff, the scan as the layers'. Under the explicit backward,
+:mod:`seqshard.model.backward` re-runs :func:`mtp_loss` under ``jax.vjp`` (as a block without a
+hand-written backward): the modules' gradients, and their share of dL/d(last residual), of the
+embedding's and of the unembedding's. On a pipeline the last stage runs the modules beside the
+head. Generation ignores them; they could draft depth tokens for speculative decoding (module
+k's argmax as the guess of token i + k + 1), which seqshard does not do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from seqshard.model.block import Activations
+from seqshard.model.config import ModelConfig
+from seqshard.model.context import SequenceRows
+from seqshard.model.layers import MTP_STACK, layer_forward, layer_inputs, mtp_stack
+from seqshard.model.norm import norm_input, normed
+from seqshard.model.vocab import embed_lookup, embed_table, loss_terms_and_softmax
+from seqshard.shardlib import collective_log, shardops
+from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.remat import explicit_activation_checkpointing
+
+__all__ = ["mtp_loss", "mtp_terms"]
+
+
+def mtp_loss(
+    cfg: ModelConfig, w, rows: SequenceRows, x: jax.Array, count: jax.Array
+) -> tuple[jax.Array, dict]:
+    """(what the modules add to the summed loss, f32[]; their auxiliary outputs
+    ``{'mtp': {block: {field: [depth, ...]}}}``, empty without any) from the last residual
+    ``x`` and the main loss's counted positions ``count`` (no gradient)."""
+    stack = mtp_stack(cfg)
+    dt = jnp.dtype(cfg.compute_dtype)
+    inputs = layer_inputs(cfg, rows)
+    with part("embed"):
+        table = embed_table(cfg, w)
+    with part("logits"):
+        out_table = shardops.all_gather("V/t M/fsdp -> V/t M", w.unembed.astype(dt))
+
+    def module(h, xs):
+        w_k, tokens, targets, counted = xs
+        with part("embed"):
+            emb = embed_lookup(cfg, table, tokens)
+        a = Activations(stack.blocks, {"h_prev": h, "emb": emb}, mark=True)
+        h_new, aux = layer_forward(cfg, stack.blocks, inputs, w_k, a)
+        with part("mtp_head"):
+            gain = shardops.all_gather("M/t/fsdp -> M", w_k.head_norm)
+            nx = normed(cfg, norm_input(cfg, h_new), gain)
+            logits = shardops.einsum_unreduced(
+                "B/dp L@zigzag/c M, V/t M -> B/dp L@zigzag/c V/t",
+                nx,
+                out_table,
+                out_dtype=jnp.float32,
+            )
+        terms = loss_terms_and_softmax(logits, targets, counted)[0]
+        return h_new, (terms, aux)
+
+    body = explicit_activation_checkpointing(module, cfg.remat)
+    ahead = rows.ahead
+    xs = (getattr(w, MTP_STACK), ahead.tokens, ahead.targets, ahead.counted)
+    _, (terms, aux) = collective_log.scan(MTP_STACK, body, x, xs)
+    means = terms[:, 0] / jnp.maximum(terms[:, 1], 1.0)
+    value = cfg.mtp.loss_weight / cfg.mtp.depth * jnp.sum(means)
+    for b in stack.aux_blocks:  # the modules' MoE balancing terms, as the layers'
+        for f in b.aux.loss:
+            value = value + jnp.sum(aux[b.name][f])
+    return count * value, ({MTP_STACK: aux} if aux else {})
+
+
+def mtp_terms(
+    cfg: ModelConfig, w, rows: SequenceRows, x: jax.Array, terms: jax.Array, aux: dict
+) -> tuple[jax.Array, dict]:
+    """The loss terms f32[2] and auxiliary outputs with the modules' added (unchanged without
+    ``model.mtp``)."""
+    if cfg.mtp.depth == 0:
+        return terms, aux
+    value, mtp_aux = mtp_loss(cfg, w, rows, x, jax.lax.stop_gradient(terms[1]))
+    return terms.at[0].add(value), {**aux, **mtp_aux}
