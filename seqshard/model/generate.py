@@ -15,16 +15,27 @@ shards pool. Mesh axes: d (batch, and FSDP weight rows) and t (heads, d_ff, voca
 Everything runs in the training layout, one shard_map per phase, in one jit per
 :class:`DecodeSpec` (the static options) and prompt shape:
 
-    _prefill      'B/dp L@zigzag/c' prompt -> cache 'all_layers 2 B/dp S K/t D' (k at [:, 0], v at [:, 1])
-                  and the last position's logits 'B/dp V/t'
-    _decode_step  'B/dp' token, cache -> cache with the token's k, v written at its index, logits
+    _prefill      'B/dp L@zigzag/c' prompt -> the cache and the last position's logits 'B/dp V/t'
+    _decode_step  'B/dp' token, cache -> cache with the token's entry written at its index, logits
     sampling      inside both shard_maps, on the vocab-sharded logits; the steps run in a
                   ``lax.while_loop`` (:func:`_run`), which ends once every row has stopped
                   (at ``stop_token``, or where a :class:`StopMatcher` accepts)
 
+What a layer caches is its attention kind's (``model.attention``; :data:`_CACHES`, one row each):
+
+    gqa  'all_layers 2 B/dp S K/t D'  k at [:, 0], v at [:, 1]; a decode step attends over them
+    mla  'all_layers B/dp S A'        the normed kv latent and the rotated rope key, replicated
+                                      over t; a decode step attends in the absorbed form
+                                      (:mod:`seqshard.model.mla_decode`)
+
+Prefill runs each layer's attention block as the training forward does, keeping the cache's
+entries of the prompt; :func:`cache_bytes_per_token` gives a layer's cache bytes per position.
+
 Per layer and decode step the communication is the training forward's with L = 1: the
 all-gathers of every weight over d (FSDP; none when d = 1, which is why :func:`decode_mesh`
-fills t first), the residual's all-gather over t and two psum_scatters over t.
+fills t first), the residual's all-gather over t and two psum_scatters over t. The cache never
+moves: each t shard writes its own block (gqa: its heads; mla: the whole, from the latents
+every t shard computes).
 
 Sampling never gathers the vocabulary. Softmax sampling at temperature T is the Gumbel-max
 trick: ``argmax(logits / T + g)`` with g standard Gumbel noise, drawn for the global
@@ -53,27 +64,95 @@ from jax import lax
 from jax.sharding import Mesh
 
 from seqshard.mesh import AXES, axis_size, mesh_of_sizes
+from seqshard.model import attention_block, mla_decode
 from seqshard.model.attention import attention
 from seqshard.model.attention import rope as rope_cos_sin
+from seqshard.model.block import Activations
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import gathered_kv
 from seqshard.model.layers import stacks
-from seqshard.model.transformer import (
-    after_attention,
-    attention_inputs,
-    attention_output,
-    embed,
-    final_norm,
-    unembed,
-)
+from seqshard.model.transformer import after_attention, embed, final_norm, unembed
 from seqshard.model.weights import Weights, check_mesh, weights_type
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shapecheck import shape_scope
 from seqshard.shardlib.shardtypes import ArrayType, bf16, f32, i32, shardings, typed_shard_map
 
-__all__ = ["DecodeSpec", "Sampling", "StopMatcher", "decode_mesh", "generate"]
+__all__ = [
+    "DecodeSpec",
+    "Sampling",
+    "StopMatcher",
+    "cache_bytes_per_token",
+    "decode_mesh",
+    "generate",
+]
 
 _CACHE_DTYPES = {"float32": f32, "bfloat16": bf16}
+
+
+# ---------------------------------------------------------------------------------------------
+# What each attention kind caches
+
+
+def _gqa_entry(cfg: ModelConfig, w, a: Activations, rope) -> jax.Array:
+    """The attention block's q, k, v of the positions ``a['x']`` (left in ``a``), and what the
+    cache keeps of them: k and v '2 B/dp L@zigzag/c K/t D'."""
+    _, k, v = attention_block.attention_inputs(cfg, w, a, rope)
+    return jnp.stack([k, v])
+
+
+def _gqa_decode(cfg: ModelConfig, w, a: Activations, cache: jax.Array, mask: jax.Array):
+    """The block's output h for the fed positions whose q ``a`` holds, attending over one
+    layer's cache '2 B/dp S K/t D'."""
+    cache_k, cache_v = cache
+    # One query against the cache is a matrix-vector product: plain einsum attention.
+    a("attn", lambda: attention(a["q"], cache_k, cache_v, mask, "einsum", causal_only=False))
+    return attention_block.attention_output(cfg, w, a)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cache:
+    """How a layer of one attention kind caches its keys and values.
+
+    ``spec``: the whole cache's type, S its positions. ``entry(cfg, w, a, rope)``: the block's
+    inputs of the positions ``a['x']`` (q, k, v left in ``a``) and their cache entries, the
+    layout of one layer's cache with L for S. ``decode(cfg, w, a, cache, mask)``: the block's
+    output h for the fed token, ``a`` as ``entry`` left it, over one layer's cache.
+    ``bytes_per_token(cfg)``: the bytes one position of one row adds to one layer's cache."""
+
+    spec: str
+    entry: Callable
+    decode: Callable
+    bytes_per_token: Callable[[ModelConfig], int]
+
+    @property
+    def seq_axis(self) -> int:
+        """S's place in ``spec``."""
+        return self.spec.split().index("S")
+
+
+_CACHES = {
+    "gqa": _Cache(
+        "all_layers 2 B/dp S K/t D",
+        _gqa_entry,
+        _gqa_decode,
+        lambda m: 2 * m.n_kv * m.d_head * m.compute_bytes,
+    ),
+    "mla": _Cache(
+        mla_decode.CACHE_SPEC,
+        mla_decode.cache_entry,
+        mla_decode.decode_attention,
+        mla_decode.cache_bytes_per_token,
+    ),
+}
+"""``model.attention`` -> what its layers cache."""
+
+
+def cache_bytes_per_token(cfg: ModelConfig) -> int:
+    """Bytes one position of one row adds to one layer's cache, in compute dtype: 2 n_kv d_head
+    numbers for grouped-query attention (split over t), kv_lora_rank + qk_rope_head_dim for
+    multi-head latent attention (replicated over t). The whole cache is this times the layers,
+    the rows and the positions S (:class:`Sampling`'s ``max_len``)."""
+    return _CACHES[cfg.attention].bytes_per_token(cfg)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -189,9 +268,14 @@ class DecodeSpec:
     return_logits: bool
 
     @property
+    def cache(self) -> _Cache:
+        """What the model's layers cache (its attention kind's)."""
+        return _CACHES[self.cfg.attention]
+
+    @property
     def cache_type(self) -> ArrayType:
-        """The KV cache, k at [:, 0] and v at [:, 1], in the matmuls' dtype."""
-        return _CACHE_DTYPES[self.cfg.compute_dtype][b"all_layers 2 B/dp S K/t D"]
+        """The cache, in the matmuls' dtype."""
+        return _CACHE_DTYPES[self.cfg.compute_dtype][self.cache.spec]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,13 +361,16 @@ def _stacks(cfg, w: Weights) -> list:
 def _prefill_layer(
     spec: DecodeSpec, blocks, rope, mask: jax.Array, x: jax.Array, w
 ) -> tuple[jax.Array, jax.Array]:
-    """One layer on the prompt's residual 'B/dp L@zigzag/c M/t'; also its k, v '2 B/dp L@zigzag/c K/t D'."""
+    """One layer on the prompt's residual 'B/dp L@zigzag/c M/t'; also its cache entries (one
+    layer's cache with L for S)."""
     cfg = spec.cfg
-    q, k, v = attention_inputs(cfg, w, x, rope)
-    keys, values = gathered_kv(k, v)  # c = 1: k and v themselves, typed as every key
+    a = Activations(blocks[:1], {"x": x})  # the layer's attention block
+    entry = spec.cache.entry(cfg, w, a, rope)
+    keys, values = gathered_kv(a["k"], a["v"])  # c = 1: k and v themselves, typed as every key
     # Without padding the mask is exactly causal, which fused kernels take as is_causal.
-    attn = attention(q, keys, values, mask, cfg.attention_impl, causal_only=not spec.padded)
-    return after_attention(cfg, blocks, w, attention_output(cfg, w, x, attn)), jnp.stack([k, v])
+    impl, causal_only = cfg.attention_impl, not spec.padded
+    a("attn", lambda: attention(a["q"], keys, values, mask, impl, causal_only))
+    return after_attention(cfg, blocks, w, attention_block.attention_output(cfg, w, a)), entry
 
 
 def _prefill(
@@ -295,7 +382,7 @@ def _prefill(
     temperature: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per device: the prompt 'B/dp L@zigzag/c' (row b's first real token at start[b]) -> the first new
-    token 'B/dp', its logits 'B/dp V/t' and the cache 'all_layers 2 B/dp S K/t D'."""
+    token 'B/dp', its logits 'B/dp V/t' and the cache (``spec.cache_type``)."""
     cfg = spec.cfg
     length = prompt.shape[1]
     index = jnp.arange(length, dtype=jnp.int32)
@@ -304,7 +391,7 @@ def _prefill(
     rope = rope_cos_sin(cfg, positions)
     real_key = index[None, None, :] >= start[:, None, None]
     # A padding query attends to itself only, so no softmax row is empty (fused kernels
-    # would give NaN there, and padding's k, v must stay finite: they sit in the cache).
+    # would give NaN there, and padding's cache entries must stay finite).
     diagonal = (index[:, None] == index[None, :])[None]
     causal = (index[:, None] >= index[None, :])[None]
     mask = causal & (real_key | diagonal)
@@ -315,9 +402,11 @@ def _prefill(
         x, stack_kv = lax.scan(body, x, stack)
         kv.append(stack_kv)
     kv = jnp.concatenate(kv) if len(kv) > 1 else kv[0]
-    # kv: 'all_layers 2 B/dp L@zigzag/c K/t D', every stack's layers in order; the cache holds
-    # S positions, the rest filled by decode.
-    kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, spec.cache_len - length), (0, 0), (0, 0)))
+    # kv: the cache with L for S, every stack's layers in order; the cache holds S positions,
+    # the rest filled by decode.
+    pad = [(0, 0)] * kv.ndim
+    pad[spec.cache.seq_axis] = (0, spec.cache_len - length)
+    kv = jnp.pad(kv, pad)
     logits = _next_logits(cfg, w, x[:, -1])
     return _sample(spec, logits, noise, temperature), logits, kv
 
@@ -325,19 +414,18 @@ def _prefill(
 def _decode_layer(
     spec: DecodeSpec, blocks, rope, mask: jax.Array, index: jax.Array, carry, xs
 ) -> tuple[tuple[jax.Array, jax.Array], None]:
-    """One layer on the fed token's residual 'B/dp 1 M/t', writing its k, v into the cache."""
+    """One layer on the fed token's residual 'B/dp 1 M/t', writing its entry into the cache."""
     cfg = spec.cfg
     x, kv = carry
     w, layer = xs
-    q, k, v = attention_inputs(cfg, w, x, rope)
-    # Write this token's k, v in place at cache index `index`, then read the layer's cache.
-    new = jnp.stack([k, v])[None].astype(kv.dtype)  # '1 2 B/dp L@zigzag/c K/t D', L = 1
-    zero = jnp.int32(0)
-    kv = lax.dynamic_update_slice(kv, new, (layer, zero, zero, index, zero, zero))
-    cache_k, cache_v = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
-    # One query against the cache is a matrix-vector product: plain einsum attention.
-    attn = attention(q, cache_k, cache_v, mask, "einsum", causal_only=False)
-    return (after_attention(cfg, blocks, w, attention_output(cfg, w, x, attn)), kv), None
+    a = Activations(blocks[:1], {"x": x})  # the layer's attention block
+    new = spec.cache.entry(cfg, w, a, rope)[None].astype(kv.dtype)  # a layer's cache, L = 1
+    # Write this token's entry in place at cache index `index`, then read the layer's cache.
+    at = [jnp.int32(0)] * kv.ndim
+    at[0], at[spec.cache.seq_axis] = layer, index
+    kv = lax.dynamic_update_slice(kv, new, at)
+    h = spec.cache.decode(cfg, w, a, lax.dynamic_index_in_dim(kv, layer, keepdims=False), mask)
+    return (after_attention(cfg, blocks, w, h), kv), None
 
 
 def _decode_step(
@@ -351,10 +439,10 @@ def _decode_step(
     temperature: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per device: feed token 'B/dp' at cache index ``index`` -> the next token 'B/dp', its
-    logits 'B/dp V/t' and the cache 'all_layers 2 B/dp S K/t D' holding the fed token's k, v."""
+    logits 'B/dp V/t' and the cache (``spec.cache_type``) holding the fed token's entry."""
     cfg = spec.cfg
     rope = rope_cos_sin(cfg, (index - start)[:, None])
-    keys = jnp.arange(kv.shape[3], dtype=jnp.int32)
+    keys = jnp.arange(spec.cache_len, dtype=jnp.int32)
     # Keys from the row's first real token up to and including this one.
     mask = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= index))[:, None, :]
     x = embed(cfg, w, token[:, None])
