@@ -39,6 +39,7 @@ from seqshard.model.block import Activations
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows
 from seqshard.model.layers import MTP_STACK, layer_forward, layer_inputs, mtp_stack
+from seqshard.model.mtp_block import MTP_ENTRY
 from seqshard.model.norm import norm_input, normed
 from seqshard.model.vocab import embed_lookup, embed_table, loss_terms_and_softmax
 from seqshard.shardlib import collective_log, shardops
@@ -78,6 +79,7 @@ def mtp_loss(
                 out_dtype=jnp.float32,
             )
         terms = loss_terms_and_softmax(logits, targets, counted)[0]
+        aux[MTP_ENTRY.name] = {"loss": terms[0] / jnp.maximum(terms[1], 1.0)}
         return h_new, (terms, aux)
 
     body = explicit_activation_checkpointing(module, cfg.remat)
@@ -89,7 +91,7 @@ def mtp_loss(
     for b in stack.aux_blocks:  # the modules' MoE balancing terms, as the layers'
         for f in b.aux.loss:
             value = value + jnp.sum(aux[b.name][f])
-    return count * value, ({MTP_STACK: aux} if aux else {})
+    return count * value, {MTP_STACK: aux}
 
 
 def mtp_terms(

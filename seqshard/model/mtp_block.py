@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from seqshard.model.block import (
     Activation,
     Activations,
+    Aux,
     Block,
     LayerInputs,
     elementwise,
@@ -39,7 +40,7 @@ from seqshard.model.norm import norm_input, normed
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
-__all__ = ["MTP_ENTRY", "MTPWeights", "mtp_entry_forward"]
+__all__ = ["MTP_ENTRY", "MTPWeights", "mtp_entry_forward", "mtp_metrics"]
 
 # DeepSeek-V3's checkpoints hold module k as the layer after the last: model.layers.{n_layers + k - 1}.
 _LAYER = "model.layers.{i}."
@@ -65,8 +66,12 @@ class MTPWeights:
 _R = "B/dp L/c M/t"
 
 
-def mtp_entry_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array:
-    """The module's input residual ``x`` from ``a['h_prev']`` and ``a['emb']`` (both residuals)."""
+def mtp_entry_forward(
+    cfg: ModelConfig, inputs: LayerInputs, w, a: Activations
+) -> tuple[jax.Array, dict]:
+    """The module's input residual ``x`` from ``a['h_prev']`` and ``a['emb']`` (both
+    residuals); its auxiliary output, the module's mean loss, is filled in by
+    :func:`seqshard.model.mtp.mtp_loss` once the module's head has run."""
     dt = jnp.dtype(cfg.compute_dtype)
     enorm = a("enorm", lambda: shardops.all_gather("M/t/fsdp -> M", w.enorm))
     hnorm = a("hnorm", lambda: shardops.all_gather("M/t/fsdp -> M", w.hnorm))
@@ -84,7 +89,17 @@ def mtp_entry_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) 
         # Each t shard contracted its slice of N: sum the shards into the residual's layout.
         return shardops.psum_scatter(f"B/dp L@zigzag/c M -> {cfg.residual_spec}", out)
 
-    return a("x", combined)
+    return a("x", combined), {}
+
+
+def mtp_metrics(cfg: ModelConfig, aux: dict, names, w) -> dict[str, jax.Array]:
+    """The log's figures: each module's mean cross-entropy (``mtp_loss/<k>``, k = 1 .. depth:
+    predicting the token k + 1 ahead) and their mean (``mtp_loss``, before loss_weight)."""
+    losses = aux["loss"]
+    out = {"mtp_loss": jnp.mean(losses)}
+    for k in range(losses.shape[0]):
+        out[f"mtp_loss/{k + 1}"] = losses[k]
+    return out
 
 
 MTP_ENTRY = Block(
@@ -110,6 +125,7 @@ MTP_ENTRY = Block(
     forward=mtp_entry_forward,
     input="h_prev",
     output="x",
+    aux=Aux(fields={"loss": ""}, mean=("loss",), metrics=mtp_metrics),
 )  # fmt: skip
 """The entry block of a multi-token prediction module (its head norm's weight rides along in
 :class:`MTPWeights`; its head's operations are :mod:`seqshard.model.mtp`'s)."""

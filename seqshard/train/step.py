@@ -23,7 +23,8 @@ from jax.sharding import Mesh
 
 from seqshard.batch import TokenBatch, split_microbatches
 from seqshard.config import Config
-from seqshard.model.layers import stacks, zero_aux
+from seqshard.model.layers import MTP_STACK, aux_stacks, zero_aux
+from seqshard.model.mtp_block import MTP_ENTRY
 from seqshard.model.sharded import batch_loss_terms, batch_terms_and_aux
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log
@@ -107,7 +108,7 @@ def _mean_fields_averaged(cfg: Config, aux: dict, k: int) -> dict:
     """The auxiliary outputs summed over ``k`` microbatches, each block's ``mean`` fields
     divided by k (the rest stay sums)."""
     out = {}
-    for stack in stacks(cfg.model):
+    for stack in aux_stacks(cfg.model):
         if stack.name not in aux:
             continue
         out[stack.name] = {
@@ -123,20 +124,27 @@ def aux_metrics(cfg: Config, aux: dict, weights, p: int = 1) -> dict[str, jax.Ar
     model: the outputs follow the stored stacks (as their weights), which the circular
     pipeline schedule over ``p`` stages reorders (:func:`~seqshard.train.state.layer_order`)."""
     names, start, out = layer_order(cfg, p), 0, {}
-    for stack in stacks(cfg.model):
-        stack_names = names[start : start + stack.n_layers]
-        start += stack.n_layers
+    for stack in aux_stacks(cfg.model):
+        if stack.name == MTP_STACK:  # after the layers: named by the model's layer count on
+            stack_names = tuple(cfg.model.n_layers + k for k in range(stack.n_layers))
+        else:
+            stack_names = names[start : start + stack.n_layers]
+            start += stack.n_layers
         for b in stack.aux_blocks:
             if b.aux.metrics is not None and stack.name in aux:
                 w = getattr(weights, stack.name)
-                out.update(b.aux.metrics(cfg.model, aux[stack.name][b.name], stack_names, w))
+                figures = b.aux.metrics(cfg.model, aux[stack.name][b.name], stack_names, w)
+                if stack.name == MTP_STACK and b is not MTP_ENTRY:
+                    # A module's MoE: its own figures beside the layers' (mtp_moe_aux_loss, ...)
+                    figures = {f"mtp_{k}": v for k, v in figures.items()}
+                out.update(figures)
     return out
 
 
 def updated_by_aux(cfg: Config, weights, aux: dict):
     """The weights after each block's per-step state update (:class:`~seqshard.model.block.Aux`
     ``update``: the router bias) from the step's auxiliary outputs."""
-    for stack in stacks(cfg.model):
+    for stack in aux_stacks(cfg.model):
         for b in stack.aux_blocks:
             if b.aux.update is not None and stack.name in aux:
                 layers = b.aux.update(
