@@ -121,3 +121,75 @@ def test_targets_never_cross_a_document_or_the_row():
     mask = jnp.array([[True] * 5 + [False] * 3])
     masked = tokens_ahead(tokens, starts, mask, depth=1)
     np.testing.assert_array_equal(masked.counted[0, 0], [1, 0, 0, 0, 0, 0, 0, 0])  # 5 on: masked
+
+
+PIPE_CFG = tiny_model(
+    n_layers=2,
+    moe=MoEConfig(n_experts=4, top_k=2, d_ff=32, router="sigmoid", balance="bias"),
+    mtp=MTPConfig(depth=2, loss_weight=0.3),
+)
+
+
+def _pipelined(cfg, sizes, schedule):
+    from seqshard.batch import token_batch
+    from seqshard.model.pipeline.schedule import Pipeline
+    from seqshard.model.sharded import batch_terms_and_aux
+
+    mesh = mesh_of_sizes(sizes)
+    structs = weight_structs(cfg, mesh)
+    placed = jax.device_put(_weights(cfg), jax.tree.map(lambda s: s.sharding, structs))
+    pipe = Pipeline(schedule=schedule, microbatches=2)
+
+    def loss(w):
+        (total, count), aux = batch_terms_and_aux(w, token_batch(TOKENS, STARTS), cfg, mesh, pipe)
+        return total / count, aux
+
+    (value, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(placed)
+    return jax.tree.map(np.asarray, (value, grads)), jax.tree.map(np.asarray, aux)
+
+
+@functools.cache
+def _per_microbatch_reference(cfg):
+    """The loss over 2 microbatches (rows i, i + 2, ...) as the pipeline sums it: each
+    microbatch's mean (the modules' and balancing terms included) weighed by its counted
+    positions."""
+
+    def loss(w):
+        totals, counts = [], []
+        for i in range(2):
+            tokens, starts = TOKENS[i::2], STARTS[i::2]
+            n = jnp.sum(~jnp.asarray(starts)[:, 1:], dtype=jnp.float32)
+            totals.append(reference_loss_fn(w, tokens, starts, cfg) * n)
+            counts.append(n)
+        return sum(totals) / sum(counts)
+
+    return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(loss))(_weights(cfg)))
+
+
+PIPE_MLA = dataclasses.replace(
+    PIPE_CFG, attention="mla", n_q_per_kv=1, n_kv=4, d_head=12, mla=MLA.mla
+)
+
+
+@pytest.mark.parametrize(
+    "schedule,backward,cfg",
+    [
+        ("gpipe", "explicit", PIPE_CFG),
+        ("gpipe", "autodiff", PIPE_CFG),
+        ("1f1b", "explicit", PIPE_CFG),
+        ("1f1b", "autodiff", PIPE_CFG),
+        ("1f1b", "explicit", PIPE_MLA),
+        ("gpipe", "autodiff", PIPE_MLA),
+    ],
+    ids=["gpipe-explicit", "gpipe-autodiff", "1f1b-explicit", "1f1b-autodiff",
+         "mla-1f1b-explicit", "mla-gpipe-autodiff"],
+)  # fmt: skip
+def test_pipelined_runs_the_modules_on_the_last_stage(schedule, backward, cfg):
+    got, aux = _pipelined(
+        dataclasses.replace(cfg, backward=backward), {"p": 2, "e": 2, "d": 2}, schedule
+    )
+    assert_close(got, _per_microbatch_reference(cfg))
+    # Each module's mean loss, averaged over the microbatches, on every stage.
+    assert aux["mtp"]["mtp_entry"]["loss"].shape == (2,)
+    assert np.all(aux["mtp"]["mtp_entry"]["loss"] > 0)
+    assert aux["mtp"]["moe"]["load"].sum() > 0

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,14 +74,24 @@ from seqshard.batch import TokenBatch
 from seqshard.model.backward import explicit_run_stack
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
-from seqshard.model.layers import Stack, aux_losses, run_stack, stacks, zero_aux
+from seqshard.model.layers import (
+    MTP_STACK,
+    Stack,
+    aux_losses,
+    mtp_stack,
+    run_stack,
+    stacks,
+    zero_aux,
+)
+from seqshard.model.mtp import mtp_terms
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.pipeline.spmd import circular_forward_with_aux, one_f_one_b_with_aux
 from seqshard.model.transformer import embed, final_norm, loss_terms_and_softmax, unembed
-from seqshard.model.weights import Weights
+from seqshard.model.weights import Weights, weights_type
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.dataflow import cotangent_after, varying_over_stages
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
+from seqshard.shardlib.shardtypes import ArrayType, type_tree
 
 __all__ = [
     "pipelined_terms_and_aux",
@@ -91,10 +101,14 @@ __all__ = [
 
 class _Head(NamedTuple):
     """The weights the last stage's head reads (``final_norm`` and ``unembed`` read these
-    fields of a :class:`~seqshard.model.weights.Weights`)."""
+    fields of a :class:`~seqshard.model.weights.Weights`); with ``model.mtp`` also the
+    embedding and the multi-token prediction modules (:func:`~seqshard.model.mtp.mtp_loss`
+    reads ``embed``, ``unembed`` and ``mtp``)."""
 
     final_norm: jax.Array
     unembed: jax.Array
+    embed: jax.Array | None = None
+    mtp: Any = None
 
 
 class _Embed(NamedTuple):
@@ -114,15 +128,20 @@ def _microbatch(tree, i: jax.Array):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
-def _head_terms(cfg: ModelConfig, head: _Head, y: jax.Array, rows: SequenceRows) -> jax.Array:
-    """One microbatch's f32[2] (summed loss, positions counted) from the last layer's output."""
+def _head_terms(
+    cfg: ModelConfig, head: _Head, y: jax.Array, rows: SequenceRows
+) -> tuple[jax.Array, dict]:
+    """One microbatch's f32[2] (summed loss, positions counted) from the last layer's output,
+    the multi-token prediction modules' loss included, and their auxiliary outputs (empty
+    without ``model.mtp``)."""
     with shape_scope():  # B is a microbatch's rows here
         return _head_terms_in_scope(cfg, head, y, rows)
 
 
 def _head_terms_in_scope(cfg: ModelConfig, head: _Head, y: jax.Array, rows: SequenceRows):
     logits = unembed(cfg, head, final_norm(cfg, head, y))
-    return loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
+    terms = loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
+    return mtp_terms(cfg, head, rows, y, terms, {})
 
 
 def _on_last_stage_summed(terms: jax.Array, own: jax.Array | None = None) -> jax.Array:
@@ -156,8 +175,12 @@ def _stack(cfg: ModelConfig) -> Stack:
 def _stages(cfg: ModelConfig, pipe: Pipeline, batch: TokenBatch):
     """(the rows, the rows as microbatches 'm b ...', the stage function ``(block, x, i) ->
     (y, the block's auxiliary outputs)``)."""
-    rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask)
-    micro = jax.tree.map(functools.partial(to_microbatches, m=pipe.microbatches), rows)
+    rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask, cfg.mtp.depth)
+    split = functools.partial(to_microbatches, m=pipe.microbatches)
+    micro = jax.tree.map(split, rows._replace(ahead=None))
+    if rows.ahead is not None:  # 'D B ...' -> 'm D b ...'
+        ahead = jax.tree.map(lambda a: split(a.swapaxes(0, 1)).swapaxes(1, 2), rows.ahead)
+        micro = micro._replace(ahead=ahead)
     run = explicit_run_stack if cfg.backward == "explicit" else run_stack
     stack = _stack(cfg)
 
@@ -248,6 +271,7 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch
     head = _Head(
         _per_stage((_GAIN, "final_norm"), static, w.final_norm),
         _per_stage((_TABLE, "logits"), static, w.unembed),
+        *_mtp_per_stage(cfg, static, table, w),
     )
     xs = _embedded(cfg, pipe, table, rows)
     # This stage's v layer blocks, one per round (circular; v = 1: gpipe).
@@ -261,19 +285,63 @@ def _gpipe_terms(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: TokenBatch
     def head(_, y_rows):
         return None, per_microbatch(*y_rows)
 
-    _, terms = collective_log.scan("head", head, None, (ys, micro))
+    _, (terms, head_aux) = collective_log.scan("head", head, None, (ys, micro))
     # The head's backward (a loop that recomputes it) reads these terms, so it runs after the
     # head's forward loop on every device (XLA's CPU runtime orders by data).
     terms = jnp.sum(cotangent_after(terms), axis=0)
+    head_aux = _head_step_aux(cfg, head_aux)
     if not aux:
-        return _on_last_stage_summed(terms), {}
+        return _on_last_stage_summed(terms), head_aux
     m = pipe.microbatches
     aux = jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:]), aux)  # round r·m + i
     balancing, step_aux = _balancing_and_stats(cfg, aux, _microbatch_counts(micro))
-    return _on_last_stage_summed(terms, balancing), {_stack(cfg).name: step_aux}
+    return _on_last_stage_summed(terms, balancing), {_stack(cfg).name: step_aux, **head_aux}
 
 
 _TABLE, _GAIN = "V/t M/fsdp", "M/t/fsdp"  # the replicated weights' per-device layouts
+
+
+def _mtp_per_stage(cfg: ModelConfig, static, table: jax.Array, w: Weights) -> tuple:
+    """(the embedding, the modules' weights) the last stage's multi-token prediction reads,
+    per stage as the head's (each gradient summed over p once), or () without ``model.mtp``.
+    ``table``: the embedding already made per stage (its gradient sums both uses)."""
+    if cfg.mtp.depth == 0:
+        return ()
+    types = getattr(type_tree(weights_type(cfg)), MTP_STACK)
+    layers = jax.tree.map(
+        lambda t, a: _per_stage((str(t.shape), MTP_STACK), static, a),
+        types,
+        getattr(w, MTP_STACK),
+        is_leaf=lambda x: isinstance(x, ArrayType),
+    )
+    return table, layers
+
+
+def _head_step_aux(cfg: ModelConfig, head_aux: dict) -> dict:
+    """The multi-token prediction modules' auxiliary outputs of the step from each
+    microbatch's ``[m, ...]`` (made on the last stage): summed over the microbatches (``mean``
+    fields their mean) as gradient accumulation reports them, replicated over p."""
+    stack = mtp_stack(cfg)
+    if stack is None:
+        return {}
+    means = {b.name: b.aux.mean for b in stack.aux_blocks}
+    step = {
+        name: {
+            f: (jnp.mean if f in means[name] else jnp.sum)(lax.stop_gradient(v), axis=0)
+            for f, v in fields.items()
+        }
+        for name, fields in head_aux[MTP_STACK].items()
+    }
+    p, s = shardops.axis_size("p"), shardops.axis_index("p")
+    leaves, tree = jax.tree.flatten(step)
+    flat = jnp.concatenate([jnp.where(s == p - 1, a, 0.0).reshape(-1) for a in leaves])
+    with shape_scope():
+        flat = shardops.psum("G{U_p} -> G", flat)  # the last stage's, on every stage
+    out, start = [], 0
+    for a in leaves:
+        out.append(flat[start : start + a.size].reshape(a.shape))
+        start += a.size
+    return {MTP_STACK: jax.tree.unflatten(tree, out)}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -322,9 +390,14 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: To
     xs, embed_vjp = jax.vjp(lambda t: _embedded(cfg, pipe, t, rows), table)
 
     def head_loss(head: _Head, y, i):
-        return _head_terms(cfg, head, y, _microbatch(micro, i))[0]
+        terms, head_aux = _head_terms(cfg, head, y, _microbatch(micro, i))
+        return (terms[0], head_aux) if cfg.mtp.depth else terms[0]
 
-    head = _Head(w.final_norm, w.unembed)
+    mtp = (w.embed, getattr(w, MTP_STACK)) if cfg.mtp.depth else ()
+    head = _Head(w.final_norm, w.unembed, *mtp)
+    head_aux_like = None
+    if cfg.mtp.depth:
+        head_aux_like = {MTP_STACK: zero_aux(cfg)[MTP_STACK]}
     stack = _stack(cfg)
     aux_like = _block_aux_zeros(cfg, shardops.axis_size("p"))
     counts = _microbatch_counts(micro) if aux_like else None
@@ -342,8 +415,8 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: To
             for name, fields in aux_like.items()
         }
 
-    loss, d_layers, d_head, d_xs, aux = one_f_one_b_with_aux(
-        stage, head_loss, getattr(w, stack.name), head, xs, aux_like, aux_cotangent
+    loss, d_layers, d_head, d_xs, aux, head_aux = one_f_one_b_with_aux(
+        stage, head_loss, getattr(w, stack.name), head, xs, aux_like, aux_cotangent, head_aux_like
     )
     (d_embed,) = embed_vjp(d_xs)
     count = jnp.sum(micro.counted.astype(jnp.float32))
@@ -354,6 +427,9 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: To
         balancing, stack_aux = _balancing_and_stats(cfg, aux, counts)
         step_aux = {stack.name: stack_aux}
     loss = _on_last_stage_summed(jnp.stack([loss, 0.0]), balancing)[0]
+    if cfg.mtp.depth:
+        # The modules read the embedding on the last stage: its share joins stage 0's.
+        d_embed = d_embed + d_head.embed
     grads = dict(
         # Made on one stage (zeros on the others): summed over p, as the replicated weights' are.
         embed=shardops.psum(f"{_TABLE}{{U_p}} -> {_TABLE}", d_embed),
@@ -361,7 +437,22 @@ def _one_f_one_b_forward(cfg: ModelConfig, pipe: Pipeline, w: Weights, batch: To
         unembed=shardops.psum(f"{_TABLE}{{U_p}} -> {_TABLE}", d_head.unembed),
     )
     grads[stack.name] = d_layers
+    if cfg.mtp.depth:
+        types = getattr(type_tree(weights_type(cfg)), MTP_STACK)
+        grads[MTP_STACK] = jax.tree.map(
+            lambda t, g: _summed_over_stages(str(t.shape), g),
+            types,
+            d_head.mtp,
+            is_leaf=lambda x: isinstance(x, ArrayType),
+        )
+        step_aux = {**step_aux, **_head_step_aux(cfg, head_aux)}
     return (jnp.stack([loss, count]), step_aux), type(w)(**grads)
+
+
+def _summed_over_stages(spec: str, g: jax.Array) -> jax.Array:
+    """A gradient made on one stage (zeros on the others), summed over p."""
+    with collective_log.part(MTP_STACK):
+        return shardops.psum(f"{spec}{{U_p}} -> {spec}", g)
 
 
 def _one_f_one_b_backward(cfg, pipe, grads: Weights, cotangents):

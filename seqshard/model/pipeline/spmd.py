@@ -164,7 +164,8 @@ def one_f_one_b_with_aux(
     xs: jax.Array,
     aux_like: Any,
     aux_cotangent: Callable[[jax.Array], Any] | None,
-) -> tuple[jax.Array, Any, Any, jax.Array, Any]:
+    head_aux_like: Any = None,
+) -> tuple[jax.Array, Any, Any, jax.Array, Any, Any]:
     """1F1B: (the loss summed over microbatches, this stage's block's gradient, the head's
     gradient, the gradient of each microbatch input ``[m, ...]``).
 
@@ -177,7 +178,11 @@ def one_f_one_b_with_aux(
     ``stage_fn`` returns ``(y, aux)`` (``aux_like``: zeros shaped as one aux, or None); the
     backward of microbatch i differentiates the loss plus whatever the caller adds of its aux,
     whose gradient is ``aux_cotangent(i)`` (a pytree like aux). Also returns this stage's
-    auxs ``[m, ...]``, one per microbatch, as its forward made them."""
+    auxs ``[m, ...]``, one per microbatch, as its forward made them.
+
+    ``head_aux_like`` (zeros shaped as one, or None): ``head_fn`` returns ``(loss, aux)``,
+    its aux reported, not differentiated; the last returned value is each microbatch's
+    ``[m, ...]`` (on the last stage; zeros elsewhere), or None."""
     p, s = shardops.axis_size("p"), shardops.axis_index("p")
     m = xs.shape[0]
     slots = min(m, 2 * p - 1)  # the most inputs a stage holds (stage 0)
@@ -187,7 +192,7 @@ def one_f_one_b_with_aux(
     last = s == p - 1
 
     def tick(carry, t):
-        held, cotangent, stash, loss, d_block, d_head, d_xs, auxs = carry
+        held, cotangent, stash, loss, d_block, d_head, d_xs, auxs, head_auxs = carry
         i = t - s
         forward = (i >= 0) & (i < m)
         ic = jnp.clip(i, 0, m - 1)
@@ -202,8 +207,15 @@ def one_f_one_b_with_aux(
         # The tick runs in one order on every device: forward, head, shift forward, backward,
         # shift back, each reading what the one before made (:func:`after`).
         # On the last stage the backward is of the microbatch it just ran forward (b == i).
-        value, (d_h, d_y) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, bc)
         counts = last & backward
+        if head_aux_like is None:
+            value, (d_h, d_y) = jax.value_and_grad(head_fn, argnums=(0, 1))(head, y, bc)
+        else:
+            grad = jax.value_and_grad(head_fn, argnums=(0, 1), has_aux=True)
+            (value, head_aux), (d_h, d_y) = grad(head, y, bc)
+            head_auxs = jax.tree.map(
+                lambda acc, a: _put(acc, bc, lax.stop_gradient(a), counts), head_auxs, head_aux
+            )
         loss = loss + jnp.where(counts, value, 0.0)
         d_head = jax.tree.map(lambda acc, g: acc + jnp.where(counts, g, 0), d_head, d_h)
         sent = _shift(after(y, value, d_h, d_y), 1)
@@ -215,7 +227,8 @@ def one_f_one_b_with_aux(
         d_w, d_x = vjp((jnp.where(backward, g, 0), d_aux))
         d_block = jax.tree.map(jnp.add, d_block, d_w)
         d_xs = _put(d_xs, bc, d_x, backward & (s == 0))
-        return (sent, _shift(d_x, -1), stash, loss, d_block, d_head, d_xs, auxs), None
+        carry = (sent, _shift(d_x, -1), stash, loss, d_block, d_head, d_xs, auxs, head_auxs)
+        return carry, None
 
     zeros = jnp.zeros_like(xs[0])
     init = varying_over_stages(
@@ -228,10 +241,11 @@ def one_f_one_b_with_aux(
             jax.tree.map(jnp.zeros_like, head),
             jnp.zeros_like(xs),
             jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), aux_like),
+            jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), head_aux_like),
         )
     )
     ticks = jnp.arange(m + 2 * (p - 1))
-    (_, _, _, loss, d_block, d_head, d_xs, auxs), _ = collective_log.scan(
+    (_, _, _, loss, d_block, d_head, d_xs, auxs, head_auxs), _ = collective_log.scan(
         "ticks", tick, init, ticks
     )
-    return loss, d_block, d_head, d_xs, auxs
+    return loss, d_block, d_head, d_xs, auxs, head_auxs
