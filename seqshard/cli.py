@@ -891,12 +891,14 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "export",
-        "write a run's checkpoint as a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE",
+        "write a run's checkpoint as a Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE or "
+        "DeepSeek-V3",
         _export_arguments,
         _export,
         "Write RUN_DIR's newest good checkpoint (or --step) to OUT_DIR as a Hugging Face Llama, "
-        "Qwen3, Mixtral or Qwen3-MoE directory, whichever holds the model (model.qk_norm and "
-        "model.moe decide): config.json, safetensors weights split above --max-file-size with "
+        "Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 directory, whichever holds the model "
+        "(model.attention, model.qk_norm and model.moe decide): config.json, safetensors "
+        "weights split above --max-file-size with "
         "their index, and the run's tokenizer, with its chat template for a chat-tuned run, which "
         "transformers' AutoModelForCausalLM and AutoTokenizer (apply_chat_template) load. "
         "Start a run from such a directory with the config key init.from_hf: PATH.",

@@ -283,8 +283,8 @@ class RuntimeConfig:
 class InitConfig:
     """Where a new run's weights come from (a resumed run restores its checkpoint instead).
 
-    from_hf: a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE directory (config.json,
-    model*.safetensors, tokenizer.json):
+    from_hf: a Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 directory
+    (config.json, model*.safetensors, tokenizer.json):
     its weights, read into the sharded layout (:mod:`seqshard.hf.load`), its model sizes
     (model fields the config leaves to its bases are filled from config.json; those written in
     the file that names from_hf, or in overrides, must agree), and its tokenizer (unless

@@ -137,7 +137,22 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         "rope_low_freq_factor": 2.0,
         "rope_high_freq_factor": 8.0,
         "rope_original_max_position": 1024,
+        "rope_beta_fast": 16.0,
+        "rope_beta_slow": 2.0,
+        "rope_mscale": 0.5,
+        "rope_mscale_all_dim": 0.25,
         "qk_norm": True,
+        "attention": "gqa",
+        # read only with attention: mla, but set and kept all the same
+        "mla": {
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+            "rope_interleave": False,
+        },
+        "mtp": {"depth": 1, "loss_weight": 0.1},
         "ffn": "swiglu",
         "moe": {
             "n_experts": 4,
@@ -160,8 +175,9 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (
         "a ModelConfig field was added or renamed: add it here"
     )
-    flat = {f"moe.{k}": v for k, v in values["moe"].items()}
-    flat |= {k: v for k, v in values.items() if k != "moe"}
+    nested = ("moe", "mla", "mtp")
+    flat = {f"{n}.{k}": v for n in nested for k, v in values[n].items()}
+    flat |= {k: v for k, v in values.items() if k not in nested}
     cfg = load(
         *(f"model.{k}={v}" for k, v in flat.items()),
         "mesh.d=2",

@@ -1,4 +1,5 @@
-"""Hugging Face interop: Llama checkpoints in, runs out.
+"""Hugging Face interop: Llama, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints in, runs
+out (:mod:`seqshard.hf.hf_config` lists what each maps to).
 
     init: {from_hf: path/to/Llama-3.2-1B}          # a config key: start a run from its weights
     seqshard export runs/NAME hf/NAME                # a run's checkpoint as a HF Llama directory

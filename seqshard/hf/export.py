@@ -1,6 +1,6 @@
 """Write a model's weights as a Hugging Face model directory that transformers loads: a
-Llama, or a Qwen3, Mixtral or Qwen3-MoE (``seqshard.hf.hf_config.architecture_of``: qk_norm
-and experts decide).
+Llama, or a Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 (``seqshard.hf.hf_config.architecture_of``:
+the attention kind, qk_norm and experts decide).
 
     seqshard export runs/tiny-cpu hf/tiny-cpu            # the newest good checkpoint
     seqshard export runs/tiny-cpu hf/tiny-cpu --step 200 --dtype bfloat16
@@ -34,9 +34,13 @@ beside ``OUT_DIR`` and renamed into place when complete, so a failed export (a f
 kill) leaves no half-written model where a finished one is expected.
 
 A model with ``moe.balance=bias`` has a trained ``router_bias``, which shifts which experts each
-token picks. Neither Mixtral nor Qwen3-MoE has one, and it cannot be folded into the router
-(it moves the choice, not the gates), so an export of a nonzero bias is refused (it would load
-and run, choosing other experts: wrong without a sign). Zero is exported as nothing.
+token picks. DeepSeek-V3 holds it (``mlp.gate.e_score_correction_bias``). Neither Mixtral nor
+Qwen3-MoE has one, and it cannot be folded into the router (it moves the choice, not the
+gates), so their export of a nonzero bias is refused (it would load and run, choosing other
+experts: wrong without a sign). Zero is exported as nothing.
+
+A DeepSeek-V3 export holds no multi-token prediction module (``num_nextn_predict_layers: 0``):
+transformers' model runs none, and seqshard does not write ``model.mtp``'s weights yet.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from jax.experimental import multihost_utils
 
 from seqshard.data.sft import ChatTemplate
 from seqshard.data.tokenizer import EOT, eot_id, load_tokenizer
-from seqshard.hf.hf_config import CONFIG_FILE, architecture_of, hf_config_dict
+from seqshard.hf.hf_config import CONFIG_FILE, DEEPSEEK_V3, architecture_of, hf_config_dict
 from seqshard.hf.safetensors_io import (
     DTYPES,
     SINGLE_FILE,
@@ -83,9 +87,9 @@ DEFAULT_MAX_FILE_BYTES = 2 * 2**30
 
 def max_position(model: ModelConfig, seq_len: int) -> int:
     """The ``max_position_embeddings`` an export declares: the sequence length trained on, or
-    llama3 rope's ``original_max_position * factor`` where that is longer (the length its
-    rescaled frequencies were made for)."""
-    if model.rope_type == "llama3":
+    llama3 or yarn rope's ``original_max_position * factor`` where that is longer (the length
+    its rescaled frequencies were made for)."""
+    if model.rope_type in ("llama3", "yarn"):
         return max(seq_len, int(model.rope_original_max_position * model.rope_factor))
     return seq_len
 
@@ -152,7 +156,7 @@ def export_run(
     log: Callable[[str], None] = print,
 ) -> ExportResult:
     """Write ``weights`` (of ``export.model``, its layers in the model's order, sharded on any
-    mesh; every process calls this) to ``export.out_dir`` as a Hugging Face Llama, with its
+    mesh; every process calls this) to ``export.out_dir`` as its Hugging Face model, with its
     configs and tokenizer. Logs one line, naming ``source`` (e.g. ``"runs/x step 6"``)."""
     export.check()
     out_dir, dtype = export.out_dir, export.dtype
@@ -193,7 +197,8 @@ def export_weights(
 ) -> tuple[list[str], int]:
     """Write ``weights`` (of ``model``) as Hugging Face safetensors files in ``directory``
     (process 0; every process gathers). Returns the file names and the bytes of tensor data.
-    Raises ValueError, before writing, for a nonzero ``router_bias`` (module docstring)."""
+    Raises ValueError, before writing, for a nonzero ``router_bias`` an architecture without
+    one would drop (module docstring)."""
     _check_router_bias(weights, model)
     names = hf_tensor_names(model, architecture_of(model))
     by_name = {name: (row, where) for row, where, name in names}
@@ -224,6 +229,8 @@ def export_weights(
 
 def _check_router_bias(weights: Weights, model: ModelConfig) -> None:
     if "moe_layers" not in weights.stacks:  # no MoE layers, no router bias
+        return
+    if architecture_of(model) == DEEPSEEK_V3:  # exported as e_score_correction_bias
         return
     bias = weights.moe_layers.router_bias  # every process gathers it (a collective)
     if bias.is_fully_addressable:

@@ -1,13 +1,15 @@
 """Import a Hugging Face model directory's weights straight into seqshard's sharded layout
-(Llama, Qwen3, Mixtral, Qwen3-MoE: :mod:`seqshard.hf.hf_config`).
+(Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3: :mod:`seqshard.hf.hf_config`).
 
 One tensor at a time: each Hugging Face tensor is read from its safetensors file, rearranged to
 seqshard's layout (:mod:`seqshard.hf.table`, a view), and each local device's block of it is
 copied to that device (``jax.make_array_from_callback``). A layer's (an expert's) tensor is
 written into its slot of the stacked weight in place (a jitted update that donates the stack),
 so the host holds the weights placed so far plus about one tensor, never the whole model at
-once. Weights with no Hugging Face tensor start at zero: ``router_bias`` (the Hugging Face
-routers have none) and the weights of size 0 (shared experts, q_norm without qk_norm).
+once. Weights with no Hugging Face tensor start at zero: ``router_bias`` (Mixtral's and
+Qwen3-MoE's routers have none; DeepSeek-V3's is ``e_score_correction_bias``) and the weights of
+size 0. A DeepSeek-V3's multi-token prediction modules (``num_nextn_predict_layers`` layers
+after the model's, if the files hold them) are not imported: one line says so.
 
     weights = load_hf_weights("Llama-3.2-1B", cfg.model, mesh)   # Weights, sharded on mesh
 """
@@ -72,7 +74,14 @@ def load_hf_weights(
     check_model_agrees(hf, cfg)
     tensors = HFTensors(directory)
     names = hf_tensor_names(cfg, hf.architecture)
-    _check_tensors(tensors, hf, cfg, names)
+    skipped = _mtp_tensors(tensors, hf, cfg)
+    _check_tensors(tensors, hf, cfg, names, skipped)
+    if skipped:
+        log(
+            f"not imported: the {len(skipped)} tensors of {hf.path.name}'s "
+            f"num_nextn_predict_layers={hf.mtp_depth} multi-token prediction module(s) "
+            f"(model.layers.{cfg.n_layers}.* on): seqshard does not read them yet"
+        )
     structs = weight_structs(cfg, mesh)
     embed = next(r for r, _, _ in names if r.field == "embed")
     # Every weight starts at zero in its layout (those without a tensor stay so); each tensor
@@ -94,17 +103,33 @@ def load_hf_weights(
         x = _place(tensors, name, source, cfg, block.sharding, block.shape, log)
         placed[row.field] = _updater(target.sharding, len(where))(placed[row.field], x, *where)
         del x
-    n = sum(int(np.prod(s)) for s in tensors.shapes.values())
-    log(f"imported {len(tensors.shapes)} tensors ({n / 1e6:.1f}M values) from {hf.path.parent}")
+    read = [s for name, s in tensors.shapes.items() if name not in skipped]
+    n = sum(int(np.prod(s)) for s in read)
+    log(f"imported {len(read)} tensors ({n / 1e6:.1f}M values) from {hf.path.parent}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(structs)
     return treedef.unflatten(
         [placed[jax.tree_util.keystr(path, simple=True, separator=".")] for path, _ in leaves]
     )
 
 
-def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig, names) -> None:
+def _mtp_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig) -> set[str]:
+    """The tensors of the multi-token prediction modules config.json declares (DeepSeek-V3's
+    layers num_hidden_layers, ... of ``num_nextn_predict_layers``) that the files hold."""
+    prefixes = tuple(f"model.layers.{cfg.n_layers + k}." for k in range(hf.mtp_depth))
+    return {n for n in tensors.shapes if prefixes and n.startswith(prefixes)}
+
+
+def _check_tensors(
+    tensors: HFTensors, hf: HFModel, cfg: ModelConfig, names, skipped: set[str]
+) -> None:
     expected = {name: row for row, _, name in names}
-    have = {n for n in tensors.shapes if not n.endswith(_IGNORED_SUFFIXES)}
+    # A tensor of no element holds no weight (DeepSeek-V3's shared experts with
+    # n_shared_experts 0): nothing to place, nothing dropped.
+    have = {
+        n
+        for n, shape in tensors.shapes.items()
+        if np.prod(shape) and not n.endswith(_IGNORED_SUFFIXES)
+    } - skipped
     tied_ok = {"lm_head.weight"} if hf.tied else set()
     missing = sorted(set(expected) - have - tied_ok)
     if "lm_head.weight" in missing:

@@ -38,9 +38,34 @@ Mixtral calls ``mlp.gate`` ``block_sparse_moe.gate`` and the experts' ``gate_pro
 ``down_proj`` ``block_sparse_moe.experts.{x}.w1``, ``w3``, ``w2`` (:data:`RENAMES`). transformers 5
 holds each layer's experts fused in memory (``experts.gate_up_proj``) but ``save_pretrained``
 writes and ``from_pretrained`` reads these per-expert tensors, as the published checkpoints
-have them. ``router_bias`` (``moe.balance=bias``) and the shared experts have no tensor: import
-makes the bias zeros (Mixtral and Qwen3-MoE choose by the router's logits alone) and export
-refuses a nonzero one (:mod:`seqshard.hf.export`).
+have them. ``router_bias`` (``moe.balance=bias``) and the shared experts have no tensor there:
+import makes the bias zeros (Mixtral and Qwen3-MoE choose by the router's logits alone) and
+export refuses a nonzero one (:mod:`seqshard.hf.export`).
+
+DeepSeek-V3 (``model.attention: mla``) has the MLA block's tensors in each layer's attention
+(declared in :class:`seqshard.model.mla.MLAWeights`; ``w_q`` without the query latent, ``w_q_a``,
+``q_a_norm``, ``w_q_b`` with it)::
+
+    layers.w_q       f32['d_model/fsdp n_q_per_kv n_kv/t d_head']  self_attn.q_proj.weight            (n_kv n_q_per_kv d_head) d_model
+    layers.w_q_a     f32['d_model/fsdp q_lora']                self_attn.q_a_proj.weight           q_lora d_model
+    layers.q_a_norm  f32['q_lora']                             self_attn.q_a_layernorm.weight      q_lora
+    layers.w_q_b     f32['q_lora/fsdp n_q_per_kv n_kv/t d_head']  self_attn.q_b_proj.weight         (n_kv n_q_per_kv d_head) q_lora
+    layers.w_kv_a    f32['d_model/fsdp kv_a']                  self_attn.kv_a_proj_with_mqa.weight kv_a d_model
+    layers.kv_a_norm f32['kv_lora']                            self_attn.kv_a_layernorm.weight     kv_lora
+    layers.w_kv_b    f32['kv_lora/fsdp n_kv/t d_kv_b']         self_attn.kv_b_proj.weight          (n_kv d_kv_b) kv_lora
+    layers.w_o       f32['d_model/fsdp n_q_per_kv n_kv/t d_v'] self_attn.o_proj.weight             d_model (n_kv n_q_per_kv d_v)
+
+its dense layers' FFN as Llama's, its experts as Qwen3-MoE's, and (:data:`EXTRA`: weights the
+other families have no tensor for) the router bias and the shared experts::
+
+    moe_layers.router_bias  f32['experts']                     mlp.gate.e_score_correction_bias    experts
+    moe_layers.s_gate  f32['d_model/fsdp d_shared/t']          mlp.shared_experts.gate_proj.weight d_shared d_model
+    moe_layers.s_up    (as s_gate)                             mlp.shared_experts.up_proj.weight   d_shared d_model
+    moe_layers.s_down  (as s_gate)                             mlp.shared_experts.down_proj.weight d_model d_shared
+
+MLA's rows are copied as they are in either RoPE pairing (``mla.rope_interleave``): seqshard
+rotates the rope part as transformers' DeepSeek-V3 does, gathering interleaved pairs (2i, 2i+1)
+into halves first, for queries and keys alike (:func:`seqshard.model.mla.mla_rope`).
 
 Transpositions: Hugging Face linear weights are ``[out, in]`` (``y = x @ W.T``); seqshard's are
 ``[d_model, ...]`` for every projection, so q, k, v, gate and up are transposed and o and down
@@ -70,8 +95,8 @@ import functools
 import einops
 import numpy as np
 
-from seqshard.hf.hf_config import LLAMA, MIXTRAL
-from seqshard.model.config import ModelConfig, MoEConfig
+from seqshard.hf.hf_config import DEEPSEEK_V3, LLAMA, MIXTRAL
+from seqshard.model.config import MLAConfig, ModelConfig, MoEConfig
 from seqshard.model.layers import STACK_NAMES, runs
 from seqshard.model.moe import MOE
 from seqshard.model.weights import (
@@ -83,7 +108,7 @@ from seqshard.model.weights import (
 from seqshard.shardlib.notation import Shape
 from seqshard.shardlib.shardtypes import ArrayType, type_tree
 
-__all__ = ["RENAMES", "TABLE", "TensorRow", "hf_tensor_names", "row_of", "table"]
+__all__ = ["EXTRA", "RENAMES", "TABLE", "TensorRow", "hf_tensor_names", "row_of", "table"]
 
 RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
     MIXTRAL: (
@@ -95,6 +120,18 @@ RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 """An architecture's tensor names where they differ from the declared (Llama, Qwen3) ones."""
 
+_MOE_LAYER = "model.layers.{i}.mlp."
+EXTRA: dict[str, dict[str, tuple[str, str]]] = {
+    DEEPSEEK_V3: {
+        "moe_layers.router_bias": (_MOE_LAYER + "gate.e_score_correction_bias", "experts"),
+        "moe_layers.s_gate": (_MOE_LAYER + "shared_experts.gate_proj.weight", "d_shared d_model"),
+        "moe_layers.s_up": (_MOE_LAYER + "shared_experts.up_proj.weight", "d_shared d_model"),
+        "moe_layers.s_down": (_MOE_LAYER + "shared_experts.down_proj.weight", "d_model d_shared"),
+    },
+}
+"""An architecture's tensors for weights that declare none, because the other architectures
+have no such tensor (field -> name, layout): DeepSeek-V3's router bias and shared experts."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorRow:
@@ -105,6 +142,8 @@ class TensorRow:
     hf_name: str  # '{i}' stands for the layer, '{x}' for the expert
     hf_layout: str  # the Hugging Face tensor's dims in seqshard's names (einops)
     part: int | None = None
+    # the seqshard weight's type, for one layer if stacked: f32['d_model/fsdp d_ff/t']
+    weight_type: ArrayType | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def stack(self) -> str | None:
@@ -121,11 +160,6 @@ class TensorRow:
     def per_expert(self) -> bool:
         """Whether each expert is a tensor of its own (``{x}`` in the HF name)."""
         return "{x}" in self.hf_name
-
-    @property
-    def weight_type(self) -> ArrayType:
-        """The seqshard weight's type, for one layer if stacked: ``f32['d_model/fsdp d_ff/t']``."""
-        return _types()[self.field]
 
     @property
     def block_type(self) -> ArrayType:
@@ -183,31 +217,44 @@ def _groups(layout: str) -> list[str]:
     return out
 
 
-@functools.cache
-def _types() -> dict[str, ArrayType]:
-    """``'embed'``, ``'layers.w_q'``, ``'moe_layers.w_gate'`` (one layer's type) -> the
-    weight's type."""
+def _types(cls: type) -> dict[str, ArrayType]:
+    """``'embed'``, ``'layers.w_q'``, ``'moe_layers.w_gate'`` (one layer's type) -> the type
+    of each weight of the weights dataclass ``cls``."""
     out = {}
-    for moe in (False, True):
-        cls = _every_weight(moe)
-        tree = type_tree(cls)
-        layers = stack_layer_types(cls)
-        for field, t in tree.__dict__.items():
-            if field in layers:  # one layer's types
-                out.update(
-                    {f"{field}.{k}": v for k, v in type_tree(layers[field]).__dict__.items()}
-                )
-            else:
-                out[field] = t
+    tree, layers = type_tree(cls), stack_layer_types(cls)
+    for field, t in tree.__dict__.items():
+        if field in layers:  # one layer's types
+            out.update({f"{field}.{k}": v for k, v in type_tree(layers[field]).__dict__.items()})
+        else:
+            out[field] = t
     return out
 
 
 @functools.cache
-def _every_weight(moe: bool) -> type:
-    """The weights' dataclass of a config holding every weight a Hugging Face family may
-    have: q and k norms, and with ``moe`` a dense stack and an MoE one (shared experts too)."""
+def _every_weight(moe: bool, attention: str) -> tuple[type, ...]:
+    """The weights' dataclasses of configs that together hold every weight a Hugging Face
+    family may have: q and k norms (grouped-query attention), the query latent and the direct
+    query projection (multi-head latent attention: two configs), and with ``moe`` a dense
+    stack and an MoE one (shared experts too)."""
     experts = MoEConfig(n_experts=2, top_k=1, d_ff=8, n_shared=1, n_dense_layers=1)
-    return weights_type(ModelConfig(n_layers=2, qk_norm=True, moe=experts if moe else MoEConfig()))
+    base = ModelConfig(n_layers=2, moe=experts if moe else MoEConfig())
+    if attention == "gqa":
+        return (weights_type(dataclasses.replace(base, qk_norm=True)),)
+    mla = dataclasses.replace(base, attention="mla", n_q_per_kv=1, d_head=48, mla=MLAConfig())
+    latent = dataclasses.replace(mla, mla=MLAConfig(q_lora_rank=16))
+    return weights_type(latent), weights_type(mla)
+
+
+def _merged(orders: list[list[str]]) -> list[str]:
+    """The fields of several weights dataclasses once each, each new one after the field it
+    follows in its own class (the declared order: Hugging Face's file order)."""
+    out: list[str] = []
+    for order in orders:
+        for i, name in enumerate(order):
+            if name not in out:
+                before = [out.index(p) for p in order[:i] if p in out]
+                out.insert(max(before, default=-1) + 1, name)
+    return out
 
 
 @functools.cache
@@ -215,13 +262,20 @@ def table(moe: bool = False, architecture: str = LLAMA) -> tuple[TensorRow, ...]
     """Every seqshard weight with a Hugging Face tensor once (``w_kv`` as its two parts), in
     Hugging Face's file order, in ``architecture``'s names: every weight a dense model (with
     ``moe``, one with dense and MoE layers) may have. Read off the weights' declarations (each
-    block declares its weights' Hugging Face names beside its math)."""
+    block declares its weights' Hugging Face names beside its math), and :data:`EXTRA`."""
+    classes = _every_weight(moe, "mla" if architecture == DEEPSEEK_V3 else "gqa")
+    infos = [weight_info_by_path(cls) for cls in classes]
+    types = {k: v for cls in reversed(classes) for k, v in _types(cls).items()}
+    extra = EXTRA.get(architecture, {})
     rows = []
-    for field, info in weight_info_by_path(_every_weight(moe)).items():
-        for part, (hf_name, hf_layout) in enumerate(info.hf):
+    for field in _merged([list(info) for info in infos]):
+        info = next(i[field] for i in infos if field in i)
+        hf = info.hf or ((extra[field],) if field in extra else ())
+        for part, (hf_name, hf_layout) in enumerate(hf):
             for ours, theirs in RENAMES.get(architecture, ()):
                 hf_name = hf_name.replace(ours, theirs)
-            rows.append(TensorRow(field, hf_name, hf_layout, part if len(info.hf) > 1 else None))
+            part_of = part if len(hf) > 1 else None
+            rows.append(TensorRow(field, hf_name, hf_layout, part_of, types[field]))
     return tuple(rows)
 
 

@@ -104,11 +104,12 @@ from seqshard.model.layers import (
     Stack,
     layer_forward,
     layer_inputs,
+    read_after,
     run_stack,
     stacks,
     with_aux_losses,
 )
-from seqshard.model.mtp import mtp_loss, mtp_terms
+from seqshard.model.mtp import gathered_tables, mtp_before_head, mtp_loss, with_mtp
 from seqshard.model.transformer import (
     HEAD,
     embed,
@@ -120,6 +121,7 @@ from seqshard.model.transformer import (
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.dataflow import after
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
 
 __all__ = [
@@ -277,19 +279,25 @@ def head_backward(
 
 
 @part("embed")
-def embed_backward(cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array) -> jax.Array:
+def embed_backward(
+    cfg: ModelConfig, tokens: jax.Array, d_x: jax.Array, d_table: jax.Array | None = None
+) -> jax.Array:
     """The embedding table's gradient 'V/t M/fsdp' (f32) from dL/dx of the first
-    residual: the transpose of transformer.py's ``embed``."""
+    residual: the transpose of transformer.py's ``embed``. ``d_table``: another use's
+    gradient of the gathered table 'V/t M' (the multi-token prediction modules'), this
+    device's share, summed in the same reduction."""
     # The forward's psum_scatter summed the vocab shards' lookups over t; its transpose gives
     # every t shard the gradient of all of M.
     g = shardops.all_gather(f"{cfg.residual_spec} -> B/dp L@zigzag/c M", d_x)
     # index_unreduced's transpose: each t shard adds up the rows of its vocab block, over its
     # own B/dp rows only.
-    d_table = shardops.index_add(
+    summed = shardops.index_add(
         "B/dp L@zigzag/c M, B/dp L@zigzag/c -> V/t M{U_dp,c}", g, tokens, vocab=cfg.vocab
     )
+    if d_table is not None:
+        summed = summed + d_table.astype(summed.dtype)
     # Each d shard summed its own rows: sum the shards, keep FSDP's M/fsdp (the gather's transpose).
-    return shardops.psum_scatter("V/t M{U_fsdp} -> V/t M/fsdp", d_table).astype(jnp.float32)
+    return shardops.psum_scatter("V/t M{U_fsdp} -> V/t M/fsdp", summed).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,11 +386,12 @@ def _forward(cfg: ModelConfig, axes, w: Weights, batch: TokenBatch):
             )
             if out:
                 aux[stack.name] = out
+        last = x if cfg.mtp.depth else None
+        x, mtp, mtp_aux = mtp_before_head(cfg, w, rows, x)
         terms, head = head_forward(cfg, w, x, rows)
-        terms, aux = mtp_terms(cfg, w, rows, x, with_aux_losses(cfg, terms, aux), aux)
+        terms, aux = with_mtp(with_aux_losses(cfg, terms, aux), mtp), {**aux, **mtp_aux}
     # The weights are kept as they are (FSDP shards): the backward gathers them again. The
     # last residual too, when the multi-token prediction modules re-run from it.
-    last = x if cfg.mtp.depth else None
     return (terms, aux), (w, rows, kept_values, head, terms[1], last)
 
 
@@ -396,45 +405,59 @@ def _backward(cfg: ModelConfig, axes, residuals, cotangents):
     # Traced when JAX transposes the shard_map, after the body's scopes closed: reopen them.
     with block_axes_scope(dict(sizes), manual), shape_scope(), collective_log.phase("backward"):
         d_x, grads["final_norm"], grads["unembed"] = head_backward(cfg, head, rows, d_total)
-        d_embed = None
+        d_table = d_out_table = None
         if last is not None:
             # The modules read the last residual beside the head, and the shared embedding
-            # and output head: their shares of those gradients add up.
-            d_last, grads[MTP_STACK], d_embed, d_unembed = _mtp_backward(
-                cfg, w, rows, last, count, d_total
+            # and output head: their shares of those gradients add up. They run after the
+            # head's backward (reading its result): one order of collectives on every device.
+            d_last, grads[MTP_STACK], d_table, d_out_table = _mtp_backward(
+                cfg, w, rows, after(last, d_x), d_total * count
             )
             d_x = d_x + d_last.astype(d_x.dtype)
-            grads["unembed"] = grads["unembed"] + d_unembed
         for stack in reversed(stacks(cfg)):
             # The loss fields joined the summed loss times the positions counted.
             d_loss = _loss_cotangents(stack, d_total * count)
             d_x, grads[stack.name] = _stack_backward(
                 cfg, stack, rows, getattr(w, stack.name), kept_values[stack.name], d_x, d_loss
             )
-        grads["embed"] = embed_backward(cfg, rows.tokens, d_x)
-        if d_embed is not None:
-            grads["embed"] = grads["embed"] + d_embed
+        # The stacks' backwards are loops, the last stack's first: the gradients of every
+        # stack but the first read the first one's result, as autodiff's do
+        # (layers.gradients_after_input), so the optimizer's reductions of them follow it.
+        for stack in stacks(cfg)[1:]:
+            grads[stack.name] = read_after(grads[stack.name], d_x)
+        grads["embed"] = embed_backward(cfg, rows.tokens, d_x, d_table)
+        if d_out_table is not None:
+            # The modules' share of the unembedding's gradient, summed over d, e, c once the
+            # layers' loops are done (reading their result).
+            with part("logits"):
+                d_out = shardops.psum_scatter(
+                    "V/t M{U_fsdp} -> V/t M/fsdp", after(d_out_table, d_x)
+                )
+            grads["unembed"] = grads["unembed"] + d_out.astype(jnp.float32)
     return type(w)(**grads), None
 
 
-def _mtp_backward(cfg: ModelConfig, w: Weights, rows, last: jax.Array, count, d_total):
+def _mtp_backward(cfg: ModelConfig, w: Weights, rows, last: jax.Array, d_value):
     """The multi-token prediction modules' backward: their forward re-run from the last
     residual under ``jax.vjp`` (as a block without a hand-written backward), pulled back from
-    dL/d(summed loss) ``d_total``: (dL/d last residual, the modules' gradients, their shares
-    of the embedding's and the unembedding's, f32)."""
+    dL/d(their value) ``d_value`` (the summed loss adds it times the counted positions):
+    (dL/d last residual, the modules' gradients, dL/d the gathered embedding and unembedding
+    'V/t M', each device's share, owing the sum over d, e, c that their gradients' reductions
+    do)."""
+    tables = gathered_tables(cfg, w)  # the forward's gathers: one value each to XLA
 
-    def value(x, w_mtp, embed_w, unembed_w):
-        shared = dataclasses.replace(
-            w, **{MTP_STACK: w_mtp, "embed": embed_w, "unembed": unembed_w}
-        )
-        return mtp_loss(cfg, shared, rows, x, count)[0]
+    def value(x, w_mtp, tables):
+        shared = dataclasses.replace(w, **{MTP_STACK: w_mtp})
+        return mtp_loss(cfg, shared, rows, x, remat=False, tables=tables)[0]
 
     with collective_log.vjp_in_backward():
-        primals = (last, getattr(w, MTP_STACK), w.embed, w.unembed)
-        _, pullback = jax.vjp(value, *primals)
-        d_x, d_mtp, d_embed, d_unembed = pullback(d_total)
+        primals = (last, getattr(w, MTP_STACK), tables)
+        # The re-run is the backward's recomputation, named as _stack_backward's is.
+        with jax.named_scope(_RECOMPUTE), collective_log.phase("recompute"):
+            _, pullback = jax.vjp(value, *primals)
+        d_x, d_mtp, (d_table, d_out_table) = pullback(d_value)
     d_mtp = jax.tree.map(lambda g: g.astype(jnp.float32), d_mtp)
-    return d_x, d_mtp, d_embed.astype(jnp.float32), d_unembed.astype(jnp.float32)
+    return d_x, d_mtp, d_table, d_out_table
 
 
 _with_explicit_backward.defvjp(_forward, _backward)

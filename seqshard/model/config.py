@@ -225,11 +225,11 @@ class MLAConfig:
     """
 
     q_lora_rank: int = 0  # 0: queries projected from the residual directly
-    kv_lora_rank: int = 64
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 16
-    v_head_dim: int = 32
-    rope_interleave: bool = True
+    kv_lora_rank: int = 64  # the kv latent per token (RMS normalized)
+    qk_nope_head_dim: int = 32  # a query/key head's numbers without RoPE
+    qk_rope_head_dim: int = 16  # a query/key head's numbers with RoPE (one shared key head)
+    v_head_dim: int = 32  # a value head's numbers
+    rope_interleave: bool = True  # RoPE pairs (0, 1), (2, 3), ...: DeepSeek's weights
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise ValueError naming the key, the values and the fix (only with MLA)."""
@@ -273,8 +273,8 @@ class MTPConfig:
     the layers, module k predicting the token k + 1 ahead (:mod:`seqshard.model.mtp`); their
     mean loss times ``loss_weight`` joins the training loss. ``depth: 0`` (default): off."""
 
-    depth: int = 0
-    loss_weight: float = 0.3
+    depth: int = 0  # modules after the layers, module k predicting token k + 1 ahead; 0: off
+    loss_weight: float = 0.3  # their mean loss's weight in the training loss
 
     def check(self) -> None:
         if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 0:

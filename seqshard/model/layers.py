@@ -69,6 +69,7 @@ __all__ = [
     "runs",
     "rope_and_mask",
     "run_stack",
+    "read_after",
     "run_stacks",
     "stacks",
     "with_aux_losses",
@@ -301,8 +302,16 @@ def _gradients_after_input_forward(w, x):
 
 def _gradients_after_input_backward(_, g):
     g_w, g_x = g
-    typed = varying_axes(g_x)
-    return jax.tree.map(lambda a: after(a, g_x) if typed <= varying_axes(a) else a, g_w), g_x
+    return read_after(g_w, g_x), g_x
+
+
+def read_after(tree, x: jax.Array):
+    """``tree``'s arrays made to read ``x`` (:func:`seqshard.shardlib.dataflow.after`), each
+    that varies over every mesh axis ``x`` does (the others as they are): the gradients of a
+    stack whose backward loop ran before a later one's, tied to that loop's result
+    (:func:`gradients_after_input`)."""
+    typed = varying_axes(x)
+    return jax.tree.map(lambda a: after(a, x) if typed <= varying_axes(a) else a, tree)
 
 
 gradients_after_input.defvjp(_gradients_after_input_forward, _gradients_after_input_backward)

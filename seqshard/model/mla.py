@@ -16,10 +16,12 @@ D = nope + rope the query/key head (``d_head``), Dv the value head, R the kv lat
 Layouts: heads split over t as GQA's (each t shard holds whole heads: attention needs no
 communication); weight rows at rest split over fsdp (d, e, c) and gathered before use. The
 latents are replicated over t: every t shard computes the down projections ``w_q_a`` and
-``w_kv_a`` for the rows it holds (t x their 2 M (Rq + A) FLOPs per token, no collective; their
-weight gradients are summed over t by the transpose of that replication, one all-reduce each,
-as the norm gains'). Splitting them over t instead would add an all-gather of the latent per
-layer and save the repeated down projections.
+``w_kv_a`` for the rows it holds (t x their 2 M (Rq + A) FLOPs per token). Their weights and
+the latents' norm gains rest split over t as well ('M/t/fsdp A', 'R/t/fsdp') and are gathered
+whole, as the router's and the norm gains' are: the gradient is then the gathers' transposes,
+reduce-scatters over t,d,e,c, no implicit all-reduce. Splitting the latents over t instead
+would add an all-gather of the latent per layer and save the repeated down projections (a few
+% of a layer's FLOPs at DeepSeek-V3's sizes).
 
 Context parallelism: the up-projected k and v are what travel (allgather: gathered over c;
 ring: passed around it), so no key is up-projected twice; the latent would be smaller on the
@@ -109,11 +111,13 @@ class MLAWeights:
         layout="(n_kv n_q_per_kv d_head) d_model",
         present=_q_direct,
     )
-    # q_lora_rank > 0: through a normed latent (replicated over t: computed on every t shard).
-    w_q_a: f32["d_model/fsdp q_lora"] = weight(
+    # q_lora_rank > 0: through a normed latent, computed whole on every t shard: its
+    # projection's rows (and its norm's gain) rest split over t as well and are gathered
+    # whole, as the router's and the norm gains' are.
+    w_q_a: f32["d_model/t/fsdp q_lora"] = weight(
         _fan_in, hf=_ATTN + "q_a_proj.weight", layout="q_lora d_model", present=_q_latent
     )
-    q_a_norm: f32["q_lora"] = gain(
+    q_a_norm: f32["q_lora/t/fsdp"] = gain(
         _ATTN + "q_a_layernorm.weight", layout="q_lora", present=_q_latent
     )
     w_q_b: f32["q_lora/fsdp n_q_per_kv n_kv/t d_head"] = weight(
@@ -122,11 +126,11 @@ class MLAWeights:
         layout="(n_kv n_q_per_kv d_head) q_lora",
         present=_q_latent,
     )
-    # The kv latent and the shared rope key, [latent | k_rope] (replicated over t).
-    w_kv_a: f32["d_model/fsdp kv_a"] = weight(
+    # The kv latent and the shared rope key, [latent | k_rope], whole on every t shard.
+    w_kv_a: f32["d_model/t/fsdp kv_a"] = weight(
         _fan_in, hf=_ATTN + "kv_a_proj_with_mqa.weight", layout="kv_a d_model"
     )
-    kv_a_norm: f32["kv_lora"] = gain(_ATTN + "kv_a_layernorm.weight", layout="kv_lora")
+    kv_a_norm: f32["kv_lora/t/fsdp"] = gain(_ATTN + "kv_a_layernorm.weight", layout="kv_lora")
     # Per head [k_nope | v] from the normed latent.
     w_kv_b: f32["kv_lora/fsdp n_kv/t d_kv_b"] = weight(
         _kv_fan_in, hf=_ATTN + "kv_b_proj.weight", layout="(n_kv d_kv_b) kv_lora"
@@ -165,14 +169,14 @@ def mla_latent(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ja
     dt = jnp.dtype(cfg.compute_dtype)
     cos, sin = rope
     nx, r = a["nx"], cfg.mla.kv_lora_rank
-    w_kv_a = a("w_kv_a", lambda: shardops.all_gather("M/fsdp A -> M A", w.w_kv_a.astype(dt)))
+    w_kv_a = a("w_kv_a", lambda: shardops.all_gather("M/t/fsdp A -> M A", w.w_kv_a.astype(dt)))
     kv_a = a(
         "kv_a",
         lambda: shardops.einsum_unreduced(
             "B/dp L@zigzag/c M, M A -> B/dp L@zigzag/c A", nx, w_kv_a
         ),
     )
-    kv_a_norm = a("kv_a_norm", lambda: w.kv_a_norm)
+    kv_a_norm = a("kv_a_norm", lambda: shardops.all_gather("R/t/fsdp -> R", w.kv_a_norm))
     latent = a("latent", lambda: _latent_norm(cfg, kv_a[..., :r], kv_a_norm))
     k_rope = a("k_rope", lambda: mla_rope(cfg, kv_a[..., r:], cos, sin))
     return latent, k_rope
@@ -190,14 +194,14 @@ def _queries(cfg: ModelConfig, w, a: Activations) -> jax.Array:
                 "B/dp L@zigzag/c M, M Q K/t D -> B/dp L@zigzag/c Q K/t D", nx, w_q
             ),
         )
-    w_q_a = a("w_q_a", lambda: shardops.all_gather("M/fsdp Rq -> M Rq", w.w_q_a.astype(dt)))
+    w_q_a = a("w_q_a", lambda: shardops.all_gather("M/t/fsdp Rq -> M Rq", w.w_q_a.astype(dt)))
     q_a = a(
         "q_a",
         lambda: shardops.einsum_unreduced(
             "B/dp L@zigzag/c M, M Rq -> B/dp L@zigzag/c Rq", nx, w_q_a
         ),
     )
-    q_a_norm = a("q_a_norm", lambda: w.q_a_norm)
+    q_a_norm = a("q_a_norm", lambda: shardops.all_gather("Rq/t/fsdp -> Rq", w.q_a_norm))
     q_latent = a("q_latent", lambda: _latent_norm(cfg, q_a, q_a_norm))
     w_q_b = a(
         "w_q_b", lambda: shardops.all_gather("Rq/fsdp Q K/t D -> Rq Q K/t D", w.w_q_b.astype(dt))

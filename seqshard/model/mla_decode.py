@@ -91,13 +91,20 @@ def cache_entry(cfg: ModelConfig, w, a: Activations, rope) -> jax.Array:
     In a decode step k and v go unused (the scores read the cache): dead code in the jitted
     step, which XLA drops."""
     # The cache is replicated over t, and every t shard computes the same latent: so that its
-    # type says so, the norm reads the residual and its gain through the block's own
-    # all-gathers over t, typed replicated (the same collectives; generation's residual is M/t).
+    # type says so, the norm reads the residual and its gain, and the latent its projection
+    # and gain, through the block's own all-gathers over t, typed replicated (the same
+    # collectives; generation's residual is M/t).
     x, gather = a["x"], "B/dp L@zigzag/c M/t -> B/dp L@zigzag/c M"
     a("ln1", lambda: shardops.all_gather("M/t/fsdp -> M", w.ln1, to="invarying"))
     a("gx", lambda: shardops.all_gather(gather, x, to="invarying"))
-    mla_inputs(cfg, w, a, rope)
+    # And the latent's projection and norm gain, whose rows rest split over t as well.
     dt = jnp.dtype(cfg.compute_dtype)
+    a(
+        "w_kv_a",
+        lambda: shardops.all_gather("M/t/fsdp A -> M A", w.w_kv_a.astype(dt), to="invarying"),
+    )
+    a("kv_a_norm", lambda: shardops.all_gather("R/t/fsdp -> R", w.kv_a_norm, to="invarying"))
+    mla_inputs(cfg, w, a, rope)
     return jnp.concatenate([a["latent"], a["k_rope"]], axis=-1).astype(dt)
 
 

@@ -117,7 +117,7 @@ MTP_ENTRY = Block(
     ops=(
         # Two RMSNorms (norm_op's counts, twice).
         elementwise("mtp_norms", "token", "B/dp L M", lambda m: 2 * (4 * m.d_model + 3),
-                    lambda m: 2 * 8 * m.d_model, ("full",)),
+                    lambda m: 2 * 8 * m.d_model, ("saved", "full")),
         matmul("eh_proj", "token", "B/dp L N/t, M N/t -> B/dp L M",
                lambda m: 2 * 2 * m.d_model * m.d_model, ("full",)),
     ),

@@ -48,8 +48,14 @@ from seqshard.model.attention_block import ATTENTION
 from seqshard.model.block import Activation, Activations, Block, elementwise, matmul
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
-from seqshard.model.layers import layer_forward, rope_and_mask, run_stacks, with_aux_losses
-from seqshard.model.mtp import mtp_terms
+from seqshard.model.layers import (
+    gradients_after_input,
+    layer_forward,
+    rope_and_mask,
+    run_stacks,
+    with_aux_losses,
+)
+from seqshard.model.mtp import mtp_before_head, with_mtp
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
 from seqshard.model.vocab import embed_lookup, embed_table, loss_terms_and_softmax
 from seqshard.model.weights import Weights
@@ -153,12 +159,17 @@ def final_hidden(cfg: ModelConfig, w: Weights, rows: SequenceRows) -> jax.Array:
     return final_norm(cfg, w, x)
 
 
+def _gathered_table(cfg: ModelConfig, w: Weights) -> jax.Array:
+    """The unembedding 'V/t M' in compute dtype, gathered over d, e, c."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    return shardops.all_gather("V/t M/fsdp -> V/t M", w.unembed.astype(dt))
+
+
 def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array, a: Activations | None = None) -> jax.Array:
     """'B/dp L@zigzag/c M' -> logits 'B/dp L@zigzag/c V/t' f32: each t shard computes the logits
     of its vocab block."""
     a = a or Activations((HEAD,))
-    dt = jnp.dtype(cfg.compute_dtype)
-    table = a("table", lambda: shardops.all_gather("V/t M/fsdp -> V/t M", w.unembed.astype(dt)))
+    table = a("table", lambda: _gathered_table(cfg, w))
     return shardops.einsum_unreduced(
         "B/dp L@zigzag/c M, V/t M -> B/dp L@zigzag/c V/t",
         nx,
@@ -175,7 +186,15 @@ def forward_terms_and_aux(
     counted; the stacks' auxiliary outputs, :func:`~seqshard.model.layers.run_stacks`)."""
     rows = sequence_rows(batch.tokens, batch.is_seq_start, batch.loss_mask, cfg.mtp.depth)
     x, aux = run_stacks(cfg, w, rows, embed(cfg, w, rows.tokens))
-    logits = unembed(cfg, w, final_norm(cfg, w, x))
+    a = Activations((HEAD,))
+    if cfg.mtp.depth:
+        # The head's gathered weights' gradients read the last residual's, which the
+        # modules' backward loop makes too: their reduce-scatters follow that loop.
+        a("ln", lambda: shardops.all_gather("M/t/fsdp -> M", w.final_norm))
+        a("table", lambda: _gathered_table(cfg, w))
+        (a.values["ln"], a.values["table"]), x = gradients_after_input((a["ln"], a["table"]), x)
+    # The multi-token prediction modules (model.mtp), after the layers, before the head.
+    x, mtp, mtp_aux = mtp_before_head(cfg, w, rows, x)
+    logits = unembed(cfg, w, final_norm(cfg, w, x, a), a)
     terms = loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
-    # The multi-token prediction modules (model.mtp), after the layers.
-    return mtp_terms(cfg, w, rows, x, with_aux_losses(cfg, terms, aux), aux)
+    return with_mtp(with_aux_losses(cfg, terms, aux), mtp), {**aux, **mtp_aux}

@@ -212,6 +212,9 @@ class MemoryPlan:
         return {c: getattr(self, c) for c in self.CATEGORIES}
 
 
+_FSDP_AXES = frozenset({"d", "e", "c"})
+
+
 @dataclasses.dataclass(frozen=True)
 class _Gather:
     """One weight's gather to a whole ``d_model`` (what its use in transformer.py needs)."""
@@ -231,11 +234,13 @@ def _gathers(cfg: Config, weights: type, names: Iterable[str]) -> list[_Gather]:
     for name in names:
         t = getattr(types, name)
         where = [i for i, dim in enumerate(t.shape.dims) if dim.label == "d_model"]
+        if not where:  # a latent's rows (MLA's w_q_b, w_kv_b): the one dimension FSDP splits
+            where = [i for i, dim in enumerate(t.shape.dims) if set(dim.axes) & _FSDP_AXES]
         if len(where) != 1:
             raise TypeError(
                 f"weight {name} is {t!r}: the planner assumes every weight has one d_model "
-                f"dimension, gathered whole before use. Teach seqshard/plan/planner.py how "
-                f"transformer.py uses this one."
+                f"dimension (or else one split over d, e, c), gathered whole before use. "
+                f"Teach seqshard/plan/planner.py how the model uses this one."
             )
         (pos,) = where
         axes = t.shape.dims[pos].axes

@@ -54,8 +54,11 @@ A merged gather is named after the forward (XLA keeps its name), except with aut
 microbatches, where the MoE stack's hoisted gathers keep the recompute's name (calls and
 bytes as predicted). Not modelled: with ``model.residual=M/t``, the MoE FFN's ``jax.vjp``
 reads h as the forward kept it, but as a value of the vjp's own trace, not marked
-``'input'``: its norm's gather is merged, one call fewer than predicted per MoE layer; and a
-pipeline stage of one layer (inside the schedule's loop).
+``'input'``: its norm's gather is merged, one call fewer than predicted per MoE layer; a
+pipeline stage of one layer (inside the schedule's loop); and one multi-token prediction
+module (``model.mtp.depth: 1``, a loop XLA inlines), whose re-run in the backward XLA merges
+and combines with the forward's in ways this does not follow (a few calls off; two or more
+modules compile as predicted).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from jax.sharding import AbstractMesh, AxisType
 from seqshard.batch import batch_structs
 from seqshard.config import Config
 from seqshard.model.cost import recomputes
+from seqshard.model.layers import MTP_STACK, STACK_NAMES
 from seqshard.model.weights import weight_structs
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.collective_log import LoggedCollective
@@ -154,7 +158,7 @@ def recomputed(c: LoggedCollective, remat: str) -> bool:
     :func:`seqshard.model.cost.recomputes`: the norms' gathers under both, the attention
     output's reduce-scatter under ``full``, the FFN output's never, since nothing in the
     backward pass reads it)."""
-    in_layers = c.in_loop("layers") or c.in_loop("moe_layers")
+    in_layers = _in_layer_loop(c)
     if not in_layers or remat_policy(remat).checkpoint_policy is None:
         return False
     return c.weight or recomputes(remat, c.part or "")
@@ -165,28 +169,41 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     m, k = cfg.model, cfg.train.microbatches
     logged = logged_step(cfg)
     steps: list[tuple[LoggedCollective, str, str]] = []  # (collective, phase, how)
+    gathered = set()  # the weights gathered outside every layer loop so far
     for c in logged:
         if c.vjp_primal:
             continue  # the step differentiates it: its custom VJP's forward rule runs instead
+        # The same weight gathered again outside the layer loops (the multi-token prediction
+        # modules' embedding and unembedding, the model's own): one value to XLA's CSE, one
+        # collective. Its transpose stays: each use's gradient is reduce-scattered.
+        merged = False
+        if c.weight and c.kind == "all-gather" and not _in_layer_loop(c):
+            merged = _gather_key(c) in gathered
+            gathered.add(_gather_key(c))
         if c.vjp_in_backward:
             # jax.vjp inside the hand-written backward: its forward re-runs there, and JAX's
             # transposes of its collectives are the backward's. The re-run's own output is
             # discarded (only its pullback is used), so XLA drops the collectives that only
-            # make it: the operations no policy re-runs (the block's residual add).
-            if c.weight or recomputes("full", c.part or ""):
+            # make it: the operations no policy re-runs (the block's residual add). The
+            # multi-token prediction modules' re-run makes what their backward reads (each
+            # module's output feeds the next and its head): all of it stays.
+            rerun = c.weight or recomputes("full", c.part or "") or c.in_loop(MTP_STACK)
+            if rerun and not merged:
                 steps.append((c, "recompute", ""))
             back = collective_log.transpose(c)
             if back is not None:
                 steps.append((back, "backward", " transposed"))
             continue
         if c.phase != "forward" or not c.autodiff:
-            steps.append((c, c.phase, ""))  # hand-written: as logged
+            if not merged:
+                steps.append((c, c.phase, ""))  # hand-written: as logged
             if c.phase == "forward" and m.backward == "autodiff" and recomputed(c, m.remat):
                 # A custom VJP inside autodiff's model (the ring over c): remat re-runs its
                 # forward, whose residuals nothing marks; its backward logs itself.
                 steps.append((c, "recompute", ""))
             continue
-        steps.append((c, "forward", ""))
+        if not merged:
+            steps.append((c, "forward", ""))
         if recomputed(c, m.remat):
             steps.append((c, "recompute", ""))
         back = collective_log.transpose(c)
@@ -197,7 +214,7 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
         calls = c.calls
         # XLA inlines a loop of one trip (a stack of one layer, one microbatch).
         in_loop = any(trips > 1 for _, trips in c.loops)
-        in_layers = c.in_loop("layers") or c.in_loop("moe_layers")
+        in_layers = _in_layer_loop(c)
         if (
             phase == "forward"
             and c.weight
@@ -226,12 +243,28 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
     return out
 
 
+_LAYER_LOOPS = (*STACK_NAMES, MTP_STACK)
+"""The scans over stacked layers: the model's stacks and the multi-token prediction modules
+(each trip gathers its own layer's weights, under the layers' remat)."""
+
+
+def _in_layer_loop(c: LoggedCollective) -> bool:
+    return any(c.in_loop(name) for name in _LAYER_LOOPS)
+
+
+def _gather_key(c: LoggedCollective):
+    """What makes two weight gathers one value to XLA: the op, its spec, its shape (the
+    microbatch loop around both is hoisted away)."""
+    loops = tuple(n for n, _ in c.loops if n != "microbatches")
+    return c.op, c.spec, c.part, c.result_shape, loops
+
+
 def _in_inlined_stack(c: LoggedCollective) -> bool:
     """Whether ``c`` is in a layer stack of one layer, in no loop but the microbatches' around
     it and in no loop of more than one trip inside it: a loop of one trip, which XLA inlines
     (see the module docstring)."""
     for i, (name, trips) in enumerate(c.loops):
-        if name in ("layers", "moe_layers"):
+        if name in _LAYER_LOOPS:
             return (
                 trips == 1
                 and all(outer == "microbatches" for outer, _ in c.loops[:i])

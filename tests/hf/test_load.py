@@ -29,7 +29,6 @@ Tests that need transformers and torch (the ``hf`` extra) skip without them. Not
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import shutil
@@ -38,6 +37,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from hf_helpers import (
+    HAS_TRANSFORMERS,
+    LOGITS_TOL,
+    needs_transformers,
+    random_seqshard_weights,
+    safetensors_names,
+    seqshard_logits,
+    tokens_and_starts,
+    torch_logits,
+    tree_equal,
+)
 
 from seqshard.cli import _run_config, export_checkpoint, export_config, main, with_hf_model
 from seqshard.config import ConfigError, load_config
@@ -46,23 +56,25 @@ from seqshard.hf.load import load_hf_weights
 from seqshard.hf.table import TABLE, hf_tensor_names, row_of
 from seqshard.mesh import training_mesh
 from seqshard.model import ModelConfig
-from seqshard.model.sharded import logits_fn
 from seqshard.model.weights import weight_structs
 from seqshard.train.checkpoint import latest_state
 from seqshard.train.loop import train
 
-HAS_TRANSFORMERS = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
-needs_transformers = pytest.mark.skipif(
-    not HAS_TRANSFORMERS,
-    reason="needs transformers and a CPU torch: pip install -e '.[test,hf]'",
-)
-LOGITS_TOL = 1e-5  # max abs, f32 (measured: see each test)
 LLAMA3 = {  # all three bands of llama3's rescaling occur with d_head 8, theta 1e4
     "rope_type": "llama3",
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
+}
+YARN = {  # extrapolated, ramped and interpolated pairs with d_head 8, theta 1e4; both mscales
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.8,
+    "mscale_all_dim": 0.6,
 }
 SEQSHARD_LLAMA3 = [
     "model.rope_type=llama3",
@@ -71,13 +83,6 @@ SEQSHARD_LLAMA3 = [
     "model.rope_high_freq_factor=4.0",
     "model.rope_original_max_position=64",
 ]
-
-
-def tree_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True)
-    )
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -269,41 +274,20 @@ def hf_llama(path: Path, *, tied: bool, rope: dict | None, old_format: bool, tok
     return model
 
 
-def tokens_and_starts(vocab: int, batch: int = 4, length: int = 32):
-    rng = np.random.default_rng(1)
-    tokens = rng.integers(0, vocab, (batch, length)).astype(np.int32)
-    starts = np.zeros((batch, length), bool)
-    starts[:, 0] = True  # one document per row, as transformers sees it
-    return tokens, starts
-
-
-def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-
-
-# Jitted: logits_fn called eagerly runs its shard_map op by op (about 5 s a call here).
-_logits_jit = jax.jit(logits_fn, static_argnums=(3, 4))
-
-
-def seqshard_logits(weights, tokens, starts, cfg, mesh) -> np.ndarray:
-    return np.asarray(_logits_jit(weights, tokens, starts, cfg, mesh))
-
-
 @needs_transformers
 @pytest.mark.parametrize(
     "tied,rope,old_format",
-    [(False, LLAMA3, False), (True, None, True)],
-    ids=["llama3-rope_parameters", "tied-rope_theta"],
+    [(False, LLAMA3, False), (True, None, True), (False, YARN, True)],
+    ids=["llama3-rope_parameters", "tied-rope_theta", "yarn-rope_scaling"],
 )
 def test_a_transformers_llama_imports_with_equal_logits(tmp_path, data_dir, tied, rope, old_format):
+    """Measured max abs: llama3 3.4e-6, tied 7.4e-6 (of logits up to 14.5), yarn 2.7e-6
+    (rope_scaling; cos and sin times YaRN's attention factor, no softmax scale without MLA)."""
     model = hf_llama(
         tmp_path, tied=tied, rope=rope, old_format=old_format, tokenizer=data_dir / "tokenizer.json"
     )
     hf = read_hf_config(tmp_path)
-    assert hf.tied == tied and hf.fields["rope_type"] == ("llama3" if rope else "default")
+    assert hf.tied == tied and hf.fields["rope_type"] == (rope or {}).get("rope_type", "default")
     cfg = hf.model_config(ModelConfig(compute_dtype="float32", attention_impl="einsum"))
     assert (cfg.n_q_per_kv, cfg.n_kv) == (2, 4)
     mesh = training_mesh({"d": 4, "t": 2})
@@ -542,12 +526,13 @@ def test_a_shape_config_json_contradicts_names_the_tensor_and_field(copy_of):
     [
         ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
         ({"attention_bias": True}, "attention_bias=True"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+         "rope_scaling.rope_type='dynamic'"),
         ({"sliding_window": 4096}, "sliding_window=4096"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
     ],
-)
+)  # fmt: skip
 def test_what_seqshard_does_not_compute_is_an_error_naming_the_field(copy_of, change, needle):
     raw = json.loads((copy_of / "config.json").read_text())
     (copy_of / "config.json").write_text(json.dumps(raw | change))
@@ -715,7 +700,7 @@ def test_a_transformers_qwen3_mixtral_or_qwen3_moe_imports_with_equal_logits(
     if architecture == "MixtralForCausalLM":
         assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.d_ff) == (8, 2, 32)
         assert cfg.moe.n_dense_layers == 0 and any(
-            "block_sparse_moe" in k for k in _names(tmp_path)
+            "block_sparse_moe" in k for k in safetensors_names(tmp_path)
         )
     if architecture == "Qwen3MoeForCausalLM":
         assert (cfg.moe.n_experts, cfg.moe.d_ff, cfg.d_ff, cfg.moe.n_dense_layers) == (8, 32, 48, 1)
@@ -757,32 +742,6 @@ def test_a_qwen3_moe_without_norm_topk_prob_imports_with_equal_logits(tmp_path):
     assert exported["norm_topk_prob"] is False
 
 
-def _names(path: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(path / "model.safetensors", "np") as f:
-        return list(f.keys())
-
-
-def random_seqshard_weights(cfg: ModelConfig, mesh):
-    """Random weights of ``cfg`` placed on ``mesh``: gains 1 + N(0, 0.04), router_bias zero,
-    matrices N(0, 1/d_model)."""
-    rng = np.random.default_rng(3)
-
-    def draw(path, s):
-        name = jax.tree_util.keystr(path, simple=True, separator=".").split(".")[-1]
-        x = rng.standard_normal(s.shape)
-        if name in ("ln1", "ln2", "q_norm", "k_norm", "final_norm"):
-            x = 1 + 0.2 * x
-        elif name == "router_bias":
-            x = np.zeros(s.shape)
-        else:
-            x = x / np.sqrt(cfg.d_model)
-        return jax.device_put(x.astype(np.float32), s.sharding)
-
-    return jax.tree_util.tree_map_with_path(draw, weight_structs(cfg, mesh))
-
-
 @needs_transformers
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_an_exported_qwen3_mixtral_or_qwen3_moe_loads_in_transformers_with_equal_logits(
@@ -817,8 +776,8 @@ def test_an_exported_qwen3_mixtral_or_qwen3_moe_loads_in_transformers_with_equal
     assert raw["architectures"] == [architecture]
     if moe.enabled:
         router = "block_sparse_moe.gate" if architecture == "MixtralForCausalLM" else "mlp.gate"
-        assert f"model.layers.2.{router}.weight" in _names(out)
-        assert "model.layers.1.mlp.gate_proj.weight" not in _names(out)
+        assert f"model.layers.2.{router}.weight" in safetensors_names(out)
+        assert "model.layers.1.mlp.gate_proj.weight" not in safetensors_names(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(model).__name__ == architecture
     tokens, starts = tokens_and_starts(cfg.vocab)

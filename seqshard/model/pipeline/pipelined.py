@@ -83,7 +83,7 @@ from seqshard.model.layers import (
     stacks,
     zero_aux,
 )
-from seqshard.model.mtp import mtp_terms
+from seqshard.model.mtp import mtp_before_head, with_mtp
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.pipeline.spmd import circular_forward_with_aux, one_f_one_b_with_aux
 from seqshard.model.transformer import embed, final_norm, loss_terms_and_softmax, unembed
@@ -139,9 +139,10 @@ def _head_terms(
 
 
 def _head_terms_in_scope(cfg: ModelConfig, head: _Head, y: jax.Array, rows: SequenceRows):
+    y, mtp, mtp_aux = mtp_before_head(cfg, head, rows, y)
     logits = unembed(cfg, head, final_norm(cfg, head, y))
     terms = loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
-    return mtp_terms(cfg, head, rows, y, terms, {})
+    return with_mtp(terms, mtp), mtp_aux
 
 
 def _on_last_stage_summed(terms: jax.Array, own: jax.Array | None = None) -> jax.Array:
