@@ -8,10 +8,24 @@ backward against autodiff, on 8 fake CPU devices.
     python scripts/bench_step.py --remat full --hlo-dir /tmp/hlo   # also writes each variant's HLO
     python scripts/bench_step.py --impls seqshard,gspmd,gspmd-act --meshes 8x1,4x2
     python scripts/bench_step.py --impls seqshard,seqshard-M/t,gspmd-act   # the residual's layouts
+    python scripts/bench_step.py --attention mla --meshes 8x1,4x2 --impls seqshard,gspmd,gspmd-act
 
 The model (both variants): 2 layers, d_model 256, 2 kv heads x 2 query heads each, d_head 32,
 d_ff 1024, vocab 1280, packed documents (``attention_mask='document'``), einsum attention;
 batch 32 x 128 tokens; AdamW + clipping from :func:`seqshard.train.optimizer.make_optimizer`.
+
+**MLA** (``--attention mla``; default ``gqa``, the model above): the same model with
+multi-head latent attention (``model.attention=mla``, :mod:`seqshard.model.mla`) in place of
+GQA, at about the same active size: 4 heads (``n_kv=4, n_q_per_kv=1``: MLA gives every head
+its own keys and values), ``kv_lora_rank`` 64, ``qk_nope_head_dim`` 32 + ``qk_rope_head_dim``
+16 = ``d_head`` 48, ``v_head_dim`` 32, ``q_lora_rank`` 128 (``--q-lora-rank``; 0 projects the
+queries from the residual directly): 2.48 M weights and 13.4 MFLOP/token (q_lora_rank 0:
+2.47 M, 13.3 M) against GQA's 2.43 M and 13.0 M. Every mesh up to t x d = 8 splits it as
+specified (the latents' rows rest split over t and d: kv_lora_rank and q_lora_rank divide by
+8; 4 heads split over t up to 4), so no mesh changes the model. The baseline scans the same
+reference layer, which computes MLA for this config. seqshard's explicit backward
+differentiates the MLA block by ``jax.vjp`` of its forward (no hand-written MLA backward;
+``seqshard/model/mla.py`` says why).
 
 * **seqshard**: :func:`seqshard.train.step.make_train_step` (one ``shard_map``, every
   collective written) as configured by default, state from
@@ -104,7 +118,7 @@ from seqshard.batch import TokenBatch
 from seqshard.config import Config, MeshConfig, TrainConfig
 from seqshard.hardware import MATMUL_PATHS, matmul_paths, measure_matmul_flops
 from seqshard.mesh import mesh_of_sizes
-from seqshard.model.config import ModelConfig
+from seqshard.model.config import MLAConfig, ModelConfig
 from seqshard.model.cost import flops_per_token
 from seqshard.model.reference import (
     reference_embed,
@@ -137,6 +151,18 @@ MODEL = dict(
     attention_mask="document",
 )
 BATCH, SEQ_LEN = 32, 128
+MLA_MODEL = dict(n_q_per_kv=1, n_kv=4, d_head=48, attention="mla")
+"""``--attention mla``: what changes in MODEL (4 heads of 32 + 16, each its own kv head)."""
+MLA_SIZES = dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+"""``--attention mla``: ``model.mla`` but ``q_lora_rank`` (``--q-lora-rank``)."""
+
+
+def model_fields(attention: str, q_lora_rank: int) -> dict:
+    """ModelConfig's fields for ``--attention``: MODEL (gqa), or MODEL with MLA of about the
+    same size in place of its GQA."""
+    if attention == "gqa":
+        return MODEL
+    return {**MODEL, **MLA_MODEL, "mla": MLAConfig(q_lora_rank=q_lora_rank, **MLA_SIZES)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +298,11 @@ def model_for_mesh(base: ModelConfig, d: int, t: int) -> tuple[ModelConfig, str]
     except ValueError as e:
         why = str(e).split(". Choose")[0]
     n_heads = base.n_heads
+    if base.attention == "mla":  # one kv head per query head: no regrouping can help
+        raise SystemExit(
+            f"mesh t={t}: {why}; MLA keeps n_q_per_kv=1 (n_kv = the {n_heads} heads), so no "
+            f"regrouping of its heads helps; drop the mesh."
+        )
     for n_kv in range(t, n_heads + 1, t):
         if n_heads % n_kv == 0:
             changed = dataclasses.replace(base, n_kv=n_kv, n_q_per_kv=n_heads // n_kv)
@@ -370,6 +401,20 @@ def main(argv: list[str] | None = None) -> None:
         help=f"which variants, of {','.join(IMPLS)} (default seqshard,seqshard-autodiff,gspmd)",
     )
     p.add_argument(
+        "--attention",
+        default="gqa",
+        choices=("gqa", "mla"),
+        help="the model's attention: gqa (default, the model above) or mla (multi-head latent "
+        "attention of about the same size)",
+    )
+    p.add_argument(
+        "--q-lora-rank",
+        type=int,
+        default=None,
+        help="--attention mla: model.mla.q_lora_rank (default 128; 0: queries straight from "
+        "the residual)",
+    )
+    p.add_argument(
         "--peak-n", type=int, default=2048, help="matmul size for the peak (default 2048)"
     )
     p.add_argument(
@@ -381,13 +426,17 @@ def main(argv: list[str] | None = None) -> None:
         if dtype not in SHORT:
             p.error(f"--dtype {dtype!r}: choose from {', '.join(SHORT)}")
 
+    if args.q_lora_rank is not None and args.attention != "mla":
+        p.error(f"--q-lora-rank {args.q_lora_rank} sizes MLA's query latent: add --attention mla")
+    fields = model_fields(args.attention, 128 if args.q_lora_rank is None else args.q_lora_rank)
+
     n_dev = len(jax.devices())
-    model = ModelConfig(**MODEL, remat=args.remat)
+    model = ModelConfig(**fields, remat=args.remat)
     train = TrainConfig(batch_size=BATCH, seq_len=SEQ_LEN, warmup_steps=10, steps=1000)
     tokens, starts = make_batch(model.vocab)
     print(
         f"jax {jax.__version__} on {n_dev} {jax.devices()[0].platform} devices, "
-        f"{os.cpu_count()} host cores; model {MODEL}, compute_dtype {'/'.join(dtypes)}, "
+        f"{os.cpu_count()} host cores; model {fields}, compute_dtype {'/'.join(dtypes)}, "
         f"remat={args.remat}; batch {BATCH} x {SEQ_LEN} = {BATCH * SEQ_LEN} tokens"
     )
 

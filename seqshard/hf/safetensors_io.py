@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from seqshard.hf.hf_config import HFFormatError
+from seqshard.hf.errors import HFFormatError
 
 __all__ = [
     "DTYPES",
@@ -31,6 +31,7 @@ __all__ = [
     "SINGLE_FILE",
     "HFTensors",
     "plan_files",
+    "tensor_names",
     "write_index",
     "write_safetensors",
 ]
@@ -136,27 +137,9 @@ class HFTensors:
 
     def _files(self) -> dict[Path, list[str] | None]:
         """Each weights file -> the tensor names the index places in it (None: all of them)."""
-        index = self.directory / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise HFFormatError(
-                    f"{index} is not a safetensors index (no weight_map: {e})."
-                ) from None
-            files: dict[Path, list[str] | None] = {}
-            for name, file in weight_map.items():
-                files.setdefault(self.directory / file, []).append(name)
-            for path, names in files.items():
-                if not path.is_file():
-                    raise HFFormatError(
-                        f"{path} is missing: {index.name} places {len(names)} tensors in it "
-                        f"(e.g. {names[0]}). Download or copy the whole model directory."
-                    )
+        files = _weight_files(self.directory)
+        if files:
             return files
-        single = self.directory / SINGLE_FILE
-        if single.is_file():
-            return {single: None}
         other = sorted(p.name for p in self.directory.glob("*.bin")) + sorted(
             p.name for p in self.directory.glob("*.pth")
         )
@@ -171,7 +154,50 @@ class HFTensors:
             f"import.{hint}"
         )
 
-    def read(self, name: str) -> np.ndarray:
-        """One tensor's values, as stored (bf16 as ``ml_dtypes.bfloat16``)."""
+    def read(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """One tensor's values (with ``rows``: those rows of its first dimension only), as
+        stored (bf16 as ``ml_dtypes.bfloat16``)."""
         with safe_open(str(self.file_of[name]), framework="np") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
+
+
+def _weight_files(directory: Path) -> dict[Path, list[str] | None]:
+    """Each weights file of ``directory`` -> the tensor names its index places there (None:
+    the single file, all of them); empty if it has neither an index nor the single file."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise HFFormatError(f"{index} is not a safetensors index (no weight_map: {e}).") from None
+        files: dict[Path, list[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(directory / file, []).append(name)
+        for path, names in files.items():
+            if not path.is_file():
+                raise HFFormatError(
+                    f"{path} is missing: {index.name} places {len(names)} tensors in it "
+                    f"(e.g. {names[0]}). Download or copy the whole model directory."
+                )
+        return files
+    single = directory / SINGLE_FILE
+    return {single: None} if single.is_file() else {}
+
+
+def tensor_names(directory: str | Path) -> set[str]:
+    """The names of the tensors a model directory's weights files hold (the index's, or the
+    single file's header: no tensor is read); empty if it has no weights file."""
+    names: set[str] = set()
+    for path, listed in _weight_files(Path(directory)).items():
+        if listed is not None:
+            names.update(listed)
+            continue
+        try:
+            with safe_open(str(path), framework="np") as f:
+                names.update(f.keys())
+        except SafetensorError as e:
+            raise HFFormatError(
+                f"{path} is not a readable safetensors file ({e}): the download is incomplete "
+                f"or damaged; fetch it again."
+            ) from None
+    return names

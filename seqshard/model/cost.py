@@ -80,7 +80,7 @@ import numpy as np
 
 from seqshard.model.block import Block, Op, activation_bytes, kept, recomputed
 from seqshard.model.config import DTYPE_BYTES, ModelConfig
-from seqshard.model.layers import known_blocks, stacks
+from seqshard.model.layers import known_blocks, mtp_stack, stacks
 from seqshard.model.transformer import EMBED, HEAD
 from seqshard.model.weights import check_mesh, param_count, weight_structs, weights_type
 from seqshard.shardlib.notation import parse_op, parse_shape
@@ -314,13 +314,25 @@ def _step_flops(
         for op in rows(blocks, in_layer=True, runs=n):
             # An operation both stacks run (attention, the FFN's norm) is one row over both.
             layers[op.name] = _merged(layers[op.name], op) if op.name in layers else op
+    mtp = mtp_stack(cfg)
+    modules = []
+    if mtp is not None:
+        # Each multi-token prediction module: its entry and layer (as the layers', remat
+        # included), then its head (the final norm's, the logits', the loss's), its own rows.
+        for op in (*rows(mtp.blocks, True, mtp.n_layers), *rows((HEAD,), False, mtp.n_layers)):
+            modules.append(dataclasses.replace(op, name=_MTP_ROW + op.name))
     ops = (
         *rows((EMBED,), in_layer=False),
         *layers.values(),
         *rows((HEAD,), in_layer=False),
+        *modules,
         row(_optimizer_op(microbatches), in_layer=False),
     )
     return StepFlops(ops=ops, batch=batch, seq_len=seq_len, causal=causal)
+
+
+_MTP_ROW = "mtp."
+"""The prefix of the multi-token prediction modules' rows (``mtp.q``, ``mtp.logits``)."""
 
 
 def _merged(a: OpFlops, b: OpFlops) -> OpFlops:
@@ -338,11 +350,15 @@ def _merged(a: OpFlops, b: OpFlops) -> OpFlops:
 # FLOPs per token: sums of the table's matmul rows
 
 
+_QKV = ("q_a", "q", "k", "v", "kv_a", "kv_b")
+"""The attention block's input projections: GQA's q, k, v; MLA's q (with q_a) and kv_a, kv_b."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MatmulFlops:
     """Forward matmul FLOPs per token: the per-layer parts, and the LM head (once)."""
 
-    qkv: int  # per layer: q = nx . w_q and k, v = nx . w_kv
+    qkv: int  # per layer: q = nx . w_q and k, v = nx . w_kv (MLA: its latents' projections)
     attn_scores: int  # per layer: q . k^T over all L keys (unmasked)
     attn_values: int  # per layer: probs . v over all L keys (unmasked)
     out_proj: int  # per layer: attention output . w_o
@@ -377,7 +393,7 @@ class MatmulFlops:
         policy must re-run all three or none of them."""
         total = 0
         for flops, names in (
-            (self.qkv, ("q", "k", "v")),
+            (self.qkv, _QKV),
             (self.attn_scores, ("scores",)),
             (self.attn_values, ("values",)),
             (self.out_proj, ("o",)),
@@ -425,10 +441,16 @@ def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> MatmulFlops:
     def per_layer(*names: str) -> int:
         return sum(s[n].forward for n in names) // (cfg.n_layers * seq_len)
 
-    attention = ("q", "k", "v", "scores", "values", "o")
-    ffn = [op.name for op in s.ops if op.in_layer and op.kind == "matmul"]
+    names = {op.name for op in s.ops}
+    qkv = [n for n in _QKV if n in names]
+    attention = (*_QKV, "scores", "values", "o")
+    ffn = [
+        op.name
+        for op in s.ops
+        if op.in_layer and op.kind == "matmul" and not op.name.startswith(_MTP_ROW)
+    ]
     return MatmulFlops(
-        qkv=per_layer("q", "k", "v"),
+        qkv=per_layer(*qkv),
         attn_scores=per_layer("scores"),
         attn_values=per_layer("values"),
         out_proj=per_layer("o"),

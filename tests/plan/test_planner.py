@@ -4,6 +4,7 @@ for the train step compiled on fake CPU devices."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from seqshard.model.cost import (
     hardware_flops_per_token,
     memory_per_device,
     param_counts,
+    step_flops,
 )
 from seqshard.plan.planner import (
     TARGET_LINE,
@@ -342,7 +344,7 @@ def test_the_gpu_configs_describe_the_shapes_asked_for():
 
 
 def test_the_moe_configs_describe_the_shapes_asked_for():
-    """OLMoE-1B-7B's shape (MHA, all 16 layers MoE) and DeepSeek-V3's (GQA for MLA)."""
+    """OLMoE-1B-7B's shape (MHA, all 16 layers MoE) and DeepSeek-V3's."""
 
     def shape(name):
         cfg = shipped(name)
@@ -354,10 +356,40 @@ def test_the_moe_configs_describe_the_shapes_asked_for():
         2048, 16, 16, 16, 50304, 64, 8, 1024, 0, 0, "softmax", "aux_loss",
     )  # fmt: skip
     assert shape("v5p-675b-a41b.yaml") == (
-        7168, 61, 128, 8, 129280, 256, 8, 2048, 1, 3, "sigmoid", "bias",
+        7168, 61, 128, 128, 129280, 256, 8, 2048, 1, 3, "sigmoid", "bias",
     )  # fmt: skip
-    assert shipped("v5p-675b-a41b.yaml").model.d_ff == 18432
-    assert param_counts(shipped("v5p-675b-a41b.yaml").model).active == 41_361_976_832
+    m = shipped("v5p-675b-a41b.yaml").model
+    assert m.d_ff == 18432 and m.attention == "mla" and m.mtp.depth == 1
+    assert (m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_nope_head_dim) == (1536, 512, 128)
+    assert (m.mla.qk_rope_head_dim, m.mla.v_head_dim) == (64, 128)
+    assert (m.moe.n_group, m.moe.topk_group, m.moe.routed_scaling_factor) == (8, 4, 2.5)
+    assert param_counts(m).active == 38_240_398_080
+
+
+def test_deepseek_v3_counts_its_published_parameters_and_flops():
+    """DeepSeek-V3 publishes 671B parameters and 37B active per token, each rounded to the
+    billion (+-0.5B), and 685B with its multi-token prediction module (671B + 14B: two rounded
+    figures, +-1B; the module holds its own copies of the embedding and output head, 1.85B
+    that seqshard shares). The cost table's forward
+    matmul FLOPs per token, less attention's (query, key) pairs and the module's rows, are 2
+    per active weight of a matmul (the embedding's lookup is none): their half agrees with 37B
+    within that rounding, as the parameter counts do."""
+    m = shipped("v5p-675b-a41b.yaml").model
+    without = dataclasses.replace(m, mtp=dataclasses.replace(m.mtp, depth=0))
+    counts = param_counts(without)
+    assert abs(counts.total - 671e9) <= 0.5e9
+    shared_copies = 2 * m.vocab * m.d_model
+    assert abs(param_counts(m).total + shared_copies - 685e9) <= 1e9
+    s = step_flops(m, batch=1, seq_len=4096)
+    pairs = {"scores", "values"}
+    per_token = sum(
+        op.forward for op in s.ops
+        if op.kind == "matmul" and op.name not in pairs and not op.name.startswith("mtp.")
+    ) // 4096  # fmt: skip
+    # Every active weight but the embedding's lookup and the vectors (norm gains, router
+    # biases: 1.02M, no matmul) is a matmul's.
+    assert 0 < (counts.active - counts.embedding) - per_token / 2 < 1.1e6
+    assert abs(per_token / 2 - 37e9) <= 0.5e9, per_token / 2
 
 
 # ---------------------------------------------------------------------------------------------
