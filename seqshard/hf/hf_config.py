@@ -56,8 +56,11 @@ DeepSeek-V3 (``model_type: deepseek_v3``; a key it leaves out takes transformers
     norm_topk_prob, routed_scaling_factor  moe.norm_topk_prob, moe.routed_scaling_factor
     (the router: sigmoid, noaux_tc)       moe.router sigmoid (its bias, the tensor
                                           e_score_correction_bias, is moe_layers.router_bias)
-    num_nextn_predict_layers              HFModel.mtp_depth: the multi-token prediction
-                                          modules are not imported (nor model.mtp set)
+    num_nextn_predict_layers D            mtp.depth = D when the weights files hold the
+                                          multi-token prediction modules (the layers
+                                          model.layers.{num_hidden_layers + k}.*, k < D, as
+                                          DeepSeek's checkpoints do); else left to the config
+                                          (transformers saves none: model.mtp off)
 
 ``moe.balance`` stays the run's choice: the imported bias steers the choice of experts whatever
 it is, and only ``balance: bias`` moves it on. ``head_dim`` and ``qk_head_dim`` in a
@@ -78,6 +81,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from seqshard.hf.errors import HFFormatError
+from seqshard.hf.safetensors_io import tensor_names
 from seqshard.model.attention import rope_attention_factor
 from seqshard.model.config import ModelConfig
 from seqshard.model.layers import runs
@@ -173,12 +178,9 @@ def hf_keys(architecture: str) -> dict[str, str]:
             "kv_a": "kv_lora_rank + qk_rope_head_dim",
             "d_kv_b": "qk_nope_head_dim + v_head_dim",
             "d_v": "v_head_dim",
+            "mtp": "num_nextn_predict_layers",
         }
     return HF_KEYS
-
-
-class HFFormatError(ValueError):
-    """A Hugging Face model directory seqshard cannot read: the message names the file and field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,9 +192,16 @@ class HFModel:
     tied: bool  # tie_word_embeddings: no lm_head.weight in the files
     dtype: str | None  # the weights' dtype as the file names it ('bfloat16'), if it does
     path: Path
-    # DeepSeek-V3's num_nextn_predict_layers: multi-token prediction modules the file may hold
-    # as layers num_hidden_layers, ...; not imported (their tensors, if any, are skipped)
+    # DeepSeek-V3's num_nextn_predict_layers: the multi-token prediction modules the files
+    # may hold as layers num_hidden_layers, ...; fields holds it as mtp.depth if they do
     mtp_depth: int = 0
+
+    @property
+    def mtp_prefixes(self) -> tuple[str, ...]:
+        """The tensor name prefix of each multi-token prediction module config.json declares:
+        ``model.layers.{num_hidden_layers + k}.`` for k < num_nextn_predict_layers."""
+        n = self.fields["n_layers"]
+        return tuple(f"model.layers.{n + k}." for k in range(self.mtp_depth))
 
     def disagreements(self, cfg: ModelConfig, fields=None) -> dict[str, tuple[Any, Any]]:
         """``{'d_ff': (128, 64)}``: each model field (of ``fields``, default every one this
@@ -225,7 +234,8 @@ def _field(cfg: ModelConfig, key: str) -> Any:
 
 def read_hf_config(directory: str | Path) -> HFModel:
     """Parse ``directory/config.json``; raise HFFormatError naming the field for anything
-    seqshard's Llama does not compute."""
+    seqshard's Llama does not compute. The weights files' tensor names are read too (not their
+    values): whether they hold DeepSeek-V3's multi-token prediction modules."""
     directory = Path(directory)
     path = directory / CONFIG_FILE
     if not directory.is_dir():
@@ -244,7 +254,13 @@ def read_hf_config(directory: str | Path) -> HFModel:
         raise HFFormatError(f"{path} is not valid JSON ({e}).") from None
     if not isinstance(raw, dict):
         raise HFFormatError(f"{path}: expected a JSON object, got {type(raw).__name__}.")
-    return _parse(raw, path)
+    hf = _parse(raw, path)
+    # The modules' depth is the model's when the files hold them (DeepSeek's checkpoints);
+    # transformers declares one and saves none, and then the config says (off by default).
+    prefixes = hf.mtp_prefixes
+    if prefixes and any(n.startswith(prefixes) for n in tensor_names(directory)):
+        hf = dataclasses.replace(hf, fields={**hf.fields, "mtp.depth": hf.mtp_depth})
+    return hf
 
 
 def _parse(raw: dict[str, Any], path: Path) -> HFModel:
@@ -570,6 +586,14 @@ def architecture_of(cfg: ModelConfig) -> str:
     if cfg.attention == "mla":
         _check_deepseek_v3(cfg)
         return DEEPSEEK_V3
+    if cfg.mtp.depth:
+        raise ValueError(
+            f"model.mtp.depth={cfg.mtp.depth} (multi-token prediction modules) with "
+            f"grouped-query attention has no Hugging Face counterpart: {LLAMA}, {QWEN3}, "
+            f"{MIXTRAL} and {QWEN3_MOE} hold no such module; only {DEEPSEEK_V3} does, with "
+            f"multi-head latent attention (model.attention=mla). Export a run trained with "
+            f"model.mtp.depth=0."
+        )
     moe = cfg.moe
     if not runs(cfg, MOE):
         return QWEN3 if cfg.qk_norm else LLAMA
@@ -719,9 +743,9 @@ def _deepseek_v3_keys(cfg: ModelConfig) -> dict[str, Any]:
     """A DeepSeek-V3 ``config.json``'s attention, expert and MTP keys. Without experts every
     layer is dense (first_k_dense_replace = num_hidden_layers; transformers then builds no
     expert, and the expert keys, seqshard's moe fields, are never read). The router's kind is
-    written out (scoring_func, topk_method), as DeepSeek's own code reads them. No
-    multi-token prediction module is exported (num_nextn_predict_layers 0; transformers' model
-    runs none)."""
+    written out (scoring_func, topk_method), as DeepSeek's own code reads them.
+    num_nextn_predict_layers is model.mtp.depth: the export holds the modules as DeepSeek's
+    checkpoints do (transformers' model runs none and ignores their tensors)."""
     mla, moe = cfg.mla, cfg.moe
     return {
         "q_lora_rank": mla.q_lora_rank or None,
@@ -742,6 +766,6 @@ def _deepseek_v3_keys(cfg: ModelConfig) -> dict[str, Any]:
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
         "moe_layer_freq": 1,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp.depth,
         "output_router_logits": False,
     }

@@ -8,8 +8,14 @@ written into its slot of the stacked weight in place (a jitted update that donat
 so the host holds the weights placed so far plus about one tensor, never the whole model at
 once. Weights with no Hugging Face tensor start at zero: ``router_bias`` (Mixtral's and
 Qwen3-MoE's routers have none; DeepSeek-V3's is ``e_score_correction_bias``) and the weights of
-size 0. A DeepSeek-V3's multi-token prediction modules (``num_nextn_predict_layers`` layers
-after the model's, if the files hold them) are not imported: one line says so.
+size 0.
+
+A DeepSeek-V3's multi-token prediction modules (``num_nextn_predict_layers`` layers after the
+model's, as DeepSeek's checkpoints hold them) are ``model.mtp``'s (read_hf_config makes its
+depth theirs); their copies of the embedding and the head must equal the model's own (seqshard
+shares them). Where the files hold no module (transformers declares one and saves none), one
+line says so, and a ``model.mtp.depth`` the config asks for anyway starts as
+:func:`~seqshard.model.weights.init_weights` makes it (gains ones, matrices random), not zeros.
 
     weights = load_hf_weights("Llama-3.2-1B", cfg.model, mesh)   # Weights, sharded on mesh
 """
@@ -30,13 +36,16 @@ from seqshard.hf.hf_config import HFFormatError, HFModel, hf_keys, read_hf_confi
 from seqshard.hf.safetensors_io import HFTensors
 from seqshard.hf.table import TensorRow, hf_tensor_names
 from seqshard.model.config import DIM_KEYS, ModelConfig
-from seqshard.model.weights import Weights, weight_structs
+from seqshard.model.layers import MTP_STACK
+from seqshard.model.weights import Weights, init_weights, weight_structs
 from seqshard.shardlib.shardtypes import shape_dtype_structs
 
 __all__ = ["check_model_agrees", "load_hf_weights"]
 
 # Buffers some checkpoints carry that are not weights (recomputed from config.json).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A module's copy of the embedding or head is compared with the model's this much at a time.
+_COMPARE_BYTES = 64 * 2**20
 
 
 def check_model_agrees(hf: HFModel, cfg: ModelConfig) -> None:
@@ -62,35 +71,52 @@ def _hf_key_of(hf: HFModel, field: str) -> str | None:
 
 
 def load_hf_weights(
-    directory: str | Path, cfg: ModelConfig, mesh: Mesh, log: Callable[[str], None] = print
+    directory: str | Path,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    log: Callable[[str], None] = print,
+    key: jax.Array | None = None,
 ) -> Weights:
     """The weights of the Hugging Face model in ``directory``, each placed in its sharded
     layout on ``mesh`` (f32, as seqshard's master weights; bf16 files are widened exactly).
 
-    Everything is checked before any tensor is read: config.json against ``cfg``, every tensor
-    present (``lm_head.weight`` may be absent when embeddings are tied: a copy of the
-    embedding), no tensor seqshard would ignore (biases), every shape as config.json implies."""
+    Everything is checked before any tensor is placed: config.json against ``cfg``, every
+    tensor present (``lm_head.weight`` may be absent when embeddings are tied: a copy of the
+    embedding), no tensor seqshard would ignore (biases), every shape as config.json implies,
+    the multi-token prediction modules' copies of the embedding and head equal to the model's.
+    ``key``: what :func:`~seqshard.model.weights.init_weights` draws ``model.mtp``'s weights
+    from when the files hold none (default ``jax.random.key(0)``; pass ``train.seed``'s)."""
     hf = read_hf_config(directory)
     check_model_agrees(hf, cfg)
     tensors = HFTensors(directory)
-    names = hf_tensor_names(cfg, hf.architecture)
-    skipped = _mtp_tensors(tensors, hf, cfg)
-    _check_tensors(tensors, hf, cfg, names, skipped)
-    if skipped:
-        log(
-            f"not imported: the {len(skipped)} tensors of {hf.path.name}'s "
-            f"num_nextn_predict_layers={hf.mtp_depth} multi-token prediction module(s) "
-            f"(model.layers.{cfg.n_layers}.* on): seqshard does not read them yet"
-        )
+    # read_hf_config gives the model the modules' depth only if the files hold them.
+    held = "mtp.depth" in hf.fields
+    names = [
+        (row, where, name)
+        for row, where, name in hf_tensor_names(cfg, hf.architecture)
+        if held or not (row.stack == MTP_STACK or row.copy)
+    ]
+    _check_tensors(tensors, hf, cfg, names)
+    _check_copies(tensors, hf, names)
+    if not held and (hf.mtp_depth or cfg.mtp.depth):
+        log(_no_modules_said(hf, cfg))
     structs = weight_structs(cfg, mesh)
-    embed = next(r for r, _, _ in names if r.field == "embed")
-    # Every weight starts at zero in its layout (those without a tensor stay so); each tensor
+    embed = next(r for r, _, _ in names if r.field == "embed" and not r.copy)
+    # Every weight starts at zero in its layout (those without a tensor stay so), or, for
+    # multi-token prediction modules the files lack, as init_weights makes them; each tensor
     # is written into its slot.
     placed = {
         jax.tree_util.keystr(path, simple=True, separator="."): _zeros(s.shape, s.sharding)
         for path, s in jax.tree_util.tree_leaves_with_path(structs)
+        if held or not cfg.mtp.depth or path[0].name != MTP_STACK
     }
+    if not held and cfg.mtp.depth:
+        fresh = _mtp_initializer(cfg, mesh)(jax.random.key(0) if key is None else key)
+        for path, x in jax.tree_util.tree_leaves_with_path(fresh):
+            placed[f"{MTP_STACK}.{jax.tree_util.keystr(path, simple=True, separator='.')}"] = x
     for row, where, name in names:
+        if row.copy:  # checked equal to the model's own weight, which holds it
+            continue
         target = row.of(structs)
         # Tied: the embedding's copy, as transformers does, even if lm_head is there.
         source = embed if row.field == "unembed" and hf.tied else row
@@ -103,25 +129,75 @@ def load_hf_weights(
         x = _place(tensors, name, source, cfg, block.sharding, block.shape, log)
         placed[row.field] = _updater(target.sharding, len(where))(placed[row.field], x, *where)
         del x
-    read = [s for name, s in tensors.shapes.items() if name not in skipped]
-    n = sum(int(np.prod(s)) for s in read)
-    log(f"imported {len(read)} tensors ({n / 1e6:.1f}M values) from {hf.path.parent}")
+    n = sum(int(np.prod(s)) for s in tensors.shapes.values())
+    log(f"imported {len(tensors.shapes)} tensors ({n / 1e6:.1f}M values) from {hf.path.parent}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(structs)
     return treedef.unflatten(
         [placed[jax.tree_util.keystr(path, simple=True, separator=".")] for path, _ in leaves]
     )
 
 
-def _mtp_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig) -> set[str]:
-    """The tensors of the multi-token prediction modules config.json declares (DeepSeek-V3's
-    layers num_hidden_layers, ... of ``num_nextn_predict_layers``) that the files hold."""
-    prefixes = tuple(f"model.layers.{cfg.n_layers + k}." for k in range(hf.mtp_depth))
-    return {n for n in tensors.shapes if prefixes and n.startswith(prefixes)}
+def _no_modules_said(hf: HFModel, cfg: ModelConfig) -> str:
+    """The line that says the files hold no multi-token prediction module, and what
+    ``model.mtp`` becomes."""
+    declared = (
+        f"{hf.path.name} says num_nextn_predict_layers={hf.mtp_depth}, but " if hf.mtp_depth else ""
+    )
+    said = (
+        f"{declared}{hf.path.parent.name}'s files hold no multi-token prediction module "
+        f"(no model.layers.{cfg.n_layers}.*)"
+    )
+    if not cfg.mtp.depth:
+        return f"{said}: imported without one (model.mtp.depth 0)"
+    return (
+        f"{said}: model.mtp.depth={cfg.mtp.depth}'s modules start as init_weights makes them "
+        f"(norm gains ones, matrices random), not from the files"
+    )
 
 
-def _check_tensors(
-    tensors: HFTensors, hf: HFModel, cfg: ModelConfig, names, skipped: set[str]
-) -> None:
+@functools.lru_cache(maxsize=8)
+def _mtp_initializer(cfg: ModelConfig, mesh: Mesh):
+    """``key -> init_weights(cfg, mesh, key).mtp`` (the same values), jitted: the rest of the
+    model's draws are dead code XLA drops, so only the modules' weights are made."""
+    shardings = jax.tree.map(lambda s: s.sharding, weight_structs(cfg, mesh).mtp)
+    return jax.jit(lambda key: init_weights(cfg, mesh, key).mtp, out_shardings=shardings)
+
+
+def _check_copies(tensors: HFTensors, hf: HFModel, names) -> None:
+    """Raise HFFormatError naming the tensor if a multi-token prediction module's copy of the
+    embedding or head differs from the model's own (``lm_head.weight``, the embedding's when
+    tied): seqshard's modules share them, so it would hold only the model's. Compared a few
+    rows at a time, as f32 (a copy may be stored in another dtype)."""
+    own = {r.field: r.hf_name for r, _, _ in names if not r.stacked and not r.copy}
+    if hf.tied:
+        own["unembed"] = own["embed"]
+    for row, _, name in names:
+        if not row.copy:
+            continue
+        model = own[row.field]
+        shape = tensors.shapes[name]
+        step = max(1, _COMPARE_BYTES // (4 * int(np.prod(shape[1:]))))
+        for start in range(0, shape[0], step):
+            rows = slice(start, min(start + step, shape[0]))  # safetensors does not clip
+            copy = tensors.read(name, rows).astype(np.float32)
+            theirs = tensors.read(model, rows).astype(np.float32)
+            if np.array_equal(copy, theirs):
+                continue
+            at = tuple(int(i) for i in np.argwhere(~(copy == theirs))[0])
+            where = (start + at[0], *at[1:])
+            n_layers = hf.fields["n_layers"]
+            raise HFFormatError(
+                f"{tensors.file_of[name]}: tensor {name}, a multi-token prediction module's "
+                f"copy of {model}, differs from it (at {list(where)}: {copy[at]!r} but "
+                f"{theirs[at]!r}). seqshard's modules share the model's embedding and output "
+                f"head, as DeepSeek-V3's do, so it would hold only {model}: use files whose "
+                f"copies equal it (DeepSeek's released checkpoints' do), or remove the modules' "
+                f"tensors (model.layers.{n_layers}.* on) and set num_nextn_predict_layers to 0 "
+                f"in {hf.path} to import the model without them."
+            )
+
+
+def _check_tensors(tensors: HFTensors, hf: HFModel, cfg: ModelConfig, names) -> None:
     expected = {name: row for row, _, name in names}
     # A tensor of no element holds no weight (DeepSeek-V3's shared experts with
     # n_shared_experts 0): nothing to place, nothing dropped.
@@ -129,7 +205,7 @@ def _check_tensors(
         n
         for n, shape in tensors.shapes.items()
         if np.prod(shape) and not n.endswith(_IGNORED_SUFFIXES)
-    } - skipped
+    }
     tied_ok = {"lm_head.weight"} if hf.tied else set()
     missing = sorted(set(expected) - have - tied_ok)
     if "lm_head.weight" in missing:

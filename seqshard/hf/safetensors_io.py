@@ -169,7 +169,9 @@ def _weight_files(directory: Path) -> dict[Path, list[str] | None]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise HFFormatError(f"{index} is not a safetensors index (no weight_map: {e}).") from None
+            raise HFFormatError(
+                f"{index} is not a safetensors index (no weight_map: {e})."
+            ) from None
         files: dict[Path, list[str] | None] = {}
         for name, file in weight_map.items():
             files.setdefault(directory / file, []).append(name)

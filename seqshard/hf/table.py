@@ -63,6 +63,26 @@ other families have no tensor for) the router bias and the shared experts::
     moe_layers.s_up    (as s_gate)                             mlp.shared_experts.up_proj.weight   d_shared d_model
     moe_layers.s_down  (as s_gate)                             mlp.shared_experts.down_proj.weight d_model d_shared
 
+and its multi-token prediction modules (``model.mtp``: the stack ``mtp``, declared in
+:class:`seqshard.model.mtp_block.MTPWeights`), module k as the layer ``{i}`` = n_layers + k
+after the model's, as DeepSeek's checkpoints hold them::
+
+    mtp.enorm        f32['d_model/t/fsdp']                     model.layers.{i}.enorm.weight       d_model
+    mtp.hnorm        f32['d_model/t/fsdp']                     model.layers.{i}.hnorm.weight       d_model
+    mtp.w_eh         f32['d_model/fsdp mtp_in/t']              model.layers.{i}.eh_proj.weight     d_model mtp_in
+    mtp.head_norm    f32['d_model/t/fsdp']                     model.layers.{i}.shared_head.norm.weight  d_model
+    mtp.ln1, mtp.w_q_a, ..., mtp.router, mtp.w_gate, ...       the layer's self_attn.*, mlp.*, input_layernorm,
+                                                               post_attention_layernorm, as the model's layers'
+    embed    (a copy, :data:`COPIES`)                          model.layers.{i}.embed_tokens.weight       vocab d_model
+    unembed  (a copy)                                          model.layers.{i}.shared_head.head.weight   vocab d_model
+
+``eh_proj``'s input is ``[enorm(embedding) | hnorm(hidden)]`` (DeepSeek's order, seqshard's
+``mtp_in``), so it is copied as it is. The modules' FFN is the MoE's when the model has
+experts (their layer index is past first_k_dense_replace), else the dense one. The last two
+rows are no weights of seqshard's: each module shares the model's embedding and output head,
+which DeepSeek's files hold again per module. Export writes them; import checks they equal
+the model's own (``lm_head.weight``; ``embed_tokens`` when tied) and reads nothing from them.
+
 MLA's rows are copied as they are in either RoPE pairing (``mla.rope_interleave``): seqshard
 rotates the rope part as transformers' DeepSeek-V3 does, gathering interleaved pairs (2i, 2i+1)
 into halves first, for queries and keys alike (:func:`seqshard.model.mla.mla_rope`).
@@ -96,9 +116,8 @@ import einops
 import numpy as np
 
 from seqshard.hf.hf_config import DEEPSEEK_V3, LLAMA, MIXTRAL
-from seqshard.model.config import MLAConfig, ModelConfig, MoEConfig
-from seqshard.model.layers import STACK_NAMES, runs
-from seqshard.model.moe import MOE
+from seqshard.model.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
+from seqshard.model.layers import MTP_STACK, STACK_NAMES
 from seqshard.model.weights import (
     Weights,
     stack_layer_types,
@@ -108,7 +127,16 @@ from seqshard.model.weights import (
 from seqshard.shardlib.notation import Shape
 from seqshard.shardlib.shardtypes import ArrayType, type_tree
 
-__all__ = ["EXTRA", "RENAMES", "TABLE", "TensorRow", "hf_tensor_names", "row_of", "table"]
+__all__ = [
+    "COPIES",
+    "EXTRA",
+    "RENAMES",
+    "TABLE",
+    "TensorRow",
+    "hf_tensor_names",
+    "row_of",
+    "table",
+]
 
 RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
     MIXTRAL: (
@@ -123,14 +151,27 @@ RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
 _MOE_LAYER = "model.layers.{i}.mlp."
 EXTRA: dict[str, dict[str, tuple[str, str]]] = {
     DEEPSEEK_V3: {
-        "moe_layers.router_bias": (_MOE_LAYER + "gate.e_score_correction_bias", "experts"),
-        "moe_layers.s_gate": (_MOE_LAYER + "shared_experts.gate_proj.weight", "d_shared d_model"),
-        "moe_layers.s_up": (_MOE_LAYER + "shared_experts.up_proj.weight", "d_shared d_model"),
-        "moe_layers.s_down": (_MOE_LAYER + "shared_experts.down_proj.weight", "d_model d_shared"),
+        "router_bias": (_MOE_LAYER + "gate.e_score_correction_bias", "experts"),
+        "s_gate": (_MOE_LAYER + "shared_experts.gate_proj.weight", "d_shared d_model"),
+        "s_up": (_MOE_LAYER + "shared_experts.up_proj.weight", "d_shared d_model"),
+        "s_down": (_MOE_LAYER + "shared_experts.down_proj.weight", "d_model d_shared"),
     },
 }
-"""An architecture's tensors for weights that declare none, because the other architectures
-have no such tensor (field -> name, layout): DeepSeek-V3's router bias and shared experts."""
+"""An architecture's tensors for a layer's weights that declare none, because the other
+architectures have no such tensor (the weight's name in its layer -> tensor name, layout):
+DeepSeek-V3's router bias and shared experts, in the MoE layers and the multi-token
+prediction modules alike."""
+
+COPIES: dict[str, dict[str, str]] = {
+    DEEPSEEK_V3: {
+        "embed": "model.layers.{i}.embed_tokens.weight",
+        "unembed": "model.layers.{i}.shared_head.head.weight",
+    },
+}
+"""An architecture's tensors that each multi-token prediction module's layer ``{i}`` holds as
+a copy of a weight outside the layers (weight -> tensor name, in the weight's layout):
+DeepSeek-V3's checkpoints hold the embedding and the output head again per module, which
+seqshard's modules share with the model."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,18 +179,21 @@ class TensorRow:
     """One seqshard weight (or one part of it: ``part`` indexes a leading literal dimension,
     ``w_kv``'s k and v; an expert's block of an expert weight) and the Hugging Face tensor it is."""
 
-    field: str  # 'embed', 'layers.w_q', 'moe_layers.w_gate', ...
+    field: str  # 'embed', 'layers.w_q', 'moe_layers.w_gate', 'mtp.w_eh', ...
     hf_name: str  # '{i}' stands for the layer, '{x}' for the expert
     hf_layout: str  # the Hugging Face tensor's dims in seqshard's names (einops)
     part: int | None = None
     # the seqshard weight's type, for one layer if stacked: f32['d_model/fsdp d_ff/t']
     weight_type: ArrayType | None = dataclasses.field(default=None, compare=False, repr=False)
+    # a multi-token prediction module's copy of the (unstacked) weight ``field`` (COPIES)
+    copy: bool = False
 
     @property
     def stack(self) -> str | None:
-        """The stacked field it is one layer's weight of (``'layers'``, ``'moe_layers'``)."""
+        """The stacked field it is one layer's weight of (``'layers'``, ``'moe_layers'``,
+        ``'mtp'``)."""
         head = self.field.split(".")[0]
-        return head if head in STACK_NAMES else None
+        return head if head in (*STACK_NAMES, MTP_STACK) else None
 
     @property
     def stacked(self) -> bool:
@@ -182,7 +226,7 @@ class TensorRow:
         return obj
 
     def hf_name_of(self, layer: int | None, expert: int | None = None) -> str:
-        return self.hf_name.format(i=layer, x=expert) if self.stacked else self.hf_name
+        return self.hf_name.format(i=layer, x=expert) if "{i}" in self.hf_name else self.hf_name
 
     def hf_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
         """The Hugging Face tensor's shape for ``cfg``: ``q_proj`` is ``(n_heads*d_head, d_model)``."""
@@ -234,13 +278,15 @@ def _types(cls: type) -> dict[str, ArrayType]:
 def _every_weight(moe: bool, attention: str) -> tuple[type, ...]:
     """The weights' dataclasses of configs that together hold every weight a Hugging Face
     family may have: q and k norms (grouped-query attention), the query latent and the direct
-    query projection (multi-head latent attention: two configs), and with ``moe`` a dense
-    stack and an MoE one (shared experts too)."""
+    query projection and the multi-token prediction modules (multi-head latent attention: two
+    configs), and with ``moe`` a dense stack and an MoE one (shared experts too)."""
     experts = MoEConfig(n_experts=2, top_k=1, d_ff=8, n_shared=1, n_dense_layers=1)
     base = ModelConfig(n_layers=2, moe=experts if moe else MoEConfig())
     if attention == "gqa":
         return (weights_type(dataclasses.replace(base, qk_norm=True)),)
-    mla = dataclasses.replace(base, attention="mla", n_q_per_kv=1, d_head=48, mla=MLAConfig())
+    mla = dataclasses.replace(
+        base, attention="mla", n_q_per_kv=1, d_head=48, mla=MLAConfig(), mtp=MTPConfig(depth=1)
+    )
     latent = dataclasses.replace(mla, mla=MLAConfig(q_lora_rank=16))
     return weights_type(latent), weights_type(mla)
 
@@ -261,21 +307,27 @@ def _merged(orders: list[list[str]]) -> list[str]:
 def table(moe: bool = False, architecture: str = LLAMA) -> tuple[TensorRow, ...]:
     """Every seqshard weight with a Hugging Face tensor once (``w_kv`` as its two parts), in
     Hugging Face's file order, in ``architecture``'s names: every weight a dense model (with
-    ``moe``, one with dense and MoE layers) may have. Read off the weights' declarations (each
-    block declares its weights' Hugging Face names beside its math), and :data:`EXTRA`."""
+    ``moe``, one with dense and MoE layers; with experts or not, the multi-token prediction
+    modules of an architecture that has them) may have. Read off the weights' declarations
+    (each block declares its weights' Hugging Face names beside its math), :data:`EXTRA`, and
+    the module's copies of the embedding and the head (:data:`COPIES`, after the weight)."""
     classes = _every_weight(moe, "mla" if architecture == DEEPSEEK_V3 else "gqa")
     infos = [weight_info_by_path(cls) for cls in classes]
     types = {k: v for cls in reversed(classes) for k, v in _types(cls).items()}
-    extra = EXTRA.get(architecture, {})
+    extra, copies = EXTRA.get(architecture, {}), COPIES.get(architecture, {})
     rows = []
     for field in _merged([list(info) for info in infos]):
         info = next(i[field] for i in infos if field in i)
-        hf = info.hf or ((extra[field],) if field in extra else ())
+        name = field.split(".")[-1]
+        stacked = "." in field  # a layer's weight (EXTRA names those)
+        hf = info.hf or ((extra[name],) if stacked and name in extra else ())
         for part, (hf_name, hf_layout) in enumerate(hf):
             for ours, theirs in RENAMES.get(architecture, ()):
                 hf_name = hf_name.replace(ours, theirs)
             part_of = part if len(hf) > 1 else None
             rows.append(TensorRow(field, hf_name, hf_layout, part_of, types[field]))
+            if field in copies:
+                rows.append(TensorRow(field, copies[field], hf_layout, None, types[field], True))
     return tuple(rows)
 
 
@@ -286,9 +338,10 @@ TABLE: tuple[TensorRow, ...] = table()
 def row_of(
     hf_name: str, rows: tuple[TensorRow, ...] = TABLE
 ) -> tuple[TensorRow, int | None] | None:
-    """The row and layer of a Hugging Face tensor name among ``rows``, or None if no row has it."""
+    """The row and layer of a Hugging Face tensor name among ``rows``, or None if no row has it
+    (the first row that has it: a DeepSeek-V3 layer's names are its modules' too)."""
     for row in rows:
-        if not row.stacked:
+        if "{i}" not in row.hf_name:
             if hf_name == row.hf_name:
                 return row, None
             continue
@@ -304,28 +357,41 @@ def hf_tensor_names(
 ) -> list[tuple[TensorRow, tuple[int, ...], str]]:
     """(row, where in the seqshard weight, Hugging Face name) of every tensor of ``cfg``'s
     model in ``architecture``'s names, in file order: the embedding, then each layer's tensors,
-    then the final norm and the unembedding. Where: ``()`` for a weight outside the layers,
-    else (the layer's index in its stack, [the expert,] [the part]). A weight with no element
-    the config leaves off (``q_norm`` without ``model.qk_norm``) has no tensor."""
+    then each multi-token prediction module's (layer n_layers + k: the copy of the embedding,
+    its weights, the copy of the head), then the final norm and the unembedding. Where: ``()``
+    for a weight outside the layers (and a copy of one), else (the layer's index in its stack,
+    [the expert,] [the part]). A weight with no element the config leaves off (``q_norm``
+    without ``model.qk_norm``) has no tensor."""
     present = set(weight_info_by_path(weights_type(cfg)))
+    # The modules' FFN is the MoE's whenever the model has experts, with MoE layers or not.
     rows = [
         r
-        for r in table(runs(cfg, MOE), architecture)
+        for r in table(cfg.moe.enabled, architecture)
         if r.field in present and np.prod(r.hf_shape(cfg)) > 0
     ]
     sizes = cfg.dim_sizes()
     n_dense = sizes["layers"]
-    first = [(r, (), r.hf_name) for r in rows if not r.stacked and r.field == "embed"]
-    layers = []
-    for i in range(cfg.n_layers):
-        stack, j = ("layers", i) if i < n_dense else ("moe_layers", i - n_dense)
+
+    def layer(stack: str, j: int, i: int) -> list[tuple[TensorRow, tuple[int, ...], str]]:
+        out = []
         for r in rows:
+            if r.copy and stack == MTP_STACK:
+                out.append((r, (), r.hf_name_of(i)))
             if r.stack != stack:
                 continue
             part = () if r.part is None else (r.part,)
             experts = range(sizes["experts"]) if r.per_expert else [None]
             for x in experts:
                 where = (j, *(() if x is None else (x,)), *part)
-                layers.append((r, where, r.hf_name_of(i, x)))
-    last = [(r, (), r.hf_name) for r in rows if not r.stacked and r.field != "embed"]
+                out.append((r, where, r.hf_name_of(i, x)))
+        return out
+
+    outer = [r for r in rows if not r.stacked and not r.copy]
+    first = [(r, (), r.hf_name) for r in outer if r.field == "embed"]
+    layers = []
+    for i in range(cfg.n_layers):
+        layers += layer("layers", i, i) if i < n_dense else layer("moe_layers", i - n_dense, i)
+    for k in range(cfg.mtp.depth):
+        layers += layer(MTP_STACK, k, cfg.n_layers + k)
+    last = [(r, (), r.hf_name) for r in outer if r.field != "embed"]
     return first + layers + last

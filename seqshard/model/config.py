@@ -379,7 +379,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}.")
-        if self.d_head % 2:
+        if self.d_head % 2 and self.attention != "mla":  # MLA's rope part: model.mla's check
             raise ValueError(
                 f"model.d_head must be even for RoPE (it rotates pairs), got {self.d_head}."
             )

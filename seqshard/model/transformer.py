@@ -61,6 +61,7 @@ from seqshard.model.vocab import embed_lookup, embed_table, loss_terms_and_softm
 from seqshard.model.weights import Weights
 from seqshard.shardlib import shardops
 from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.dataflow import after
 
 __all__ = [
     "EMBED",
@@ -188,13 +189,19 @@ def forward_terms_and_aux(
     x, aux = run_stacks(cfg, w, rows, embed(cfg, w, rows.tokens))
     a = Activations((HEAD,))
     if cfg.mtp.depth:
-        # The head's gathered weights' gradients read the last residual's, which the
-        # modules' backward loop makes too: their reduce-scatters follow that loop.
+        # The multi-token prediction modules and the head both read the last residual. The
+        # head's gathered inputs (its gain, table and the residual with all of M) are made
+        # here, their gradients reading the modules' (one loop): so the reductions of those
+        # gradients follow the modules' backward loop on every device, and the modules'
+        # loop runs before the head's forward collectives (which read its result).
         a("ln", lambda: shardops.all_gather("M/t/fsdp -> M", w.final_norm))
         a("table", lambda: _gathered_table(cfg, w))
-        (a.values["ln"], a.values["table"]), x = gradients_after_input((a["ln"], a["table"]), x)
-    # The multi-token prediction modules (model.mtp), after the layers, before the head.
+        a("gx", lambda: norm_input(cfg, x))
+        head, x = gradients_after_input((a["ln"], a["table"], a["gx"]), x)
+        a.values.update(zip(("ln", "table", "gx"), head, strict=True))
     x, mtp, mtp_aux = mtp_before_head(cfg, w, rows, x)
+    if mtp is not None:
+        a.values["gx"] = after(a["gx"], mtp)
     logits = unembed(cfg, w, final_norm(cfg, w, x, a), a)
     terms = loss_terms_and_softmax(logits, rows.targets, rows.counted)[0]
     return with_mtp(with_aux_losses(cfg, terms, aux), mtp), {**aux, **mtp_aux}

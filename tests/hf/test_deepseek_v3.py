@@ -9,12 +9,18 @@ and dense first layers, read and written by the modules test_load.py tests for t
                  YaRN (both mscales) or default rope, interleaved or rotate-half rope pairs,
                  groups, shared experts, one dense first layer; an MLA model without experts
     us -> HF     seqshard models with MLA exported: transformers loads them (experts or none)
-                 with equal logits, and imported back every weight is bit-identical
+                 with equal logits, and imported back every weight is bit-identical; with
+                 multi-token prediction modules (depth 1, 2) too, written as DeepSeek's
+                 checkpoints hold them (model.layers.{n_layers + k}.*), which transformers
+                 ignores
     controls     the other rope pairing, no YaRN mscales or a zero router bias move the logits
                  by far more than 1e-5: the logits tests check each
-    files        num_nextn_predict_layers' modules in the files are skipped, with one line; a
-                 shape config.json contradicts names the tensor and its keys; shared experts
-                 of no element (n_shared_experts 0) import as none
+    files        the modules' copies of lm_head and the embedding must equal the model's; a
+                 module the files hold in part, or a layer past num_nextn_predict_layers, is
+                 an error naming a tensor; files without modules (as transformers saves them)
+                 import at depth 0 with one line, or at a depth the config asks for as
+                 init_weights makes it; a shape config.json contradicts names the tensor and its
+                 keys; shared experts of no element (n_shared_experts 0) import as none
     bad input    each field seqshard does not compute: an error naming it, expected and actual;
                  an MLA model DeepSeek-V3 cannot hold is refused before export
 
@@ -29,6 +35,7 @@ import re
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from hf_helpers import (
@@ -47,7 +54,8 @@ from seqshard.hf.hf_config import HFFormatError, read_hf_config
 from seqshard.hf.load import load_hf_weights
 from seqshard.mesh import training_mesh
 from seqshard.model import ModelConfig
-from seqshard.model.config import MLAConfig, MoEConfig
+from seqshard.model.config import MLAConfig, MoEConfig, MTPConfig
+from seqshard.model.weights import init_weights
 
 MOE_MESH = {"e": 2, "d": 2, "t": 2}  # the experts over e, their hidden dim and the heads over t
 DENSE_MESH = {"d": 4, "t": 2}
@@ -164,8 +172,10 @@ def check_imports_with_equal_logits(path: Path, model) -> ModelConfig:
     mesh = training_mesh(MOE_MESH if cfg.moe.enabled else DENSE_MESH)
     lines = []
     weights = load_hf_weights(path, cfg, mesh, log=lines.append)
-    # transformers writes num_nextn_predict_layers 1 and no module: nothing to skip
-    assert not any("not imported" in line for line in lines), lines
+    # transformers writes num_nextn_predict_layers 1 and no module: depth 0, said in one line
+    said = [line for line in lines if "multi-token prediction" in line]
+    assert len(said) == 1 and "num_nextn_predict_layers=1, but" in said[0], lines
+    assert "imported without one (model.mtp.depth 0)" in said[0] and cfg.mtp.depth == 0
     if cfg.moe.enabled:
         bias = np.asarray(weights.moe_layers.router_bias)
         gate = model.model.layers[cfg.moe.n_dense_layers].mlp.gate
@@ -227,10 +237,11 @@ def test_a_transformers_deepseek_v3_without_experts_imports_with_equal_logits(tm
     assert not cfg.moe.enabled and cfg.mla.q_lora_rank == 16
 
 
-def seqshard_mla(experts: bool) -> ModelConfig:
+def seqshard_mla(experts: bool, mtp_depth: int = 0) -> ModelConfig:
     """A seqshard model with multi-head latent attention (q latent, YaRN with both mscales,
     interleaved pairs) and, with ``experts``, one dense layer then two of 8 sigmoid-routed
-    experts in 4 groups (2 kept), 2 shared experts, gates x 2.5."""
+    experts in 4 groups (2 kept), 2 shared experts, gates x 2.5; ``mtp_depth`` multi-token
+    prediction modules."""
     moe = MoEConfig(
         n_experts=8, top_k=2, d_ff=16, n_shared=2, n_dense_layers=1, router="sigmoid",
         balance="bias", n_group=4, topk_group=2, routed_scaling_factor=2.5,
@@ -241,7 +252,7 @@ def seqshard_mla(experts: bool) -> ModelConfig:
         mla=MLAConfig(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True),
         rope_theta=1000.0, rope_type="yarn", rope_factor=4.0, rope_original_max_position=64,
-        rope_mscale=0.8, rope_mscale_all_dim=0.6, moe=moe,
+        rope_mscale=0.8, rope_mscale_all_dim=0.6, moe=moe, mtp=MTPConfig(depth=mtp_depth),
     )  # fmt: skip
 
 
@@ -313,7 +324,92 @@ def test_the_logits_tests_would_catch_a_wrong_pairing_scale_or_bias(deepseek_dir
         assert np.abs(wrong - right).max() > 100 * LOGITS_TOL
 
 
-# -- multi-token prediction modules in the files ------------------------------------------------
+# -- multi-token prediction modules ---------------------------------------------------------------
+
+
+def export_mla(out: Path, cfg: ModelConfig, weights, tokenizer: Path) -> None:
+    from seqshard.hf.export import ExportConfig, export_run
+
+    export_run(weights, ExportConfig(out, cfg, tokenizer, max_position=64), log=lambda m: None)
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "np") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (not iterable)
+
+
+@needs_transformers
+@pytest.mark.parametrize("experts, depth", [(True, 1), (True, 2), (False, 1)])
+def test_an_export_with_mtp_modules_loads_in_transformers_and_imports_back_exactly(
+    tmp_path, data_dir, experts, depth
+):
+    """seqshard with model.mtp.depth 1 or 2 -> export: num_nextn_predict_layers is the depth,
+    module k is model.layers.{3 + k}.* as DeepSeek's checkpoints hold it (eh_proj [64, 128],
+    its norms, the copies of the embedding and lm_head, the whole decoder layer with its
+    experts, or the dense FFN without); transformers loads the directory (ignoring those) with
+    logits within 1e-5 of seqshard's (e2 x d2 x t2 or d4 x t2; measured max abs: experts
+    depth 1 2.5e-6, depth 2 2.5e-6, none 3.6e-6), and imported back every weight, the
+    modules' included, is bit-identical, the depth read from the files."""
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = seqshard_mla(experts, mtp_depth=depth)
+    mesh = training_mesh(MOE_MESH if experts else DENSE_MESH)
+    weights = random_seqshard_weights(cfg, mesh, embed_std=0.5, router_bias_std=0.1)
+    out = tmp_path / "hf"
+    export_mla(out, cfg, weights, data_dir / "tokenizer.json")
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == depth
+    shapes = tensor_shapes(out)
+    for k in range(depth):
+        layer = f"model.layers.{3 + k}."
+        assert shapes[layer + "eh_proj.weight"] == (64, 128)
+        for norm in ("enorm", "hnorm", "shared_head.norm", "input_layernorm"):
+            assert shapes[f"{layer}{norm}.weight"] == (64,)
+        assert shapes[layer + "shared_head.head.weight"] == shapes["lm_head.weight"] == (96, 64)
+        assert shapes[layer + "embed_tokens.weight"] == (96, 64)
+        assert shapes[layer + "self_attn.kv_b_proj.weight"] == (4 * (16 + 12), 32)
+        if experts:
+            assert shapes[layer + "mlp.experts.7.down_proj.weight"] == (64, 16)
+            assert shapes[layer + "mlp.gate.e_score_correction_bias"] == (8,)
+            assert shapes[layer + "mlp.shared_experts.up_proj.weight"] == (32, 64)
+        else:
+            assert shapes[layer + "mlp.gate_proj.weight"] == (48, 64)
+    assert not any(n.startswith(f"model.layers.{3 + depth}.") for n in shapes)
+    # the last module's eh_proj is its w_eh as it is: [enorm(emb) | hnorm(h)] columns
+    eh_proj = load_file(out / "model.safetensors")[f"model.layers.{2 + depth}.eh_proj.weight"]
+    np.testing.assert_array_equal(eh_proj, np.asarray(weights.mtp.w_eh[depth - 1]))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == "DeepseekV3ForCausalLM" and len(model.model.layers) == 3
+    tokens, starts = tokens_and_starts(cfg.vocab)
+    want = torch_logits(model, tokens)
+    got = seqshard_logits(weights, tokens, starts, cfg, mesh)
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_TOL)
+    without = dataclasses.replace(cfg, mtp=MTPConfig())
+    assert read_hf_config(out).model_config(without) == cfg  # the depth: the files'
+    lines = []
+    assert tree_equal(load_hf_weights(out, cfg, mesh, log=lines.append), weights)
+    assert not any("multi-token prediction" in line for line in lines), lines
+
+
+@pytest.fixture(scope="module")
+def mtp_export(tmp_path_factory, data_dir):
+    """seqshard_mla(experts, depth 1) exported: (its directory, its config, its weights)."""
+    cfg = seqshard_mla(True, mtp_depth=1)
+    weights = random_seqshard_weights(cfg, training_mesh(MOE_MESH), embed_std=0.5)
+    out = tmp_path_factory.mktemp("mtp_export") / "hf"
+    export_mla(out, cfg, weights, data_dir / "tokenizer.json")
+    return out, cfg, weights
+
+
+@pytest.fixture
+def mtp_copy(mtp_export, tmp_path):
+    out = tmp_path / "hf"
+    shutil.copytree(mtp_export[0], out)
+    return out
 
 
 def add_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
@@ -323,27 +419,104 @@ def add_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     save_file(load_file(file) | tensors, file, metadata={"format": "pt"})
 
 
-def test_multi_token_prediction_modules_are_skipped_with_one_line(deepseek_copy):
-    """DeepSeek's files hold num_nextn_predict_layers modules as the layers after the model's
-    (model.layers.3.* here): not imported, said in one line; the model's weights are the same.
-    A layer beyond them is still an error."""
-    cfg = hf_cfg(deepseek_copy)
+@pytest.mark.parametrize(
+    "copy, of", [("shared_head.head", "lm_head.weight"), ("embed_tokens", "model.embed_tokens")]
+)
+def test_a_module_copy_of_the_head_or_embedding_that_differs_is_an_error_naming_it(
+    mtp_export, mtp_copy, copy, of
+):
+    """seqshard's modules share the model's embedding and head: a file whose module holds
+    another (one value moved by 1 ulp) cannot be imported as it is, and the error names the
+    tensor, what it copies, where they differ and the fix; a bf16 copy of equal values is fine."""
+    from safetensors.numpy import load_file
+
+    _, cfg, _ = mtp_export
+    name = f"model.layers.3.{copy}.weight"
+    changed = load_file(mtp_copy / "model.safetensors")[name]
+    changed[5, 7] = np.nextafter(changed[5, 7], np.float32(np.inf))
+    add_tensors(mtp_copy, {name: changed})
+    with pytest.raises(HFFormatError) as info:
+        load_hf_weights(mtp_copy, cfg, training_mesh(MOE_MESH), log=lambda m: None)
+    msg = str(info.value)
+    assert f"tensor {name}, a multi-token prediction module's copy of {of}" in msg, msg
+    assert "differs from it (at [5, 7]:" in msg and "set num_nextn_predict_layers to 0" in msg
+
+
+def test_files_without_modules_import_at_depth_0_or_the_asked_depth_as_init_weights_makes_it(
+    deepseek_dir,
+):
+    """transformers saves no module though its config.json says num_nextn_predict_layers 1:
+    read_hf_config leaves model.mtp to the config (0 by default: one line says so). A config
+    asking for depth 2 anyway gets modules as init_weights makes them from the key given (norm
+    gains ones, not zeros), the model's weights as the files hold them, and a line saying so."""
+    cfg = hf_cfg(deepseek_dir)
+    assert cfg.mtp.depth == 0 and "mtp.depth" not in read_hf_config(deepseek_dir).fields
     mesh = training_mesh(MOE_MESH)
-    plain = load_hf_weights(deepseek_copy, cfg, mesh, log=lambda m: None)
-    mtp = {
-        "model.layers.3.eh_proj.weight": np.ones((64, 128), np.float32),
-        "model.layers.3.enorm.weight": np.ones(64, np.float32),
-        "model.layers.3.self_attn.kv_a_layernorm.weight": np.ones(32, np.float32),
-    }
-    add_tensors(deepseek_copy, mtp)
-    assert read_hf_config(deepseek_copy).mtp_depth == 1  # transformers' default, as written
+    plain = load_hf_weights(deepseek_dir, cfg, mesh, log=lambda m: None)
+    asked = dataclasses.replace(cfg, mtp=MTPConfig(depth=2))
+    key = jax.random.key(5)
     lines = []
-    assert tree_equal(load_hf_weights(deepseek_copy, cfg, mesh, log=lines.append), plain)
-    said = [line for line in lines if "not imported" in line]
-    assert len(said) == 1 and "3 tensors" in said[0] and "num_nextn_predict_layers=1" in said[0]
-    add_tensors(deepseek_copy, {"model.layers.4.enorm.weight": np.ones(64, np.float32)})
+    weights = load_hf_weights(deepseek_dir, asked, mesh, log=lines.append, key=key)
+    said = [line for line in lines if "multi-token prediction" in line]
+    assert len(said) == 1 and "no model.layers.3.*" in said[0], lines
+    assert "model.mtp.depth=2's modules start as init_weights makes them" in said[0]
+    assert tree_equal(weights.mtp, init_weights(asked, mesh, key).mtp)
+    assert np.all(np.asarray(weights.mtp.enorm) == 1) and np.asarray(weights.mtp.w_eh).std() > 0
+    for field in dataclasses.fields(plain):  # the model's: as the files hold them
+        assert tree_equal(getattr(weights, field.name), getattr(plain, field.name)), field.name
+
+
+def test_a_partial_module_or_a_layer_past_the_modules_is_an_error_naming_a_tensor(
+    deepseek_copy, mtp_copy, mtp_export
+):
+    """Files holding part of a module (two of its tensors) miss the rest, and a layer past
+    num_nextn_predict_layers' (model.layers.4 with 1) is one seqshard does not compute: both
+    are errors naming a tensor. A config asking for another depth than the files' is refused."""
+    add_tensors(
+        deepseek_copy,
+        {
+            "model.layers.3.eh_proj.weight": np.ones((64, 128), np.float32),
+            "model.layers.3.enorm.weight": np.ones(64, np.float32),
+        },
+    )
+    cfg = hf_cfg(deepseek_copy)
+    assert cfg.mtp.depth == 1  # the files hold (part of) module 0
+    with pytest.raises(HFFormatError, match=r"are missing, e\.g\. model\.layers\.3\."):
+        load_hf_weights(deepseek_copy, cfg, training_mesh(MOE_MESH), log=lambda m: None)
+    _, cfg, _ = mtp_export
+    mesh = training_mesh(MOE_MESH)
+    with pytest.raises(
+        HFFormatError, match=re.escape("model.mtp.depth=2 but it says 1 (num_nextn_predict_layers)")
+    ):
+        load_hf_weights(mtp_copy, seqshard_mla(True, mtp_depth=2), mesh, log=lambda m: None)
+    add_tensors(mtp_copy, {"model.layers.4.enorm.weight": np.ones(64, np.float32)})
     with pytest.raises(HFFormatError, match=re.escape("model.layers.4.enorm.weight")):
-        load_hf_weights(deepseek_copy, cfg, mesh, log=lambda m: None)
+        load_hf_weights(mtp_copy, cfg, mesh, log=lambda m: None)
+
+
+def test_model_mtp_depth_beside_from_hf_is_filled_from_the_files_or_the_config(
+    tmp_path, deepseek_dir, mtp_export, data_dir
+):
+    """Through the config layer (load_config with seqshard.cli.with_hf_model): files holding a
+    module fill model.mtp.depth (1) and another written beside init.from_hf is an error; files
+    holding none leave it to the config (0, or the depth written)."""
+    from seqshard.cli import with_hf_model
+    from seqshard.config import ConfigError, load_config
+
+    config = tmp_path / "c.yaml"
+
+    def model(source: Path, written: str = ""):
+        tokenizer = data_dir / "tokenizer.json"
+        config.write_text(
+            f"init: {{from_hf: {source}}}\ndata: {{tokenizer: {tokenizer}}}\n{written}"
+        )
+        return load_config(config, from_hf=with_hf_model).model
+
+    assert model(mtp_export[0]).mtp.depth == 1
+    with pytest.raises(ConfigError, match=r"model.mtp.depth=2 but config.json says 1"):
+        model(mtp_export[0], "model: {mtp: {depth: 2}}\n")
+    assert model(deepseek_dir).mtp.depth == 0
+    assert model(deepseek_dir, "model: {mtp: {depth: 2}}\n").mtp.depth == 2
 
 
 def test_a_shape_config_json_contradicts_names_the_tensor_and_its_keys(deepseek_copy):

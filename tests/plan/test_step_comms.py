@@ -186,6 +186,41 @@ def test_predicted_collectives_with_experts(mesh, backward, remat, microbatches)
     assert kinds["all-to-all"] > 0, kinds
 
 
+# MLA (both latents) and two multi-token prediction modules (an MoE layer each) on MOE's
+# stacks: the modules' loop, its gathers of the shared tables (XLA's CSE merges them with the
+# model's), and under the hand-written backward their jax.vjp re-run.
+MLA_MTP = (
+    *MOE,
+    "model.attention=mla",
+    "model.n_q_per_kv=1",
+    "model.n_kv=4",
+    "model.d_head=12",
+    "model.mla.q_lora_rank=16",
+    "model.mla.kv_lora_rank=16",
+    "model.mla.qk_nope_head_dim=8",
+    "model.mla.qk_rope_head_dim=4",
+    "model.mla.v_head_dim=6",
+    "model.mtp.depth=2",
+)
+
+
+@pytest.mark.parametrize(
+    "backward,remat,microbatches,residual",
+    [
+        ("explicit", "saved", 1, "L/t"),
+        pytest.param("autodiff", "saved", 1, "M/t", marks=pytest.mark.slow),
+        pytest.param("explicit", "full", 2, "M/t", marks=pytest.mark.slow),
+    ],
+)
+def test_predicted_collectives_with_latent_attention_and_multi_token_prediction(
+    backward, remat, microbatches, residual
+):
+    cfg = _config("2x2x2", backward, remat, microbatches, residual, extra=MLA_MTP)
+    _check(cfg)
+    parts = {c.what.split(":")[0] for c in collectives_per_step(cfg)}
+    assert {"kv_a", "kv_b", "eh_proj", "mtp_head"} <= parts, parts
+
+
 CPU_CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*cpu*.yaml"))
 
 
