@@ -20,9 +20,11 @@ GQA, at about the same active size: 4 heads (``n_kv=4, n_q_per_kv=1``: MLA gives
 its own keys and values), ``kv_lora_rank`` 64, ``qk_nope_head_dim`` 32 + ``qk_rope_head_dim``
 16 = ``d_head`` 48, ``v_head_dim`` 32, ``q_lora_rank`` 128 (``--q-lora-rank``; 0 projects the
 queries from the residual directly): 2.48 M weights and 13.4 MFLOP/token (q_lora_rank 0:
-2.47 M, 13.3 M) against GQA's 2.43 M and 13.0 M. Every mesh up to t x d = 8 splits it as
-specified (the latents' rows rest split over t and d: kv_lora_rank and q_lora_rank divide by
-8; 4 heads split over t up to 4), so no mesh changes the model. The baseline scans the same
+2.47 M, 13.3 M) against GQA's 2.43 M and 13.0 M. The default meshes (8x1, 4x2, 2x4) split
+it as specified (the latents' rows rest split over t and d: kv_lora_rank and q_lora_rank
+divide by t x d = 8; the 4 heads over t <= 4), so none changes the model and 2x4 is no '*'
+mesh; t = 8 cannot split 4 heads, and MLA cannot regroup them (n_q_per_kv stays 1): the
+script stops there with the reason. The baseline scans the same
 reference layer, which computes MLA for this config. seqshard's explicit backward
 differentiates the MLA block by ``jax.vjp`` of its forward (no hand-written MLA backward;
 ``seqshard/model/mla.py`` says why).

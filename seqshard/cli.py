@@ -455,9 +455,14 @@ def with_hf_model(cfg: Config, written: frozenset[str]) -> Config:
 def hf_initial_weights(cfg: Config, mesh: Mesh, log: Callable[[str], None]) -> Weights:
     """The weights of the Hugging Face directory ``cfg.init.from_hf``, placed on ``mesh``: the
     ``initial_weights`` of seqshard.train.loop.train (which does not import seqshard.hf)."""
+    import jax
+
     from seqshard.hf.load import load_hf_weights
 
-    return load_hf_weights(cfg.init.from_hf, cfg.model, mesh, log=log)
+    # A weight the files do not hold (multi-token prediction modules asked beside them) is
+    # drawn as init_weights draws it from the run's seed.
+    key = jax.random.key(cfg.train.seed)
+    return load_hf_weights(cfg.init.from_hf, cfg.model, mesh, log=log, key=key)
 
 
 # -- export -----------------------------------------------------------------------------------

@@ -39,8 +39,11 @@ Qwen3-MoE has one, and it cannot be folded into the router (it moves the choice,
 gates), so their export of a nonzero bias is refused (it would load and run, choosing other
 experts: wrong without a sign). Zero is exported as nothing.
 
-A DeepSeek-V3 export holds no multi-token prediction module (``num_nextn_predict_layers: 0``):
-transformers' model runs none, and seqshard does not write ``model.mtp``'s weights yet.
+A DeepSeek-V3 export holds ``model.mtp``'s multi-token prediction modules as DeepSeek's
+checkpoints do (``num_nextn_predict_layers: depth``; module k as ``model.layers.{n_layers + k}.*``
+with copies of the embedding and ``lm_head``: :mod:`seqshard.hf.table`); transformers' model runs
+none and ignores those tensors (its load report lists them as unexpected). The other
+architectures have no such module: a model with them and grouped-query attention is refused.
 """
 
 from __future__ import annotations
