@@ -38,6 +38,7 @@ reduce-scatters of the weight gradients over fsdp, the output's psum_scatter's a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -50,6 +51,7 @@ from seqshard.model.attention_block import (
     _SAVED_FULL,
     _einsum,
     _gathered,
+    attention_backward,
     attention_core,
     attention_output,
 )
@@ -65,11 +67,20 @@ from seqshard.model.block import (
     weight,
 )
 from seqshard.model.config import ModelConfig
+from seqshard.model.grads import output_projection_backward
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
-from seqshard.shardlib import shardops
+from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
-__all__ = ["MLA", "MLAWeights", "mla_forward", "mla_inputs", "mla_latent", "softmax_mscale"]
+__all__ = [
+    "MLA",
+    "MLAWeights",
+    "mla_backward",
+    "mla_forward",
+    "mla_inputs",
+    "mla_latent",
+    "softmax_mscale",
+]
 
 _LAYER = "model.layers.{i}."
 _ATTN = _LAYER + "self_attn."
@@ -256,10 +267,57 @@ def mla_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ..
 def mla_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array:
     """The block on the residual ``a['x']``: q, k, v from the latents, attention over the row
     (attention_block's core: einsum, fused, allgather or ring), the output projection plus
-    the residual: h."""
-    mla_inputs(cfg, w, a, inputs.rope)
+    the residual: h. Rebuilt for the explicit backward (``a.only_needed``), q, k, v come
+    from :func:`_inputs_pullback`'s ``jax.vjp``, whose pullback :func:`mla_backward` uses."""
+    if a.only_needed:
+        _inputs_pullback(cfg, inputs, w, a)
+    else:
+        mla_inputs(cfg, w, a, inputs.rope)
     attention_core(cfg, a, inputs.rows, inputs.mask)
     return attention_output(cfg, w, a)
+
+
+_PULLBACK = "mla_inputs_pullback"  # where the rebuilt recorder holds the input side's pullback
+
+
+def _input_fields(w) -> list[str]:
+    """The fields of the layer ``w`` that make q, k, v (every MLA weight but w_o)."""
+    have = {f.name for f in dataclasses.fields(w)}
+    return [f.name for f in dataclasses.fields(MLAWeights) if f.name != "w_o" and f.name in have]
+
+
+def _inputs_pullback(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> None:
+    """The input side, x -> q, k, v (norm, latents, projections, RoPE), re-run from the layer
+    input under ``jax.vjp`` (its collectives and their transposes the backward's): q, k, v
+    into ``a`` where the forward did not keep them, the pullback beside them."""
+    fields = _input_fields(w)
+
+    def q_k_v(x, w_in):
+        fresh = Activations((MLA,), {"x": x})
+        return mla_inputs(cfg, dataclasses.replace(w, **w_in), fresh, inputs.rope)
+
+    with collective_log.vjp_in_backward():
+        qkv, pullback = jax.vjp(q_k_v, a["x"], {f: getattr(w, f) for f in fields})
+    for name, value in zip(("q", "k", "v"), qkv, strict=True):
+        a.values.setdefault(name, value)
+    a.values[_PULLBACK] = pullback
+
+
+def mla_backward(
+    cfg: ModelConfig, inputs: LayerInputs, w, a: Activations, d_h: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The block's backward: the output projection's and the attention core's hand-written
+    backwards (attention_block's, on the q, k, v, attention output and h the forward kept),
+    then the input side's ``jax.vjp`` pullback (:func:`_inputs_pullback`): (dL/dx, the
+    weights' gradients, f32, in their layouts). The core (scores, softmax, values over the
+    row) is never re-run: only the projections, norms and RoPE are."""
+    rows, _, mask = inputs
+    d_attn, d_w_o = output_projection_backward(cfg, d_h, a["attn"], a["w_o"], "Q K/t Dv", "o")
+    d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
+    with collective_log.vjp_in_backward():
+        d_x, grads = a[_PULLBACK]((d_q, d_k, d_v))
+    grads = {k: g.astype(jnp.float32) for k, g in grads.items()}
+    return d_h + d_x.astype(d_h.dtype), {**grads, "w_o": d_w_o.astype(jnp.float32)}
 
 
 def _heads(m: ModelConfig) -> int:
@@ -283,23 +341,23 @@ MLA = Block(
     name="mla",
     activations=(
         Activation("x", _R, "compute", "x", saved=True),
-        Activation("ln1", "M", "f32", "attn_norm"),
-        Activation("gx", "B/dp L/c M", "compute", "attn_norm"),
-        Activation("nx", "B/dp L/c M", "compute", "attn_norm"),
-        Activation("w_q", "M Q K/t D", "compute", "q", present=lambda m, c: _q_direct(m)),
-        Activation("w_q_a", "M Rq", "compute", "q_a", present=lambda m, c: _q_latent(m)),
-        Activation("q_a", "B/dp L/c Rq", "compute", "q_a", present=lambda m, c: _q_latent(m)),
-        Activation("q_a_norm", "Rq", "f32", "q_a", present=lambda m, c: _q_latent(m)),
-        Activation("q_latent", "B/dp L/c Rq", "compute", "q_a", present=lambda m, c: _q_latent(m)),
-        Activation("w_q_b", "Rq Q K/t D", "compute", "q", present=lambda m, c: _q_latent(m)),
-        Activation("q_proj", "B/dp L/c Q K/t D", "compute", "q"),
-        Activation("w_kv_a", "M A", "compute", "kv_a"),
-        Activation("kv_a", "B/dp L/c A", "compute", "kv_a"),
-        Activation("kv_a_norm", "R", "f32", "kv_a"),
-        Activation("latent", "B/dp L/c R", "compute", "kv_a"),
-        Activation("k_rope", "B/dp L/c P", "compute", "kv_a"),
-        Activation("w_kv_b", "R K/t Dkv", "compute", "kv_b"),
-        Activation("kv", "B/dp L/c K/t Dkv", "compute", "kv_b"),
+        Activation("ln1", "M", "f32", "attn_norm", needed=False),
+        Activation("gx", "B/dp L/c M", "compute", "attn_norm", needed=False),
+        Activation("nx", "B/dp L/c M", "compute", "attn_norm", needed=False),
+        Activation("w_q", "M Q K/t D", "compute", "q", present=lambda m, c: _q_direct(m), needed=False),
+        Activation("w_q_a", "M Rq", "compute", "q_a", present=lambda m, c: _q_latent(m), needed=False),
+        Activation("q_a", "B/dp L/c Rq", "compute", "q_a", present=lambda m, c: _q_latent(m), needed=False),
+        Activation("q_a_norm", "Rq", "f32", "q_a", present=lambda m, c: _q_latent(m), needed=False),
+        Activation("q_latent", "B/dp L/c Rq", "compute", "q_a", present=lambda m, c: _q_latent(m), needed=False),
+        Activation("w_q_b", "Rq Q K/t D", "compute", "q", present=lambda m, c: _q_latent(m), needed=False),
+        Activation("q_proj", "B/dp L/c Q K/t D", "compute", "q", needed=False),
+        Activation("w_kv_a", "M A", "compute", "kv_a", needed=False),
+        Activation("kv_a", "B/dp L/c A", "compute", "kv_a", needed=False),
+        Activation("kv_a_norm", "R", "f32", "kv_a", needed=False),
+        Activation("latent", "B/dp L/c R", "compute", "kv_a", needed=False),
+        Activation("k_rope", "B/dp L/c P", "compute", "kv_a", needed=False),
+        Activation("w_kv_b", "R K/t Dkv", "compute", "kv_b", needed=False),
+        Activation("kv", "B/dp L/c K/t Dkv", "compute", "kv_b", needed=False),
         Activation("q", "B/dp L/c Q K/t D", "compute", "q", saved=True),
         Activation("k", "B/dp L/c K/t D", "compute", "kv_b", saved=True),
         Activation("v", "B/dp L/c K/t Dv", "compute", "kv_b", saved=True),
@@ -347,8 +405,10 @@ MLA = Block(
     ),
     weights=MLAWeights,
     forward=mla_forward,
+    backward=mla_backward,
     input="x",
     output="h",
 )  # fmt: skip
-"""The MLA block's declarations. ``saved`` marks what autodiff's remat=saved keeps (q, k, v,
-the attention output, h); the explicit backward re-runs the block from its input (``jax.vjp``)."""
+"""The MLA block's declarations. ``saved`` marks what remat=saved keeps (q, k, v, the
+attention output, h); the input side's activations are never read by the explicit backward
+(``needed=False``: its ``jax.vjp`` re-runs them from x)."""
