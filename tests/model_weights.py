@@ -9,7 +9,8 @@ import math
 import jax
 import numpy as np
 
-from seqshard.model import ModelConfig, Weights, weight_structs
+from seqshard.mesh import mesh_of_sizes
+from seqshard.model import ModelConfig, Weights, loss_fn, reference_loss_fn, weight_structs
 
 NORM_GAINS = (
     "layers.ln1",
@@ -84,3 +85,31 @@ def assert_trees_close(actual, expected, **tol) -> None:
     paths = jax.tree_util.tree_leaves_with_path(expected)
     for (path, e), a in zip(paths, jax.tree.leaves(actual), strict=True):
         np.testing.assert_allclose(a, e, err_msg=jax.tree_util.keystr(path), **tol)
+
+
+def reference_value_and_grad(cfg: ModelConfig, weights: Weights, tokens, starts):
+    """(loss, gradients) of the single-device reference, as numpy."""
+    fn = jax.jit(jax.value_and_grad(reference_loss_fn), static_argnums=3)
+    return to_numpy(fn(weights, tokens, starts, cfg))
+
+
+def sharded_value_and_grad(cfg: ModelConfig, sizes: dict, weights: Weights, tokens, starts):
+    """(loss, gradients) of the sharded model on a mesh of ``sizes`` (``{'d': 2, 't': 4}``),
+    the weights placed in their layouts, as numpy."""
+    mesh = mesh_of_sizes(sizes)
+    placed = jax.device_put(weights, jax.tree.map(lambda s: s.sharding, weight_structs(cfg, mesh)))
+    fn = jax.jit(jax.value_and_grad(lambda w: loss_fn(w, tokens, starts, cfg, mesh)))
+    return to_numpy(fn(placed))
+
+
+def assert_close_to_reference(got, want, loss_rtol: float = 1e-5, grad_tol: float = 1e-4):
+    """The loss within ``loss_rtol`` relative, each gradient within ``grad_tol`` of its leaf's
+    largest entry (naming the leaf)."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    np.testing.assert_allclose(loss, ref_loss, rtol=loss_rtol)
+    for (path, r), g in zip(
+        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
+    ):
+        if r.size:
+            worst = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
+            assert worst <= grad_tol, (jax.tree_util.keystr(path), worst)

@@ -69,7 +69,7 @@ from jax.sharding import Mesh
 
 from seqshard.config import Config, ConfigError, config_from_yaml, config_to_yaml
 from seqshard.files import free_space
-from seqshard.model.config import DIM_FIELDS
+from seqshard.model.config import DIM_KEYS
 from seqshard.shardlib.tables import format_bytes
 from seqshard.train.checksums import state_digest
 from seqshard.train.optimizer import make_optimizer
@@ -607,10 +607,15 @@ def _check_same_model(meta: dict[str, Any], cfg: Config, where: Path) -> None:
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     current = cfg.model.dim_sizes()
+    # Each differing size by the key that sets it, once (a size two keys make, 'kv_a' or
+    # 'mtp_in', differs only with one of theirs, which is named).
+    keys: dict[str, str] = {}
+    for dim in current:
+        keys.setdefault(DIM_KEYS.get(dim, dim), dim)
     diff = [
-        f"model.{DIM_FIELDS[dim]}: checkpoint {saved[dim]!r}, config {current[dim]!r}"
-        for dim in current
-        if saved[dim] != current[dim]
+        f"model.{key}: checkpoint {saved[dim]!r}, config {current[dim]!r}"
+        for key, dim in keys.items()
+        if saved.get(dim) != current[dim] and " " not in key
     ]
     if diff:
         raise CheckpointError(

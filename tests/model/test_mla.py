@@ -13,15 +13,18 @@ import dataclasses
 import functools
 import math
 
-import jax
 import numpy as np
 import pytest
-from model_weights import packed_batch, random_weights, tiny_model
+from model_weights import (
+    assert_close_to_reference,
+    packed_batch,
+    random_weights,
+    reference_value_and_grad,
+    sharded_value_and_grad,
+    tiny_model,
+)
 
-from seqshard.mesh import mesh_of_sizes
-from seqshard.model import loss_fn, reference_loss_fn
 from seqshard.model.config import MLAConfig
-from seqshard.model.weights import weight_structs
 
 MLA = MLAConfig(
     q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
@@ -38,28 +41,14 @@ def _weights(cfg):
 
 @functools.cache
 def reference(cfg):
-    fn = jax.jit(jax.value_and_grad(reference_loss_fn), static_argnums=3)
-    return jax.tree.map(np.asarray, fn(_weights(cfg), TOKENS, STARTS, cfg))
+    return reference_value_and_grad(cfg, _weights(cfg), TOKENS, STARTS)
 
 
 def sharded(cfg, sizes):
-    mesh = mesh_of_sizes(sizes)
-    placed = jax.device_put(
-        _weights(cfg), jax.tree.map(lambda s: s.sharding, weight_structs(cfg, mesh))
-    )
-    fn = jax.jit(jax.value_and_grad(lambda w: loss_fn(w, TOKENS, STARTS, cfg, mesh)))
-    return jax.tree.map(np.asarray, fn(placed))
+    return sharded_value_and_grad(cfg, sizes, _weights(cfg), TOKENS, STARTS)
 
 
-def assert_close(got, want) -> None:
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for (path, r), g in zip(
-        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
-    ):
-        if r.size:
-            worst = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
-            assert worst <= 1e-4, (jax.tree_util.keystr(path), worst)
+assert_close = assert_close_to_reference
 
 
 def _cfg(q_lora: bool, **changes):
@@ -67,7 +56,7 @@ def _cfg(q_lora: bool, **changes):
     return dataclasses.replace(CFG, mla=mla, **changes)
 
 
-@pytest.mark.parametrize("backward", ["explicit", "autodiff"])
+@pytest.mark.parametrize("backward", ["explicit", pytest.param("autodiff", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "q_lora,sizes,changes",
     [

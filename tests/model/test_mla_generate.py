@@ -108,14 +108,14 @@ def assert_matches_reference(cfg, out, logits, lengths, width, *, greedy: bool) 
 @pytest.mark.parametrize(
     "name, shape",
     [
-        ("q-latent", (1, 1)),
+        pytest.param("q-latent", (1, 1), marks=pytest.mark.slow),
         ("no-q-latent", (1, 2)),
         ("q-latent", (2, 2)),
         pytest.param("no-q-latent", (2, 2), marks=pytest.mark.slow),
         pytest.param("q-latent", (1, 2), marks=pytest.mark.slow),
-        ("moe", (1, 2)),
+        pytest.param("moe", (1, 2), marks=pytest.mark.slow),
         pytest.param("moe", (2, 2), marks=pytest.mark.slow),
-        ("yarn", (2, 2)),
+        pytest.param("yarn", (2, 2), marks=pytest.mark.slow),
     ],
     ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x,
 )
@@ -145,6 +145,7 @@ def test_left_padded_prompts_of_different_lengths_match_the_reference():
     assert_matches_reference(CFG, out, logits, lengths, width, greedy=False)
 
 
+@pytest.mark.slow
 def test_left_padded_greedy_rows_generate_what_they_generate_alone():
     lengths, width = [3, 6], 6
     prompt = prompts(2, width, seed=4)
@@ -157,6 +158,7 @@ def test_left_padded_greedy_rows_generate_what_they_generate_alone():
         )
 
 
+@pytest.mark.slow
 def test_bfloat16_latent_cache():
     # The same f32 master weights (random_weights draws the same for either compute dtype);
     # matmul inputs, the latent cache and the absorbed query in bfloat16.

@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_weights import packed_batch, random_weights, tiny_model
+from model_weights import (
+    assert_close_to_reference,
+    packed_batch,
+    random_weights,
+    reference_value_and_grad,
+    sharded_value_and_grad,
+    tiny_model,
+)
 
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import loss_fn, reference_loss_fn
@@ -50,27 +57,14 @@ def _weights(cfg):
 
 @functools.cache
 def reference(cfg):
-    fn = jax.jit(jax.value_and_grad(reference_loss_fn), static_argnums=3)
-    return jax.tree.map(np.asarray, fn(_weights(cfg), TOKENS, STARTS, cfg))
+    return reference_value_and_grad(cfg, _weights(cfg), TOKENS, STARTS)
 
 
 def sharded(cfg, sizes):
-    mesh = mesh_of_sizes(sizes)
-    structs = weight_structs(cfg, mesh)
-    placed = jax.device_put(_weights(cfg), jax.tree.map(lambda s: s.sharding, structs))
-    fn = jax.jit(jax.value_and_grad(lambda w: loss_fn(w, TOKENS, STARTS, cfg, mesh)))
-    return jax.tree.map(np.asarray, fn(placed))
+    return sharded_value_and_grad(cfg, sizes, _weights(cfg), TOKENS, STARTS)
 
 
-def assert_close(got, want) -> None:
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for (path, r), g in zip(
-        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
-    ):
-        if r.size:
-            worst = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
-            assert worst <= 1e-4, (jax.tree_util.keystr(path), worst)
+assert_close = assert_close_to_reference
 
 
 CASES = {
@@ -83,8 +77,24 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("backward", ["explicit", "autodiff"])
-@pytest.mark.parametrize("case", sorted(CASES))
+# By default one case per axis the modules meet (t, c with zigzag at 4 and the ring, e);
+# the rest with -m slow.
+DEFAULT = {
+    ("dense-d2t4", "autodiff"),
+    ("dense-c4t2-ring", "explicit"),
+    ("mla-moe-depth2-c2e2t2", "explicit"),
+    ("mla-moe-depth2-c4e2", "autodiff"),
+}
+
+
+@pytest.mark.parametrize(
+    "case,backward",
+    [
+        (c, b) if (c, b) in DEFAULT else pytest.param(c, b, marks=pytest.mark.slow)
+        for c in sorted(CASES)
+        for b in ("explicit", "autodiff")
+    ],
+)
 def test_sharded_equals_the_reference(case, backward):
     cfg, sizes = CASES[case]
     assert_close(sharded(dataclasses.replace(cfg, backward=backward), sizes), reference(cfg))
@@ -174,12 +184,12 @@ PIPE_MLA = dataclasses.replace(
 @pytest.mark.parametrize(
     "schedule,backward,cfg",
     [
-        ("gpipe", "explicit", PIPE_CFG),
+        pytest.param("gpipe", "explicit", PIPE_CFG, marks=pytest.mark.slow),
         ("gpipe", "autodiff", PIPE_CFG),
-        ("1f1b", "explicit", PIPE_CFG),
-        ("1f1b", "autodiff", PIPE_CFG),
+        pytest.param("1f1b", "explicit", PIPE_CFG, marks=pytest.mark.slow),
+        pytest.param("1f1b", "autodiff", PIPE_CFG, marks=pytest.mark.slow),
         ("1f1b", "explicit", PIPE_MLA),
-        ("gpipe", "autodiff", PIPE_MLA),
+        pytest.param("gpipe", "autodiff", PIPE_MLA, marks=pytest.mark.slow),
     ],
     ids=["gpipe-explicit", "gpipe-autodiff", "1f1b-explicit", "1f1b-autodiff",
          "mla-1f1b-explicit", "mla-gpipe-autodiff"],
