@@ -147,3 +147,11 @@ def test_yarn_matches_transformers_frequencies_and_mscale():
     np.testing.assert_allclose(np.asarray(rope_frequencies(cfg)), inv_freq.numpy(), rtol=1e-6)
     assert rope_attention_factor(cfg) == pytest.approx(factor, rel=1e-6)
     assert softmax_mscale(cfg) == pytest.approx((0.1 * math.log(40.0) + 1) ** 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_every_remat_policy_gives_the_reference(remat):
+    """remat=saved is the other tests'; full keeps only each layer's input (the explicit
+    backward rebuilds q, k, v and the attention output), none keeps everything it reads."""
+    cfg = _cfg(True, remat=remat)
+    assert_close(sharded(cfg, {"d": 2, "t": 4}), reference(_cfg(True)))
