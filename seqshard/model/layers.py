@@ -19,8 +19,10 @@ declared ``loss`` fields once per microbatch, weighted by its counted positions.
 
 Which blocks make a layer is this module's table (:data:`ATTENTION_KINDS`, :data:`FFN_KINDS`,
 :func:`stacks`): every layer's attention block is ``model.attention`` (grouped-query or
-multi-head latent attention), the FFN of dense layers is ``model.ffn`` (a name in :data:`FFN_KINDS`; :func:`register_ffn` adds one), the
-mixture-of-experts stack follows the dense one when ``model.moe`` has experts.
+multi-head latent attention), the FFN of dense layers is ``model.ffn`` (a name in
+:data:`FFN_KINDS`; :func:`register_ffn` adds one), the mixture-of-experts stack follows the
+dense one when ``model.moe`` has experts. The multi-token prediction modules (``model.mtp``)
+are a stack of their own (:func:`mtp_stack`), run beside the head by :mod:`seqshard.model.mtp`.
 """
 
 from __future__ import annotations
@@ -51,26 +53,27 @@ from seqshard.shardlib.shardtypes import f32, pytree_dataclass, shape_dtype_stru
 from seqshard.shardlib.vma import varying_axes
 
 __all__ = [
-    "ATTENTION_KINDS",
-    "FFN_KINDS",
     "attention_block",
-    "Layer",
-    "STACK_NAMES",
-    "Stack",
-    "MTP_STACK",
+    "ATTENTION_KINDS",
     "aux_losses",
     "aux_stacks",
-    "mtp_stack",
     "aux_type",
+    "FFN_KINDS",
+    "gradients_after_input",
     "known_blocks",
+    "Layer",
     "layer_forward",
     "layer_inputs",
+    "MTP_STACK",
+    "mtp_stack",
+    "read_after",
     "register_ffn",
-    "runs",
     "rope_and_mask",
     "run_stack",
-    "read_after",
     "run_stacks",
+    "runs",
+    "Stack",
+    "STACK_NAMES",
     "stacks",
     "with_aux_losses",
     "zero_aux",
