@@ -215,14 +215,13 @@ MTP_STACK = "mtp"
 
 def mtp_stack(cfg: ModelConfig) -> Stack | None:
     """The multi-token prediction modules as a stack of ``model.mtp.depth`` layers (None
-    without): each the entry block (:mod:`seqshard.model.mtp_block`), then one transformer
-    layer of the model's attention kind and, as DeepSeek-V3's, the MoE FFN when the model
-    has experts (else ``model.ffn``). Not run by :func:`run_stacks`: :mod:`seqshard.model.mtp`
-    runs it beside the head. Its weights rest replicated over p (the last stage runs it)."""
+    without): each the entry block (:mod:`seqshard.model.mtp_block`), then one layer of the
+    model's last stack's kind (as DeepSeek-V3's: an MoE layer when the model has experts).
+    Not run by :func:`run_stacks`: :mod:`seqshard.model.mtp` runs it beside the head. Its
+    weights rest replicated over p (the last stage runs it)."""
     if cfg.mtp.depth == 0:
         return None
-    ffn = MOE if cfg.moe.enabled else _ffn(cfg)
-    blocks = (MTP_ENTRY, attention_block(cfg), ffn)
+    blocks = (MTP_ENTRY, *stacks(cfg)[-1].blocks)
     return Stack(MTP_STACK, blocks, cfg.mtp.depth, layer_type(MTP_STACK, blocks, cfg))
 
 

@@ -54,6 +54,7 @@ from seqshard.model.attention_block import (
     attention_backward,
     attention_core,
     attention_output,
+    head_norm,
 )
 from seqshard.model.block import (
     Activation,
@@ -68,7 +69,7 @@ from seqshard.model.block import (
 )
 from seqshard.model.config import ModelConfig
 from seqshard.model.grads import output_projection_backward
-from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
+from seqshard.model.norm import norm_input, norm_op, normed
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
@@ -170,10 +171,6 @@ def mla_rope(cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array) -> 
     return apply_rope(x, cos, sin)
 
 
-def _latent_norm(cfg: ModelConfig, x: jax.Array, gain: jax.Array) -> jax.Array:
-    return rms_norm(x.astype(jnp.float32), gain, cfg.norm_eps).astype(jnp.dtype(cfg.compute_dtype))
-
-
 def mla_latent(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, jax.Array]:
     """The kv latent, normed, 'B/dp L@zigzag/c R', and the rope key after RoPE
     'B/dp L@zigzag/c P' of the normed input ``a['nx']``: what the decoding cache holds."""
@@ -188,7 +185,7 @@ def mla_latent(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ja
         ),
     )
     kv_a_norm = a("kv_a_norm", lambda: shardops.all_gather("R/t/fsdp -> R", w.kv_a_norm))
-    latent = a("latent", lambda: _latent_norm(cfg, kv_a[..., :r], kv_a_norm))
+    latent = a("latent", lambda: head_norm(cfg, kv_a[..., :r], kv_a_norm))
     k_rope = a("k_rope", lambda: mla_rope(cfg, kv_a[..., r:], cos, sin))
     return latent, k_rope
 
@@ -213,7 +210,7 @@ def _queries(cfg: ModelConfig, w, a: Activations) -> jax.Array:
         ),
     )
     q_a_norm = a("q_a_norm", lambda: shardops.all_gather("Rq/t/fsdp -> Rq", w.q_a_norm))
-    q_latent = a("q_latent", lambda: _latent_norm(cfg, q_a, q_a_norm))
+    q_latent = a("q_latent", lambda: head_norm(cfg, q_a, q_a_norm))
     w_q_b = a(
         "w_q_b", lambda: shardops.all_gather("Rq/fsdp Q K/t D -> Rq Q K/t D", w.w_q_b.astype(dt))
     )

@@ -42,7 +42,12 @@ from seqshard.model.context import SequenceRows
 from seqshard.model.layers import MTP_STACK, layer_forward, layer_inputs, mtp_stack
 from seqshard.model.mtp_block import MTP_ENTRY
 from seqshard.model.norm import norm_input, normed
-from seqshard.model.vocab import embed_lookup, embed_table, loss_terms_and_softmax
+from seqshard.model.vocab import (
+    embed_lookup,
+    embed_table,
+    loss_terms_and_softmax,
+    unembed_table,
+)
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.collective_log import part
 from seqshard.shardlib.dataflow import after
@@ -117,11 +122,10 @@ def mtp_loss(
 def gathered_tables(cfg: ModelConfig, w) -> tuple[jax.Array, jax.Array]:
     """The embedding and the unembedding 'V/t M' in compute dtype, gathered over d, e, c (the
     model's own gathers of them: one value each to XLA)."""
-    dt = jnp.dtype(cfg.compute_dtype)
     with part("embed"):
         table = embed_table(cfg, w)
     with part("logits"):
-        out_table = shardops.all_gather("V/t M/fsdp -> V/t M", w.unembed.astype(dt))
+        out_table = unembed_table(cfg, w)
     return table, out_table
 
 

@@ -316,7 +316,8 @@ def reference_mtp(cfg: ModelConfig, weights: Weights, x, tokens, is_seq_start, l
             axis=-1,
         )
         h = einsum("bln,mn->blm", both, w.w_eh.astype(dt))
-        h, terms = _ffn_layer(cfg, w, h, positions, mask, cfg.moe.enabled)
+        # One layer as the model's last (an MoE layer when the model has experts).
+        h, terms = _ffn_layer(cfg, w, h, positions, mask, cfg.dim_sizes()["moe_layers"] > 0)
         balancing = balancing + terms
         nx = reference_norm(h, w.head_norm, cfg.norm_eps).astype(dt)
         logits = einsum("blm,vm->blv", nx, weights.unembed.astype(dt), out_dtype=jnp.float32)
@@ -339,14 +340,12 @@ def _logits_and_balancing(weights, tokens, is_seq_start, cfg: ModelConfig, loss_
     mask = reference_mask(is_seq_start, cfg.attention_mask)
     x = reference_embed(cfg, weights, tokens)
     sizes = cfg.dim_sizes()
-    for i in range(sizes["layers"]):
-        w = jax.tree.map(lambda a, i=i: a[i], weights.layers)
-        x = reference_layer(cfg, w, x, positions, mask)
     balancing = jnp.zeros((), jnp.float32)
-    for i in range(sizes["moe_layers"]):
-        w = jax.tree.map(lambda a, i=i: a[i], weights.moe_layers)
-        x, terms = reference_moe_layer(cfg, w, x, positions, mask)
-        balancing = balancing + terms
+    for stack in ("layers", "moe_layers"):
+        for i in range(sizes[stack]):
+            w = jax.tree.map(lambda a, i=i: a[i], getattr(weights, stack))
+            x, terms = _ffn_layer(cfg, w, x, positions, mask, stack == "moe_layers")
+            balancing = balancing + terms
     if cfg.mtp.depth:
         mtp, terms = reference_mtp(cfg, weights, x, tokens, is_seq_start, loss_mask)
         balancing = balancing + mtp + terms

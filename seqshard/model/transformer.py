@@ -43,8 +43,6 @@ import jax
 import jax.numpy as jnp
 
 from seqshard.batch import TokenBatch
-from seqshard.model import attention_block
-from seqshard.model.attention_block import ATTENTION
 from seqshard.model.block import Activation, Activations, Block, elementwise, matmul
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
@@ -57,7 +55,12 @@ from seqshard.model.layers import (
 )
 from seqshard.model.mtp import mtp_before_head, with_mtp
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
-from seqshard.model.vocab import embed_lookup, embed_table, loss_terms_and_softmax
+from seqshard.model.vocab import (
+    embed_lookup,
+    embed_table,
+    loss_terms_and_softmax,
+    unembed_table,
+)
 from seqshard.model.weights import Weights
 from seqshard.shardlib import shardops
 from seqshard.shardlib.collective_log import part
@@ -67,8 +70,6 @@ __all__ = [
     "EMBED",
     "HEAD",
     "after_attention",
-    "attention_inputs",
-    "attention_output",
     "embed",
     "final_hidden",
     "final_norm",
@@ -123,18 +124,6 @@ def embed(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
         return embed_lookup(cfg, embed_table(cfg, w), tokens)
 
 
-def attention_inputs(cfg: ModelConfig, w, x: jax.Array, rope) -> tuple[jax.Array, ...]:
-    """The attention block's q, k, v of the residual ``x`` (generation's KV cache reads them)."""
-    return attention_block.attention_inputs(cfg, w, Activations((ATTENTION,), {"x": x}), rope)
-
-
-def attention_output(cfg: ModelConfig, w, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """The attention block's output projection of ``attn`` plus the residual ``x``: h."""
-    return attention_block.attention_output(
-        cfg, w, Activations((ATTENTION,), {"x": x, "attn": attn})
-    )
-
-
 def after_attention(cfg: ModelConfig, blocks: tuple[Block, ...], w, h: jax.Array) -> jax.Array:
     """The blocks of a layer after its attention block on the residual ``h`` (generation runs
     them on the new positions): a residual in compute dtype, auxiliary outputs dropped."""
@@ -160,17 +149,11 @@ def final_hidden(cfg: ModelConfig, w: Weights, rows: SequenceRows) -> jax.Array:
     return final_norm(cfg, w, x)
 
 
-def _gathered_table(cfg: ModelConfig, w: Weights) -> jax.Array:
-    """The unembedding 'V/t M' in compute dtype, gathered over d, e, c."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    return shardops.all_gather("V/t M/fsdp -> V/t M", w.unembed.astype(dt))
-
-
 def unembed(cfg: ModelConfig, w: Weights, nx: jax.Array, a: Activations | None = None) -> jax.Array:
     """'B/dp L@zigzag/c M' -> logits 'B/dp L@zigzag/c V/t' f32: each t shard computes the logits
     of its vocab block."""
     a = a or Activations((HEAD,))
-    table = a("table", lambda: _gathered_table(cfg, w))
+    table = a("table", lambda: unembed_table(cfg, w))
     return shardops.einsum_unreduced(
         "B/dp L@zigzag/c M, V/t M -> B/dp L@zigzag/c V/t",
         nx,
@@ -195,7 +178,7 @@ def forward_terms_and_aux(
         # gradients follow the modules' backward loop on every device, and the modules'
         # loop runs before the head's forward collectives (which read its result).
         a("ln", lambda: shardops.all_gather("M/t/fsdp -> M", w.final_norm))
-        a("table", lambda: _gathered_table(cfg, w))
+        a("table", lambda: unembed_table(cfg, w))
         a("gx", lambda: norm_input(cfg, x))
         head, x = gradients_after_input((a["ln"], a["table"], a["gx"]), x)
         a.values.update(zip(("ln", "table", "gx"), head, strict=True))

@@ -13,12 +13,18 @@ from seqshard.model.config import ModelConfig
 from seqshard.shardlib import shardops
 from seqshard.shardlib.collective_log import part
 
-__all__ = ["embed_lookup", "embed_table", "loss_terms_and_softmax"]
+__all__ = ["embed_lookup", "embed_table", "loss_terms_and_softmax", "unembed_table"]
 
 
 def embed_table(cfg: ModelConfig, w) -> jax.Array:
     """The embedding 'V/t M' in compute dtype, gathered over d, e, c (FSDP)."""
     return shardops.all_gather("V/t M/fsdp -> V/t M", w.embed.astype(jnp.dtype(cfg.compute_dtype)))
+
+
+def unembed_table(cfg: ModelConfig, w) -> jax.Array:
+    """The unembedding 'V/t M' in compute dtype, gathered over d, e, c (FSDP)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    return shardops.all_gather("V/t M/fsdp -> V/t M", w.unembed.astype(dt))
 
 
 def embed_lookup(cfg: ModelConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
