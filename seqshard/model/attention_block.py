@@ -58,7 +58,7 @@ from seqshard.model.grads import (
     rms_norm_backward,
 )
 from seqshard.model.norm import norm_input, norm_op, normed, rms_norm
-from seqshard.shardlib import shardops
+from seqshard.shardlib import fp8, shardops
 from seqshard.shardlib.collective_log import part
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
@@ -133,7 +133,12 @@ def _qk_norm(cfg: ModelConfig, c: int) -> bool:
     return cfg.qk_norm
 
 
+def _fp8(cfg: ModelConfig, c: int) -> bool:
+    return cfg.fp8 != "none"
+
+
 _R = "B/dp L/c M/t"  # the residual's size per device (either layout of model.residual)
+_ROWS = "B/dp L@zigzag/c"  # a block's rows, all of them over t
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
 
@@ -148,22 +153,24 @@ def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Arr
     # over t (before the norm for M/t, its output after it for L/t).
     ln1 = a("ln1", lambda: shardops.all_gather("M/t/fsdp -> M", w.ln1))
     gx = a("gx", lambda: norm_input(cfg, x))
-    nx = a("nx", lambda: normed(cfg, gx, ln1))
+    # model.fp8: the projections' operands on e4m3's grid, their outputs' cotangents on e5m2's
+    # (seqshard.shardlib.fp8; each a no-op with fp8=none).
+    nx = a("nx", lambda: fp8.quantized(cfg.fp8, f"{_ROWS} M", normed(cfg, gx, ln1)))
     # FSDP: each matrix is gathered over d and c just before use (in the backward pass again:
-    # only remat=none keeps gathered weights).
-    w_q = a("w_q", lambda: shardops.all_gather("M/fsdp Q K/t D -> M Q K/t D", w.w_q.astype(dt)))
+    # only remat=none keeps gathered weights); in e4m3 with model.fp8.
+    w_q = a("w_q", lambda: fp8.gather_quantized(cfg.fp8, "M/fsdp Q K/t D -> M Q K/t D", w.w_q, dt))
 
     def project_q() -> jax.Array:
-        return shardops.einsum_unreduced(
-            "B/dp L@zigzag/c M, M Q K/t D -> B/dp L@zigzag/c Q K/t D", nx, w_q
-        )
+        q = shardops.einsum_unreduced(f"{_ROWS} M, M Q K/t D -> {_ROWS} Q K/t D", nx, w_q)
+        return fp8.gradient_quantized(cfg.fp8, f"{_ROWS} Q K/t D", q)
 
-    w_kv = a("w_kv", lambda: shardops.all_gather("2 M/fsdp K/t D -> 2 M K/t D", w.w_kv.astype(dt)))
+    w_kv = a(
+        "w_kv", lambda: fp8.gather_quantized(cfg.fp8, "2 M/fsdp K/t D -> 2 M K/t D", w.w_kv, dt)
+    )
 
     def project_kv() -> tuple[jax.Array, jax.Array]:
-        k, v = shardops.einsum_unreduced(
-            "B/dp L@zigzag/c M, 2 M K/t D -> 2 B/dp L@zigzag/c K/t D", nx, w_kv
-        )
+        kv = shardops.einsum_unreduced(f"{_ROWS} M, 2 M K/t D -> 2 {_ROWS} K/t D", nx, w_kv)
+        k, v = fp8.gradient_quantized(cfg.fp8, f"2 {_ROWS} K/t D", kv)
         return k, v
 
     if not cfg.qk_norm:
@@ -220,12 +227,15 @@ def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
     """The output projection of ``attn`` plus the residual ``x``: h, a residual."""
     dt = jnp.dtype(cfg.compute_dtype)
     x, attn = a["x"], a["attn"]
-    w_o = a("w_o", lambda: shardops.all_gather("M/fsdp Q K/t Dv -> M Q K/t Dv", w.w_o.astype(dt)))
+    if cfg.fp8 != "none":  # the o projection's operand on e4m3's grid, kept beside attn
+        attn = a("o_in", lambda: fp8.quantized(cfg.fp8, f"{_ROWS} Q K/t Dv", attn))
+    w_o = a(
+        "w_o", lambda: fp8.gather_quantized(cfg.fp8, "M/fsdp Q K/t Dv -> M Q K/t Dv", w.w_o, dt)
+    )
 
     def residual() -> jax.Array:
-        out = shardops.einsum_unreduced(
-            "B/dp L@zigzag/c Q K/t Dv, M Q K/t Dv -> B/dp L@zigzag/c M", attn, w_o
-        )
+        out = shardops.einsum_unreduced(f"{_ROWS} Q K/t Dv, M Q K/t Dv -> {_ROWS} M", attn, w_o)
+        out = fp8.gradient_quantized(cfg.fp8, f"{_ROWS} M", out)
         # Each t shard contracted only its own heads (K/t): sum the shards, scattered into the
         # residual's layout.
         return x + shardops.psum_scatter(f"B/dp L@zigzag/c M -> {cfg.residual_spec}", out)
@@ -254,7 +264,8 @@ def attention_block_backward(
     rows, (cos, sin), mask = inputs
     # --- h = x + psum_scatter(attn . w_o) --------------------------------------------------
     # As for the down projection: the transpose of the output's psum_scatter over t.
-    d_attn, d_w_o = output_projection_backward(cfg, d_h, a["attn"], a["w_o"], "Q K/t Dv", "o")
+    o_in = a["o_in"] if cfg.fp8 != "none" else a["attn"]
+    d_attn, d_w_o = output_projection_backward(cfg, d_h, o_in, a["w_o"], "Q K/t Dv", "o")
     d_q, d_k, d_v = attention_backward(cfg, rows, mask, a, d_attn)
     # RoPE is a rotation per position: its transpose rotates back (sin -> -sin).
     d_q = apply_rope(d_q, cos, -sin)
@@ -380,6 +391,8 @@ ATTENTION = Block(
             saved=True,
             present=lambda m, c: m.ring_over(c),
         ),
+        # model.fp8: attn on e4m3's grid, the o projection's operand (its backward reads it).
+        Activation("o_in", "B/dp L/c Q K/t D", "compute", "o", saved=True, present=_fp8),
         Activation("w_o", "M Q K/t D", "compute", "o"),
         # Kept, so that only remat=full repeats the output projection's psum_scatter.
         Activation("h", _R, "compute", "o", saved=True),

@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Literal
 
+from seqshard.shardlib.fp8 import Fp8Mode
 from seqshard.shardlib.remat import RematName
 
 __all__ = [
@@ -340,6 +341,12 @@ class ModelConfig:
         the softmax scale is times mscale(rope_factor, rope_mscale_all_dim)^2.
     ffn: the dense layers' FFN block kind: ``swiglu`` (default), or a kind added with
         :func:`seqshard.model.layers.register_ffn` (``tests/model/test_block_kinds.py``).
+    fp8: FP8 matmuls for the projections (:mod:`seqshard.shardlib.fp8`). ``none`` (default):
+        every matmul in ``compute_dtype``. ``current``: q, kv, o, gate, up and down multiply
+        operands on e4m3's grid (weights gathered over FSDP in e4m3: half of bf16's bytes) and
+        their gradients on e5m2's, each tensor at the scale of its own amax (reduced over the
+        mesh axes it is split over). The attention core, the embedding, the head and the MoE
+        experts stay in compute_dtype (docs/fp8.md).
     """
 
     vocab: int = 4096  # embedding rows; >= the tokenizer's vocabulary
@@ -373,6 +380,7 @@ class ModelConfig:
     mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
     ffn: str = "swiglu"  # the dense layers' FFN block kind (seqshard.model.layers.FFN_KINDS)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    fp8: Fp8Mode = "none"  # FP8 projections: none, current (seqshard.shardlib.fp8)
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():
@@ -428,6 +436,13 @@ class ModelConfig:
                     "model.qk_norm normalizes grouped-query attention's heads; MLA normalizes "
                     "its latents instead: set model.qk_norm=false with model.attention=mla."
                 )
+        _check_choice("fp8", self.fp8, Fp8Mode)
+        if self.fp8 != "none" and self.attention == "mla":
+            raise ValueError(
+                f"model.fp8={self.fp8} runs grouped-query attention's and the SwiGLU FFN's "
+                f"projections in FP8; MLA's latent projections have no FP8 path yet: set "
+                f"model.fp8=none with model.attention=mla."
+            )
         self.mtp.check()
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"model.qk_norm must be true or false, got {self.qk_norm!r}.")

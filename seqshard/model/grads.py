@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from seqshard.model.config import ModelConfig
-from seqshard.shardlib import shardops
+from seqshard.shardlib import fp8, shardops
 from seqshard.shardlib.collective_log import part
+from seqshard.shardlib.fp8 import Fp8Mode
 
 __all__ = [
     "norm_backward",
@@ -90,17 +91,24 @@ def projections_backward(
     x: jax.Array,
     projections: Sequence[tuple[str, str, jax.Array, jax.Array]],
     part_name: str,
+    fp8_mode: Fp8Mode = "none",
 ) -> tuple[jax.Array, list[jax.Array]]:
     """The backward of projections ``y_i = x . w_i`` of one normed input ``x``
     'B/dp L@zigzag/c M', each given as (y's spec, the gathered weight's spec, dL/dy_i, w_i):
     dL/dx, which owes the sum over t of the contracted t-split dims, and each weight's
-    gradient in its FSDP layout 'M/fsdp ...'::
+    gradient in its FSDP layout 'M/fsdp ...'. With ``fp8_mode`` each dL/dy_i goes on e5m2's
+    grid first (a pmax of its amax over the axes Y_i splits it over), as autodiff's
+    :func:`seqshard.shardlib.fp8.gradient_quantized` does::
 
+        dy_i = fp8.cotangent_on_grid(mode, 'Y_i', dy_i)
         dx  = sum_i einsum_unreduced('Y_i, W_i -> B/dp L@zigzag/c M{U_t}', dy_i, w_i)
         dw_i = einsum_unreduced('B/dp L@zigzag/c M, Y_i -> W_i{U_dp,c}', x, dy_i)
         dw_i = psum_scatter('W_i{U_fsdp} -> W_i with M/fsdp', dw_i)
     """
     rows = f"{_ROWS} M"
+    projections = [
+        (y, w, fp8.cotangent_on_grid(fp8_mode, y, dy), weight) for y, w, dy, weight in projections
+    ]
     d_x = functools.reduce(
         operator.add,
         (
@@ -141,6 +149,7 @@ def normed_projections_backward(
         a[normed],
         [(w.replace("M", _ROWS, 1), w, dy, a[n]) for n, w, dy in projections],
         part_name,
+        cfg.fp8,
     )
     # d_n still owes the sum over t of the contracted t-split dims.
     with part(norm_part):
@@ -155,15 +164,18 @@ def output_projection_backward(
     """The backward of an output projection ``out = psum_scatter(x . w)`` (attention's o, the
     FFN's down) of ``x`` 'B/dp L@zigzag/c X' (``dims`` is X, t-split) and the gathered ``w``
     'M X': (dL/dx, dL/dw in FSDP's layout 'M/fsdp X'). The forward reduce-scattered over t;
-    its transpose gathers dL/d(out) over t, so each t shard has all of M against its X::
+    its transpose gathers dL/d(out) over t, so each t shard has all of M against its X (with
+    ``model.fp8``, g on e5m2's grid; ``x`` is then the forward's operand on e4m3's)::
 
         g  = all_gather('<residual> -> B/dp L@zigzag/c M', d_out)
+        g  = fp8.cotangent_on_grid(mode, 'B/dp L@zigzag/c M', g)
         dx = einsum_unreduced('B/dp L@zigzag/c M, M X -> B/dp L@zigzag/c X', g, w)
         dw = einsum_unreduced('B/dp L@zigzag/c X, B/dp L@zigzag/c M -> M X{U_dp,c}', x, g)
         dw = psum_scatter('M X{U_fsdp} -> M/fsdp X', dw)
     """
     with part(part_name):
         g = shardops.all_gather(f"{cfg.residual_spec} -> {_ROWS} M", d_out)
+        g = fp8.cotangent_on_grid(cfg.fp8, f"{_ROWS} M", g)
         d_x = shardops.einsum_unreduced(f"{_ROWS} M, M {dims} -> {_ROWS} {dims}", g, w)
         d_w = shardops.einsum_unreduced(f"{_ROWS} {dims}, {_ROWS} M -> M {dims}{{U_dp,c}}", x, g)
         # Each d shard summed over its own B/dp rows: sum the shards, keep FSDP's M/fsdp.

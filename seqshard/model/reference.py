@@ -35,6 +35,7 @@ from seqshard.model.attention import rope_attention_factor, rope_frequencies
 from seqshard.model.config import AttentionMask, ModelConfig
 from seqshard.model.mla import softmax_mscale
 from seqshard.model.weights import Layer, Weights
+from seqshard.shardlib import fp8
 from seqshard.shardlib.matmul import einsum
 
 __all__ = [
@@ -137,11 +138,27 @@ def reference_layer(
         cfg, w, x, positions, mask, mark=mark, constrain=constrain, attend=attend
     )
     dt = jnp.dtype(cfg.compute_dtype)
-    nx = reference_norm(x, w.ln2, cfg.norm_eps).astype(dt)
-    gate = mark(einsum("blm,mf->blf", nx, w.w_gate.astype(dt)))
-    up = mark(einsum("blm,mf->blf", nx, w.w_up.astype(dt)))
-    down = einsum("blf,mf->blm", jax.nn.silu(gate) * up, w.w_down.astype(dt))
+    nx = _fp8_operand(cfg, reference_norm(x, w.ln2, cfg.norm_eps).astype(dt))
+    gate = mark(_project(cfg, "blm,mf->blf", nx, w.w_gate))
+    up = mark(_project(cfg, "blm,mf->blf", nx, w.w_up))
+    down = _project(cfg, "blf,mf->blm", _fp8_operand(cfg, jax.nn.silu(gate) * up), w.w_down)
     return constrain((x + down).astype(dt))
+
+
+def _fp8_operand(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """A projection's input: with model.fp8, on e4m3's grid at the whole tensor's scale."""
+    return fp8.local_quantized(cfg.fp8, x)
+
+
+def _project(cfg: ModelConfig, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """The projection ``x . w`` of an input made by :func:`_fp8_operand`, w in compute dtype:
+    with model.fp8, w on e4m3's grid at its own scale and the result's cotangent on e5m2's
+    (as the sharded model's gathers and its backward do)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    if cfg.fp8 == "none":
+        return einsum(equation, x, w.astype(dt))
+    y = einsum(equation, x, fp8.local_weight_quantized(cfg.fp8, w, dt))
+    return fp8.local_gradient_quantized(cfg.fp8, y)
 
 
 def reference_attention_half(
@@ -164,17 +181,24 @@ def reference_attention_half(
         q, k, v = mark(q), mark(k), mark(v)
         attn = mark((attend or reference_attention)(q, k, v, mask))
         return mark(constrain(x + einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
-    q = einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
-    k = einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
+    if cfg.fp8 == "none":
+        q = einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
+        k = einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
+        v = einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt))
+    else:  # k and v as one tensor, as the sharded model's w_kv (one scale for both)
+        nx = _fp8_operand(cfg, nx)
+        q = _project(cfg, "blm,mqkd->blqkd", nx, w.w_q)
+        k, v = _project(cfg, "blm,smkd->sblkd", nx, w.w_kv)
     if cfg.qk_norm:  # Qwen3: each head RMS-normalized over D, before RoPE
         q = _head_norm(q, w.q_norm, cfg.norm_eps).astype(dt)
         k = _head_norm(k, w.k_norm, cfg.norm_eps).astype(dt)
-    v = mark(einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt)))
+    v = mark(v)
     factor = rope_attention_factor(cfg)
     q = mark(_rope(q, positions, rope_frequencies(cfg), factor))
     k = mark(_rope(k, positions, rope_frequencies(cfg), factor))
     attn = mark((attend or reference_attention)(q, k, v, mask))
-    return mark(constrain(x + einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
+    out = _project(cfg, "blqkd,mqkd->blm", _fp8_operand(cfg, attn), w.w_o)
+    return mark(constrain(x + out))
 
 
 def _reference_mla_inputs(cfg: ModelConfig, w: Layer, nx: jax.Array, positions: jax.Array):

@@ -7,7 +7,9 @@ Per device, forward:
 
     all_gather over t,d,c  ln2                        (the norm gain)
     all_gather over t      the residual, around the norm
-    all_gather over d,c    w_gate, w_up, w_down
+    all_gather over d,c    w_gate, w_up, w_down (model.fp8: their e4m3 bits, after a pmax of
+                           each one's amax over d, c, t)
+    pmax over d,c(,t)      model.fp8: the amax of nh, y; in the backward, of each cotangent
     psum_scatter over t    the down projection (it contracts F/t)
 """
 
@@ -31,7 +33,7 @@ from seqshard.model.block import (
 from seqshard.model.config import ModelConfig
 from seqshard.model.grads import normed_projections_backward, output_projection_backward
 from seqshard.model.norm import norm_input, norm_op, normed
-from seqshard.shardlib import shardops
+from seqshard.shardlib import fp8, shardops
 from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 
 __all__ = ["SWIGLU", "SwigluWeights", "ffn", "swiglu_backward"]
@@ -65,6 +67,7 @@ class SwigluWeights:
 
 
 _R = "B/dp L/c M/t"
+_ROWS = "B/dp L@zigzag/c"
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
 
@@ -76,32 +79,31 @@ def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
     h = a["h"]
     ln2 = a("ln2", lambda: shardops.all_gather("M/t/fsdp -> M", w.ln2))
     gh = a("gh", lambda: norm_input(cfg, h))
-    nh = a("nh", lambda: normed(cfg, gh, ln2))
-    # FSDP: each matrix is gathered over d and c just before use.
-    w_gate = a("w_gate", lambda: shardops.all_gather("M/fsdp F/t -> M F/t", w.w_gate.astype(dt)))
-    gate = a(
-        "gate",
-        lambda: shardops.einsum_unreduced(
-            "B/dp L@zigzag/c M, M F/t -> B/dp L@zigzag/c F/t", nh, w_gate
-        ),
-    )
-    w_up = a("w_up", lambda: shardops.all_gather("M/fsdp F/t -> M F/t", w.w_up.astype(dt)))
-    up = a(
-        "up",
-        lambda: shardops.einsum_unreduced(
-            "B/dp L@zigzag/c M, M F/t -> B/dp L@zigzag/c F/t", nh, w_up
-        ),
-    )
-    y = a("y", lambda: jax.nn.silu(gate) * up)
-    w_down = a("w_down", lambda: shardops.all_gather("M/fsdp F/t -> M F/t", w.w_down.astype(dt)))
+    # model.fp8: the projections' operands on e4m3's grid, their outputs' cotangents on e5m2's
+    # (seqshard.shardlib.fp8; each a no-op with fp8=none).
+    nh = a("nh", lambda: fp8.quantized(cfg.fp8, f"{_ROWS} M", normed(cfg, gh, ln2)))
+
+    # FSDP: each matrix is gathered over d and c just before use (in e4m3 with model.fp8).
+    def gathered(name: str):
+        return fp8.gather_quantized(cfg.fp8, "M/fsdp F/t -> M F/t", getattr(w, name), dt)
+
+    def projected(x: jax.Array, w_x: jax.Array) -> jax.Array:
+        y = shardops.einsum_unreduced(f"{_ROWS} M, M F/t -> {_ROWS} F/t", x, w_x)
+        return fp8.gradient_quantized(cfg.fp8, f"{_ROWS} F/t", y)
+
+    w_gate = a("w_gate", lambda: gathered("w_gate"))
+    gate = a("gate", lambda: projected(nh, w_gate))
+    w_up = a("w_up", lambda: gathered("w_up"))
+    up = a("up", lambda: projected(nh, w_up))
+    y = a("y", lambda: fp8.quantized(cfg.fp8, f"{_ROWS} F/t", jax.nn.silu(gate) * up))
+    w_down = a("w_down", lambda: gathered("w_down"))
 
     def down() -> jax.Array:
-        out = shardops.einsum_unreduced(
-            "B/dp L@zigzag/c F/t, M F/t -> B/dp L@zigzag/c M", y, w_down
-        )
+        out = shardops.einsum_unreduced(f"{_ROWS} F/t, M F/t -> {_ROWS} M", y, w_down)
+        out = fp8.gradient_quantized(cfg.fp8, f"{_ROWS} M", out)
         # Each t shard contracted only its own slice of F (F/t): sum the shards, scattered into
         # the residual's layout.
-        return shardops.psum_scatter(f"B/dp L@zigzag/c M -> {cfg.residual_spec}", out)
+        return shardops.psum_scatter(f"{_ROWS} M -> {cfg.residual_spec}", out)
 
     out = a("down", down)
     return a("out", lambda: (h + out).astype(dt))

@@ -18,6 +18,8 @@ forward's by JAX's transpose rules::
                                              invariant value is invariant: each device keeps
                                              it), an all-reduce with check_vma=False
     pmax                                  ->  nothing (no gradient)
+    all_gather of FP8 bits                ->  nothing here: fp8.gather_quantized's backward
+                                             rule logs its reduce-scatter itself
     all_to_all   'B/d L -> B L/d'         ->  all_to_all 'B L/d -> B/d L'
 
 A hand-written backward (``model.backward=explicit``) runs shardops itself: it logs its own
@@ -55,11 +57,13 @@ __all__ = [
     "Log",
     "LoggedCollective",
     "at",
+    "backward_rule",
     "custom_vjp_primal",
     "vjp_in_backward",
     "emit",
     "hand_differentiated",
     "inputs",
+    "of_weight",
     "part",
     "phase",
     "place",
@@ -92,12 +96,15 @@ class LoggedCollective:
     vjp_primal: bool = False  # in a custom VJP's primal function (see custom_vjp_primal)
     vjp_in_backward: bool = False  # differentiated by jax.vjp in a hand-written backward
     operand: str = ""  # 'input' or 'saved' (see the module docstring), '' otherwise
+    of_weight: bool = False  # part of a weight's gather (its FP8 scale's amax: of_weight)
 
     @property
     def weight(self) -> bool:
         """A weight's gather (its input has no batch dimension B), or that gather's transpose.
         An all-reduce or all-to-all never is: those sum or exchange values the batch made (the
         loss, the router's statistics, the token copies routed over e), whatever their letters."""
+        if self.of_weight:
+            return True
         return self.kind in ("all-gather", "reduce-scatter") and "B" not in _input_labels(self.spec)
 
     @property
@@ -133,13 +140,22 @@ class _State:
     autodiff: bool = True
     vjp_primal: bool = False
     vjp_in_backward: bool = False
+    of_weight: bool = False
     # id -> (the traced value, 'input' or 'saved'): the values inputs() and saved() marked,
     # held so that no other value takes their id while the log records.
     marked: dict[int, tuple[object, str]] = dataclasses.field(default_factory=dict)
 
 
 # The fields of the state that a logged call copies (all but the log).
-_PLACE_FIELDS = ("phase", "loops", "part", "autodiff", "vjp_primal", "vjp_in_backward")
+_PLACE_FIELDS = (
+    "phase",
+    "loops",
+    "part",
+    "autodiff",
+    "vjp_primal",
+    "vjp_in_backward",
+    "of_weight",
+)
 
 _local = threading.local()
 
@@ -188,6 +204,7 @@ def recording() -> Iterator[Log]:
         autodiff=True,
         vjp_primal=False,
         vjp_in_backward=False,
+        of_weight=False,
         marked={},
     ):
         yield log
@@ -258,6 +275,27 @@ def place() -> tuple[tuple[tuple[str, int], ...], str | None]:
     passes it to its backward, which JAX traces later, outside those scans (:func:`at`)."""
     state = _state()
     return state.loops, state.part
+
+
+def backward_rule(where: tuple[tuple[tuple[str, int], ...], str | None]):
+    """A custom VJP's backward rule, traced when JAX transposes, logs its collectives in the
+    backward phase, in the scans and operation of ``where`` (:func:`place` of its forward),
+    as written by hand (no transposes derived for them)."""
+    loops, name = where
+    return _setting(
+        loops=loops,
+        part=name,
+        phase="backward",
+        autodiff=False,
+        vjp_primal=False,
+        vjp_in_backward=False,
+    )
+
+
+def of_weight():
+    """Collectives traced in this block belong to a weight's gather (the amax of a weight that
+    is gathered in FP8): every remat policy that gathers weights again re-runs them."""
+    return _setting(of_weight=True)
 
 
 def at(where: tuple[tuple[tuple[str, int], ...], str | None]):
@@ -332,6 +370,8 @@ def transpose(c: LoggedCollective) -> LoggedCollective | None:
     the same loops, or None when its transpose moves nothing."""
     if c.op == "pmax" or not jnp.issubdtype(c.dtype, jnp.inexact):
         return None  # no gradient (a max of a stop-gradiented value; ids and flags)
+    if jnp.dtype(c.dtype).itemsize == 1:
+        return None  # FP8 bits: their gradient goes straight to the weight (seqshard.shardlib.fp8)
     if c.op == "psum" and c.checked:
         return None  # psum's result is invariant; so is its cotangent: no collective back
     if c.invarying:

@@ -56,11 +56,16 @@ _GROUPS_MESH = re.compile(
 )
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
+# An HLO array type: pred, s32, bf16, ... and FP8's f8e4m3fn, f8e5m2 (format after the width).
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+(?:fnuz|fn)?)?)\[([\d,]*)\]")
 _BYTES = {
     "pred": 1,
     "s8": 1,
     "u8": 1,
+    "f8e4m3fn": 1,  # FP8 (seqshard.shardlib.fp8): weights gathered in e4m3
+    "f8e5m2": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
     "s16": 2,
     "u16": 2,
     "f16": 2,
