@@ -123,7 +123,7 @@ from seqshard.config import Config, MeshConfig, TrainConfig
 from seqshard.hardware import KNOWN_PEAKS
 from seqshard.mesh import mesh_of_sizes, training_mesh
 from seqshard.model import attention
-from seqshard.model.attention import resolve_impl
+from seqshard.model.attention import dense_mask_impl, resolve_impl
 from seqshard.model.config import ModelConfig, MoEConfig
 from seqshard.model.cost import flops_per_token, param_count
 from seqshard.model.layers import with_aux_losses
@@ -356,7 +356,8 @@ def make_plain_step(experts: str) -> Callable:
     resolves it (``bench_gpu.py``'s :func:`fused_attention` hook: cuDNN on GPU)."""
 
     def make(cfg: Config, mesh: Mesh, opt: optax.GradientTransformation):
-        impl = resolve_impl(cfg.model.attention_impl)
+        # Plain JAX has no segment-id attention: where seqshard runs pallas, the dense mask.
+        impl = dense_mask_impl(resolve_impl(cfg.model.attention_impl, cfg.model.attention_mask))
         causal = cfg.model.attention_mask == "causal"
         attend = None if impl == "einsum" else fused_attention(impl, causal)
         plain = Plain(1, 1, experts, remat=_plain_checkpoint, attend=attend)

@@ -8,8 +8,10 @@ cut to what is left; a stage that fails or runs out of time is recorded and the 
             highest (loss 1e-5 relative, logits 1e-4, gradients 1e-4 of each leaf's largest)
             and at the default precision (TF32 on Hopper; reported, bounds 2e-2 / 0.5 / 0.1),
             bf16 with cuDNN attention (``attention_impl=cudnn``) against the bf16 einsum
-            reference for the document and causal masks (loss 1e-2, logits 0.25, gradients
-            10%), and the hand-written backward against autodiff's (f32, 1e-4)
+            reference for the document and causal masks, and with Pallas' segment-id flash
+            attention (``pallas``, what ``auto`` runs for the document mask) for the document
+            mask (loss 1e-2, logits 0.25, gradients 10%), and the hand-written backward
+            against autodiff's (f32, 1e-4)
     matmul  the bf16 matmul paths (bf16 out, f32 out, f32 accumulation cast to bf16, f32) on an
             n^3 product and the 1B's projection shapes, TFLOP/s and max error
     train   ``seqshard train configs/h100-125m.yaml`` for 30 steps on the bundled data, a
@@ -146,8 +148,8 @@ def check(name: str, measured: dict, loss_rel: float, logits_abs: float, grad_re
 
 
 def model_checks(mesh, fused: str, smoke: bool = False) -> list[dict]:
-    """``fused``: the fused attention to check, cudnn on GPU (xla for a CPU smoke run);
-    ``smoke``: tiny shapes."""
+    """``fused``: the fused attention to check, cudnn on GPU (xla for a CPU smoke run), with
+    both masks; pallas with the document mask (interpreted on CPU); ``smoke``: tiny shapes."""
     rows = []
     base = SMOKE_CFG if smoke else CFG
     shape = (SMOKE_BATCH, SMOKE_LENGTH) if smoke else (BATCH, LENGTH)
@@ -164,16 +166,16 @@ def model_checks(mesh, fused: str, smoke: bool = False) -> list[dict]:
     got = outputs(f32, mesh, w, tokens, starts, reference=False)
     want = outputs(f32, mesh, w, tokens, starts, reference=True)
     rows.append(check("f32-einsum-default", compare(got, want), 2e-2, 0.5, 0.1))
-    for mask in ("document", "causal"):
-        cudnn = dataclasses.replace(
-            base, compute_dtype="bfloat16", attention_impl=fused, attention_mask=mask
+    for impl, mask in ((fused, "document"), (fused, "causal"), ("pallas", "document")):
+        kernel = dataclasses.replace(
+            base, compute_dtype="bfloat16", attention_impl=impl, attention_mask=mask
         )
-        ref = dataclasses.replace(cudnn, attention_impl="einsum")
-        wb, tokens, starts = random_inputs(cudnn, mesh, shape=shape)
+        ref = dataclasses.replace(kernel, attention_impl="einsum")
+        wb, tokens, starts = random_inputs(kernel, mesh, shape=shape)
         with jax.default_matmul_precision("highest"):
             want = outputs(ref, mesh, wb, tokens, starts, reference=True)
-        got = outputs(cudnn, mesh, wb, tokens, starts, reference=False)
-        rows.append(check(f"bf16-{fused}-{mask}", compare(got, want), 1e-2, 0.25, 0.1))
+        got = outputs(kernel, mesh, wb, tokens, starts, reference=False)
+        rows.append(check(f"bf16-{impl}-{mask}", compare(got, want), 1e-2, 0.25, 0.1))
     return rows
 
 

@@ -37,6 +37,7 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path):
         "f32-einsum-default",
         "bf16-xla-document",
         "bf16-xla-causal",
+        "bf16-pallas-document",
     ]
     assert all(c["ok"] and c["finite"] for c in checks)
     assert "val loss" in summary["stages"]["train"]["final"]

@@ -11,12 +11,19 @@ was packed. Implementations (``ModelConfig.attention_impl``):
     xla      jax.nn.dot_product_attention(implementation='xla'): XLA's unfused attention
     splash   Pallas splash attention: TPU flash attention with segment ids (seqshard.model.splash;
              off TPU it runs in Pallas interpret mode, exact but slow); L a multiple of 128
-    auto     splash on TPU, cudnn on GPU, einsum elsewhere
+    pallas   Pallas' GPU flash attention with segment ids (seqshard.model.pallas_gpu; off GPU
+             in interpret mode); L a multiple of 16
+    auto     splash on TPU; on GPU pallas for the document mask, cudnn for the causal one;
+             einsum elsewhere
 
-``jax.nn.dot_product_attention`` takes no segment ids, so the ``document`` mask is passed as a
-dense boolean mask, which is slower than ``is_causal`` (about 2.2x on an H100 at L=2048);
-``attention_mask='causal'`` trades document isolation for that speed. Splash takes the
-documents as segment ids instead (:func:`attention_mask` gives them for ``impl='splash'``).
+``jax.nn.dot_product_attention`` takes no segment ids, so with cudnn the ``document`` mask is
+passed as a dense boolean mask, said to be about 2.2x slower than ``is_causal`` on an H100 at
+L=2048 (docs/benchmarks.md). Splash and pallas take the documents as segment ids instead
+(:func:`attention_mask` gives them), and skip the blocks above the diagonal as the causal mask
+does. ``auto`` keeps cuDNN for the causal mask: its ``is_causal`` kernel reads no mask, and is
+the one the recorded GPU runs measured (docs/benchmarks.md). A dense mask (the row split over
+c > 1 under ``allgather``, generation's padded prompts) has no segment ids: splash and pallas
+hand it to :func:`dense_mask_impl`'s implementation.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ __all__ = [
     "attention",
     "attention_mask",
     "attention_vjp",
+    "dense_mask_impl",
     "document_positions",
     "einsum_probabilities",
     "einsum_values",
@@ -149,9 +157,10 @@ def attention_mask(
     is_seq_start: jax.Array, mode: AttentionMask, impl: AttentionImpl = "einsum"
 ) -> jax.Array:
     """The mask :func:`attention` takes: ``[B, Lq, Lk]`` bool, key at or before the query and
-    (``document``) in its document; for splash, the segment ids ``[B, L]`` int32 (documents
-    numbered along the row), which its kernel combines with its own causal mask."""
-    if resolve_impl(impl) == "splash":
+    (``document``) in its document; for splash and pallas, the segment ids ``[B, L]`` int32
+    (documents numbered along the row), which their kernels combine with their own causal
+    mask."""
+    if resolve_impl(impl, mode) in SEGMENT_IDS:
         return jnp.cumsum(is_seq_start, axis=-1, dtype=jnp.int32)
     length = is_seq_start.shape[-1]
     causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))[None]
@@ -161,11 +170,29 @@ def attention_mask(
     return causal & (segment[:, :, None] == segment[:, None, :])
 
 
-def resolve_impl(impl: AttentionImpl) -> str:
-    """The implementation ``auto`` means on this backend."""
+SEGMENT_IDS = ("splash", "pallas")
+"""The implementations that take the documents as segment ids ``[B, L]``, not a dense mask."""
+
+
+def resolve_impl(impl: AttentionImpl, mask: AttentionMask = "document") -> str:
+    """The implementation ``auto`` means on this backend for the ``mask`` mode: splash on TPU;
+    on GPU pallas for ``document`` (segment ids, no dense mask), cudnn for ``causal``
+    (``is_causal``); einsum elsewhere."""
     if impl == "auto":
-        return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "einsum")
+        backend = jax.default_backend()
+        if backend == "gpu":
+            return "pallas" if mask == "document" else "cudnn"
+        return "splash" if backend == "tpu" else "einsum"
     return impl
+
+
+def dense_mask_impl(impl: str) -> str:
+    """What runs a dense ``[B, Lq, Lk]`` mask for the resolved ``impl``: itself, but for the
+    segment-id kernels (:data:`SEGMENT_IDS`), which take none: cudnn on GPU (what ``auto``
+    ran before pallas existed), einsum elsewhere."""
+    if impl not in SEGMENT_IDS:
+        return impl
+    return "cudnn" if jax.default_backend() == "gpu" else "einsum"
 
 
 def attention(
@@ -178,25 +205,34 @@ def attention(
 ) -> jax.Array:
     """Softmax(q k^T / sqrt(D), masked) v per (q head, kv head) pair: 'B/dp L@zigzag/c Q K/t D' out.
 
-    ``mask``: :func:`attention_mask`'s for this ``impl``, ``[B, Lq, Lk]`` bool (splash: segment
-    ids ``[B, L]``). ``causal_only`` says the mask is exactly causal, so fused kernels may use
-    ``is_causal`` (splash: no segment ids) instead of reading it.
+    ``mask``: :func:`attention_mask`'s for this ``impl``, ``[B, Lq, Lk]`` bool (splash, pallas:
+    segment ids ``[B, L]``). ``causal_only`` says the mask is exactly causal, so fused kernels
+    may use ``is_causal`` (splash, pallas: no segment ids) instead of reading it.
     """
-    impl = resolve_impl(impl)
-    if impl == "splash" and mask.ndim == 3:
-        # A dense mask (generation's padded prompts) has no segment ids for splash to take.
-        impl = "einsum"
+    impl = _impl_for(impl, mask, causal_only)
     if impl == "splash":
         from seqshard.model.splash import splash_attention  # Pallas: 0.2 s to import
 
         return splash_attention(q, k, v, None if causal_only else mask)
+    if impl == "pallas":
+        from seqshard.model.pallas_gpu import pallas_attention  # Pallas, as splash
+
+        return pallas_attention(q, k, v, None if causal_only else mask)
     if impl == "einsum":
         return _einsum_attention(q, k, v, mask)
     if impl in ("cudnn", "xla"):
         return fused_attention(q, k, v, mask, impl, causal_only)
     raise ValueError(
-        f"model.attention_impl must be auto, einsum, cudnn, xla or splash, got {impl!r}."
+        f"model.attention_impl must be auto, einsum, cudnn, xla, splash or pallas, got {impl!r}."
     )
+
+
+def _impl_for(impl: AttentionImpl, mask: jax.Array, causal_only: bool) -> str:
+    """The implementation that runs ``mask``: ``impl`` resolved, or, given a dense mask (the
+    context split over c > 1, generation's padded prompts) where it takes segment ids,
+    :func:`dense_mask_impl`'s."""
+    impl = resolve_impl(impl, "causal" if causal_only else "document")
+    return dense_mask_impl(impl) if mask.ndim == 3 else impl
 
 
 def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -241,14 +277,18 @@ def attention_vjp(
     g: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dq, dk, dv of :func:`attention` given its output's cotangent ``g``: the
-    implementation's own VJP. Splash's backward re-runs its forward kernel itself (for the
-    logsumexp), so it is called directly; the others through ``jax.vjp`` (cudnn's forward
-    keeps softmax statistics its backward reads)."""
-    impl = resolve_impl(impl)
-    if impl == "splash" and mask.ndim == 2:
+    implementation's own VJP. Splash's and pallas' backward re-run their forward kernel
+    themselves (for the logsumexp), so they are called directly; the others through
+    ``jax.vjp`` (cudnn's forward keeps softmax statistics its backward reads)."""
+    impl = _impl_for(impl, mask, causal_only)
+    if impl == "splash":
         from seqshard.model.splash import splash_attention_vjp
 
         return splash_attention_vjp(q, k, v, None if causal_only else mask, g)
+    if impl == "pallas":
+        from seqshard.model.pallas_gpu import pallas_attention_vjp
+
+        return pallas_attention_vjp(q, k, v, None if causal_only else mask, g)
     _, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, mask, impl, causal_only), q, k, v)
     return pullback(g)
 

@@ -73,7 +73,7 @@ How the seed's open questions are resolved:
 * **index_add.** :func:`seqshard.shardlib.shardops.index_add`, the transpose of ``index_unreduced``:
   each t shard scatter-adds the rows of its vocab block, owing the other d shards' rows, and
   a psum_scatter over d lands the table gradient 'V/t M/fsdp'.
-* **Fused attention.** For ``attention_impl`` cudnn, xla and splash the backward calls the
+* **Fused attention.** For ``attention_impl`` cudnn, xla, splash and pallas the backward calls the
   implementation's own VJP (``jax.vjp``) for the attention core only (softmax(q k^T) v); it
   re-runs the kernel's forward for its residuals, as those kernels do. Einsum attention
   (and everything around every core) is hand-written.

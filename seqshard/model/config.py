@@ -33,7 +33,7 @@ __all__ = [
     "RopeType",
 ]
 
-AttentionImpl = Literal["auto", "einsum", "cudnn", "xla", "splash"]
+AttentionImpl = Literal["auto", "einsum", "cudnn", "xla", "splash", "pallas"]
 AttentionMask = Literal["document", "causal"]
 Backward = Literal["autodiff", "explicit"]
 Residual = Literal["M/t", "L/t"]
@@ -299,8 +299,10 @@ class ModelConfig:
     attention_impl: ``einsum`` (plain XLA einsums; CPU and reference), ``cudnn`` (fused
         ``jax.nn.dot_product_attention(implementation='cudnn')``, GPU only), ``xla``
         (``jax.nn.dot_product_attention``'s XLA path), ``splash`` (Pallas splash attention, TPU;
-        seq_len a multiple of 128; elsewhere interpreted, slow), ``auto`` (splash on TPU, cudnn
-        on GPU, else einsum).
+        seq_len a multiple of 128; elsewhere interpreted, slow), ``pallas`` (Pallas' GPU flash
+        attention with segment ids, seqshard.model.pallas_gpu; seq_len a multiple of 16;
+        elsewhere interpreted, slow), ``auto`` (splash on TPU; on GPU pallas for the document
+        mask, cudnn for the causal one; else einsum).
     attention_mask: ``document`` restricts attention to the same packed document; ``causal``
         ignores document boundaries (faster with cudnn; leaks across packed documents).
     compute_dtype: matmul input dtype; master weights, norms, softmax, logits and loss are f32.

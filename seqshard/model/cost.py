@@ -28,7 +28,7 @@ Conventions, used by every count here:
   softmax and ``probs . v`` over all ``L x L`` (query, key) pairs (the default, and the
   convention of MFU: PaLM appendix B, seqax); a causal mask makes about half of that
   (``L (L+1) / 2`` pairs per row) useful (``causal=True``; packed documents leave less).
-  Fused kernels (cudnn, splash) skip most masked blocks, and re-run ``q . k^T`` and the
+  Fused kernels (cudnn, splash, pallas) skip most masked blocks, and re-run ``q . k^T`` and the
   softmax in their backward whatever the policy: not counted.
 * **Recompute** is asked of the remat policy, per layer operation
   (each operation's declared ``recomputed_by``, :func:`recomputes`): its forward FLOPs again, in the backward

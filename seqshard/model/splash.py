@@ -11,14 +11,8 @@ lane width. Off TPU the kernel runs in Pallas interpret mode: its program evalua
 by XLA, equal to einsum attention to f32 rounding and slow (seconds to compile and run at
 L=128), which is how the CPU tests run it.
 
-Hosting: Pallas kernels state no replication type (which mesh axes a value varies over, JAX's
-"vma"), so under ``check_vma=True`` they cannot trace. An inner ``jax.shard_map(check_vma=False)``
-alone is not enough: what it returns is typed invariant over every axis (untrue, and a psum in
-waiting for autodiff), and differentiating through it pairs typed primals with untyped
-cotangents. So the kernel runs, forward and backward, in such an inner region over the
-already-manual axes (no data moves: every device passes its own blocks in and out), inside a
-``jax.custom_vjp``, so that autodiff never looks inside, and what comes out is cast to the
-inputs' type. See :func:`splash_attention` for why that is sound.
+Hosting: the kernel, forward and backward, runs in an unchecked region inside a
+``jax.custom_vjp`` (:mod:`seqshard.model.pallas_hosting`, which says why and why it is sound).
 
 Cost: the backward pass re-runs the kernel's forward (``jax.vjp`` of the kernel, for its
 logsumexp) before the dq and dkv kernels, so nothing beyond q, k, v and the segment ids is kept
@@ -29,16 +23,13 @@ logsumexp.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from seqshard.shardlib.shardtypes import manual_axes, per_device_unchecked
-from seqshard.shardlib.vma import varying_axes
+from seqshard.model.pallas_hosting import hosted_attention, hosted_attention_vjp
 
 __all__ = ["block_size", "splash_attention", "splash_attention_vjp"]
 
@@ -64,31 +55,10 @@ def splash_attention(
 ) -> jax.Array:
     """Causal softmax(q k^T / sqrt(D)) v within segments: 'B/dp L Q K/t D' out.
 
-    ``segment_ids: 'B/dp L'`` int32, or None for a causal mask across the whole row.
-
-    Inside a shard_map the kernel runs in an unchecked region, which is sound because:
-
-    1. The kernel is per device: no collectives, each device's output block is a function of
-       its own input blocks only. So the output varies over at most the axes its inputs vary
-       over, U, and claiming it varies over all of U is true (varying means "may differ").
-       Over any axis outside U every device computes the same function of the same inputs,
-       so the output is truly invariant there, as typed.
-    2. The inputs are first cast to vary over all of U (``lax.pcast(..., to='varying')``),
-       outside the custom VJP, so JAX's autodiff transposes those casts itself: an input
-       invariant over an axis of U gets the sum over that axis of its per-device cotangents.
-    3. Inside the custom VJP every primal then has type U, so each cotangent, the per-device
-       VJP of the kernel (exact for varying inputs, by 1), is cast to U too: the type of its
-       primal, as custom_vjp requires, and no further sum is owed.
-    4. The residuals are the (typed) inputs, so nothing that leaves the region untyped is
-       kept: everything the region returns is cast to U before anything else sees it.
+    ``segment_ids: 'B/dp L'`` int32, or None for a causal mask across the whole row. Inside a
+    shard_map the kernel is hosted (:func:`~seqshard.model.pallas_hosting.hosted_attention`).
     """
-    manual = manual_axes()
-    if not manual:  # outside shard_map (or a 1x1 mesh): nothing to host
-        return _local_attention(q, k, v, segment_ids)
-    varying = frozenset().union(*(varying_axes(x) for x in (q, k, v, segment_ids) if x is not None))
-    axes = tuple(a for a in manual if a in varying)
-    q, k, v, segment_ids = (None if x is None else _vary(x, axes) for x in (q, k, v, segment_ids))
-    return _hosted(axes, q, k, v, segment_ids)
+    return hosted_attention(_local_attention, _local_attention_vjp, q, k, v, segment_ids)
 
 
 def splash_attention_vjp(
@@ -98,49 +68,11 @@ def splash_attention_vjp(
     its backward is (the kernel's own VJP), without running the forward kernel first: for a
     hand-written backward (``model.backward=explicit``), which has q, k, v at hand. Each
     cotangent is typed as varying over the axes its inputs vary over."""
-    manual = manual_axes()
-    if not manual:
-        return _local_attention_vjp(q, k, v, segment_ids, g)
-    inputs = (q, k, v, segment_ids, g)
-    varying = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
-    axes = tuple(a for a in manual if a in varying)
-    q, k, v, segment_ids, g = (None if x is None else _vary(x, axes) for x in inputs)
-    return _hosted_bwd(axes, (q, k, v, segment_ids), g)[:3]
+    return hosted_attention_vjp(_local_attention_vjp, q, k, v, segment_ids, g)
 
 
 # ---------------------------------------------------------------------------------------------
-# The hosting: a custom VJP whose forward and backward each run in an unchecked region
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _hosted(axes: tuple[str, ...], q, k, v, segment_ids):
-    return _vary(per_device_unchecked(_local_attention, q, k, v, segment_ids), axes)
-
-
-def _hosted_fwd(axes, q, k, v, segment_ids):
-    return _hosted(axes, q, k, v, segment_ids), (q, k, v, segment_ids)
-
-
-def _hosted_bwd(axes, residuals, g):
-    dq, dk, dv = per_device_unchecked(_local_attention_vjp, *residuals, g)
-    # Each cotangent has its primal's type, U (see splash_attention); segment ids have none.
-    return _vary(dq, axes), _vary(dk, axes), _vary(dv, axes), None
-
-
-_hosted.defvjp(_hosted_fwd, _hosted_bwd)
-
-
-def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``x`` typed as varying over ``axes`` (a cast: the values do not change)."""
-    return lax.pcast(x, tuple(a for a in axes if a not in varying_axes(x)), to="varying")
-
-
-# ---------------------------------------------------------------------------------------------
-# The kernel on one device's blocks
-#
-# Values that enter an unchecked region nested in a checked one keep their outer types, while
-# every op inside it gives untyped results; Pallas interpret mode and jax.vjp both compare the
-# two and fail. So the kernel and its VJP see only what the layout changes below produce.
+# The kernel on one device's blocks (what pallas_hosting runs)
 
 
 def _local_attention(q, k, v, segment_ids):

@@ -21,7 +21,7 @@ gradient. Transient: the largest short-lived working set, either
 * one layer's backward: what the policy did not keep and the backward rebuilds (gathered
   weights, normalized inputs, attention probabilities: :func:`seqshard.model.cost.layer_bytes`),
   the gathered weights' gradients, and, on the einsum path, the f32 ``'b L L Q K/t'``
-  gradients of the scores (fused kernels, cudnn and splash, never hold them).
+  gradients of the scores (fused kernels, cudnn, splash and pallas, never hold them).
 
 With microbatches XLA hoists the embedding and unembedding gathers (they do not depend on
 the microbatch) out of the accumulation loop, so both gathered tables (and a transposed copy)
@@ -109,7 +109,7 @@ __all__ = [
     "target_config",
 ]
 
-FUSED_ATTENTION = ("cudnn", "splash")
+FUSED_ATTENTION = ("cudnn", "splash", "pallas")
 """Attention kernels that never hold the ``'b L L Q K/t'`` scores (flash attention)."""
 
 MOE_EXCHANGE_BUFFERS = 4
@@ -139,12 +139,15 @@ CPU_EXPERT_COPIES = 8
 """See :data:`CPU_TILE_BUFFERS`."""
 
 
-def attention_impl_on(impl: str, platform: str) -> str:
-    """What ``model.attention_impl`` runs as on ``platform`` ('gpu', 'tpu', 'cpu'): ``auto``
-    is splash on TPU, cudnn on GPU, einsum elsewhere, as
-    :func:`seqshard.model.attention.resolve_impl` resolves it on the machine it runs on."""
+def attention_impl_on(impl: str, platform: str, mask: str = "document") -> str:
+    """What ``model.attention_impl`` runs as on ``platform`` ('gpu', 'tpu', 'cpu') for the
+    ``mask`` mode: ``auto`` is splash on TPU, on GPU pallas for the document mask and cudnn for
+    the causal one, einsum elsewhere, as :func:`seqshard.model.attention.resolve_impl`
+    resolves it on the machine it runs on."""
     if impl == "auto":
-        return {"tpu": "splash", "gpu": "cudnn"}.get(platform, "einsum")
+        if platform == "gpu":
+            return "pallas" if mask == "document" else "cudnn"
+        return "splash" if platform == "tpu" else "einsum"
     return impl
 
 
@@ -764,7 +767,7 @@ def _memory_on(cfg: Config, n_devices: int, chip: str):
     memory plan): what :func:`plan` needs before it traces the step."""
     ch = hardware.chip(chip)
     cfg = target_config(cfg, n_devices)
-    impl = attention_impl_on(cfg.model.attention_impl, ch.platform)
+    impl = attention_impl_on(cfg.model.attention_impl, ch.platform, cfg.model.attention_mask)
     return ch, cfg, impl, memory_plan(cfg, impl, ch.platform)
 
 

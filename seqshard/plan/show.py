@@ -336,7 +336,7 @@ def compiled_step_report(cfg: Config) -> str:
     ]
     mem = compiled.memory_analysis()
     if mem is not None:
-        impl = resolve_impl(cfg.model.attention_impl)
+        impl = resolve_impl(cfg.model.attention_impl, cfg.model.attention_mask)
         planned = memory_plan(cfg, impl, jax.default_backend()).total
         peak = mem.argument_size_in_bytes + mem.temp_size_in_bytes
         lines += [

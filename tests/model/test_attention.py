@@ -1,7 +1,8 @@
 """Tests of seqshard/model/attention.py's pieces, against plain loops: document positions,
-RoPE tables, masks (dense, and splash's segment ids), which implementation ``auto`` means, and
-that cudnn fails cleanly off GPU. (Attention inside the sharded model, against the reference:
-test_transformer.py; splash against einsum: test_splash.py.)"""
+RoPE tables, masks (dense, and splash's and pallas' segment ids), which implementation ``auto``
+means per backend and mask, what runs a dense mask, and that cudnn fails cleanly off GPU.
+(Attention inside the sharded model, against the reference: test_transformer.py; splash and
+pallas against einsum: test_splash.py, test_pallas_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from seqshard.model.attention import (
     apply_rope,
     attention,
     attention_mask,
+    dense_mask_impl,
     document_positions,
     resolve_impl,
     rope_frequencies,
@@ -120,9 +122,10 @@ def test_masks_by_loop(mode):
                 assert mask[b, q, k] == want, (b, q, k)
 
 
-def test_splash_mask_is_segment_ids_numbering_documents_along_the_row():
-    for mode in ("document", "causal"):  # causal: splash is told causal_only and drops them
-        ids = np.asarray(attention_mask(jnp.asarray(STARTS), mode, "splash"))
+@pytest.mark.parametrize("impl", ["splash", "pallas"])
+def test_segment_id_mask_numbers_documents_along_the_row(impl):
+    for mode in ("document", "causal"):  # causal: the kernel is told causal_only and drops them
+        ids = np.asarray(attention_mask(jnp.asarray(STARTS), mode, impl))
         assert ids.dtype == np.int32
         np.testing.assert_array_equal(ids, [[1, 1, 1, 2, 2, 2, 2, 3], [0, 0, 0, 0, 0, 1, 1, 1]])
     # which equal the dense mask's documents: same id <=> same document
@@ -133,14 +136,42 @@ def test_splash_mask_is_segment_ids_numbering_documents_along_the_row():
 
 def test_auto_means_einsum_on_cpu_and_names_pass_through():
     assert resolve_impl("auto") == "einsum"  # these tests run on CPU
-    for impl in ("einsum", "xla", "cudnn", "splash"):
+    for impl in ("einsum", "xla", "cudnn", "splash", "pallas"):
         assert resolve_impl(impl) == impl
+        assert resolve_impl(impl, "causal") == impl
 
 
-@pytest.mark.parametrize("backend, impl", [("tpu", "splash"), ("gpu", "cudnn"), ("cpu", "einsum")])
-def test_auto_means_splash_on_tpu_cudnn_on_gpu(monkeypatch, backend, impl):
+@pytest.mark.parametrize(
+    "backend, mode, impl",
+    [
+        ("tpu", "document", "splash"),
+        ("tpu", "causal", "splash"),
+        ("gpu", "document", "pallas"),  # segment ids, no dense [B, L, L] mask
+        ("gpu", "causal", "cudnn"),  # is_causal reads no mask
+        ("cpu", "document", "einsum"),
+        ("cpu", "causal", "einsum"),
+    ],
+)
+def test_auto_means_splash_on_tpu_and_pallas_or_cudnn_on_gpu(monkeypatch, backend, mode, impl):
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    assert resolve_impl("auto") == impl
+    assert resolve_impl("auto", mode) == impl
+    ids = attention_mask(jnp.asarray(STARTS), mode, "auto").ndim == 2
+    assert ids == (impl in ("splash", "pallas")), "auto's mask is what its kernel takes"
+
+
+@pytest.mark.parametrize(
+    "backend, impl, dense",
+    [
+        ("gpu", "pallas", "cudnn"),  # what auto ran on GPU before pallas
+        ("cpu", "pallas", "einsum"),
+        ("tpu", "splash", "einsum"),
+        ("gpu", "cudnn", "cudnn"),
+        ("cpu", "xla", "xla"),
+    ],
+)
+def test_a_dense_mask_goes_to_a_kernel_that_reads_one(monkeypatch, backend, impl, dense):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert dense_mask_impl(impl) == dense
 
 
 @pytest.mark.parametrize("causal_only", [False, True])
