@@ -171,7 +171,8 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
             "norm_topk_prob": False,
             "routed_scaling_factor": 2.0,
         },
-        "fp8": "current",
+        "fp8": "delayed",
+        "fp8_history": 8,
     }
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (
         "a ModelConfig field was added or renamed: add it here"

@@ -52,6 +52,13 @@ from seqshard.model.context import (
     ring_backward,
     ring_forward,
 )
+from seqshard.model.fp8_scaling import (
+    Scaling,
+    delayed,
+    fp8_aux,
+    history_weight,
+    no_history_gradient,
+)
 from seqshard.model.grads import (
     normed_projections_backward,
     output_projection_backward,
@@ -117,6 +124,8 @@ class AttentionWeights:
     k_norm: f32["d_head"] = gain(
         _LAYER + "self_attn.k_norm.weight", layout="d_head", present=_has_qk_norm
     )
+    # model.fp8=delayed: each FP8 site's amaxes of past steps (seqshard.model.fp8_scaling).
+    attention_fp8_history: f32["5 fp8_history"] = history_weight()
 
 
 def _einsum(cfg: ModelConfig, c: int) -> bool:
@@ -137,16 +146,29 @@ def _fp8(cfg: ModelConfig, c: int) -> bool:
     return cfg.fp8 != "none"
 
 
+FP8_SITES = ("nx", "w_q", "w_kv", "o_in", "w_o")
+"""The tensors the block puts on e4m3's grid with model.fp8 (seqshard.model.fp8_scaling)."""
+_HISTORY = "attention_fp8_history"
+
+
+def scaling(cfg: ModelConfig, w) -> Scaling:
+    """The block's FP8 scaling in the layer ``w``."""
+    return Scaling(cfg, FP8_SITES, getattr(w, _HISTORY, None))
+
+
 _R = "B/dp L/c M/t"  # the residual's size per device (either layout of model.residual)
 _ROWS = "B/dp L@zigzag/c"  # a block's rows, all of them over t
 _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
 
 
-def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Array, ...]:
+def attention_inputs(
+    cfg: ModelConfig, w, a: Activations, rope, sc: Scaling | None = None
+) -> tuple[jax.Array, ...]:
     """Pre-norm, then q 'B/dp L@zigzag/c Q K/t D' and k, v 'B/dp L@zigzag/c K/t D', q and k
-    rotated by RoPE. ``a`` holds the layer input ``x``."""
+    rotated by RoPE. ``a`` holds the layer input ``x``; ``sc`` the block's FP8 scaling."""
     dt = jnp.dtype(cfg.compute_dtype)
+    sc = sc or scaling(cfg, w)
     cos, sin = rope
     x = a["x"]
     # The norm needs all of M, the projections every row: gather the gain, and the residual
@@ -155,18 +177,16 @@ def attention_inputs(cfg: ModelConfig, w, a: Activations, rope) -> tuple[jax.Arr
     gx = a("gx", lambda: norm_input(cfg, x))
     # model.fp8: the projections' operands on e4m3's grid, their outputs' cotangents on e5m2's
     # (seqshard.shardlib.fp8; each a no-op with fp8=none).
-    nx = a("nx", lambda: fp8.quantized(cfg.fp8, f"{_ROWS} M", normed(cfg, gx, ln1)))
+    nx = a("nx", lambda: sc.quantized("nx", f"{_ROWS} M", normed(cfg, gx, ln1)))
     # FSDP: each matrix is gathered over d and c just before use (in the backward pass again:
     # only remat=none keeps gathered weights); in e4m3 with model.fp8.
-    w_q = a("w_q", lambda: fp8.gather_quantized(cfg.fp8, "M/fsdp Q K/t D -> M Q K/t D", w.w_q, dt))
+    w_q = a("w_q", lambda: sc.gathered("w_q", "M/fsdp Q K/t D -> M Q K/t D", w.w_q, dt))
 
     def project_q() -> jax.Array:
         q = shardops.einsum_unreduced(f"{_ROWS} M, M Q K/t D -> {_ROWS} Q K/t D", nx, w_q)
         return fp8.gradient_quantized(cfg.fp8, f"{_ROWS} Q K/t D", q)
 
-    w_kv = a(
-        "w_kv", lambda: fp8.gather_quantized(cfg.fp8, "2 M/fsdp K/t D -> 2 M K/t D", w.w_kv, dt)
-    )
+    w_kv = a("w_kv", lambda: sc.gathered("w_kv", "2 M/fsdp K/t D -> 2 M K/t D", w.w_kv, dt))
 
     def project_kv() -> tuple[jax.Array, jax.Array]:
         kv = shardops.einsum_unreduced(f"{_ROWS} M, 2 M K/t D -> 2 {_ROWS} K/t D", nx, w_kv)
@@ -223,15 +243,15 @@ def attention_core(
     return a("attn", lambda: attention(q, keys, values, mask, impl, causal_only))
 
 
-def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
-    """The output projection of ``attn`` plus the residual ``x``: h, a residual."""
+def attention_output(cfg: ModelConfig, w, a: Activations, sc: Scaling | None = None) -> jax.Array:
+    """The output projection of ``attn`` plus the residual ``x``: h, a residual (``sc``: the
+    block's FP8 scaling)."""
     dt = jnp.dtype(cfg.compute_dtype)
+    sc = sc or scaling(cfg, w)
     x, attn = a["x"], a["attn"]
     if cfg.fp8 != "none":  # the o projection's operand on e4m3's grid, kept beside attn
-        attn = a("o_in", lambda: fp8.quantized(cfg.fp8, f"{_ROWS} Q K/t Dv", attn))
-    w_o = a(
-        "w_o", lambda: fp8.gather_quantized(cfg.fp8, "M/fsdp Q K/t Dv -> M Q K/t Dv", w.w_o, dt)
-    )
+        attn = a("o_in", lambda: sc.quantized("o_in", f"{_ROWS} Q K/t Dv", attn))
+    w_o = a("w_o", lambda: sc.gathered("w_o", "M/fsdp Q K/t Dv -> M Q K/t Dv", w.w_o, dt))
 
     def residual() -> jax.Array:
         out = shardops.einsum_unreduced(f"{_ROWS} Q K/t Dv, M Q K/t Dv -> {_ROWS} M", attn, w_o)
@@ -245,10 +265,12 @@ def attention_output(cfg: ModelConfig, w, a: Activations) -> jax.Array:
 
 def attention_block_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array:
     """The block on the residual ``a['x']``: q, k, v, attention over the row, the output
-    projection plus the residual: h."""
-    attention_inputs(cfg, w, a, inputs.rope)
+    projection plus the residual: h (and, with model.fp8=delayed, its FP8 sites' amaxes)."""
+    sc = scaling(cfg, w)
+    attention_inputs(cfg, w, a, inputs.rope, sc)
     attention_core(cfg, a, inputs.rows, inputs.mask)
-    return attention_output(cfg, w, a)
+    h = attention_output(cfg, w, a, sc)
+    return (h, sc.aux()) if delayed(cfg) else h
 
 
 # The activations of the block's input side (x, norm(x)), its gain and the norm's part.
@@ -277,7 +299,8 @@ def attention_block_backward(
     d_gx, grads = normed_projections_backward(
         cfg, a, _ATTENTION_INPUT, [("w_q", "M Q K/t D", d_q), ("w_kv", "2 M K/t D", d_kv)], "q_kv"
     )
-    return d_h + d_gx, {**grads, "w_o": d_w_o.astype(f32), **qk_grads}
+    history = no_history_gradient(cfg, w, _HISTORY)
+    return d_h + d_gx, {**grads, "w_o": d_w_o.astype(f32), **qk_grads, **history}
 
 
 def attention_backward(
@@ -477,6 +500,7 @@ ATTENTION = Block(
     backward=attention_block_backward,
     input="x",
     output="h",
+    aux=fp8_aux("attention", FP8_SITES, _HISTORY),
 )
 """The attention block's declarations. ``saved`` marks what remat=saved keeps: the operands
 whose recomputation would cost a matmul (q, k, v after RoPE, the attention output) and h."""

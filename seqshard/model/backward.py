@@ -95,7 +95,7 @@ import jax.numpy as jnp
 
 from seqshard.batch import TokenBatch
 from seqshard.model.block import Activations as BlockActivations
-from seqshard.model.block import Block, LayerInputs, kept, weight_info
+from seqshard.model.block import Block, LayerInputs, has_aux, kept, weight_info
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, sequence_rows
 from seqshard.model.grads import norm_backward
@@ -166,13 +166,13 @@ def _block_vjp(cfg: ModelConfig, blocks, block: Block, inputs: LayerInputs, w, x
     def forward(x, w_block):
         a = BlockActivations(blocks, {block.input: x})
         out = block.forward(cfg, inputs, dataclasses.replace(w, **w_block), a)
-        if block.aux is None:
+        if not has_aux(block, cfg):
             return out
         out, aux = out
         return out, tuple(aux[f] for f in block.aux.loss)
 
     out, pullback = jax.vjp(forward, x, {name: getattr(w, name) for name in fields})
-    return (out if block.aux is None else out[0]), pullback
+    return (out if not has_aux(block, cfg) else out[0]), pullback
 
 
 def layer_activations(
@@ -216,7 +216,7 @@ def layer_backward(
             d, block_grads = block.backward(cfg, inputs, w, a, d)
         else:
             cotangent = d
-            if block.aux is not None:
+            if has_aux(block, cfg):
                 cotangent = (d, d_loss.get(block.name, ()))
             with collective_log.vjp_in_backward():
                 d, block_grads = pullbacks[block.name](cotangent)

@@ -55,6 +55,7 @@ __all__ = [
     "Weight",
     "activation_bytes",
     "elementwise",
+    "has_aux",
     "kept",
     "matmul",
     "recomputed",
@@ -212,13 +213,22 @@ class Aux:
     stack_weights) -> {name: value}`` gives the log's figures from the step's values (``aux``:
     field -> [layers, ...], ``layer_names`` each stored layer's place in the model);
     ``update(cfg, stack_weights, aux) -> stack_weights`` is per-step state moved after the
-    optimizer step (no gradient reaches it)."""
+    optimizer step (no gradient reaches it). ``max`` fields are the largest over microbatches
+    instead of their sum (FP8's amaxes). ``present(cfg)``: whether a config's block makes them
+    at all (its forward then returns the pair; else its output alone)."""
 
     fields: Mapping[str, str]
     loss: tuple[str, ...] = ()
     mean: tuple[str, ...] = ()
+    max: tuple[str, ...] = ()
     metrics: Callable[..., dict[str, Any]] | None = None
     update: Callable[..., Any] | None = None
+    present: Callable[[ModelConfig], bool] = lambda m: True
+
+
+def has_aux(block: Block, cfg: ModelConfig) -> bool:
+    """Whether ``block`` returns auxiliary outputs under ``cfg`` (:class:`Aux` ``present``)."""
+    return block.aux is not None and block.aux.present(cfg)
 
 
 Forward = Callable[[ModelConfig, LayerInputs, Any, "Activations"], Any]

@@ -56,6 +56,7 @@ DIM_FIELDS = {
     "n_kv": "n_kv",
     "d_head": "d_head",
     "d_ff": "d_ff",
+    "fp8_history": "fp8_history",
 }
 """Each dimension name of the weight types -> the ModelConfig field that sizes it."""
 
@@ -347,8 +348,10 @@ class ModelConfig:
         every matmul in ``compute_dtype``. ``current``: q, kv, o, gate, up and down multiply
         operands on e4m3's grid (weights gathered over FSDP in e4m3: half of bf16's bytes) and
         their gradients on e5m2's, each tensor at the scale of its own amax (reduced over the
-        mesh axes it is split over). The attention core, the embedding, the head and the MoE
-        experts stay in compute_dtype (docs/fp8.md).
+        mesh axes it is split over). ``delayed``: the forward's operands at the scale of the
+        largest amax of their last ``fp8_history`` steps (kept with the weights; the
+        gradients at their current scale). The attention core, the embedding, the head and
+        the MoE experts stay in compute_dtype (docs/fp8.md).
     """
 
     vocab: int = 4096  # embedding rows; >= the tokenizer's vocabulary
@@ -382,7 +385,8 @@ class ModelConfig:
     mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
     ffn: str = "swiglu"  # the dense layers' FFN block kind (seqshard.model.layers.FFN_KINDS)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
-    fp8: Fp8Mode = "none"  # FP8 projections: none, current (seqshard.shardlib.fp8)
+    fp8: Fp8Mode = "none"  # FP8 projections: none, current, delayed (seqshard.shardlib.fp8)
+    fp8_history: int = 16  # model.fp8=delayed: the amax history's length, in steps
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from seqshard.model.attention import attention_mask
 from seqshard.model.attention import rope as rope_cos_sin
 from seqshard.model.attention_block import ATTENTION
-from seqshard.model.block import Activations, Block, LayerInputs, weight_info
+from seqshard.model.block import Activations, Block, LayerInputs, has_aux, weight_info
 from seqshard.model.config import ModelConfig
 from seqshard.model.context import SequenceRows, context_mask
 from seqshard.model.mla import MLA
@@ -145,11 +145,12 @@ class Stack:
     blocks: tuple[Block, ...]
     n_layers: int
     layer_type: type
+    aux_names: tuple[str, ...] = ()  # the blocks that return auxiliary outputs (has_aux)
 
     @property
     def aux_blocks(self) -> tuple[Block, ...]:
         """Its blocks that return auxiliary outputs."""
-        return tuple(b for b in self.blocks if b.aux is not None)
+        return tuple(b for b in self.blocks if b.name in self.aux_names)
 
 
 def runs(cfg: ModelConfig, block: Block) -> bool:
@@ -205,7 +206,7 @@ def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
                         f"stack {name!r}: block {block.name!r} reads {block.input!r}, but the "
                         f"block before it, {before.name!r}, makes {before.output!r}."
                     )
-            out.append(Stack(name, blocks, sizes[name], layer_type(name, blocks, cfg)))
+            out.append(_stack(cfg, name, blocks, sizes[name]))
     return tuple(out)
 
 
@@ -222,7 +223,12 @@ def mtp_stack(cfg: ModelConfig) -> Stack | None:
     if cfg.mtp.depth == 0:
         return None
     blocks = (MTP_ENTRY, *stacks(cfg)[-1].blocks)
-    return Stack(MTP_STACK, blocks, cfg.mtp.depth, layer_type(MTP_STACK, blocks, cfg))
+    return _stack(cfg, MTP_STACK, blocks, cfg.mtp.depth)
+
+
+def _stack(cfg: ModelConfig, name: str, blocks: tuple[Block, ...], n_layers: int) -> Stack:
+    aux = tuple(b.name for b in blocks if has_aux(b, cfg))
+    return Stack(name, blocks, n_layers, layer_type(name, blocks, cfg), aux)
 
 
 def aux_stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
@@ -264,7 +270,7 @@ def layer_forward(
     aux, out = {}, None
     for block in blocks:
         out = block.forward(cfg, inputs, w, a)
-        if block.aux is not None:
+        if has_aux(block, cfg):
             out, aux[block.name] = out
     return out, aux
 

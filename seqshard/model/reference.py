@@ -138,27 +138,41 @@ def reference_layer(
         cfg, w, x, positions, mask, mark=mark, constrain=constrain, attend=attend
     )
     dt = jnp.dtype(cfg.compute_dtype)
-    nx = _fp8_operand(cfg, reference_norm(x, w.ln2, cfg.norm_eps).astype(dt))
-    gate = mark(_project(cfg, "blm,mf->blf", nx, w.w_gate))
-    up = mark(_project(cfg, "blm,mf->blf", nx, w.w_up))
-    down = _project(cfg, "blf,mf->blm", _fp8_operand(cfg, jax.nn.silu(gate) * up), w.w_down)
+    sites = _Sites(cfg, getattr(w, "swiglu_fp8_history", None))  # nh w_gate w_up y w_down
+    nx = sites.operand(0, reference_norm(x, w.ln2, cfg.norm_eps).astype(dt))
+    gate = mark(sites.project("blm,mf->blf", nx, 1, w.w_gate))
+    up = mark(sites.project("blm,mf->blf", nx, 2, w.w_up))
+    down = sites.project("blf,mf->blm", sites.operand(3, jax.nn.silu(gate) * up), 4, w.w_down)
     return constrain((x + down).astype(dt))
 
 
-def _fp8_operand(cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """A projection's input: with model.fp8, on e4m3's grid at the whole tensor's scale."""
-    return fp8.local_quantized(cfg.fp8, x)
+class _Sites:
+    """A block's FP8 sites (model.fp8; seqshard.model.fp8_scaling), each a whole tensor: on
+    e4m3's grid at its own amax's scale (current) or its history's (delayed, ``history``
+    [sites, fp8_history]); projections' cotangents on e5m2's grid."""
 
+    def __init__(self, cfg: ModelConfig, history: jax.Array | None):
+        self.cfg, self.history = cfg, history
 
-def _project(cfg: ModelConfig, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """The projection ``x . w`` of an input made by :func:`_fp8_operand`, w in compute dtype:
-    with model.fp8, w on e4m3's grid at its own scale and the result's cotangent on e5m2's
-    (as the sharded model's gathers and its backward do)."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    if cfg.fp8 == "none":
-        return einsum(equation, x, w.astype(dt))
-    y = einsum(equation, x, fp8.local_weight_quantized(cfg.fp8, w, dt))
-    return fp8.local_gradient_quantized(cfg.fp8, y)
+    def _scale(self, site: int, x: jax.Array) -> jax.Array | None:
+        if self.cfg.fp8 != "delayed":
+            return None  # the current amax's: the fp8 functions take it
+        now = jnp.max(jnp.abs(jax.lax.stop_gradient(x))).astype(jnp.float32)
+        past = jax.lax.stop_gradient(self.history[site])
+        return fp8.delayed_scale(past, now, fp8.FORWARD)
+
+    def operand(self, site: int, x: jax.Array) -> jax.Array:
+        """A projection's input ``x``, site ``site``."""
+        return fp8.local_quantized(self.cfg.fp8, x, self._scale(site, x))
+
+    def project(self, equation: str, x: jax.Array, site: int, w: jax.Array) -> jax.Array:
+        """The projection ``x . w`` of an input made by :meth:`operand` and the weight ``w``
+        (site ``site``) in compute dtype, as the sharded model's gathers and backward do."""
+        dt = jnp.dtype(self.cfg.compute_dtype)
+        if self.cfg.fp8 == "none":
+            return einsum(equation, x, w.astype(dt))
+        w = fp8.local_weight_quantized(self.cfg.fp8, w, dt, self._scale(site, w))
+        return fp8.local_gradient_quantized(self.cfg.fp8, einsum(equation, x, w))
 
 
 def reference_attention_half(
@@ -181,14 +195,15 @@ def reference_attention_half(
         q, k, v = mark(q), mark(k), mark(v)
         attn = mark((attend or reference_attention)(q, k, v, mask))
         return mark(constrain(x + einsum("blqkd,mqkd->blm", attn, w.w_o.astype(dt))))
+    sites = _Sites(cfg, getattr(w, "attention_fp8_history", None))  # nx w_q w_kv o_in w_o
     if cfg.fp8 == "none":
         q = einsum("blm,mqkd->blqkd", nx, w.w_q.astype(dt))
         k = einsum("blm,mkd->blkd", nx, w.w_kv[0].astype(dt))
         v = einsum("blm,mkd->blkd", nx, w.w_kv[1].astype(dt))
     else:  # k and v as one tensor, as the sharded model's w_kv (one scale for both)
-        nx = _fp8_operand(cfg, nx)
-        q = _project(cfg, "blm,mqkd->blqkd", nx, w.w_q)
-        k, v = _project(cfg, "blm,smkd->sblkd", nx, w.w_kv)
+        nx = sites.operand(0, nx)
+        q = sites.project("blm,mqkd->blqkd", nx, 1, w.w_q)
+        k, v = sites.project("blm,smkd->sblkd", nx, 2, w.w_kv)
     if cfg.qk_norm:  # Qwen3: each head RMS-normalized over D, before RoPE
         q = _head_norm(q, w.q_norm, cfg.norm_eps).astype(dt)
         k = _head_norm(k, w.k_norm, cfg.norm_eps).astype(dt)
@@ -197,7 +212,7 @@ def reference_attention_half(
     q = mark(_rope(q, positions, rope_frequencies(cfg), factor))
     k = mark(_rope(k, positions, rope_frequencies(cfg), factor))
     attn = mark((attend or reference_attention)(q, k, v, mask))
-    out = _project(cfg, "blqkd,mqkd->blm", _fp8_operand(cfg, attn), w.w_o)
+    out = sites.project("blqkd,mqkd->blm", sites.operand(3, attn), 4, w.w_o)
     return mark(constrain(x + out))
 
 

@@ -31,6 +31,13 @@ from seqshard.model.block import (
     weight,
 )
 from seqshard.model.config import ModelConfig
+from seqshard.model.fp8_scaling import (
+    Scaling,
+    delayed,
+    fp8_aux,
+    history_weight,
+    no_history_gradient,
+)
 from seqshard.model.grads import normed_projections_backward, output_projection_backward
 from seqshard.model.norm import norm_input, norm_op, normed
 from seqshard.shardlib import fp8, shardops
@@ -64,6 +71,13 @@ class SwigluWeights:
     w_down: f32["d_model/fsdp d_ff/t"] = weight(
         _w_down_std, hf=_LAYER + "mlp.down_proj.weight", layout="d_model d_ff"
     )
+    # model.fp8=delayed: each FP8 site's amaxes of past steps (seqshard.model.fp8_scaling).
+    swiglu_fp8_history: f32["5 fp8_history"] = history_weight()
+
+
+FP8_SITES = ("nh", "w_gate", "w_up", "y", "w_down")
+"""The tensors the block puts on e4m3's grid with model.fp8 (seqshard.model.fp8_scaling)."""
+_HISTORY = "swiglu_fp8_history"
 
 
 _R = "B/dp L/c M/t"
@@ -72,20 +86,22 @@ _SAVED_FULL = frozenset({"saved", "full"})
 _FULL = frozenset({"full"})
 
 
-def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
+def ffn(cfg: ModelConfig, w, a: Activations, sc: Scaling | None = None) -> jax.Array | None:
     """The pre-norm SwiGLU FFN plus the residual ``h``: a residual in compute dtype (None when
-    ``a`` rebuilds a layer for its backward, which never reads it)."""
+    ``a`` rebuilds a layer for its backward, which never reads it). ``sc``: the block's FP8
+    scaling."""
     dt = jnp.dtype(cfg.compute_dtype)
+    sc = sc or Scaling(cfg, FP8_SITES, getattr(w, _HISTORY, None))
     h = a["h"]
     ln2 = a("ln2", lambda: shardops.all_gather("M/t/fsdp -> M", w.ln2))
     gh = a("gh", lambda: norm_input(cfg, h))
     # model.fp8: the projections' operands on e4m3's grid, their outputs' cotangents on e5m2's
     # (seqshard.shardlib.fp8; each a no-op with fp8=none).
-    nh = a("nh", lambda: fp8.quantized(cfg.fp8, f"{_ROWS} M", normed(cfg, gh, ln2)))
+    nh = a("nh", lambda: sc.quantized("nh", f"{_ROWS} M", normed(cfg, gh, ln2)))
 
     # FSDP: each matrix is gathered over d and c just before use (in e4m3 with model.fp8).
     def gathered(name: str):
-        return fp8.gather_quantized(cfg.fp8, "M/fsdp F/t -> M F/t", getattr(w, name), dt)
+        return sc.gathered(name, "M/fsdp F/t -> M F/t", getattr(w, name), dt)
 
     def projected(x: jax.Array, w_x: jax.Array) -> jax.Array:
         y = shardops.einsum_unreduced(f"{_ROWS} M, M F/t -> {_ROWS} F/t", x, w_x)
@@ -95,7 +111,7 @@ def ffn(cfg: ModelConfig, w, a: Activations) -> jax.Array | None:
     gate = a("gate", lambda: projected(nh, w_gate))
     w_up = a("w_up", lambda: gathered("w_up"))
     up = a("up", lambda: projected(nh, w_up))
-    y = a("y", lambda: fp8.quantized(cfg.fp8, f"{_ROWS} F/t", jax.nn.silu(gate) * up))
+    y = a("y", lambda: sc.quantized("y", f"{_ROWS} F/t", jax.nn.silu(gate) * up))
     w_down = a("w_down", lambda: gathered("w_down"))
 
     def down() -> jax.Array:
@@ -131,12 +147,16 @@ def swiglu_backward(
     d_gh, grads = normed_projections_backward(
         cfg, a, _FFN_INPUT, [("w_gate", "M F/t", d_gate), ("w_up", "M F/t", d_up)], "gate_up"
     )
-    return d_out + d_gh, {**grads, "w_down": d_w_down.astype(f32)}
+    history = no_history_gradient(cfg, w, _HISTORY)
+    return d_out + d_gh, {**grads, "w_down": d_w_down.astype(f32), **history}
 
 
 def swiglu_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array | None:
-    """The block on the residual ``a['h']``: :func:`ffn`."""
-    return ffn(cfg, w, a)
+    """The block on the residual ``a['h']``: :func:`ffn` (and, with model.fp8=delayed, its
+    FP8 sites' amaxes)."""
+    sc = Scaling(cfg, FP8_SITES, getattr(w, _HISTORY, None))
+    out = ffn(cfg, w, a, sc)
+    return (out, sc.aux()) if delayed(cfg) else out
 
 
 SWIGLU = Block(
@@ -191,5 +211,6 @@ SWIGLU = Block(
     weights=SwigluWeights,
     forward=swiglu_forward,
     backward=swiglu_backward,
+    aux=fp8_aux("swiglu", FP8_SITES, _HISTORY),
 )
 """The SwiGLU block's declarations: remat=saved keeps the gate and up projections."""

@@ -53,6 +53,7 @@ from jax import lax
 from seqshard.shardlib import collective_log, shardops
 from seqshard.shardlib.notation import parse_op, parse_shape
 from seqshard.shardlib.shapecheck import block_axes, block_axes_scope, shape_scope
+from seqshard.shardlib.vma import varying_axes
 
 __all__ = [
     "BACKWARD",
@@ -60,6 +61,7 @@ __all__ = [
     "Fp8Mode",
     "amax",
     "cotangent_on_grid",
+    "delayed_scale",
     "gather_quantized",
     "gradient_quantized",
     "local_gradient_quantized",
@@ -69,9 +71,10 @@ __all__ = [
     "quantized",
     "saturated",
     "scale",
+    "weight_spec",
 ]
 
-Fp8Mode = Literal["none", "current"]
+Fp8Mode = Literal["none", "current", "delayed"]
 
 FORWARD = jnp.dtype(jnp.float8_e4m3fn)
 """The forward operands' format: weights and activations (more mantissa)."""
@@ -83,16 +86,28 @@ def _largest(fmt: jnp.dtype) -> float:
     return float(jnp.finfo(fmt).max)
 
 
-def amax(spec: str, x: jax.Array) -> jax.Array:
+def amax(spec: str, x: jax.Array, *, invariant: bool = False) -> jax.Array:
     """The largest |x| of the whole tensor ``x`` of layout ``spec``, f32, the same on every
     device: this block's max, reduced over the axes ``spec`` splits it over (one pmax; none
-    where they all have size 1). No gradient flows through it."""
+    where they all have size 1). ``invariant``: over every axis but p that x varies over too
+    (those hold copies: the same max), so that the result is typed replicated, as a block's
+    auxiliary outputs are. No gradient flows through it."""
     local = jnp.max(jnp.abs(lax.stop_gradient(x))).astype(jnp.float32)
     axes = parse_shape(spec).split_axes
+    if invariant:
+        copies = varying_axes(local) - {"p"} - set(axes)
+        axes = (*axes, *(a for a in ("d", "e", "c", "t") if a in copies))
     if not axes:
         return local
     # Each device holds one block of the tensor: its amax is the max over every block.
     return shardops.pmax(f"(){{U_{','.join(axes)}}} -> ()", local)
+
+
+def delayed_scale(history: jax.Array, current: jax.Array, fmt: jnp.dtype) -> jax.Array:
+    """Delayed scaling: the :func:`scale` of the largest amax in ``history`` (past steps'),
+    or of the ``current`` amax while the history is empty (all zero: the first step)."""
+    past = jnp.max(history).astype(jnp.float32)
+    return scale(jnp.where(past > 0, past, current), fmt)
 
 
 def scale(tensor_amax: jax.Array, fmt: jnp.dtype) -> jax.Array:
@@ -145,28 +160,33 @@ def _straight_through_bwd(_, ct):
 _straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
-def quantized(mode: Fp8Mode, spec: str, x: jax.Array) -> jax.Array:
-    """``x`` (layout ``spec``) on e4m3's grid at its current scale (mode ``current``), or x
-    itself (``none``). Its gradient passes through unchanged."""
+def quantized(mode: Fp8Mode, spec: str, x: jax.Array, s: jax.Array | None = None) -> jax.Array:
+    """``x`` (layout ``spec``) on e4m3's grid at scale ``s`` (default: its current scale), or
+    x itself (mode ``none``). Its gradient passes through unchanged."""
     if mode == "none":
         return x
-    return _straight_through(x, scale(amax(spec, x), FORWARD))
+    if s is None:
+        s = scale(amax(spec, x), FORWARD)
+    return _straight_through(x, s)
 
 
-def local_quantized(mode: Fp8Mode, x: jax.Array) -> jax.Array:
+def local_quantized(mode: Fp8Mode, x: jax.Array, s: jax.Array | None = None) -> jax.Array:
     """:func:`quantized` of a whole tensor on one device (the reference model's)."""
     if mode == "none":
         return x
-    return _straight_through(x, scale(_local_amax(lax.stop_gradient(x)), FORWARD))
+    if s is None:
+        s = scale(_local_amax(lax.stop_gradient(x)), FORWARD)
+    return _straight_through(x, s)
 
 
-def local_weight_quantized(mode: Fp8Mode, w: jax.Array, dtype) -> jax.Array:
+def local_weight_quantized(mode: Fp8Mode, w: jax.Array, dtype, s: jax.Array | None = None):
     """:func:`gather_quantized`'s value for a whole weight on one device (the reference
-    model's): w's e4m3 bits at its own scale, dequantized to ``dtype``; gradient straight
-    through."""
+    model's): w's e4m3 bits at scale ``s`` (default: its own), dequantized to ``dtype``;
+    gradient straight through."""
     if mode == "none":
         return w.astype(dtype)
-    s = scale(_local_amax(lax.stop_gradient(w)), FORWARD)
+    if s is None:
+        s = scale(_local_amax(lax.stop_gradient(w)), FORWARD)
     value = _bits(lax.stop_gradient(w), s, FORWARD).astype(dtype) * s.astype(dtype)
     return _straight_through_value(w.dtype.name, w, value)
 
@@ -266,6 +286,11 @@ _straight_through_value.defvjp(_straight_through_value_fwd, _straight_through_va
 # --- FSDP's weight gather in e4m3 --------------------------------------------------------------
 
 
+def weight_spec(gather: str) -> str:
+    """The layout a gather ``'M/fsdp F/t -> M F/t'`` reads: ``'M/d/e/c F/t'``."""
+    return str(parse_op(gather).inputs[0])
+
+
 def _transposed(spec: str) -> str:
     """The reduce-scatter that transposes gather ``spec``: ``'M/fsdp F/t -> M F/t'`` ->
     ``'M F/t{U_d,e,c} -> M/d/e/c F/t'`` (each dimension loses minor axes only)."""
@@ -302,17 +327,19 @@ def _straight_through_gather_bwd(spec, where, w_dtype, _, ct):
 _straight_through_gather.defvjp(_straight_through_gather_fwd, _straight_through_gather_bwd)
 
 
-def gather_quantized(mode: Fp8Mode, spec: str, w: jax.Array, dtype) -> jax.Array:
-    """``all_gather(spec, w.astype(dtype))`` (mode ``none``), or (``current``) the gather of
-    w's e4m3 bits at the whole weight's scale, dequantized to ``dtype`` after it: a weight
-    gathered in 1 byte an element. The scale's pmax and the gather are logged as the weight's
-    (re-run by every remat policy that re-gathers weights); the gradient is the gather's
-    transpose, as without FP8."""
+def gather_quantized(
+    mode: Fp8Mode, spec: str, w: jax.Array, dtype, s: jax.Array | None = None
+) -> jax.Array:
+    """``all_gather(spec, w.astype(dtype))`` (mode ``none``), or the gather of w's e4m3 bits
+    at scale ``s`` (default: the whole weight's current scale), dequantized to ``dtype`` after
+    it: a weight gathered in 1 byte an element. The scale's pmax and the gather are logged as
+    the weight's (re-run by every remat policy that re-gathers weights); the gradient is the
+    gather's transpose, as without FP8."""
     if mode == "none":
         return shardops.all_gather(spec, w.astype(dtype))
-    src = parse_op(spec).inputs[0]
-    with collective_log.of_weight():
-        s = scale(amax(str(src), w), FORWARD)
+    if s is None:
+        with collective_log.of_weight():
+            s = scale(amax(weight_spec(spec), w), FORWARD)
     bits = shardops.all_gather(spec, _bits(lax.stop_gradient(w), s, FORWARD))
     gathered = bits.astype(dtype) * s.astype(dtype)
     return _straight_through_gather(spec, _where_now(), w.dtype.name, w, gathered)

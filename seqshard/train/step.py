@@ -70,7 +70,7 @@ def grads_and_loss(
     with p > 1 the microbatches are the pipeline's: one call runs them all through the
     stages (``train.pipeline_schedule``), so nothing is accumulated here. The auxiliary
     outputs add up over microbatches, except each block's ``mean`` fields (their mean: the
-    pipelined model returns them so)."""
+    pipelined model returns them so), and the ``max`` fields their largest."""
     pipelined = mesh.shape.get("p", 1) > 1
     k = 1 if pipelined else cfg.train.microbatches
     no_stats = {}
@@ -92,7 +92,9 @@ def grads_and_loss(
 
         def accumulate(acc, micro: TokenBatch):
             (total, (count, stats)), grads = grad_of_sum(weights, micro)
-            return jax.tree.map(jnp.add, acc, (total, count, grads, stats)), None
+            acc_total, acc_count, acc_grads, acc_stats = acc
+            summed = jax.tree.map(jnp.add, (acc_total, acc_count, acc_grads), (total, count, grads))
+            return (*summed, _aux_accumulated(cfg, acc_stats, stats)), None
 
         zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, weights), no_stats)
         micro = split_microbatches(batch, k, mesh)
@@ -102,6 +104,23 @@ def grads_and_loss(
         stats = _mean_fields_averaged(cfg, stats, k)
     divisor = jnp.maximum(count, 1.0)  # a batch with nothing counted: loss 0, gradient 0
     return jax.tree.map(lambda g: g / divisor, grads), total / divisor, count, stats
+
+
+def _aux_accumulated(cfg: Config, acc: dict, new: dict) -> dict:
+    """The auxiliary outputs of the microbatches so far and of one more: each field added, or
+    its largest kept (a block's ``max`` fields: FP8's amaxes)."""
+    out = {}
+    for stack in aux_stacks(cfg.model):
+        if stack.name not in acc:
+            continue
+        out[stack.name] = {
+            b.name: {
+                f: (jnp.maximum if f in b.aux.max else jnp.add)(v, new[stack.name][b.name][f])
+                for f, v in acc[stack.name][b.name].items()
+            }
+            for b in stack.aux_blocks
+        }
+    return out
 
 
 def _mean_fields_averaged(cfg: Config, aux: dict, k: int) -> dict:

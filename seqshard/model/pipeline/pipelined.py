@@ -208,6 +208,12 @@ def _microbatch_counts(micro: SequenceRows) -> jax.Array:
         return shardops.psum("m{U_dp,c} -> m", local)
 
 
+def _over_microbatches(aux, field: str):
+    """How a block's auxiliary output ``field`` adds up over microbatches: its mean, its max,
+    or (the rest) its sum."""
+    return jnp.mean if field in aux.mean else jnp.max if field in aux.max else jnp.sum
+
+
 def _balancing_and_stats(cfg: ModelConfig, aux: dict, counts: jax.Array):
     """From this stage's auxiliary outputs ``[v, m, b, ...]`` (round, microbatch, layer of the
     block): (f32[2], its layers' loss fields, each microbatch's times its counted positions,
@@ -226,8 +232,7 @@ def _balancing_and_stats(cfg: ModelConfig, aux: dict, counts: jax.Array):
     # ``mean`` fields their mean.
     step = {
         name: {
-            f: (jnp.mean if f in block.aux.mean else jnp.sum)(values, axis=1)
-            for f, values in aux[name].items()
+            f: _over_microbatches(block.aux, f)(values, axis=1) for f, values in aux[name].items()
         }
         for name, block in blocks.items()
     }
