@@ -66,11 +66,13 @@ Timing: every variant is compiled and warmed up first; then the timed steps run 
 (one step of each variant per round, the order rotated each round), each step timed alone
 with ``block_until_ready``; the table shows medians. Peak FLOP/s (for MFU) is measured in the
 same run by :func:`seqshard.hardware.measure_matmul_flops` (2048^3 f32 and bf16 matmuls on
-one fake device, i.e. the host's cores, asked for as the model asks: bf16 summed in f32; best
-of 8), once before and once after the timed rounds, best kept; each variant's MFU uses the
-peak of its compute dtype. The table of :data:`seqshard.hardware.MATMUL_PATHS` beside it
-shows what a bare bf16 ``a @ b`` would run at. ``--dtype float32,bfloat16`` times both compute
-dtypes interleaved in one run and adds a block comparing them, mesh by mesh, ending with
+one fake device, i.e. the host's cores, asked for as the model asks; best of 8), once before
+and once after the timed rounds, best kept; each variant's MFU uses the peak of its compute
+dtype. The table of :data:`seqshard.hardware.MATMUL_PATHS` beside it shows what the other ways
+of asking would run at (a bare bf16 ``a @ b``, ...), and the line under it which the model's
+bf16 matmuls take on this CPU (its class, :func:`seqshard.shardlib.matmul.cpu_matmul`;
+``SEQSHARD_CPU_MATMUL=f32`` or ``bf16`` forces one). ``--dtype float32,bfloat16`` times both
+compute dtypes interleaved in one run and adds a block comparing them, mesh by mesh, ending with
 ``ratio_bf16_vs_f32=X`` (seqshard's, the minimum over the meshes); the baseline ratios below
 are then printed per dtype, each against the baseline of the same dtype (the reference's
 matmuls go through the same :mod:`seqshard.shardlib.matmul`). After the table, a block
@@ -132,7 +134,7 @@ from seqshard.model.reference import (
 )
 from seqshard.model.weights import Layer, Weights, check_mesh
 from seqshard.shardlib.comms import collectives
-from seqshard.shardlib.matmul import accumulation
+from seqshard.shardlib.matmul import matmul_path, matmul_target
 from seqshard.shardlib.remat import explicit_activation_checkpointing, save_for_backward
 from seqshard.shardlib.shardtypes import f32, shardings
 from seqshard.shardlib.tables import format_bytes, format_table
@@ -473,8 +475,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.peak_n}^3 matmul on one device, GFLOP/s (best of before/after the rounds):")
     for path in MATMUL_PATHS:
         print(f"  {path:<44} {peaks[path] / 1e9:8.1f}")
-    model_path = "summed in f32" if accumulation(jnp.ones(1, jnp.bfloat16)) else "bf16 output"
-    print(f"  the model's bf16 matmuls on this backend: {model_path} (shardlib.matmul.ACCUMULATE)")
+    model_path = matmul_path(jnp.ones(1, jnp.bfloat16)) or "bf16 x bf16 -> bf16, JAX's default"
+    print(
+        f"  the model's bf16 matmuls here: {model_path} (shardlib.matmul.ACCUMULATE"
+        f"[{matmul_target()!r}])"
+    )
     print(
         f"MFU below is against each variant's compute dtype's peak, its matmul as the model "
         f"asks for it: f32 {peaks['float32'] / 1e9:.1f}, bf16 {peaks['bfloat16'] / 1e9:.1f} "

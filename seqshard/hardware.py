@@ -227,10 +227,15 @@ MATMUL_PATHS: Mapping[str, tuple] = {
         lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
     ),
     "f32 x f32 -> f32": (jnp.float32, lambda x: x @ x),
+    "bf16 upcast, f32 x f32 -> f32, cast to bf16": (
+        jnp.bfloat16,
+        lambda x: (x.astype(jnp.float32) @ x.astype(jnp.float32)).astype(jnp.bfloat16),
+    ),
 }
 """The ways to ask a backend for one matmul that :func:`matmul_paths` times: the bf16 product
-with a bf16 output, summed in f32 and cast, and f32. Which of the first two the model takes on
-a backend is :data:`seqshard.shardlib.matmul.ACCUMULATE`'s choice (CPU: the second)."""
+with a bf16 output, summed in f32 and cast, f32, and bf16 upcast to an f32 dot. Which the
+model's bf16 matmuls take is :data:`seqshard.shardlib.matmul.ACCUMULATE`'s choice (a CPU with
+bf16 instructions: the second; one without: the last; GPU: the first)."""
 
 
 def matmul_paths(n: int = 2048, repeats: int = 3, device=None) -> dict[str, float]:
@@ -281,11 +286,12 @@ speed, and a busy start can lower neither."""
 def _cpu_peak(dtype: jnp.dtype) -> float:
     """The best peak measured on this CPU for ``dtype``: this start's measurement (best of 3)
     or the cache's for this machine (CPU model and count, JAX version, XLA's code-generation
-    flags), whichever is higher, kept there. A cache that cannot be read or written is
-    passed over."""
+    flags, the model's matmul path for the dtype), whichever is higher, kept there. A cache
+    that cannot be read or written is passed over."""
     key = "|".join(
         [_cpu_model(), f"{os.cpu_count()} cpus", f"jax {jax.__version__}", str(dtype),
-         " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization" in f)]
+         " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization" in f),
+         str(matmul.matmul_path(jnp.ones(1, dtype), platform="cpu") or dtype)]
     )  # fmt: skip
     path = Path(os.environ.get("SEQSHARD_CACHE_DIR", Path.home() / ".cache" / "seqshard"))
     path = path / CPU_PEAK_CACHE

@@ -36,6 +36,10 @@ if "SEQSHARD_CACHE_DIR" not in os.environ:
     _seqshard_cache = tempfile.mkdtemp(prefix="seqshard-tests-cache-")
     atexit.register(shutil.rmtree, _seqshard_cache, ignore_errors=True)
     os.environ["SEQSHARD_CACHE_DIR"] = _seqshard_cache
+# The CPU's matmul class (seqshard/shardlib/matmul.py) pinned to 'bf16' whatever the CPU's
+# flags: the tests that count a compiled bf16 step's dots by dtype expect one machine-independent
+# path; tests/shardlib/test_matmul.py forces each class in turn.
+os.environ.setdefault("SEQSHARD_CPU_MATMUL", "bf16")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

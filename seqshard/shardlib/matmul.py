@@ -1,28 +1,47 @@
-"""Every matmul of the model, and the one decision of what it accumulates in.
+"""Every matmul of the model, and the one decision of how it is asked for.
 
-:data:`ACCUMULATE` maps a backend and an operand dtype to the dtype the backend should be
-asked to sum the products in, where that differs from the operands' (bf16 on CPU: f32). :func:`einsum` and :func:`ragged_dot` (the model's only matmuls:
+:data:`ACCUMULATE` maps a backend (on CPU, the CPU's class: :func:`cpu_matmul`) and an operand
+dtype to the :class:`MatmulPath` to ask the backend for, where that differs from JAX's
+default: the dtype the operands are multiplied in and the dtype the products are summed in.
+:func:`einsum` and :func:`ragged_dot` (the model's only matmuls:
 :func:`seqshard.shardlib.shardops.einsum_unreduced` calls the first; the MoE grouped matmul and
-the single-device reference call them directly) ask the backend for that accumulation
-(``preferred_element_type``) and cast the result to ``out_dtype``, by default the operands'
-dtype, which is what the next op reads::
+the single-device reference call them directly) cast the operands to the first, ask the
+backend for the second (``preferred_element_type``) and cast the result to ``out_dtype``, by
+default the operands' dtype, which is what the next op reads::
 
     y = einsum('blm,mf->blf', x, w)            # bf16 x bf16, summed in f32, y in bf16
     s = einsum('bqd,bkd->bqk', q, k, out_dtype=jnp.float32)   # scores stay f32
 
-Why bf16 products are summed in f32 on CPU, measured (2048^3, one device, JAX 0.10.2, best of
-5; ``seqshard.hardware.matmul_paths``, also printed by ``scripts/bench_step.py``):
+How bf16 matmuls run on CPU, measured (2048^3, one device, JAX 0.10.2, best of 5;
+``seqshard.hardware.matmul_paths``, also printed by ``scripts/bench_step.py``; the avx2 column
+is issue 44's):
 
-    ===================================  ====================  =====================
-    GFLOP/s                              Intel Xeon with AMX   AMD EPYC, avx512_bf16
-    ===================================  ====================  =====================
-    bf16 x bf16 -> bf16  (``a @ b``)              218                   154
-    bf16 x bf16 -> f32   (this module)          1,176                   376
-    f32  x f32  -> f32                            264                   209
-    ===================================  ====================  =====================
+    ===========================  ===================  =====================  ===================
+    GFLOP/s                      Intel Xeon with AMX  AMD EPYC, avx512_bf16  AMD EPYC, avx2 only
+    ===========================  ===================  =====================  ===================
+    bf16 x bf16 -> bf16 (a @ b)          218                   154                   87.9
+    bf16 x bf16 -> f32                 1,176                   376                   68.5
+    f32  x f32  -> f32                   264                   209                   99.1
+    the model's bf16 matmuls     bf16 x bf16 -> f32   bf16 x bf16 -> f32     upcast, f32 x f32
+    CPU class                           'bf16'                'bf16'                 'f32'
+    ===========================  ===================  =====================  ===================
 
-XLA:CPU runs only the f32-output form on the CPU's bf16 instructions; a bf16-output dot it
-upcasts to f32 x f32. The value is the same or better: the f32 sum rounded once to bf16.
+A CPU with bf16 dot instructions (``amx_bf16`` or ``avx512_bf16`` among its ``/proc/cpuinfo``
+flags: class ``'bf16'``) runs the f32-output form on them, 1.8x to 4.5x its f32 dot; a
+bf16-output dot XLA:CPU upcasts to f32 x f32. On a CPU with neither (class ``'f32'``) the
+f32-output form is the slowest of the three (avx2 only: seqshard's bf16 step ran at 3,869
+tokens/s against 4,884 in f32, mesh 8x1, when it took it). There the operands are upcast to
+f32 first and run through the f32 dot, the fastest path measured; the casts are an n^2 cost
+against the dot's n^3 (forced on an AMX Xeon, 2048^3: 255 GFLOP/s against its f32 dot's 306,
+docs/benchmarks.md, "Per-CPU matmul accumulation"). The value is the same on every path: the
+f32 sum of the exact products (a bf16 x bf16 product fits in f32), rounded once to
+``out_dtype``; paths differ only in summation order. f16 takes the same path as bf16 (not
+measured on avx2; on an AMX Xeon, 2048^3, f16 summed in f32 runs no faster than upcast to an
+f32 dot, 257.9 against 260.1 GFLOP/s). Where the flags cannot be read (no ``/proc/cpuinfo``:
+macOS; no x86 ``flags`` line: ARM), the class is ``'bf16'``, the decision before it was made
+per CPU. ``SEQSHARD_CPU_MATMUL=bf16`` or ``f32`` overrides the flags (to measure one path
+against the other on one machine; the tests pin ``bf16``).
+
 On GPU, cuBLAS sums bf16 products in f32 whatever the output type (the same value), and the
 bf16 output was as fast or faster on every shape but one (H200, TFLOP/s, bf16 out against f32
 summed and cast: 8192^3 694.5 / 643.8, the up projection's 685.6 / 559.2; docs/benchmarks.md,
@@ -35,15 +54,19 @@ not keep the fast path: the cast's transpose hands the matmul an f32 cotangent, 
 transpose then multiplies f32 by the other (upcast) bf16 operand, the f32 x f32 path.
 So both functions carry a custom VJP that casts the cotangent to the operands' dtype first
 (as the hand-written backward does with ``d_logits`` and ``d_scores``), and runs each
-cotangent matmul through the same decision: bf16 x bf16 summed in f32, cast to the operand's
-dtype. A test counts the dots of a compiled bf16 train step by their dtypes
-(``tests/shardlib/test_matmul.py``).
+cotangent matmul through the same decision: on a ``'bf16'`` CPU bf16 x bf16 summed in f32, on
+an ``'f32'`` CPU the same upcast f32 dot as the forward's, each cast to the operand's dtype.
+Tests count the dots of a compiled bf16 gradient by their dtypes on both CPU classes
+(``tests/shardlib/test_matmul.py``; a whole bf16 train step's: ``tests/train/test_step.py``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,25 +74,125 @@ from jax import lax
 
 from seqshard.shardlib.vma import vary_like
 
-__all__ = ["ACCUMULATE", "ROW_TILES", "accumulation", "einsum", "ragged_dot"]
+__all__ = [
+    "ACCUMULATE",
+    "CPU_BF16_FLAGS",
+    "CPU_MATMUL_ENV",
+    "ROW_TILES",
+    "MatmulPath",
+    "accumulation",
+    "cpu_flags",
+    "cpu_matmul",
+    "einsum",
+    "matmul_path",
+    "matmul_target",
+    "ragged_dot",
+]
 
-ACCUMULATE: Mapping[str, Mapping[jnp.dtype, jnp.dtype]] = {
-    "cpu": {
-        jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.float32),
-        jnp.dtype(jnp.float16): jnp.dtype(jnp.float32),
-    },
+
+class MatmulPath(NamedTuple):
+    """How to ask a backend for a matmul: the operands cast to ``operands``, their products
+    summed in ``sums`` (``preferred_element_type``), the result cast to the output dtype."""
+
+    operands: jnp.dtype
+    sums: jnp.dtype
+
+    def __str__(self) -> str:
+        short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+        o, s = (short.get(d.name, d.name) for d in self)
+        return f"{o} x {o} -> {s}"
+
+
+_BF16, _F16, _F32 = (jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+ACCUMULATE: Mapping[str, Mapping[jnp.dtype, MatmulPath]] = {
+    # A CPU with bf16 dot instructions: bf16 products summed in f32, on them.
+    "cpu/bf16": {_BF16: MatmulPath(_BF16, _F32), _F16: MatmulPath(_F16, _F32)},
+    # A CPU without (avx2 only): the operands upcast, XLA:CPU's f32 dot.
+    "cpu/f32": {_BF16: MatmulPath(_F32, _F32), _F16: MatmulPath(_F32, _F32)},
 }
-"""Backend (``jax.default_backend()``) -> operand dtype -> the dtype to ask the backend to sum
-matmul products in (see the module docstring). A backend or dtype not listed gets JAX's
-default: the operands' dtype out, however the backend sums."""
+"""Matmul target (:func:`matmul_target`: the backend, on CPU ``'cpu/'`` and the CPU's class)
+-> operand dtype -> the :class:`MatmulPath` to ask for (see the module docstring). A target or
+dtype not listed gets JAX's default: the operands as they are, their dtype out, however the
+backend sums."""
+
+CPU_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+"""``/proc/cpuinfo`` flags of the x86 instructions XLA:CPU multiplies bf16 with: a CPU with one
+is class ``'bf16'``, one with neither ``'f32'`` (:func:`cpu_matmul`)."""
+
+CPU_MATMUL_ENV = "SEQSHARD_CPU_MATMUL"
+"""The environment variable that names the CPU class, ``bf16`` or ``f32``, over the flags'."""
+
+
+def cpu_matmul(flags: Collection[str] | None) -> str:
+    """The class of a CPU with ``flags`` (its ``/proc/cpuinfo`` flags): ``'bf16'`` where they
+    hold one of :data:`CPU_BF16_FLAGS` or are unknown (None: the decision from before it was
+    made per CPU, kept where nothing was measured), ``'f32'`` where they hold neither (avx2
+    only)."""
+    if flags is None or CPU_BF16_FLAGS & set(flags):
+        return "bf16"
+    return "f32"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """This CPU's flags (the first ``flags`` line of ``/proc/cpuinfo``, x86 Linux), or None where
+    there is none to read (macOS; ARM Linux names its ``Features`` otherwise)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return None
+
+
+def matmul_target(platform: str | None = None) -> str:
+    """The key of :data:`ACCUMULATE` for ``platform`` (default: this process's backend): the
+    backend's name, or on CPU ``'cpu/'`` and this CPU's class (``$SEQSHARD_CPU_MATMUL`` if set
+    and not empty, else :func:`cpu_matmul` of :func:`cpu_flags`). A name already holding a
+    class passes."""
+    platform = platform or jax.default_backend()
+    if platform != "cpu":
+        return platform
+    forced = os.environ.get(CPU_MATMUL_ENV)
+    if not forced:
+        return f"cpu/{cpu_matmul(cpu_flags())}"
+    if f"cpu/{forced}" not in ACCUMULATE:
+        classes = sorted(t.removeprefix("cpu/") for t in ACCUMULATE if t.startswith("cpu/"))
+        raise ValueError(
+            f"{CPU_MATMUL_ENV}={forced!r} names no CPU matmul class; expected one of {classes} "
+            f"(bf16: bf16 products summed in f32, for CPUs with {sorted(CPU_BF16_FLAGS)}; f32: "
+            f"the operands upcast to an f32 dot, for CPUs with neither). Set one of them, or "
+            f"unset it to choose by this CPU's flags ({cpu_matmul(cpu_flags())!r} here)."
+        )
+    return f"cpu/{forced}"
+
+
+def matmul_path(*operands: jax.Array, platform: str | None = None) -> MatmulPath | None:
+    """The :class:`MatmulPath` to ask ``platform``'s backend (default: this process's) for, for a
+    matmul of ``operands``, when :data:`ACCUMULATE` lists one (all operands of one dtype), else
+    None: JAX's default."""
+    dtypes = {jnp.dtype(x.dtype) for x in operands}
+    table = ACCUMULATE.get(matmul_target(platform), {})
+    return table.get(dtypes.pop()) if len(dtypes) == 1 else None
 
 
 def accumulation(*operands: jax.Array, platform: str | None = None) -> jnp.dtype | None:
-    """The dtype to ask ``platform``'s backend (default: this process's) to sum a matmul of
-    ``operands`` in, when :data:`ACCUMULATE` lists one (all operands of one dtype), else None."""
-    dtypes = {jnp.dtype(x.dtype) for x in operands}
-    table = ACCUMULATE.get(platform or jax.default_backend(), {})
-    return table.get(dtypes.pop()) if len(dtypes) == 1 else None
+    """The dtype :func:`matmul_path` sums a matmul of ``operands`` in, or None (JAX's default)."""
+    path = matmul_path(*operands, platform=platform)
+    return None if path is None else path.sums
+
+
+def _on_path(*operands: jax.Array) -> tuple:
+    """The operands cast to the dtype their :func:`matmul_path` multiplies in, then the dtype it
+    sums in (None: JAX's default, the operands untouched): ``x, y, acc = _on_path(x, y)``."""
+    path = matmul_path(*operands)
+    if path is None:
+        return (*operands, None)
+    return (*(x.astype(path.operands) for x in operands), path.sums)
 
 
 def _same_vma(*operands: jax.Array) -> tuple[jax.Array, ...]:
@@ -79,11 +202,10 @@ def _same_vma(*operands: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def einsum(equation: str, a: jax.Array, b: jax.Array, *, out_dtype=None) -> jax.Array:
-    """``jnp.einsum(equation, a, b)`` of two operands, accumulated as :data:`ACCUMULATE` says
+    """``jnp.einsum(equation, a, b)`` of two operands, asked for as :data:`ACCUMULATE` says
     and cast to ``out_dtype`` (default: the operands' result type). ``equation`` is explicit
     (``'ab,bc->ac'``): single letters, no ellipsis."""
-    acc = accumulation(a, b)
-    if acc is None:
+    if matmul_path(a, b) is None:
         return jnp.einsum(equation, a, b, preferred_element_type=out_dtype)
     out = jnp.dtype(out_dtype or jnp.result_type(a, b))
     return _einsum_fast(equation, out, *_same_vma(a, b))
@@ -103,7 +225,7 @@ def _terms(equation: str) -> tuple[str, str, str]:
 
 
 def _accumulated(equation: str, x: jax.Array, y: jax.Array, out: jnp.dtype) -> jax.Array:
-    acc = accumulation(x, y)
+    x, y, acc = _on_path(x, y)
     return jnp.einsum(equation, x, y, preferred_element_type=acc).astype(out)
 
 
@@ -148,11 +270,10 @@ other. GPU and TPU have grouped kernels (megablox, cuBLAS grouped GEMM) and keep
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
     """``lax.ragged_dot(x, w, group_sizes)``: x 'T M' (rows sorted by group), w 'G M N',
     ``group_sizes`` 'G' -> 'T N', each group's rows times its own matrix (rows past the last
-    group's: 0), accumulated as :data:`ACCUMULATE` says and cast to ``out_dtype`` (default:
+    group's: 0), asked for as :data:`ACCUMULATE` says and cast to ``out_dtype`` (default:
     the operands' result type); in row tiles where :data:`ROW_TILES` lists the backend."""
-    acc = accumulation(x, w)
     tile = ROW_TILES.get(jax.default_backend())
-    if acc is None and tile is None:
+    if matmul_path(x, w) is None and tile is None:
         return lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype)
     out = jnp.dtype(out_dtype or jnp.result_type(x, w))
     x, w = _same_vma(x, w)
@@ -172,7 +293,7 @@ _RAGGED_CONTRACT_T = lax.RaggedDotDimensionNumbers(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ragged_fast(out: jnp.dtype, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    acc = accumulation(x, w)
+    x, w, acc = _on_path(x, w)
     return lax.ragged_dot(x, w, sizes, preferred_element_type=acc).astype(out)
 
 
@@ -182,10 +303,10 @@ def _ragged_fast_fwd(out, x, w, sizes):
 
 def _ragged_fast_bwd(out, res, ct):
     x, w, sizes = res
-    acc = accumulation(x, w)
     ct = ct.astype(x.dtype)  # the cotangent in the operands' dtype: the fast path (docstring)
-    dx = lax.ragged_dot(ct, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=acc)
-    dw = lax.ragged_dot_general(x, ct, sizes, _RAGGED_CONTRACT_T, preferred_element_type=acc)
+    xp, wp, cp, acc = _on_path(x, w, ct)
+    dx = lax.ragged_dot(cp, jnp.swapaxes(wp, 1, 2), sizes, preferred_element_type=acc)
+    dw = lax.ragged_dot_general(xp, cp, sizes, _RAGGED_CONTRACT_T, preferred_element_type=acc)
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 
@@ -221,7 +342,7 @@ def _padded(x: jax.Array, tile: int) -> jax.Array:
 
 def _tiled_product(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int, out) -> jax.Array:
     """x 'T M' sorted by group, w 'G M N' -> 'T N': each tile's rows times its group's matrix."""
-    acc = accumulation(x, w)
+    x, w, acc = _on_path(x, w)
     rows, n = x.shape[0], w.shape[-1]
     xp = _padded(x, tile)
     init = vary_like(jnp.zeros((rows + tile, n), out), x, w, sizes)
@@ -239,10 +360,10 @@ def _tiled_product(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int, out)
 
 def _tiled_weight_grad(x: jax.Array, ct: jax.Array, sizes: jax.Array, tile: int, out):
     """x 'T M', ct 'T N' sorted by group -> 'G M N': each group's x_g^T . ct_g, tile by tile."""
-    acc = accumulation(x, ct)
+    x, ct, acc = _on_path(x, ct)
     n_groups, m, n = sizes.shape[0], x.shape[1], ct.shape[1]
     xp, cp = _padded(x, tile), _padded(ct, tile)
-    init = vary_like(jnp.zeros((n_groups, m, n), jnp.float32 if acc else out), x, ct, sizes)
+    init = vary_like(jnp.zeros((n_groups, m, n), acc or out), x, ct, sizes)
 
     def body(g, start, valid, dw):
         keep = (jnp.arange(tile) < valid)[:, None]

@@ -6,10 +6,14 @@ f32          einsum of f32 operands is jnp.einsum, bit for bit, gradients includ
 row tiles    groups spanning several tiles, empty groups, rows past the last group, no rows at
              all, varying operands in a shard_map; the compiled step multiplies tiles, not
              the whole buffer per group
-bf16         the value is the f32-accumulated product rounded once to bf16; the custom VJP
-             equals the f32 matmul's VJP of the same bf16 cotangent, to bf16 rounding
-compiled     every dot of a bf16 matmul's gradient is bf16 x bf16 -> f32 (the fast path);
-             a plain einsum's transpose is not (what the custom VJP is for)
+CPU class    each CPU class's flags (AMX Xeon, Zen 4, avx2 only, none readable) give its class;
+             SEQSHARD_CPU_MATMUL overrides them and refuses a name that is no class
+bf16         on each CPU class, the value is the f32-accumulated product rounded once to bf16;
+             the custom VJP equals the f32 matmul's VJP of the same bf16 cotangent, to bf16
+             rounding
+compiled     every dot of a bf16 matmul's gradient takes its CPU class's path: bf16 x bf16 ->
+             f32, or on an avx2-only CPU f32 x f32 -> f32; a plain einsum's transpose does not
+             keep the first (what the custom VJP is for)
 shard_map    operands varying over different mesh axes: the gradients of the replicated one
              sum over the axis, as jnp.einsum's do
 """
@@ -27,6 +31,19 @@ from seqshard.testing import compiled_hlo, count_dots, fake_cpu_mesh
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 EQ = "blm,mqd->blqd"
+
+# /proc/cpuinfo flags of the CPU classes this project's machines have had (the bf16 and vector
+# ones, as the first processor's `flags` line lists them).
+XEON_AMX = "fma avx avx2 avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8"
+ZEN4 = "fma avx avx2 avx512f avx512bw avx512_bf16 avx512_vnni"  # AMD EPYC 9004
+AVX2_ONLY = "fma avx avx2 f16c"  # AMD EPYC 7002/7003
+
+
+@pytest.fixture(params=["bf16", "f32"])
+def cpu_class(request, monkeypatch):
+    """Each CPU class's matmul path, forced on this machine."""
+    monkeypatch.setenv(matmul.CPU_MATMUL_ENV, request.param)
+    return request.param
 
 
 def operands(dtype, seed=0):
@@ -144,7 +161,7 @@ def assert_bf16_close(got, want):
     )
 
 
-def test_bf16_value_and_vjp_are_the_f32_matmuls_rounded_once():
+def test_bf16_value_and_vjp_are_the_f32_matmuls_rounded_once(cpu_class):
     a, b, ct = operands(BF16)
     out, vjp = jax.vjp(lambda a, b: matmul.einsum(EQ, a, b), a, b)
     up = [t.astype(F32) for t in (a, b, ct)]
@@ -157,7 +174,7 @@ def test_bf16_value_and_vjp_are_the_f32_matmuls_rounded_once():
     np.testing.assert_allclose(scores, want, rtol=1e-6, atol=1e-6)
 
 
-def test_bf16_ragged_dot_value_and_vjp():
+def test_bf16_ragged_dot_value_and_vjp(cpu_class):
     x, w, ct, sizes = ragged_operands(BF16)
     out, vjp = jax.vjp(lambda x, w: matmul.ragged_dot(x, w, sizes), x, w)
     up = [t.astype(F32) for t in (x, w, ct)]
@@ -167,23 +184,35 @@ def test_bf16_ragged_dot_value_and_vjp():
         assert_bf16_close(g, h)
 
 
-def test_bf16_gradient_dots_take_the_fast_path():
-    """The custom VJP's three dots are bf16 x bf16 -> f32. JAX's own transpose of the same
-    forward (``preferred_element_type=f32``, then a cast) hands its dots an f32 cotangent: on
-    CPU they run f32 x f32 (measured: the two transposes, f32 x f32 -> f32)."""
+CLASS_DOT = {"bf16": ("bf16", "bf16", "f32"), "f32": ("f32", "f32", "f32")}
+"""The dot each CPU class runs a bf16 matmul as: (lhs, rhs, result) element types."""
+
+
+def grad_of_square(matmul_fn):
+    return jax.grad(lambda a, b: jnp.sum(matmul_fn(a, b).astype(F32) ** 2), (0, 1))
+
+
+def test_bf16_gradient_dots_take_the_cpu_class_path(cpu_class):
+    """The value's and the custom VJP's three dots are bf16 x bf16 -> f32 on a CPU with bf16
+    instructions, f32 x f32 -> f32 (the operands upcast) on one without: one path, no other."""
     a, b, _ = operands(BF16)
+    grad = grad_of_square(lambda a, b: matmul.einsum(EQ, a, b))
+    dots = count_dots(compiled_hlo(grad, a, b))
+    assert dots == {CLASS_DOT[cpu_class]: 3}, dots
 
-    def loss(matmul_fn):
-        return jax.grad(lambda a, b: jnp.sum(matmul_fn(a, b).astype(F32) ** 2), (0, 1))
 
-    ours = count_dots(compiled_hlo(loss(lambda a, b: matmul.einsum(EQ, a, b)), a, b))
-    assert ours == {("bf16", "bf16", "f32"): 3}, ours
+def test_autodiffs_own_transpose_leaves_the_bf16_path(monkeypatch):
+    """JAX's own transpose of the forward (``preferred_element_type=f32``, then a cast) hands
+    its dots an f32 cotangent: on CPU they run f32 x f32 (measured: the two transposes,
+    f32 x f32 -> f32), which is what the custom VJP is for."""
+    monkeypatch.setenv(matmul.CPU_MATMUL_ENV, "bf16")
+    a, b, _ = operands(BF16)
 
     def plain(a, b):
         return jnp.einsum(EQ, a, b, preferred_element_type=F32).astype(BF16)
 
-    theirs = count_dots(compiled_hlo(loss(plain), a, b))
-    assert theirs.get(("bf16", "bf16", "f32"), 0) < 3, theirs
+    dots = count_dots(compiled_hlo(grad_of_square(plain), a, b))
+    assert dots.get(CLASS_DOT["bf16"], 0) < 3, dots
 
 
 def test_einsum_refuses_a_dimension_summed_alone():
@@ -216,11 +245,52 @@ def test_operands_of_different_vma_in_shard_map():
     np.testing.assert_allclose(np.asarray(got, F32), want, atol=2**-7 * np.abs(want).max())
 
 
-def test_f32_sums_are_asked_for_on_cpu_for_one_low_precision_dtype():
-    """CPU: bf16 summed in f32 (2.4x its bf16-output rate here); GPU: JAX's default, the bf16
-    output measured as fast (docs/benchmarks.md); mixed operands: JAX's promotion."""
+def test_f32_sums_are_asked_for_on_cpu_for_one_low_precision_dtype(cpu_class):
+    """CPU, either class: bf16 summed in f32 (2.4x its bf16-output rate here); GPU: JAX's
+    default, the bf16 output measured as fast (docs/benchmarks.md); mixed operands: JAX's
+    promotion."""
     a = jnp.ones(2, BF16)
     assert matmul.accumulation(a, a, platform="cpu") == F32
     assert matmul.accumulation(a, a, platform="gpu") is None
     assert matmul.accumulation(a, a.astype(F32), platform="cpu") is None
     assert matmul.accumulation(a.astype(F32), a.astype(F32), platform="cpu") is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "cpu_class", "operands"),
+    [
+        (XEON_AMX, "bf16", BF16),
+        (ZEN4, "bf16", BF16),
+        (AVX2_ONLY, "f32", F32),
+        (None, "bf16", BF16),  # no /proc/cpuinfo flags line (macOS, ARM): as before
+    ],
+    ids=["xeon-amx", "zen4-avx512_bf16", "avx2-only", "unreadable"],
+)
+def test_each_cpu_class_by_its_flags(monkeypatch, flags, cpu_class, operands):
+    """AMX or avx512_bf16: bf16 products summed in f32 (1,176 / 376 GFLOP/s against f32's
+    264 / 209); neither: the operands upcast to f32 (f32 99.1 against 68.5 summed in f32)."""
+    flags = None if flags is None else frozenset(flags.split())
+    assert matmul.cpu_matmul(flags) == cpu_class
+    monkeypatch.delenv(matmul.CPU_MATMUL_ENV, raising=False)
+    monkeypatch.setattr(matmul, "cpu_flags", lambda: flags)
+    assert matmul.matmul_target("cpu") == f"cpu/{cpu_class}"
+    a = jnp.ones(2, BF16)
+    assert matmul.matmul_path(a, a, platform="cpu") == (jnp.dtype(operands), jnp.dtype(F32))
+
+
+def test_the_cpu_class_override_wins_over_the_flags_and_refuses_other_names(monkeypatch):
+    monkeypatch.setattr(matmul, "cpu_flags", lambda: frozenset(XEON_AMX.split()))
+    monkeypatch.setenv(matmul.CPU_MATMUL_ENV, "f32")
+    assert matmul.matmul_target("cpu") == "cpu/f32"
+    assert matmul.matmul_target("gpu") == "gpu"  # CPUs only
+    monkeypatch.setenv(matmul.CPU_MATMUL_ENV, "avx2")
+    with pytest.raises(ValueError, match=r"SEQSHARD_CPU_MATMUL='avx2'.*\['bf16', 'f32'\]"):
+        matmul.einsum(EQ, *operands(BF16)[:2])
+
+
+def test_this_machines_flags_are_read():
+    """Linux x86 (this project's hosts): a flags line with the vector extensions in it."""
+    flags = matmul.cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags line here (macOS, ARM)")
+    assert "sse2" in flags
