@@ -96,3 +96,43 @@ def test_fp8_changes_the_numbers_a_little():
 def test_bad_fp8_configs_name_the_key(changes, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(CFG, **changes)
+
+
+DELAYED = dataclasses.replace(CFG, fp8="delayed", fp8_history=4)
+
+
+@functools.cache
+def _delayed_weights():
+    """Weights with amax histories around half the tensors' own amaxes' size: some sites
+    saturate (a history below the current amax), some do not."""
+    w = _weights(DELAYED)
+    rng = np.random.default_rng(7)
+
+    def history(h):
+        return (np.abs(rng.standard_normal(h.shape)) * 0.5).astype(np.float32)
+
+    layers = dataclasses.replace(
+        w.layers,
+        attention_fp8_history=history(w.layers.attention_fp8_history),
+        swiglu_fp8_history=history(w.layers.swiglu_fp8_history),
+    )
+    return dataclasses.replace(w, layers=layers)
+
+
+@pytest.mark.parametrize(
+    "sizes,backward",
+    [
+        ({"d": 2, "t": 4}, "explicit"),
+        pytest.param({"c": 2, "d": 2, "t": 2}, "autodiff", marks=pytest.mark.slow),
+    ],
+    ids=["d2t4-explicit", "c2d2t2-autodiff"],
+)
+def test_sharded_delayed_fp8_equals_the_reference(sizes, backward):
+    """model.fp8=delayed: each site at its history's scale, saturating where the history is
+    below the tensor's amax; the sharded model equals the reference's delayed scaling."""
+    w = _delayed_weights()
+    want = reference_value_and_grad(DELAYED, w, TOKENS, STARTS)
+    cfg = dataclasses.replace(DELAYED, backward=backward)
+    assert_close_to_reference(sharded_value_and_grad(cfg, sizes, w, TOKENS, STARTS), want)
+    current = reference(CFG)
+    assert abs(want[0] - current[0]) > 1e-3  # the histories' scales, not the current ones

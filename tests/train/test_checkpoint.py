@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -627,3 +628,34 @@ def test_a_checkpoint_written_before_the_layer_stacks_restores_exactly(tmp_path)
     assert set(got) == set(want.files)
     for name in want.files:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_an_fp8_amax_history_is_checkpointed_and_resharded(trained, tmp_path):
+    """model.fp8=delayed: each block's amax history rides with the weights (replicated but for
+    the layers' p split): saved from 4x2, restored onto p=2 x d=4 unchanged."""
+    cfg, _ = trained
+    cfg = replace(cfg, "model", fp8="delayed", fp8_history=3)
+    mesh, opt = training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train)
+    structs = train_state_structs(cfg.model, mesh, opt)
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(
+        lambda s: (
+            jax.device_put(rng.random(s.shape).astype(s.dtype), s.sharding)
+            if jnp.issubdtype(s.dtype, jnp.floating)
+            else jax.device_put(np.zeros(s.shape, s.dtype), s.sharding)
+        ),
+        structs,
+    )
+    ckpt = Checkpointer(tmp_path / "ck")
+    try:
+        ckpt.save(state, cfg, {"step": 1})
+        ckpt.wait()
+        piped = replace(cfg, "mesh", p=2, d=4, t=1)
+        again = ckpt.restore(piped, training_mesh(piped.mesh.sizes()), opt)
+    finally:
+        ckpt.close()
+    for block in ("attention", "swiglu"):
+        want = getattr(state.weights.layers, f"{block}_fp8_history")
+        got = getattr(again.state.weights.layers, f"{block}_fp8_history")
+        assert got.shape == (cfg.model.n_layers, 5, 3) and got.sharding.spec[0] == "p"
+        np.testing.assert_array_equal(got, want)

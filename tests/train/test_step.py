@@ -314,3 +314,39 @@ def test_bf16_step_runs_every_matmul_bf16_in_f32_out(backward):
         grads_and_loss_jit, weights(), token_batch(TOKENS, IS_SEQ_START), cfg, mesh()
     )
     assert count_dots(hlo) == {("bf16", "bf16", "f32"): 28}
+
+
+# ---------------------------------------------------------------------------------------------
+# model.fp8=delayed: the amax history moves after the step
+
+
+def _delayed_run(microbatches: int, steps: int):
+    model = dataclasses.replace(MODEL, fp8="delayed", fp8_history=3)
+    cfg = dataclasses.replace(config(microbatches), model=model)
+    opt = make_optimizer(cfg.train)
+    state = init_train_state(model, mesh(), opt, jax.random.key(0))
+    first = jax.device_get(state.weights)
+    step = make_train_step(cfg, mesh(), opt)
+    histories, saturated = [], []
+    for _ in range(steps):
+        state, metrics = step(state, token_batch(TOKENS, IS_SEQ_START))  # donates state
+        histories.append(jax.device_get(state.weights.layers))
+        saturated.append(float(metrics["fp8_saturated/swiglu"]))
+    return first, histories, saturated
+
+
+def test_fp8_delayed_history_takes_the_steps_amaxes():
+    """After a step each site's history holds the step's amax first, older ones shifted on;
+    a weight's amax is its largest |entry| before the update, the same in both microbatches:
+    their max, not their sum."""
+    first, (one, two), saturated = _delayed_run(microbatches=2, steps=2)
+    w_gate = first.layers.w_gate  # [layers, M, F]; site 1 of the SwiGLU block
+    np.testing.assert_array_equal(
+        one.swiglu_fp8_history[:, 1, 0], np.max(np.abs(w_gate), axis=(1, 2))
+    )
+    assert np.all(one.swiglu_fp8_history[..., 0] > 0)
+    assert np.all(one.attention_fp8_history[..., 0] > 0)
+    assert np.all(one.attention_fp8_history[..., 1:] == 0)  # nothing before the first step
+    np.testing.assert_array_equal(two.swiglu_fp8_history[..., 1], one.swiglu_fp8_history[..., 0])
+    np.testing.assert_array_equal(two.swiglu_fp8_history[..., 2], 0)
+    assert saturated[0] == 0  # the first step scales by its current amaxes
