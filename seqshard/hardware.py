@@ -1,8 +1,8 @@
 """The machines seqshard knows: one table of chips, for MFU and for the planner.
 
 :data:`CHIPS` holds, per accelerator, the vendor's figures: dense bf16 peak FLOP/s (no
-sparsity), memory, and the links between chips. :func:`peak_flops` (the denominator of MFU)
-looks a device up in it by ``device_kind`` and multiplies by the device count; on CPU it
+sparsity), dense FP8 where it has FP8 matmul units, memory, and the links between chips.
+:func:`peak_flops` (the denominator of MFU, bf16's also for FP8 runs) looks a device up in it by ``device_kind`` and multiplies by the device count; on CPU it
 measures instead, since there is no datasheet number: fake CPU devices
 (``--xla_force_host_platform_device_count``) share the host's cores, so the peak is the
 host's, measured with a large matmul in the run's compute dtype, asked for as the model asks
@@ -75,6 +75,13 @@ class Chip:
     slow_bytes_per_s: float | None  # per chip, one direction; None: no published figure
     cores_per_chip: int = 1  # TPU slice names count TensorCores: v5p-64 is 32 chips
     nominal: bool = False  # figures are placeholders, not a datasheet's (cpu)
+    fp8_flops: float = 0.0  # dense FP8 (e4m3/e5m2) FLOP/s per chip; 0: no FP8 matmul units
+
+    @property
+    def fp8_peak(self) -> float:
+        """The rate of the model's FP8 matmuls (model.fp8): the FP8 peak, or where the chip
+        has no FP8 units the bf16 peak (the dequantized matmul runs there)."""
+        return self.fp8_flops or self.peak_flops
 
     @property
     def usable_bytes(self) -> float:
@@ -109,7 +116,8 @@ class Chip:
 USABLE_GPU = 0.75
 USABLE_TPU = 0.95
 
-# Sources. NVIDIA: the H100 / H200 / A100 / L4 datasheets (dense = the sparsity figure / 2)
+# Sources. NVIDIA: the H100 / H200 / A100 / L4 datasheets (dense = the sparsity figure / 2;
+# FP8: H100/H200 SXM 3,958 TFLOPS sparse, L4 485; A100 has no FP8 tensor cores)
 # and the DGX H100 / DGX A100 user guides (8 GPUs per node, one ConnectX-7 400 Gb/s resp.
 # ConnectX-6 200 Gb/s InfiniBand NIC per GPU). H800: NVIDIA's H800 SXM5 product brief (NVLink
 # cut to 400 GB/s). Google: cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e} ("key specifications":
@@ -123,18 +131,21 @@ CHIPS: Mapping[str, Chip] = {
             peak_flops=989e12, hbm_bytes=80 * GB, usable_fraction=USABLE_GPU,
             fast_link="NVLink", fast_bytes_per_s=900 * GB / 2, fast_domain_chips=8,
             slow_link="InfiniBand", slow_bytes_per_s=400e9 / 8,  # 400 Gb/s per GPU
+            fp8_flops=1979e12,
         ),
         Chip(
             name="h200", platform="gpu", device_kinds=("h200",),
             peak_flops=989e12, hbm_bytes=141 * GB, usable_fraction=USABLE_GPU,
             fast_link="NVLink", fast_bytes_per_s=900 * GB / 2, fast_domain_chips=8,
             slow_link="InfiniBand", slow_bytes_per_s=400e9 / 8,
+            fp8_flops=1979e12,
         ),
         Chip(
             name="h800", platform="gpu", device_kinds=("h800",),
             peak_flops=989e12, hbm_bytes=80 * GB, usable_fraction=USABLE_GPU,
             fast_link="NVLink", fast_bytes_per_s=400 * GB / 2, fast_domain_chips=8,
             slow_link="InfiniBand", slow_bytes_per_s=400e9 / 8,
+            fp8_flops=1979e12,
         ),
         Chip(
             name="a100", platform="gpu", device_kinds=("a100",),  # SXM4 80GB
@@ -149,6 +160,7 @@ CHIPS: Mapping[str, Chip] = {
             # PCIe Gen4 x16, 64 GB/s both directions.
             fast_link="PCIe", fast_bytes_per_s=64 * GB / 2, fast_domain_chips=8,
             slow_link="network", slow_bytes_per_s=None,
+            fp8_flops=242e12,
         ),
         Chip(
             name="v4", platform="tpu", device_kinds=("tpu v4",),

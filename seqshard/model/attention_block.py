@@ -428,6 +428,7 @@ ATTENTION = Block(
             "B/dp L M, M Q K/t D -> B/dp L Q K/t D",
             lambda m: 2 * m.d_model * m.n_heads * m.d_head,
             _FULL,
+            fp8=True,
         ),
         matmul(
             "k",
@@ -435,6 +436,7 @@ ATTENTION = Block(
             "B/dp L M, M K/t D -> B/dp L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
             _FULL,
+            fp8=True,
         ),
         matmul(
             "v",
@@ -442,6 +444,7 @@ ATTENTION = Block(
             "B/dp L M, M K/t D -> B/dp L K/t D",
             lambda m: 2 * m.d_model * m.n_kv * m.d_head,
             _FULL,
+            fp8=True,
         ),
         # model.qk_norm: RMSNorm of each q and k head over D (norm_op's count per head).
         elementwise(
@@ -489,6 +492,7 @@ ATTENTION = Block(
             "B/dp L Q K/t D, M Q K/t D -> B/dp L M",
             lambda m: 2 * m.n_heads * m.d_head * m.d_model,
             _FULL,
+            fp8=True,
         ),
         # x + out; the backward sums the cotangents of the residual path and the block's.
         elementwise(

@@ -70,7 +70,8 @@ OpKind = Literal["matmul", "elementwise", "transfer"]
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """What a weight's type does not say. ``init``: the std of its normal init (a number, or
-    a function of the config), or ``'ones'``. ``hf``: its Hugging Face tensors, ``(name,
+    a function of the config), ``'ones'``, or ``'zeros'`` (state that starts empty: it takes
+    no random key, so adding it changes no other weight's draw). ``hf``: its Hugging Face tensors, ``(name,
     layout)`` per part along its leading literal dim (``w_kv``: k then v); ``{i}`` is the
     layer, the layout is in seqshard's dim names (:mod:`seqshard.hf.table`)."""
 
@@ -142,7 +143,8 @@ class Op:
     config. ``spec``:
     what splits its work per device. ``recomputed_by``: the remat policies whose backward
     re-runs its forward (a ``transfer`` moves data and computes nothing the table counts).
-    ``present``: whether the config has it at all (``model.qk_norm``'s norms)."""
+    ``present``: whether the config has it at all (``model.qk_norm``'s norms). ``fp8``: a
+    projection that runs in FP8 with ``model.fp8`` (:mod:`seqshard.shardlib.fp8`)."""
 
     name: str
     kind: OpKind
@@ -153,6 +155,7 @@ class Op:
     recomputed_by: frozenset[RematName] = frozenset()
     update: Callable[[ModelConfig], int] = lambda m: 0  # the optimizer step's, per parameter
     present: Callable[[ModelConfig], bool] = lambda m: True
+    fp8: bool = False
 
 
 def matmul(
@@ -161,11 +164,20 @@ def matmul(
     spec: str,
     forward: Callable[[ModelConfig], int],
     recomputed_by: Iterable[RematName] = (),
+    *,
+    fp8: bool = False,
 ) -> Op:
     """A matmul (2 FLOPs per multiply-add): its backward is one matmul per operand, each the
-    forward's size."""
+    forward's size. ``fp8``: a projection that runs in FP8 with ``model.fp8``."""
     return Op(
-        name, "matmul", per, spec, forward, lambda m: 2 * forward(m), frozenset(recomputed_by)
+        name,
+        "matmul",
+        per,
+        spec,
+        forward,
+        lambda m: 2 * forward(m),
+        frozenset(recomputed_by),
+        fp8=fp8,
     )
 
 

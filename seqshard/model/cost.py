@@ -150,6 +150,7 @@ class OpFlops:
     backward: int = 0
     recompute: int = 0  # forward FLOPs the remat policy re-runs in the backward pass
     update: int = 0  # the optimizer step
+    fp8: bool = False  # runs in FP8 (an FP8 projection with model.fp8 on)
 
     @property
     def total(self) -> int:
@@ -208,13 +209,17 @@ class StepFlops:
         phase: Phase = "total",
         kind: OpKind | None = None,
         names: Collection[str] | None = None,
+        fp8: bool | None = None,
     ) -> int:
         """FLOPs of ``phase`` (``'total'``: all four) over the rows of ``kind`` (or both kinds)
-        and, when given, of those ``names``: ``s.sum('forward', 'matmul', {'q', 'k', 'v'})``."""
+        and, when given, of those ``names`` and those that do (or do not) run in ``fp8``:
+        ``s.sum('forward', 'matmul', {'q', 'k', 'v'})``, ``s.sum(fp8=True)``."""
         return sum(
             getattr(op, phase)
             for op in self.ops
-            if (kind is None or op.kind == kind) and (names is None or op.name in names)
+            if (kind is None or op.kind == kind)
+            and (names is None or op.name in names)
+            and (fp8 is None or op.fp8 == fp8)
         )
 
     @property
@@ -296,6 +301,7 @@ def _step_flops(
             backward=n * op.backward(cfg),
             recompute=forward if in_layer and cfg.remat in op.recomputed_by else 0,
             update=n * op.update(cfg),
+            fp8=op.fp8 and cfg.fp8 != "none",
         )
 
     def rows(blocks: tuple[Block, ...], in_layer: bool, runs: int = 1) -> list[OpFlops]:

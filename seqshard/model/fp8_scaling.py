@@ -49,7 +49,7 @@ def delayed(cfg: ModelConfig) -> bool:
 def history_weight() -> dataclasses.Field:
     """A block's amax history field (``<block>_fp8_history: f32['<sites> fp8_history']``):
     zeros at init, no decay, no Hugging Face tensor, present with ``model.fp8=delayed``."""
-    return weight(0.0, decay=False, gathered_in="f32", present=delayed)
+    return weight("zeros", decay=False, gathered_in="f32", present=delayed)
 
 
 def no_history_gradient(cfg: ModelConfig, w, field: str) -> dict[str, jax.Array]:

@@ -183,6 +183,7 @@ SWIGLU = Block(
             "B/dp L M, M F/t -> B/dp L F/t",
             lambda m: 2 * m.d_model * m.d_ff,
             _FULL,
+            fp8=True,
         ),
         matmul(
             "up",
@@ -190,6 +191,7 @@ SWIGLU = Block(
             "B/dp L M, M F/t -> B/dp L F/t",
             lambda m: 2 * m.d_model * m.d_ff,
             _FULL,
+            fp8=True,
         ),
         # s = sigmoid(gate), gate * s, * up. Backward: d up = g * gate * s (1); d gate =
         # g * up * s * (1 + gate * (1 - s)) (6).
@@ -203,7 +205,13 @@ SWIGLU = Block(
         ),
         # Nothing in the backward needs the down projection's output nor the layer's: no
         # policy re-runs them (XLA drops them from remat=full's recomputation too).
-        matmul("down", "token", "B/dp L F/t, M F/t -> B/dp L M", lambda m: 2 * m.d_ff * m.d_model),
+        matmul(
+            "down",
+            "token",
+            "B/dp L F/t, M F/t -> B/dp L M",
+            lambda m: 2 * m.d_ff * m.d_model,
+            fp8=True,
+        ),
         elementwise(
             "ffn_residual", "token", "B/dp L M/t", lambda m: m.d_model, lambda m: m.d_model
         ),

@@ -170,7 +170,8 @@ def check_mesh(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> None:
 
 
 def _init_stds(cfg: ModelConfig):
-    """The std of each weight's normal init, or "ones" for the norm gains (their declarations)."""
+    """The std of each weight's normal init, "ones" for the norm gains, "zeros" for state that
+    starts empty (their declarations)."""
     cls = weights_type(cfg)
     stacked = {
         name: layer(**{k: w.std(cfg) for k, w in weight_info(layer).items()})
@@ -196,12 +197,16 @@ def _initializer(cfg: ModelConfig, mesh: Mesh):
     stds = treedef.flatten_up_to(_init_stds(cfg))
 
     def make(key: jax.Array) -> Weights:
-        # A key per weight of nonzero size: a zero-size one takes none, so adding such a
-        # field leaves every other weight's draw as it was (as does an absent one).
-        keys = iter(jax.random.split(key, sum(math.prod(s.shape) > 0 for s in leaves)))
+        # A key per drawn weight: a zero-size one or a "zeros" one (state, such as FP8's amax
+        # history) takes none, so adding such a field leaves every other weight's draw as it
+        # was (as does an absent one).
+        drawn = [
+            math.prod(s.shape) > 0 and std != "zeros" for s, std in zip(leaves, stds, strict=True)
+        ]
+        keys = iter(jax.random.split(key, sum(drawn)))
         out = []
-        for s, std in zip(leaves, stds, strict=True):
-            k = next(keys) if math.prod(s.shape) > 0 else None
+        for s, std, draw in zip(leaves, stds, drawn, strict=True):
+            k = next(keys) if draw else None
             if k is None:
                 out.append(jnp.zeros(s.shape, s.dtype))
             elif std == "ones":

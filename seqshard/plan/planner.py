@@ -38,7 +38,8 @@ Bytes per call are the ring formulas of :func:`seqshard.shardlib.comms.ring_byte
 the optimizer's global-norm all-reduces (a few f32 scalars).
 
 **Roofline.** Compute: the hardware FLOPs of the step (model FLOPs plus what remat re-runs,
-:mod:`seqshard.model.cost`, attention unmasked) at the chip's dense bf16 peak. Each collective
+:mod:`seqshard.model.cost`, attention unmasked) at the chip's dense bf16 peak, with ``model.fp8``
+the FP8 projections' at its dense FP8 peak (MFU stays against bf16's). Each collective
 runs at the bandwidth of the link its mesh axis crosses (:mod:`seqshard.hardware`: NVLink
 or ICI inside a GPU node or TPU slice, InfiniBand or DCN across them; t stays inside one, as
 :func:`seqshard.mesh.training_mesh` lays it out, and d crosses when the devices span more
@@ -462,6 +463,7 @@ class Plan:
     pipelined_compute_s: float | None = None  # mesh.p > 1: the stages' ticks, bubble included
     routed_flops: float = 0.0  # per step, all devices: the routed experts' share of hardware_flops
     imbalance: float = 1.0  # the busiest expert shard's copies over the mean (MOE_IMBALANCE)
+    fp8_flops: float = 0.0  # per step, all devices: the FP8 projections' share (model.fp8)
 
     # -- memory --
     @property
@@ -521,13 +523,23 @@ class Plan:
         return min(self.imbalance, moe.capacity_factor) if moe.capacity_factor else self.imbalance
 
     @property
+    def fp8_speedup(self) -> float:
+        """The compute time without FP8 over the time with it: the FP8 projections' FLOPs at
+        the chip's FP8 peak (:attr:`seqshard.hardware.Chip.fp8_peak`), the rest at bf16's."""
+        if not self.fp8_flops:
+            return 1.0
+        other = self.hardware_flops - self.fp8_flops
+        with_fp8 = other + self.fp8_flops * self.chip.peak_flops / self.chip.fp8_peak
+        return self.hardware_flops / with_fp8
+
+    @property
     def compute_s(self) -> float:
-        """The hardware FLOPs at peak; the routed experts' on the busiest shard (every device
-        waits for it at the return exchange)."""
+        """The hardware FLOPs at peak (the FP8 projections' at the FP8 peak); the routed
+        experts' on the busiest shard (every device waits for it at the return exchange)."""
         if self.pipelined_compute_s is not None:
-            return self.pipelined_compute_s
+            return self.pipelined_compute_s / self.fp8_speedup
         flops = self.hardware_flops + (self.busiest_shard_load - 1) * self.routed_flops
-        return flops / (self.n_devices * self.chip.peak_flops)
+        return flops / (self.n_devices * self.chip.peak_flops) / self.fp8_speedup
 
     @property
     def step_time_s(self) -> float:
@@ -640,6 +652,13 @@ def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
     return links, bandwidths
 
 
+def _fp8_flops(cfg: Config) -> int:
+    """The FP8 projections' FLOPs of a step (forward, backward, recompute), all devices; 0
+    with model.fp8=none."""
+    train = cfg.train
+    return step_flops(cfg.model, batch=train.batch_size, seq_len=train.seq_len).sum(fp8=True)
+
+
 def plan(
     cfg: Config,
     n_devices: int,
@@ -679,6 +698,7 @@ def plan(
         pipelined_compute_s=_pipelined_compute_s(cfg, n_devices, ch.peak_flops),
         routed_flops=float(_routed_flops(cfg)),
         imbalance=imbalance if runs(m, MOE) else 1.0,
+        fp8_flops=float(_fp8_flops(cfg)),
     )
     if result.fits or not suggest:
         return result

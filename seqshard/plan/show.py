@@ -124,7 +124,7 @@ def flops_table(cfg: Config) -> str:
     )
     device = step.per_device(cfg.mesh.sizes())
     rows = [
-        (op.name, op.kind, str(op.runs), *(_count(getattr(op, p)) for p in PHASES),
+        (op.name, op.kind + " fp8" * op.fp8, str(op.runs), *(_count(getattr(op, p)) for p in PHASES),
          _count(op.total), _count(dev.total))
         for op, dev in zip(step.ops, device.ops, strict=True)
     ]  # fmt: skip
@@ -149,7 +149,7 @@ def flops_table(cfg: Config) -> str:
             f"on mesh {cfg.mesh.describe()}):",
             format_table(rows, header, right=frozenset(range(2, len(header)))),
             "  runs: per pass over the batch (a layer's operations once per layer); update: the "
-            "optimizer step",
+            "optimizer step" + ("; matmul fp8: in FP8 (model.fp8)" if m.fp8 != "none" else ""),
             f"  attention's causal half only (the useful work: {length * (length + 1) // 2:,} of "
             f"{length * length:,} pairs per row): {', '.join(attention)} "
             f"{_count(causal.sum(names=attention))} of {_count(step.sum(names=attention))}; "
@@ -469,7 +469,8 @@ def _plan_target(p: Plan) -> list[str]:
         f"plan for {ch.describe_count(p.n_devices)}, mesh {cfg.mesh.describe()}"
         + (" -- nominal CPU figures, not a measurement" if ch.nominal else ""),
         f"  chip {ch.name}: {ch.peak_flops / 1e12:g} TFLOP/s dense bf16, "
-        f"{ch.hbm_bytes / 1e9:.4g} GB ({format_bytes(ch.hbm_bytes)}) memory; {ch.fast_link} "
+        + (f"{ch.fp8_flops / 1e12:g} dense FP8, " if ch.fp8_flops else "")
+        + f"{ch.hbm_bytes / 1e9:.4g} GB ({format_bytes(ch.hbm_bytes)}) memory; {ch.fast_link} "
         f"{ch.fast_bytes_per_s / 1e9:g} GB/s per chip within "
         f"{ch.fast_domain_chips if ch.fast_domain_chips < 1 << 20 else 'any number of'} "
         f"chips"
@@ -483,6 +484,8 @@ def _plan_target(p: Plan) -> list[str]:
         f"{'es' * (train.microbatches != 1)} of {micro} x {train.seq_len} tokens "
         f"({micro // group_size(cfg.mesh.sizes(), 'dp')} rows per device)",
     ]
+    if cfg.model.fp8 != "none":
+        lines.append(_fp8_line(p))
     moe = cfg.model.moe
     if runs(cfg.model, MOE):
         counts = param_counts(cfg.model)
@@ -504,6 +507,32 @@ def _plan_target(p: Plan) -> list[str]:
             f"{cfg.model.n_layers // stages} layers, bubble {schedule.bubble_fraction:.3f}"
         )
     return lines
+
+
+def _fp8_line(p: Plan) -> str:
+    """What model.fp8 runs in FP8, at what peak, and the FSDP gathers' bytes in e4m3."""
+    cfg, ch = p.config, p.chip
+    m = cfg.model
+    names = [o.name for o in step_flops(m, batch=1, seq_len=1).ops if o.fp8]
+    peak = (
+        f"at {ch.fp8_flops / 1e12:g} TFLOP/s dense FP8"
+        if ch.fp8_flops
+        else f"no FP8 units on {ch.name}: at its bf16 peak"
+    )
+    gathers = [c for c in p.collectives if c.dtype.startswith("float8")]
+    sent = sum(c.bytes_per_step for c in gathers)
+    gathered = (
+        f"{sum(c.calls for c in gathers)} weight gathers a step in e4m3, "
+        f"{format_bytes(sent)} sent per device "
+        f"(bf16: {format_bytes(2 * sent)})"
+        if gathers
+        else "no weight gathers on this mesh (FSDP gathers them in e4m3: 1 byte an element)"
+    )
+    return (
+        f"  model.fp8={m.fp8}: {', '.join(names)} multiply e4m3 operands (gradients e5m2), "
+        f"{_flops(p.fp8_flops)} of {_flops(p.hardware_flops)} {peak} (compute "
+        f"{p.fp8_speedup:.2f}x faster than bf16's); {gathered}"
+    )
 
 
 def _plan_memory(p: Plan) -> list[str]:
@@ -570,7 +599,9 @@ def _plan_roofline(p: Plan) -> list[str]:
         f"{p.exposed_comm_s * 1e3:,.2f} ms, weight collectives "
         f"{p.overlapped_comm_s * 1e3:,.2f} ms",
         f"  estimated step time {p.step_time_s * 1e3:,.2f} ms, "
-        f"{p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}; bound: {p.bound}",
+        f"{p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}"
+        + (" of the bf16 peak (the FP8 projections run at up to the FP8 peak)" * bool(p.fp8_flops))
+        + f"; bound: {p.bound}",
         "  (a roofline: every matmul at peak, no kernel or launch overhead, so a floor on the "
         "step time; on one H200 seqshard's 1B ran at 50% MFU, its 125M at 39% "
         "(docs/benchmarks.md): scripts/bench_gpu.py prints this estimate beside its measurement)",

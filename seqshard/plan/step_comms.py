@@ -361,4 +361,6 @@ def format_planned_table(calls: list[PlannedCollective], n_layers: int) -> str:
 
 
 def _short_dtype(dtype: str) -> str:
-    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    short |= {"float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2"}
+    return short.get(dtype, dtype)
