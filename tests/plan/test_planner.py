@@ -208,6 +208,35 @@ def test_the_roofline():
     assert q.step_time_s == pytest.approx(p.compute_s + p.exposed_comm_s + p.overlapped_comm_s)
 
 
+def test_fp8_projections_run_at_the_fp8_peak_and_gather_half_the_bytes():
+    """model.fp8: q, k, v, o, gate, up, down (forward, backward, recompute) at the chip's dense
+    FP8 peak, the rest at bf16's; a chip without FP8 units runs them at its bf16 peak; the
+    FSDP gathers move e4m3 bytes, half of bf16's."""
+    bf16 = one_b("mesh.d=-1", "model.compute_dtype=bfloat16")
+    cfg = one_b("mesh.d=-1", "model.compute_dtype=bfloat16", "model.fp8=current")
+    p, q = plan(bf16, 8, "h100"), plan(cfg, 8, "h100")
+    s = step_flops(cfg.model, batch=cfg.train.batch_size, seq_len=cfg.train.seq_len)
+    projections = {"q", "k", "v", "o", "gate", "up", "down"}
+    assert q.fp8_flops == s.sum(names=projections) > 0.5 * q.hardware_flops  # 2 layers + head
+    other = q.hardware_flops - q.fp8_flops
+    assert q.compute_s == pytest.approx(other / (8 * 989e12) + q.fp8_flops / (8 * 1979e12))
+    assert p.fp8_flops == 0 and p.compute_s == pytest.approx(p.hardware_flops / (8 * 989e12))
+    assert plan(cfg, 8, "a100").fp8_speedup == 1.0  # no FP8 tensor cores
+    assert q.fp8_speedup == pytest.approx(
+        q.hardware_flops / (other + q.fp8_flops / 2.001), rel=1e-3
+    )
+    gathers = [c for c in q.collectives if c.weights and c.kind == "all-gather"]
+    plain = [c for c in p.collectives if c.weights and c.kind == "all-gather"]
+    f8 = [c for c in gathers if c.dtype == "float8_e4m3fn"]
+    # q, kv, o, gate, up, down; forward and remat's re-gather; 2 layers
+    assert sum(c.calls for c in f8) == 6 * 2 * 2
+    assert sum(c.bytes_per_step for c in f8) == pytest.approx(
+        sum(c.bytes_per_step for c in plain if c.in_layers and len(c.result_shape) > 1) / 2
+    )
+    text = format_plan(q)
+    assert "1979 dense FP8" in text and "24 weight gathers a step in e4m3" in text
+
+
 def test_links_by_platform():
     def links(cfg, n, name):
         return plan(cfg, n, name).link_by_axis
