@@ -13,10 +13,13 @@ Two formats (OCP FP8), as Transformer Engine and torchtitan use them::
     FORWARD   float8_e4m3fn   weights and activations   3 mantissa bits, |x| <= 448
     BACKWARD  float8_e5m2     gradients                 2 mantissa bits, |x| <= 57344
 
-*Current scaling*: ``scale = amax(x) / max(format)``, with amax the largest |x| of the whole
-tensor. A sharded tensor's amax is a property of the whole tensor, so each device's local max
-is reduced over the mesh axes its layout splits it over, one checked all-reduce written in
-the notation and logged like every other collective::
+*Current scaling*: the scale is the least power of two at which amax, the largest |x| of the
+whole tensor, fits the format (amax / scale in (max/2, max]); a power of two so that the
+division is exact and the scale does not move with the last bits of the amax (docs/fp8.md:
+with amax / max instead, FP8's grid turned f32 rounding differences into different roundings
+everywhere). A sharded tensor's amax is a property of the whole tensor, so each device's
+local max is reduced over the mesh axes its layout splits it over, one checked all-reduce
+written in the notation and logged like every other collective::
 
     amax = pmax('(){U_dp,c,t} -> ()', max|x|)      # x 'B/dp L@zigzag/c F/t'
 
@@ -24,6 +27,10 @@ Every device then quantizes with the same scale, and the sharded model equals th
 device reference run in FP8 (``seqshard.model.reference``) to f32 rounding. An all-zero tensor
 (amax 0) or a non-finite amax keeps scale 1; values beyond the format's range saturate to
 +-max (e4m3fn has no infinity: an unclipped overflow would be NaN).
+
+*Delayed scaling* (:func:`delayed_scale`): the scale of the largest amax of past steps, which
+:mod:`seqshard.model.fp8_scaling` keeps per tensor; the functions below take such a scale
+``s`` instead of their current one.
 
 The three ways a model uses it, each a no-op unless FP8 is on:
 
