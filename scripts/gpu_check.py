@@ -17,6 +17,11 @@ cut to what is left; a stage that fails or runs out of time is recorded and the 
     train   ``seqshard train configs/h100-125m.yaml`` for 30 steps on the bundled data, a
             checkpoint, then ``seqshard eval`` of it (its final lines and exit codes)
     bench   ``scripts/bench_gpu.py`` (h100-1b, -125m, -350m, causal mask, 6 timed steps)
+    fp8     only when asked for (``--stages model,fp8``): ``model.fp8=current`` in bf16, its
+            loss against bf16's without FP8 (1e-2 relative; logits and gradients reported),
+            and the FP8 GEMMs XLA made of its loss and gradient (``scripts/bench_gpu.py``'s
+            count_gemms; reported: > 0 on GPU where the quantize-dequantize pairs became
+            cuBLASLt FP8 GEMMs, 0 on CPU)
 
 It writes ``DIR/gpu_check.json`` (per stage: ok, seconds, what it measured, its output's last
 lines) and each stage's log; exits 1 if a check failed. ``--smoke`` runs the same stages on
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -46,6 +52,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_gpu import count_gemms  # scripts/, this script's directory: on sys.path
 
 from seqshard.mesh import training_mesh
 from seqshard.model import (
@@ -177,6 +184,27 @@ def model_checks(mesh, fused: str, smoke: bool = False) -> list[dict]:
         got = outputs(kernel, mesh, wb, tokens, starts, reference=False)
         rows.append(check(f"bf16-{impl}-{mask}", compare(got, want), 1e-2, 0.25, 0.1))
     return rows
+
+
+def fp8_checks(mesh, smoke: bool = False) -> dict:
+    """``model.fp8=current`` (bf16, einsum attention) on the model stage's shapes against the
+    same weights without FP8: the loss within 1e-2 relative; the logits and gradients reported,
+    no bound (e4m3's 3 and e5m2's 2 mantissa bits move them by more than bf16's; ``--smoke``
+    on CPU: loss 0.1%, logits 12%, gradients 24% of the largest). Then the GEMMs of its
+    compiled loss and gradient by kind (``fp8_gemms``, ``gemms``, ``dots_total``; reported).
+    The sharded FP8 model against the FP8 reference is the CPU tests' (to f32 rounding); in
+    bf16, e4m3's rounding boundaries make that comparison noisy (gradients 22% apart on CPU)."""
+    base = SMOKE_CFG if smoke else CFG
+    shape = (SMOKE_BATCH, SMOKE_LENGTH) if smoke else (BATCH, LENGTH)
+    cfg = dataclasses.replace(base, compute_dtype="bfloat16", fp8="current")
+    w, tokens, starts = random_inputs(cfg, mesh, shape=shape)
+    got = outputs(cfg, mesh, w, tokens, starts, reference=False)
+    bf16 = outputs(dataclasses.replace(cfg, fp8="none"), mesh, w, tokens, starts, False)
+    checks = [check("fp8-current-vs-bf16", compare(got, bf16), 1e-2, math.inf, math.inf)]
+    step = jax.jit(lambda w, t, s: jax.value_and_grad(loss_fn)(w, t, s, cfg, mesh))
+    gemms = count_gemms(step.lower(w, tokens, starts).compile().as_text())
+    print("fp8 " + " ".join(f"{k}={v}" for k, v in gemms.items()), flush=True)
+    return {"ok": all(c["ok"] for c in checks), "checks": checks, "gemms": gemms}
 
 
 def time_fn(fn, *args, repeats: int = 20) -> float:
@@ -376,8 +404,10 @@ def main(argv: list[str]) -> int:
                 result = train_stage(args.out, args.smoke, left)
             elif stage == "bench":
                 result = bench_stage(args.out, args.smoke, left)
+            elif stage == "fp8":
+                result = fp8_checks(training_mesh({}, devices=[device]), args.smoke)
             else:
-                raise ValueError(f"unknown stage {stage!r} (model, matmul, train, bench)")
+                raise ValueError(f"unknown stage {stage!r} (model, matmul, train, bench, fp8)")
         except Exception as e:  # one stage failing does not stop the others
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
         result["seconds"] = time.perf_counter() - t0

@@ -10,6 +10,12 @@ step per variant, both masks, a tiny peak matmul. A missing config listed first 
 error line and not stop the run. The two variants start from the same weights in f32 with
 einsum attention on CPU, so their first-step losses agree: measured equal to the last bit;
 checked to rtol 1e-6. About 30 s on 2 cores (four CPU compiles at -O0).
+
+``--fp8``: the GEMM count (:func:`count_gemms`) on synthetic HLO in both ways HLO prints operands
+(a cuBLASLt FP8 custom-call, a bf16 cuBLAS GEMM, a Triton GEMM fusion, a cuDNN call) and on a
+quantize-dequantize matmul compiled for CPU (no FP8 GEMM, the dot left); the summary's FP8
+fields from rows; and a slow run of ``--fp8 none,current`` (one line per mode, FP8 GEMMs 0 on
+CPU, the baseline once).
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from seqshard.model.reference import reference_attention, reference_mask
+from seqshard.shardlib import fp8
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_gpu.py"
@@ -139,6 +147,7 @@ def test_bench_gpu_runs_on_cpu(tmp_path):
                 continue
             assert math.isfinite(float(fields[key])), (mask, key, fields[key])
         assert float(fields["seqshard_tokens_per_s"]) > 0 and float(fields["ratio_vs_plain"]) > 0
+        assert fields["fp8"] == "none" and "fp8_gemms" not in fields, fields  # no --fp8: as before
 
     summary = [ln for ln in lines if ln.startswith("summary ")]
     assert len(summary) == 1, proc.stdout
@@ -146,6 +155,7 @@ def test_bench_gpu_runs_on_cpu(tmp_path):
     assert math.isfinite(float(s["min_ratio_vs_plain"]))
     assert s["largest_config"] == "tiny-cpu"
     assert math.isfinite(float(s["largest_mfu_989_causal"]))
+    assert "fp8_target_met" not in s
 
     data = json.loads(out.read_text())
     results = [r for r in data["results"] if "error" not in r]
@@ -154,3 +164,134 @@ def test_bench_gpu_runs_on_cpu(tmp_path):
         # Same initial weights, same f32 math: the plain baseline is the same model.
         assert math.isclose(r["seqshard_loss0"], r["plain_loss0"], rel_tol=1e-6), r
         assert r["tokens_per_step"] == 4 * 64
+
+
+# The cuBLASLt FP8 GEMM as XLA's GPU compiler writes it, operand types inline (the brief form)
+# and as compiled.as_text() prints it (bare names: the types come from the defining lines).
+SYNTHETIC_HLO = """
+%fused_computation (p0: f8e4m3fn[64,32], p1: f8e5m2[32,16]) -> bf16[64,16] {
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = f8e5m2[32,16]{1,0} parameter(1)
+  %c0 = bf16[64,32]{1,0} convert(%p0)
+  %c1 = bf16[32,16]{1,0} convert(%p1)
+  ROOT %dot.7 = bf16[64,16]{1,0} dot(%c0, %c1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f8e4m3fn[128,256], b: f8e4m3fn[256,64], sa: f32[], sb: f32[]) -> bf16[128,64] {
+  %a = f8e4m3fn[128,256]{1,0} parameter(0)
+  %b = f8e4m3fn[256,64]{1,0} parameter(1)
+  %sa = f32[] parameter(2)
+  %sb = f32[] parameter(3)
+  %custom-call.3 = (f32[128,64]{1,0}, s8[33554432]{0}) custom-call(f8e4m3fn[128,256]{1,0} %a, f8e4m3fn[256,64]{1,0} %b, f32[] %sa, f32[] %sb), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"alpha_real":1}}
+  %custom-call.4 = (bf16[128,64]{1,0}, s8[33554432]{0}) custom-call(%a, %b, %sa, %sb), custom_call_target="__cublas$lt$matmul$f8"
+  %g = bf16[128,64]{1,0} get-tuple-element(%custom-call.4), index=0
+  %w = bf16[64,64]{1,0} constant({...})
+  %cublas-gemm.1 = (bf16[128,64]{1,0}, s8[4194304]{0}) custom-call(%g, %w), custom_call_target="__cublas$gemm"
+  %e = f8e5m2[32,16]{1,0} constant({...})
+  %x = f8e4m3fn[64,32]{1,0} constant({...})
+  %fusion.2 = bf16[64,16]{1,0} fusion(%x, %e), kind=kCustom, calls=%fused_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %cudnn = (bf16[2,8,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%g, %g, %g), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %dot.8 = bf16[128,64]{1,0} dot(%g, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_count_gemms_on_synthetic_hlo():
+    """Both FP8 custom-calls (inline types; bare names typed by their parameters) and the
+    Triton fusion taking an e4m3 and an e5m2 constant are FP8 GEMMs; the bf16 cuBLAS call a
+    GEMM; the cuDNN attention call (no f8 operand, not a GEMM target) neither; two dots."""
+    counts = bench().count_gemms(SYNTHETIC_HLO)
+    assert counts == {"fp8_gemms": 3, "gemms": 1, "dots_total": 2}
+    # The same program with bf16 in place of the f8 types: the operands decide, so every GEMM
+    # is a bf16 one (the target's name, __cublas$lt$matmul$f8, does not count).
+    bf16 = SYNTHETIC_HLO.replace("f8e4m3fn", "bf16").replace("f8e5m2", "bf16")
+    assert bench().count_gemms(bf16) == {"fp8_gemms": 0, "gemms": 4, "dots_total": 2}
+
+
+def test_count_gemms_on_cpu_fp8_matmul():
+    """A matmul of e4m3-quantized operands compiled for CPU: the f8 converts are there, no FP8
+    GEMM (nothing rewrites them on CPU), the dot left (the text as compiled.as_text() prints
+    it, operands by name)."""
+
+    def f(x, w):
+        s = fp8.scale(jnp.max(jnp.abs(x)), fp8.FORWARD)
+        return fp8.on_grid(x, s, fp8.FORWARD) @ fp8.on_grid(w, s, fp8.FORWARD)
+
+    x, w = jnp.ones((16, 32), jnp.float32), jnp.ones((32, 8), jnp.float32)
+    text = jax.jit(f).lower(x, w).compile().as_text()
+    assert "f8e4m3fn[" in text
+    counts = bench().count_gemms(text)
+    assert counts["fp8_gemms"] == 0 and counts["gemms"] == 0 and counts["dots_total"] >= 1
+
+
+def _row(config, mask, mode, tokens_per_s, speedup=None, params=1):
+    row = {"config": config, "mask": mask, "fp8": mode, "params": params, "mfu_989": 0.5}
+    row["seqshard_tokens_per_s"] = tokens_per_s
+    if speedup is not None:
+        row["speedup_vs_bf16"] = speedup
+    return row
+
+
+def test_summary_fp8_fields():
+    """The FP8 speedups are the largest config's causal lines'; the bf16 fields stay the
+    fp8=none lines' (the document/causal ratio is not raised by FP8 lines); the target needs
+    every mode run there at 1.25."""
+    summarize = bench().summarize
+    rows = [
+        _row("small", "causal", "none", 100.0),
+        _row("small", "causal", "current", 200.0, speedup=2.0),
+        _row("big", "document", "none", 45.0, params=9),
+        _row("big", "document", "current", 60.0, speedup=1.33, params=9),
+        _row("big", "causal", "none", 50.0, params=9),
+        _row("big", "causal", "current", 65.0, speedup=1.3, params=9),
+        _row("big", "causal", "delayed", 60.0, speedup=1.2, params=9),
+    ]
+    s = summarize(rows)
+    assert s["largest_config"] == "big"
+    assert s["largest_document_vs_causal"] == 45.0 / 50.0
+    assert s["largest_fp8_speedup_current"] == 1.3 and s["largest_fp8_speedup_delayed"] == 1.2
+    assert s["fp8_target_met"] is False
+    rows[-1]["speedup_vs_bf16"] = 1.25
+    assert summarize(rows)["fp8_target_met"] is True
+    failed = {"config": "big", "mask": "causal", "fp8": "delayed", "error": "OOM"}
+    s = summarize([*rows[:-1], failed])
+    assert s["largest_fp8_speedup_delayed"] is None and s["fp8_target_met"] is None
+    assert "fp8_target_met" not in summarize([r for r in rows if r["fp8"] == "none"])
+
+
+@pytest.mark.slow
+def test_bench_gpu_fp8_modes_on_cpu():
+    """``--fp8 none,current`` on tiny-cpu, causal: a line per mode, the baseline timed once
+    (its fields equal on both lines), FP8 GEMMs 0 on CPU, the speedup on the current line, the
+    summary's FP8 fields. About 6 s on 2 cores (three CPU compiles at -O0)."""
+    flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {flags}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    cmd = [
+        *(sys.executable, str(SCRIPT), "--configs", "configs/tiny-cpu.yaml", "--masks", "causal"),
+        *("--fp8", "none,current", "--steps", "1", "--warmup", "1"),
+        *("--peak-n", "128", "--peak-repeats", "2"),
+        *("mesh.d=1", "mesh.t=1", "train.batch_size=4", "train.seq_len=64"),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rows = [_fields(ln) for ln in lines if ln.startswith("config=tiny-cpu ")]
+    assert [r["fp8"] for r in rows] == ["none", "current"], proc.stdout
+    none, current = rows
+    for fields in rows:
+        assert "error" not in fields and "plain_error" not in fields, fields
+        assert fields["fp8_gemms"] == "0" and fields["gemms"] == "0", fields
+        assert int(fields["dots_total"]) > 0, fields
+        assert float(fields["seqshard_tokens_per_s"]) > 0
+    assert none["plain_step_s"] == current["plain_step_s"]  # one baseline, on both lines
+    assert "speedup_vs_bf16" not in none and float(current["speedup_vs_bf16"]) > 0
+    assert float(current["loss0_rel_diff_vs_bf16"]) < 1e-2
+    summary = [ln for ln in lines if ln.startswith("summary ")]
+    assert len(summary) == 1, proc.stdout
+    s = _fields(summary[0].removeprefix("summary "))
+    assert float(s["largest_fp8_speedup_current"]) > 0
+    assert s["largest_fp8_speedup_delayed"] == "n/a" and s["fp8_target_met"] in ("yes", "no")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from model_weights import (
@@ -27,7 +29,18 @@ from model_weights import (
     tiny_model,
 )
 
+from seqshard.batch import token_batch
+from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_config
+from seqshard.mesh import mesh_of_sizes
 from seqshard.model.config import ModelConfig
+from seqshard.model.pipeline.schedule import Pipeline
+from seqshard.model.reference import reference_loss_fn
+from seqshard.model.sharded import batch_terms_and_aux
+from seqshard.model.weights import weight_structs
+from seqshard.testing import fake_cpu_mesh
+from seqshard.train.optimizer import make_optimizer
+from seqshard.train.state import init_train_state
+from seqshard.train.step import make_train_step
 
 CFG = tiny_model(fp8="current")
 MOE = dataclasses.replace(
@@ -146,15 +159,6 @@ def test_fp8_training_follows_the_compute_dtype():
     1e-3 (docs/fp8.md: its 50 steps in bf16 within 7.5e-4 of bf16's, whose own distance from
     f32 is 6.1e-5): its projections sum 32 to 64 products, not 128 to 512, so FP8's rounding
     averages out less."""
-    import jax
-
-    from seqshard.batch import token_batch
-    from seqshard.config import Config, DataConfig, MeshConfig, TrainConfig, check_config
-    from seqshard.testing import fake_cpu_mesh
-    from seqshard.train.optimizer import make_optimizer
-    from seqshard.train.state import init_train_state
-    from seqshard.train.step import make_train_step
-
     mesh = fake_cpu_mesh((2, 4), ("d", "t"))
 
     def curve(mode: str) -> np.ndarray:
@@ -182,3 +186,39 @@ def test_fp8_training_follows_the_compute_dtype():
     assert plain[-1] < plain[0] - 1  # it learns
     for mode in ("current", "delayed"):
         np.testing.assert_allclose(curve(mode), plain, rtol=5e-3, err_msg=mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_delayed_fp8_equals_the_reference_and_maxes_the_amaxes(schedule):
+    """p=2 (a layer per stage), 2 microbatches, every site with a history: each microbatch at
+    the history's scales, as the reference's per-microbatch loss; the step's amaxes are the
+    max over microbatches, each layer's from its stage (a weight's: its largest |entry|).
+    Both differentiate the summed loss, as training does (1F1B seeds each microbatch's head
+    with the cotangent 1 and divides by the count after: FP8 rounds the gradients of what is
+    differentiated, so a mean's 1/count, not a power of two, would round them otherwise)."""
+    cfg = dataclasses.replace(DELAYED, backward="explicit")
+    w = _delayed_weights()
+    mesh = mesh_of_sizes({"p": 2, "d": 2, "t": 2})
+    placed = jax.device_put(w, jax.tree.map(lambda s: s.sharding, weight_structs(cfg, mesh)))
+    pipe = Pipeline(schedule=schedule, microbatches=2)
+
+    def loss(w):
+        batch = token_batch(TOKENS, STARTS)
+        (total, _), aux = batch_terms_and_aux(w, batch, cfg, mesh, pipe)
+        return total, aux
+
+    (value, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(placed)
+
+    def reference(w):  # the summed loss of the two microbatches (rows i, i + 2, ...)
+        totals = []
+        for i in range(2):
+            tokens, starts = TOKENS[i::2], STARTS[i::2]
+            n = jnp.sum(~jnp.asarray(starts)[:, 1:], dtype=jnp.float32)
+            totals.append(reference_loss_fn(w, tokens, starts, cfg) * n)
+        return sum(totals)
+
+    want = jax.jit(jax.value_and_grad(reference))(w)
+    assert_close_to_reference(jax.tree.map(np.asarray, (value, grads)), want)
+    amax = np.asarray(aux["layers"]["swiglu"]["fp8_amax"])  # [layers, sites]
+    np.testing.assert_array_equal(amax[:, 1], np.max(np.abs(w.layers.w_gate), axis=(1, 2)))
