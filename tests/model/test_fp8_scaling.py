@@ -1,6 +1,7 @@
-"""model.fp8=current: the sharded model equals the FP8 reference (seqshard.model.reference, the
-same quantization of whole tensors on one device) on several meshes under both backwards, and
-FP8 really changes the numbers.
+"""model.fp8 (seqshard/model/fp8_scaling.py and the blocks' FP8 sites): the sharded model
+equals the FP8 reference (seqshard.model.reference, the same quantization of whole tensors on
+one device) on several meshes under both backwards, current and delayed, pipelined too; FP8
+really changes the numbers; training follows the plain curve.
 
 Tolerances (f32 compute): the loss to 1e-5 relative, each gradient to 1e-4 of its leaf's
 largest entry, the bounds of the f32 tests. They hold because scales are powers of two: a
