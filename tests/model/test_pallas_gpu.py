@@ -31,34 +31,26 @@ from __future__ import annotations
 
 import functools
 
+import attention_helpers as helpers
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
-from model_weights import packed_batch, random_weights, tiny_model
+from attention_helpers import assert_attention_close, mesh_of, pallas_calls
+from model_weights import assert_trees_close, packed_batch, random_weights, tiny_model
 
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import logits_fn, loss_fn, pallas_gpu, weight_structs
-from seqshard.model.attention import attention, attention_mask
 from seqshard.model.pallas_gpu import block_sizes, pallas_attention
-from seqshard.shardlib.shardtypes import bool_, f32, typed_shard_map
-from seqshard.testing import fake_cpu_mesh
 
 BATCH, LENGTH, N_Q, N_KV, D_HEAD = 4, 64, 2, 2, 8
 MASKS = ["document", "causal"]
 
-# f32 attention: the kernel accumulates its softmax blockwise (online max and sum, base 2)
-# where einsum takes one softmax over all keys. Measured, with q, k, v and the output's
-# cotangent N(0, 1), both masks, one device and 2x2, small blocks, MLA's heads: outputs within
-# 6.0e-7 (entries up to 4.1), gradients within 1.9e-6 (entries up to 6.2).
-F32 = dict(rtol=1e-5, atol=1e-5)
-
-
-@functools.cache
-def mesh_of(shape: tuple[int, int]) -> jax.sharding.Mesh:
-    return fake_cpu_mesh(shape, ("d", "t"))
+# Within attention_helpers.F32 (1e-5): the kernel's online softmax is base 2. Measured, with
+# q, k, v and the output's cotangent N(0, 1), both masks, one device and 2x2, small blocks,
+# MLA's heads: outputs within 6.0e-7 (entries up to 4.1), gradients within 1.9e-6 (entries up
+# to 6.2).
 
 
 def inputs(seed: int = 0, length: int = LENGTH, d_v: int = D_HEAD):
@@ -75,47 +67,15 @@ def inputs(seed: int = 0, length: int = LENGTH, d_v: int = D_HEAD):
 Q, K, V, COTANGENT, STARTS = inputs()
 
 
-def attend_fn(impl: str, mode: str, shape: tuple[int, int]):
-    """attention(q, k, v, mask of is_seq_start) under typed_shard_map on a d x t mesh (1x1:
-    without shard_map)."""
-
-    @functools.partial(typed_shard_map, mesh=mesh_of(shape))
-    def attend(
-        q: f32[b"B/d/e L@zigzag/c Q K/t D"],
-        k: f32[b"B/d/e L@zigzag K/t D"],
-        v: f32[b"B/d/e L@zigzag K/t Dv"],
-        starts: bool_[b"B/d/e L"],
-    ) -> f32[b"B/d/e L@zigzag/c Q K/t Dv"]:
-        mask = attention_mask(starts, mode, impl)
-        return attention(q, k, v, mask, impl, causal_only=mode == "causal")
-
-    return attend
-
-
 def attention_and_grads(impl: str, mode: str, shape: tuple[int, int], args=None):
-    """(output, (dq, dk, dv)) as numpy for ``args`` (the module's inputs by default), the
-    gradients those of <output, cotangent>."""
-    q, k, v, cotangent, starts = (Q, K, V, COTANGENT, STARTS) if args is None else args
-    attend = attend_fn(impl, mode, shape)
-
-    def f(q, k, v):
-        out = attend(q, k, v, starts)
-        return jnp.vdot(out, cotangent), out
-
-    grads, out = jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return np.asarray(out), tuple(np.asarray(g) for g in grads)
+    """(output, (dq, dk, dv)) for ``args`` (the module's inputs by default)."""
+    args = (Q, K, V, COTANGENT, STARTS) if args is None else args
+    return helpers.attention_and_grads(impl, mode, shape, args)
 
 
 @functools.cache
 def einsum_attention_and_grads(mode: str):
     return attention_and_grads("einsum", mode, (1, 1))
-
-
-def assert_attention_close(got, want) -> None:
-    (out, grads), (ref_out, ref_grads) = got, want
-    np.testing.assert_allclose(out, ref_out, **F32, err_msg="output")
-    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, **F32, err_msg=f"d{name}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,38 +135,14 @@ def test_inputs_that_vary_over_fewer_axes_get_summed_cotangents():
     """q split over t by query head (Q/t), k and v replicated over t: their per-device
     cotangents are partial, and only the sum over t (autodiff's transpose of the cast to
     varying that the hosting makes) equals the single-device gradient."""
-    segment_ids = attention_mask(jnp.asarray(STARTS), "document", "pallas")
-    sharded = jax.shard_map(
-        pallas_attention,
-        mesh=mesh_of((2, 2)),
-        in_specs=(P("d", None, "t"), P("d"), P("d"), P("d")),
-        out_specs=P("d", None, "t"),
-        check_vma=True,
-    )
-
-    def f(q, k, v):
-        return jnp.vdot(sharded(q, k, v, segment_ids), COTANGENT)
-
-    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(Q, K, V)
     _, ref_grads = einsum_attention_and_grads("document")
-    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, **F32, err_msg=f"d{name}")
+    args = (Q, K, V, COTANGENT, STARTS)
+    helpers.assert_fewer_axes_get_summed_cotangents(pallas_attention, "pallas", args, ref_grads)
 
 
 def test_dense_mask_falls_back_to_einsum():
     """Generation's prefill passes a dense mask (padded prompts), which has no segment ids."""
-    dense = attention_mask(jnp.asarray(STARTS), "document")
-
-    @functools.partial(typed_shard_map, mesh=mesh_of((1, 1)))
-    def both(
-        q: f32[b"B/d/e L@zigzag/c Q K/t D"],
-        k: f32[b"B/d/e L@zigzag K/t D"],
-        v: f32[b"B/d/e L@zigzag K/t D"],
-    ) -> f32[b"2 B/d/e L@zigzag/c Q K/t D"]:
-        return jnp.stack([attention(q, k, v, dense, impl, False) for impl in ("pallas", "einsum")])
-
-    pallas_out, einsum_out = np.asarray(both(Q, K, V))
-    np.testing.assert_array_equal(pallas_out, einsum_out)
+    helpers.assert_a_dense_mask_falls_back_to_einsum("pallas", Q, K, V, STARTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,9 +179,7 @@ def assert_model_close(c: int) -> None:
     loss, grads = model_loss_and_grads("pallas", c)
     ref_loss, ref_grads = model_loss_and_grads("einsum", c)
     np.testing.assert_allclose(loss, ref_loss, **MODEL_LOSS)
-    paths = jax.tree_util.tree_leaves_with_path(ref_grads)
-    for (path, r), g in zip(paths, jax.tree.leaves(grads), strict=True):
-        np.testing.assert_allclose(g, r, **MODEL_GRADS, err_msg=jax.tree_util.keystr(path))
+    assert_trees_close(grads, ref_grads, **MODEL_GRADS)
 
 
 def test_model_with_pallas_equals_einsum():
@@ -276,20 +210,6 @@ def test_no_logit_sees_a_later_token_or_another_document():
 def model_args(cfg, mesh):
     tokens = jax.ShapeDtypeStruct((MODEL_BATCH, LENGTH), jnp.int32)
     return weight_structs(cfg, mesh), tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.bool_)
-
-
-def pallas_calls(jaxpr) -> int:
-    """Pallas kernels in a jaxpr, sub-jaxprs (scan, shard_map, custom_vjp, checkpoint) included."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "pallas_call"
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    n += pallas_calls(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    n += pallas_calls(sub)
-    return n
 
 
 def kernels_per_step(c: int, **changes) -> int:

@@ -22,33 +22,25 @@ from __future__ import annotations
 
 import functools
 
+import attention_helpers as helpers
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
-from model_weights import packed_batch, random_weights, tiny_model
+from attention_helpers import F32, assert_attention_close, attend_fn, mesh_of, pallas_calls
+from model_weights import assert_trees_close, packed_batch, random_weights, tiny_model
 
 from seqshard.model import loss_fn, weight_structs
-from seqshard.model.attention import attention, attention_mask
 from seqshard.model.splash import block_size, splash_attention
-from seqshard.shardlib.shardtypes import bool_, f32, typed_shard_map
-from seqshard.testing import count_collectives, fake_cpu_mesh
+from seqshard.testing import count_collectives
 
 BATCH, LENGTH, N_Q, N_KV, D_HEAD = 4, 128, 2, 2, 8
 MASKS = ["document", "causal"]
 
-# f32 attention: the kernel accumulates its softmax blockwise (online max and sum) where
-# einsum takes one softmax over all keys, and scales q instead of the scores. Measured, with
+# Within attention_helpers.F32 (1e-5): splash scales q instead of the scores. Measured, with
 # q, k, v and the output's cotangent N(0, 1), both masks: outputs within 9.5e-7 (entries up to
 # 3.3), gradients within 4.8e-6 (entries up to 6.8); the same on one device and on 2x2.
-F32 = dict(rtol=1e-5, atol=1e-5)
-
-
-@functools.cache
-def mesh_of(shape: tuple[int, int]) -> jax.sharding.Mesh:
-    return fake_cpu_mesh(shape, ("d", "t"))
 
 
 def inputs(seed: int = 0):
@@ -64,42 +56,10 @@ def inputs(seed: int = 0):
 Q, K, V, COTANGENT, STARTS = inputs()
 
 
-def attend_fn(impl: str, mode: str, shape: tuple[int, int]):
-    """attention(q, k, v, mask of is_seq_start) under typed_shard_map on a d x t mesh (1x1:
-    without shard_map)."""
-
-    @functools.partial(typed_shard_map, mesh=mesh_of(shape))
-    def attend(
-        q: f32[b"B/d/e L@zigzag/c Q K/t D"],
-        k: f32[b"B/d/e L@zigzag K/t D"],
-        v: f32[b"B/d/e L@zigzag K/t D"],
-        starts: bool_[b"B/d/e L"],
-    ) -> f32[b"B/d/e L@zigzag/c Q K/t D"]:
-        mask = attention_mask(starts, mode, impl)
-        return attention(q, k, v, mask, impl, causal_only=mode == "causal")
-
-    return attend
-
-
 @functools.cache
 def attention_and_grads(impl: str, mode: str, shape: tuple[int, int]):
-    """(output, (dq, dk, dv)) as numpy for the module's inputs, the gradients those of
-    <output, COTANGENT>."""
-    attend = attend_fn(impl, mode, shape)
-
-    def f(q, k, v):
-        out = attend(q, k, v, STARTS)
-        return jnp.vdot(out, COTANGENT), out
-
-    grads, out = jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(Q, K, V)
-    return np.asarray(out), tuple(np.asarray(g) for g in grads)
-
-
-def assert_attention_close(got, want) -> None:
-    (out, grads), (ref_out, ref_grads) = got, want
-    np.testing.assert_allclose(out, ref_out, **F32, err_msg="output")
-    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, **F32, err_msg=f"d{name}")
+    """(output, (dq, dk, dv)) for the module's inputs."""
+    return helpers.attention_and_grads(impl, mode, shape, (Q, K, V, COTANGENT, STARTS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,41 +96,16 @@ def test_masks_matter():
 
 def test_dense_mask_falls_back_to_einsum():
     """Generation's prefill passes a dense mask (padded prompts), which has no segment ids."""
-    dense = attention_mask(jnp.asarray(STARTS), "document")
-
-    @functools.partial(typed_shard_map, mesh=mesh_of((1, 1)))
-    def both(
-        q: f32[b"B/d/e L@zigzag/c Q K/t D"],
-        k: f32[b"B/d/e L@zigzag K/t D"],
-        v: f32[b"B/d/e L@zigzag K/t D"],
-    ) -> f32[b"2 B/d/e L@zigzag/c Q K/t D"]:
-        return jnp.stack([attention(q, k, v, dense, impl, False) for impl in ("splash", "einsum")])
-
-    splash_out, einsum_out = np.asarray(both(Q, K, V))
-    np.testing.assert_array_equal(splash_out, einsum_out)
+    helpers.assert_a_dense_mask_falls_back_to_einsum("splash", Q, K, V, STARTS)
 
 
 def test_inputs_that_vary_over_fewer_axes_get_summed_cotangents():
     """q split over t by query head (Q/t), k and v replicated over t: their per-device
     cotangents are partial, and only the sum over t (autodiff's transpose of the cast to
     varying that splash_attention makes) equals the single-device gradient."""
-    mesh = mesh_of((2, 2))
-    segment_ids = attention_mask(jnp.asarray(STARTS), "document", "splash")
-    sharded = jax.shard_map(
-        splash_attention,
-        mesh=mesh,
-        in_specs=(P("d", None, "t"), P("d"), P("d"), P("d")),
-        out_specs=P("d", None, "t"),
-        check_vma=True,
-    )
-
-    def f(q, k, v):
-        return jnp.vdot(sharded(q, k, v, segment_ids), COTANGENT)
-
-    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(Q, K, V)
     _, ref_grads = attention_and_grads("einsum", "document", (1, 1))
-    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, **F32, err_msg=f"d{name}")
+    args = (Q, K, V, COTANGENT, STARTS)
+    helpers.assert_fewer_axes_get_summed_cotangents(splash_attention, "splash", args, ref_grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,9 +135,7 @@ def assert_model_close(mode: str) -> None:
     loss, grads = model_loss_and_grads("splash", mode)
     ref_loss, ref_grads = model_loss_and_grads("einsum", mode)
     np.testing.assert_allclose(loss, ref_loss, **MODEL_LOSS)
-    paths = jax.tree_util.tree_leaves_with_path(ref_grads)
-    for (path, r), g in zip(paths, jax.tree.leaves(grads), strict=True):
-        np.testing.assert_allclose(g, r, **MODEL_GRADS, err_msg=jax.tree_util.keystr(path))
+    assert_trees_close(grads, ref_grads, **MODEL_GRADS)
 
 
 def test_model_with_splash_equals_einsum():
@@ -234,20 +167,6 @@ def test_hosting_adds_no_collective():
         cfg = tiny_model(attention_impl=impl, **MODEL)
         counts[impl] = count_collectives(jax.jit(loss_and_grad(cfg, mesh)), *model_args(cfg, mesh))
     assert counts["splash"] == counts["einsum"]
-
-
-def pallas_calls(jaxpr) -> int:
-    """Pallas kernels in a jaxpr, sub-jaxprs (scan, shard_map, custom_vjp, checkpoint) included."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "pallas_call"
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    n += pallas_calls(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    n += pallas_calls(sub)
-    return n
 
 
 @pytest.mark.parametrize("remat, kernels", [("saved", 4), ("full", 5)])
