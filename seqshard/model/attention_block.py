@@ -505,6 +505,7 @@ ATTENTION = Block(
     input="x",
     output="h",
     aux=fp8_aux("attention", FP8_SITES, _HISTORY),
+    fp8_sites=FP8_SITES,
 )
 """The attention block's declarations. ``saved`` marks what remat=saved keeps: the operands
 whose recomputation would cost a matmul (q, k, v after RoPE, the attention output) and h."""

@@ -258,6 +258,8 @@ class Block:
     ``backward(cfg, inputs, w, a, d_out)``: its hand-written backward from the activations
     ``a`` its forward rebuilt: (dL/d input, {weight field: gradient, f32, in its layout}); None:
     the hand-written model backward takes ``jax.vjp`` of ``forward`` instead (re-running it).
+    ``fp8_sites``: the activations and weights its forward puts on e4m3's grid with
+    ``model.fp8``, in order (:mod:`seqshard.model.fp8_scaling`).
     """
 
     name: str
@@ -269,6 +271,7 @@ class Block:
     input: str = "h"
     output: str = "out"
     aux: Aux | None = None
+    fp8_sites: tuple[str, ...] = ()
 
     def activation(self, name: str) -> Activation:
         for a in self.activations:

@@ -220,5 +220,6 @@ SWIGLU = Block(
     forward=swiglu_forward,
     backward=swiglu_backward,
     aux=fp8_aux("swiglu", FP8_SITES, _HISTORY),
+    fp8_sites=FP8_SITES,
 )
 """The SwiGLU block's declarations: remat=saved keeps the gate and up projections."""

@@ -14,6 +14,7 @@ figures.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -27,9 +28,9 @@ from seqshard.model.cost import (
     param_counts,
     step_flops,
 )
-from seqshard.model.layers import runs
+from seqshard.model.layers import runs, stacks
 from seqshard.model.moe import MOE, capacity
-from seqshard.model.weights import weights_type
+from seqshard.model.weights import weight_structs, weights_type
 from seqshard.plan.planner import (
     FUSED_ATTENTION,
     Plan,
@@ -521,18 +522,37 @@ def _fp8_line(p: Plan) -> str:
     )
     gathers = [c for c in p.collectives if c.dtype.startswith("float8")]
     sent = sum(c.bytes_per_step for c in gathers)
-    gathered = (
-        f"{sum(c.calls for c in gathers)} weight gathers a step in e4m3, "
-        f"{format_bytes(sent)} sent per device "
-        f"(bf16: {format_bytes(2 * sent)})"
-        if gathers
-        else "no weight gathers on this mesh (FSDP gathers them in e4m3: 1 byte an element)"
-    )
+    if gathers:
+        gathered = (
+            f"{sum(c.calls for c in gathers)} weight gathers a step in e4m3, "
+            f"{format_bytes(sent)} sent per device (bf16: {format_bytes(2 * sent)})"
+        )
+    else:
+        whole = _fp8_weight_elements(m)
+        gathered = (
+            f"no weight gathers on this mesh; FSDP gathers those weights in e4m3, "
+            f"{format_bytes(whole)} all layers (bf16: {format_bytes(2 * whole)})"
+        )
     return (
         f"  model.fp8={m.fp8}: {', '.join(names)} multiply e4m3 operands (gradients e5m2), "
         f"{_flops(p.fp8_flops)} of {_flops(p.hardware_flops)} {peak} (compute "
         f"{p.fp8_speedup:.2f}x faster than bf16's); {gathered}"
     )
+
+
+def _fp8_weight_elements(m) -> int:
+    """The elements of the layer weights the blocks put on e4m3's grid (their FP8 sites that
+    are weights), all layers: one byte each in an FP8 gather."""
+    structs = weight_structs(m)
+    total = 0
+    for stack in stacks(m):
+        fields = {f.name for f in dataclasses.fields(stack.layer_type)}
+        layers = getattr(structs, stack.name)
+        for block in stack.blocks:
+            for site in block.fp8_sites:
+                if site in fields:
+                    total += math.prod(getattr(layers, site).shape)
+    return total
 
 
 def _plan_memory(p: Plan) -> list[str]:

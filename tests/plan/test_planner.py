@@ -235,6 +235,10 @@ def test_fp8_projections_run_at_the_fp8_peak_and_gather_half_the_bytes():
     )
     text = format_plan(q)
     assert "1979 dense FP8" in text and "24 weight gathers a step in e4m3" in text
+    # One device gathers nothing: the line gives the layers' FP8 weights in e4m3 instead
+    # (2 layers of w_q, w_kv, w_o 4.19M + 2.10M + 4.19M and 3 x 16.8M of the FFN: 121.5M).
+    alone = format_plan(plan(cfg, 1, "h100"))
+    assert "FSDP gathers those weights in e4m3, 116.00 MiB all layers" in alone
 
 
 def test_links_by_platform():
