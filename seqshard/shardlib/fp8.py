@@ -76,7 +76,6 @@ __all__ = [
     "local_weight_quantized",
     "on_grid",
     "quantized",
-    "saturated",
     "scale",
     "weight_spec",
 ]
@@ -138,12 +137,6 @@ def on_grid(x: jax.Array, s: jax.Array, fmt: jnp.dtype) -> jax.Array:
 def _bits(x: jax.Array, s: jax.Array, fmt: jnp.dtype) -> jax.Array:
     top = _largest(fmt)
     return jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(fmt)
-
-
-def saturated(x: jax.Array, s: jax.Array, fmt: jnp.dtype) -> jax.Array:
-    """How many elements of this block of ``x`` lie beyond ``fmt``'s range at scale ``s``
-    (saturated to +-max; NaN counts too), f32."""
-    return jnp.sum(~(jnp.abs(x.astype(jnp.float32) / s) <= _largest(fmt))).astype(jnp.float32)
 
 
 # --- the forward operands: on e4m3's grid, gradient straight through ------------------------

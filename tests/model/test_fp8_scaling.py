@@ -223,3 +223,9 @@ def test_pipelined_delayed_fp8_equals_the_reference_and_maxes_the_amaxes(schedul
     assert_close_to_reference(jax.tree.map(np.asarray, (value, grads)), want)
     amax = np.asarray(aux["layers"]["swiglu"]["fp8_amax"])  # [layers, sites]
     np.testing.assert_array_equal(amax[:, 1], np.max(np.abs(w.layers.w_gate), axis=(1, 2)))
+    # A site saturates where its amax passed its history's scale's range, in each microbatch.
+    history = np.max(w.layers.swiglu_fp8_history, axis=-1)
+    fits = 2.0 ** np.ceil(np.log2(history / 448)) * 448  # the power-of-two scale's range
+    saturated = np.asarray(aux["layers"]["swiglu"]["fp8_saturated"])
+    np.testing.assert_array_equal(saturated[:, 1:3], 2.0 * (amax[:, 1:3] > fits[:, 1:3]))
+    assert saturated.max() == 2  # the half-size histories make some site saturate

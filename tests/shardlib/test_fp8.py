@@ -40,12 +40,11 @@ def test_a_non_finite_amax_keeps_scale_one(amax):
     assert float(fp8.scale(jnp.float32(amax), fp8.BACKWARD)) == 1.0
 
 
-def test_values_past_the_range_saturate_and_are_counted():
+def test_values_past_the_range_saturate():
     x = jnp.array([1.0, -500.0, 1000.0, 448.0, np.inf, 3.0], jnp.float32)
     s = jnp.float32(1.0)
     y = fp8.on_grid(x, s, fp8.FORWARD)
     np.testing.assert_array_equal(y, [1.0, -448.0, 448.0, 448.0, 448.0, 3.0])
-    assert float(fp8.saturated(x, s, fp8.FORWARD)) == 3  # -500, 1000, inf
     # e4m3 keeps 3 mantissa bits: 17 lies between 16 and 18 (ties to even: 16).
     np.testing.assert_array_equal(fp8.on_grid(jnp.array([17.0, 19.0]), s, fp8.FORWARD), [16, 20])
 
