@@ -335,6 +335,7 @@ def _delayed_run(microbatches: int, steps: int):
     return first, histories, saturated
 
 
+@pytest.mark.slow
 def test_fp8_delayed_history_takes_the_steps_amaxes():
     """After a step each site's history holds the step's amax first, older ones shifted on;
     a weight's amax is its largest |entry| before the update, the same in both microbatches:
