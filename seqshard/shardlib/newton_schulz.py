@@ -17,6 +17,11 @@ holding whole matrices of some layers, iterates locally, and moves them back, tw
     newton_schulz on each                                         (no communication)
     S/p/fsdp/t M F  ->  S/p/fsdp M F/t  ->  S/p M/fsdp F/t
 
+Where a matrix is far wider than tall (``steps * M < F/t``), moving its columns would send more
+than keeping them split: its Gram ``X X^T`` is then the column blocks' ``einsum_unreduced``
+summed by a ``psum`` over their axes in each step, and only the rows move (the rule:
+:func:`_gram_over_split_columns`; the projections of a transformer are never that wide).
+
 A device's block of the stack must split evenly over the moved axes: where the layers do not
 divide (3 layers on fsdp x t = 8 devices), the stack is padded with zero matrices, which stay
 zero (``0 / (0 + eps) = 0``), and cut back after. The bytes moved: each all_to_all sends
@@ -58,6 +63,37 @@ def newton_schulz(
     return jnp.swapaxes(x, -1, -2) if tall else x
 
 
+def _gram_over_split_columns(m: int, n_local: int, axes, steps: int) -> bool:
+    """Whether a matrix of ``m`` rows whose columns stay split over ``axes`` (``n_local`` each)
+    iterates with its Gram all-reduced (``steps`` all-reduces of m x m: 2 steps m^2 (k-1)/k
+    sent) rather than moving its columns onto the stack (there and back: 2 m n_local (k-1)/k):
+    when steps * m < n_local, only for matrices far wider than tall (k = the axes' devices)."""
+    return m <= n_local * shardops.axis_size(list(axes)) and steps * m < n_local
+
+
+def _split_columns_iteration(spec, col_axes, x, steps, coefficients, eps):
+    """:func:`newton_schulz` of whole-row, column-split matrices ``x`` 'Sp M F/t' (spec): the
+    Gram X X^T of each is its column blocks' products summed over t, the rest local::
+
+        sq   = psum('Sp{U_t} -> Sp', sum of this block's squares)     # ||X||_F^2
+        gram = psum('Sp M N{U_t} -> Sp M N', einsum_unreduced('Sp M F/t, Sp N F/t -> ...'))
+    """
+    a, b, c = coefficients
+    s_dim, m_label, f_dim = spec.split()
+    t = ",".join(col_axes)
+    x = x.astype(jnp.float32)
+    sq = shardops.psum(f"{s_dim}{{U_{t}}} -> {s_dim}", jnp.sum(x * x, axis=(-2, -1)))
+    x = x / (jnp.sqrt(sq)[:, None, None] + eps)
+    for _ in range(steps):
+        partial = shardops.einsum_unreduced(
+            f"{spec}, {s_dim} N {f_dim} -> {s_dim} {m_label} N{{U_{t}}}", x, x
+        )
+        # Each device multiplied its own columns: the Gram is the sum over their split.
+        gram = shardops.psum(f"{s_dim} {m_label} N{{U_{t}}} -> {s_dim} {m_label} N", partial)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x
+
+
 def orthogonalized(
     spec: str, g: jax.Array, steps: int = 5, coefficients=COEFFICIENTS, eps: float = 1e-8
 ) -> jax.Array:
@@ -72,23 +108,26 @@ def orthogonalized(
     x = g.astype(jnp.float32)
     if padded != local:  # zero matrices, which stay zero
         x = jnp.concatenate([x, jnp.zeros((padded - local, *x.shape[1:]), x.dtype)])
-    # The padded stack is labelled Sp: its size is not the declared stack's.
+    # The padded stack is labelled Sp: its size is not the declared stack's. (Padding for the
+    # columns' axes too, when they stay split, keeps one rule; those stacks are rare.)
     labels = ("Sp", rows.label, cols.label)
 
     def layout(*axes: tuple[str, ...]) -> str:
         return " ".join("/".join((label, *a)) for label, a in zip(labels, axes, strict=True))
 
     st, ra, ca = tuple(stack.axes), tuple(rows.axes), tuple(cols.axes)
-    # The rows' split onto the stack, then the columns': each device holds whole matrices.
-    moves = [
-        (layout(st, ra, ca), layout((*st, *ra), (), ca), ra),
-        (layout((*st, *ra), (), ca), layout((*st, *ra, *ca), (), ()), ca),
-    ]
-    for src, dst, axes in moves:
-        if axes:
-            x = shardops.all_to_all(f"{src} -> {dst}", x)
-    x = newton_schulz(x, steps, coefficients, eps)
-    for src, dst, axes in reversed(moves):
-        if axes:
-            x = shardops.all_to_all(f"{dst} -> {src}", x)
+    rows_moved = layout((*st, *ra), (), ca)
+    if ra:  # the rows' split onto the stack
+        x = shardops.all_to_all(f"{layout(st, ra, ca)} -> {rows_moved}", x)
+    if ca and _gram_over_split_columns(x.shape[-2], x.shape[-1], ca, steps):
+        x = _split_columns_iteration(rows_moved, ca, x, steps, coefficients, eps)
+    else:  # the columns' split onto the stack too: whole matrices
+        whole = layout((*st, *ra, *ca), (), ())
+        if ca:
+            x = shardops.all_to_all(f"{rows_moved} -> {whole}", x)
+        x = newton_schulz(x, steps, coefficients, eps)
+        if ca:
+            x = shardops.all_to_all(f"{whole} -> {rows_moved}", x)
+    if ra:
+        x = shardops.all_to_all(f"{rows_moved} -> {layout(st, ra, ca)}", x)
     return x[:local]

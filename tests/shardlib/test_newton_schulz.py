@@ -66,3 +66,20 @@ def test_sharded_equals_the_single_device_iteration(mesh_shape, spec, pspec):
     kinds = [c.kind for c in log.calls]
     moves = 2 if "/" in spec.split()[1] and "/" in spec.split()[2] else 1
     assert kinds == ["all-to-all"] * (2 * moves)
+
+
+def test_far_wider_matrices_keep_their_columns_split_and_all_reduce_the_gram():
+    """4 x 256 matrices, columns over t = 4 (64 each): 5 steps x 4 rows < 64, so moving the
+    columns would send more than five 4 x 4 all-reduces: the Gram is summed over t instead,
+    only the rows move (over d), and the result is the single-device iteration's."""
+    wide = RNG.standard_normal((3, 4, 256)).astype(np.float32)
+    mesh = fake_cpu_mesh((2, 4), ("d", "t"))
+    pspec = P(None, "d", "t")
+    f = jax.shard_map(
+        functools.partial(orthogonalized, "S M/d F/t"), mesh=mesh, in_specs=pspec, out_specs=pspec
+    )
+    want = np.asarray(newton_schulz(jnp.asarray(wide)))
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(wide)), want, rtol=1e-5, atol=1e-5)
+    calls = [(c.kind, c.axes) for c in collective_log.traced(f, wide).calls]
+    gram = [("all-reduce", ("t",))] * 6  # the norm, then one per step
+    assert calls == [("all-to-all", ("d",)), *gram, ("all-to-all", ("d",))]
