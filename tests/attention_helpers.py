@@ -10,8 +10,11 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
+from model_weights import tiny_model
 
+from seqshard.model import loss_fn, weight_structs
 from seqshard.model.attention import attention, attention_mask
 from seqshard.shardlib.shardtypes import bool_, f32, typed_shard_map
 from seqshard.testing import fake_cpu_mesh
@@ -116,3 +119,29 @@ def pallas_calls(jaxpr) -> int:
                 elif isinstance(sub, jax.extend.core.Jaxpr):
                     n += pallas_calls(sub)
     return n
+
+
+# The kernels in the model: the tiny model with 2 kv heads x 2 q heads per kv head (one of each
+# per t shard of 2), batches of MODEL_BATCH rows.
+MODEL_BATCH = 4
+MODEL = dict(n_kv=2)
+
+
+def loss_and_grad(cfg, mesh):
+    return jax.value_and_grad(lambda w, t, s: loss_fn(w, t, s, cfg, mesh))
+
+
+def model_args(cfg, mesh, length: int):
+    """The abstract (weights, tokens, is_seq_start) of a batch of ``length``-token rows."""
+    tokens = jax.ShapeDtypeStruct((MODEL_BATCH, length), jnp.int32)
+    return weight_structs(cfg, mesh), tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.bool_)
+
+
+def seq_len_error(impl: str, length: int = 100) -> str:
+    """The message of the error tracing the model with ``impl`` on rows of ``length`` tokens
+    raises (a length the kernel cannot block)."""
+    cfg = tiny_model(attention_impl=impl, **MODEL)
+    mesh = mesh_of((2, 2))
+    with pytest.raises(ValueError) as info:
+        jax.eval_shape(loss_and_grad(cfg, mesh), *model_args(cfg, mesh, length))
+    return str(info.value)

@@ -52,13 +52,7 @@ from seqshard.model.context import (
     ring_backward,
     ring_forward,
 )
-from seqshard.model.fp8_scaling import (
-    Scaling,
-    delayed,
-    fp8_aux,
-    history_weight,
-    no_history_gradient,
-)
+from seqshard.model.fp8_scaling import Fp8Sites, Scaling, delayed, history_weight
 from seqshard.model.grads import (
     normed_projections_backward,
     output_projection_backward,
@@ -146,14 +140,8 @@ def _fp8(cfg: ModelConfig, c: int) -> bool:
     return cfg.fp8 != "none"
 
 
-FP8_SITES = ("nx", "w_q", "w_kv", "o_in", "w_o")
+FP8 = Fp8Sites("attention", ("nx", "w_q", "w_kv", "o_in", "w_o"), "attention_fp8_history")
 """The tensors the block puts on e4m3's grid with model.fp8 (seqshard.model.fp8_scaling)."""
-_HISTORY = "attention_fp8_history"
-
-
-def scaling(cfg: ModelConfig, w) -> Scaling:
-    """The block's FP8 scaling in the layer ``w``."""
-    return Scaling(cfg, FP8_SITES, getattr(w, _HISTORY, None))
 
 
 _R = "B/dp L/c M/t"  # the residual's size per device (either layout of model.residual)
@@ -168,7 +156,7 @@ def attention_inputs(
     """Pre-norm, then q 'B/dp L@zigzag/c Q K/t D' and k, v 'B/dp L@zigzag/c K/t D', q and k
     rotated by RoPE. ``a`` holds the layer input ``x``; ``sc`` the block's FP8 scaling."""
     dt = jnp.dtype(cfg.compute_dtype)
-    sc = sc or scaling(cfg, w)
+    sc = sc or FP8.scaling(cfg, w)
     cos, sin = rope
     x = a["x"]
     # The norm needs all of M, the projections every row: gather the gain, and the residual
@@ -247,7 +235,7 @@ def attention_output(cfg: ModelConfig, w, a: Activations, sc: Scaling | None = N
     """The output projection of ``attn`` plus the residual ``x``: h, a residual (``sc``: the
     block's FP8 scaling)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    sc = sc or scaling(cfg, w)
+    sc = sc or FP8.scaling(cfg, w)
     x, attn = a["x"], a["attn"]
     if cfg.fp8 != "none":  # the o projection's operand on e4m3's grid, kept beside attn
         attn = a("o_in", lambda: sc.quantized("o_in", f"{_ROWS} Q K/t Dv", attn))
@@ -266,7 +254,7 @@ def attention_output(cfg: ModelConfig, w, a: Activations, sc: Scaling | None = N
 def attention_block_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array:
     """The block on the residual ``a['x']``: q, k, v, attention over the row, the output
     projection plus the residual: h (and, with model.fp8=delayed, its FP8 sites' amaxes)."""
-    sc = scaling(cfg, w)
+    sc = FP8.scaling(cfg, w)
     attention_inputs(cfg, w, a, inputs.rope, sc)
     attention_core(cfg, a, inputs.rows, inputs.mask)
     h = attention_output(cfg, w, a, sc)
@@ -299,7 +287,7 @@ def attention_block_backward(
     d_gx, grads = normed_projections_backward(
         cfg, a, _ATTENTION_INPUT, [("w_q", "M Q K/t D", d_q), ("w_kv", "2 M K/t D", d_kv)], "q_kv"
     )
-    history = no_history_gradient(cfg, w, _HISTORY)
+    history = FP8.no_history_gradient(cfg, w)
     return d_h + d_gx, {**grads, "w_o": d_w_o.astype(f32), **qk_grads, **history}
 
 
@@ -504,8 +492,8 @@ ATTENTION = Block(
     backward=attention_block_backward,
     input="x",
     output="h",
-    aux=fp8_aux("attention", FP8_SITES, _HISTORY),
-    fp8_sites=FP8_SITES,
+    aux=FP8.aux(),
+    fp8_sites=FP8.names,
 )
 """The attention block's declarations. ``saved`` marks what remat=saved keeps: the operands
 whose recomputation would cost a matmul (q, k, v after RoPE, the attention output) and h."""

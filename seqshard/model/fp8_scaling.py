@@ -39,7 +39,7 @@ from seqshard.model.block import Aux, weight
 from seqshard.model.config import ModelConfig
 from seqshard.shardlib import collective_log, fp8
 
-__all__ = ["Scaling", "delayed", "fp8_aux", "history_weight", "no_history_gradient"]
+__all__ = ["Fp8Sites", "Scaling", "delayed", "fp8_aux", "history_weight", "no_history_gradient"]
 
 
 def delayed(cfg: ModelConfig) -> bool:
@@ -98,6 +98,27 @@ class Scaling:
             "fp8_amax": jnp.stack([self.amax.get(s, zero) for s in self.sites]),
             "fp8_saturated": jnp.stack([self.saturated.get(s, zero) for s in self.sites]),
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Sites:
+    """A block's FP8 sites, declared once: the block's name, the sites in order, and its
+    history weight's field. The block reads from it its :class:`Scaling` in a layer, its
+    :class:`~seqshard.model.block.Aux` and its history's (zero) gradient."""
+
+    block: str
+    names: tuple[str, ...]
+    field: str
+
+    def scaling(self, cfg: ModelConfig, w) -> Scaling:
+        """The block's scaling in the layer ``w`` (its history, when the layer has one)."""
+        return Scaling(cfg, self.names, getattr(w, self.field, None))
+
+    def aux(self) -> Aux:
+        return fp8_aux(self.block, self.names, self.field)
+
+    def no_history_gradient(self, cfg: ModelConfig, w) -> dict[str, jax.Array]:
+        return no_history_gradient(cfg, w, self.field)
 
 
 def fp8_aux(block: str, sites: Sequence[str], field: str) -> Aux:

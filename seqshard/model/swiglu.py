@@ -31,13 +31,7 @@ from seqshard.model.block import (
     weight,
 )
 from seqshard.model.config import ModelConfig
-from seqshard.model.fp8_scaling import (
-    Scaling,
-    delayed,
-    fp8_aux,
-    history_weight,
-    no_history_gradient,
-)
+from seqshard.model.fp8_scaling import Fp8Sites, Scaling, delayed, history_weight
 from seqshard.model.grads import normed_projections_backward, output_projection_backward
 from seqshard.model.norm import norm_input, norm_op, normed
 from seqshard.shardlib import fp8, shardops
@@ -75,9 +69,8 @@ class SwigluWeights:
     swiglu_fp8_history: f32["5 fp8_history"] = history_weight()
 
 
-FP8_SITES = ("nh", "w_gate", "w_up", "y", "w_down")
+FP8 = Fp8Sites("swiglu", ("nh", "w_gate", "w_up", "y", "w_down"), "swiglu_fp8_history")
 """The tensors the block puts on e4m3's grid with model.fp8 (seqshard.model.fp8_scaling)."""
-_HISTORY = "swiglu_fp8_history"
 
 
 _R = "B/dp L/c M/t"
@@ -91,7 +84,7 @@ def ffn(cfg: ModelConfig, w, a: Activations, sc: Scaling | None = None) -> jax.A
     ``a`` rebuilds a layer for its backward, which never reads it). ``sc``: the block's FP8
     scaling."""
     dt = jnp.dtype(cfg.compute_dtype)
-    sc = sc or Scaling(cfg, FP8_SITES, getattr(w, _HISTORY, None))
+    sc = sc or FP8.scaling(cfg, w)
     h = a["h"]
     ln2 = a("ln2", lambda: shardops.all_gather("M/t/fsdp -> M", w.ln2))
     gh = a("gh", lambda: norm_input(cfg, h))
@@ -147,14 +140,14 @@ def swiglu_backward(
     d_gh, grads = normed_projections_backward(
         cfg, a, _FFN_INPUT, [("w_gate", "M F/t", d_gate), ("w_up", "M F/t", d_up)], "gate_up"
     )
-    history = no_history_gradient(cfg, w, _HISTORY)
+    history = FP8.no_history_gradient(cfg, w)
     return d_out + d_gh, {**grads, "w_down": d_w_down.astype(f32), **history}
 
 
 def swiglu_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array | None:
     """The block on the residual ``a['h']``: :func:`ffn` (and, with model.fp8=delayed, its
     FP8 sites' amaxes)."""
-    sc = Scaling(cfg, FP8_SITES, getattr(w, _HISTORY, None))
+    sc = FP8.scaling(cfg, w)
     out = ffn(cfg, w, a, sc)
     return (out, sc.aux()) if delayed(cfg) else out
 
@@ -219,7 +212,7 @@ SWIGLU = Block(
     weights=SwigluWeights,
     forward=swiglu_forward,
     backward=swiglu_backward,
-    aux=fp8_aux("swiglu", FP8_SITES, _HISTORY),
-    fp8_sites=FP8_SITES,
+    aux=FP8.aux(),
+    fp8_sites=FP8.names,
 )
 """The SwiGLU block's declarations: remat=saved keeps the gate and up projections."""

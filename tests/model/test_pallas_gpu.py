@@ -34,14 +34,21 @@ import functools
 import attention_helpers as helpers
 import jax
 import jax.extend
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_helpers import assert_attention_close, mesh_of, pallas_calls
+from attention_helpers import (
+    MODEL,
+    MODEL_BATCH,
+    assert_attention_close,
+    loss_and_grad,
+    model_args,
+    pallas_calls,
+    seq_len_error,
+)
 from model_weights import assert_trees_close, packed_batch, random_weights, tiny_model
 
 from seqshard.mesh import mesh_of_sizes
-from seqshard.model import logits_fn, loss_fn, pallas_gpu, weight_structs
+from seqshard.model import logits_fn, pallas_gpu
 from seqshard.model.pallas_gpu import block_sizes, pallas_attention
 
 BATCH, LENGTH, N_Q, N_KV, D_HEAD = 4, 64, 2, 2, 8
@@ -148,8 +155,6 @@ def test_dense_mask_falls_back_to_einsum():
 # ---------------------------------------------------------------------------------------------
 # In the model: loss and gradients, kernel runs, the split over c
 
-MODEL_BATCH = 4
-MODEL = dict(n_kv=2)  # 2 kv heads x 2 q heads per kv head: one of each per t shard of 2
 
 # f32, 2 layers, remat=saved: test_splash.py's bounds; measured here, c = 1 and 2: the loss
 # equal (4.77), gradients within 1.2e-7 (entries up to 0.24).
@@ -159,10 +164,6 @@ MODEL_GRADS = dict(rtol=1e-5, atol=1e-6)
 
 def model_mesh(c: int):
     return mesh_of_sizes({"d": 2 // c, "c": c, "t": 2})
-
-
-def loss_and_grad(cfg, mesh):
-    return jax.value_and_grad(lambda w, t, s: loss_fn(w, t, s, cfg, mesh))
 
 
 @functools.cache
@@ -207,15 +208,12 @@ def test_no_logit_sees_a_later_token_or_another_document():
         assert np.abs(logits[row, j:end] - logits[0, j:end]).max() > 1e-3  # the test can fail
 
 
-def model_args(cfg, mesh):
-    tokens = jax.ShapeDtypeStruct((MODEL_BATCH, LENGTH), jnp.int32)
-    return weight_structs(cfg, mesh), tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.bool_)
-
-
 def kernels_per_step(c: int, **changes) -> int:
     cfg = tiny_model(attention_impl="pallas", **MODEL, **changes)
     mesh = model_mesh(c)
-    return pallas_calls(jax.make_jaxpr(loss_and_grad(cfg, mesh))(*model_args(cfg, mesh)).jaxpr)
+    return pallas_calls(
+        jax.make_jaxpr(loss_and_grad(cfg, mesh))(*model_args(cfg, mesh, LENGTH)).jaxpr
+    )
 
 
 @pytest.mark.parametrize("remat, kernels", [("saved", 4), ("full", 5)])
@@ -250,12 +248,6 @@ def test_blocks_are_the_kernel_defaults_cut_to_divide_the_length():
 
 
 def test_length_the_kernel_cannot_block_names_seq_len():
-    cfg = tiny_model(attention_impl="pallas", **MODEL)
-    mesh = mesh_of((2, 2))
-    tokens = jax.ShapeDtypeStruct((MODEL_BATCH, 100), jnp.int32)
-    starts = jax.ShapeDtypeStruct((MODEL_BATCH, 100), jnp.bool_)
-    with pytest.raises(ValueError) as info:
-        jax.eval_shape(loss_and_grad(cfg, mesh), weight_structs(cfg, mesh), tokens, starts)
-    message = str(info.value)
+    message = seq_len_error("pallas")
     assert "seq_len=100" in message and "multiple of 16" in message
     assert "attention_impl=cudnn" in message  # the fix

@@ -25,13 +25,23 @@ import functools
 import attention_helpers as helpers
 import jax
 import jax.extend
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_helpers import F32, assert_attention_close, attend_fn, mesh_of, pallas_calls
+from attention_helpers import (
+    F32,
+    MODEL,
+    MODEL_BATCH,
+    assert_attention_close,
+    attend_fn,
+    loss_and_grad,
+    mesh_of,
+    model_args,
+    pallas_calls,
+    seq_len_error,
+)
 from model_weights import assert_trees_close, packed_batch, random_weights, tiny_model
 
-from seqshard.model import loss_fn, weight_structs
+from seqshard.model import loss_fn
 from seqshard.model.splash import block_size, splash_attention
 from seqshard.testing import count_collectives
 
@@ -111,9 +121,6 @@ def test_inputs_that_vary_over_fewer_axes_get_summed_cotangents():
 # ---------------------------------------------------------------------------------------------
 # In the model: loss and gradients, communication, kernel runs
 
-MODEL_BATCH = 4
-MODEL = dict(n_kv=2)  # 2 kv heads x 2 q heads per kv head: one of each per t shard of 2
-
 
 @functools.cache
 def model_loss_and_grads(impl: str, mode: str):
@@ -148,15 +155,6 @@ def test_model_with_splash_equals_einsum_causal():
     assert_model_close("causal")
 
 
-def model_args(cfg, mesh):
-    tokens = jax.ShapeDtypeStruct((MODEL_BATCH, LENGTH), jnp.int32)
-    return weight_structs(cfg, mesh), tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.bool_)
-
-
-def loss_and_grad(cfg, mesh):
-    return jax.value_and_grad(lambda w, t, s: loss_fn(w, t, s, cfg, mesh))
-
-
 @pytest.mark.slow
 def test_hosting_adds_no_collective():
     """The unchecked region moves no data: the compiled loss-and-gradient holds exactly the
@@ -165,7 +163,9 @@ def test_hosting_adds_no_collective():
     counts = {}
     for impl in ("einsum", "splash"):
         cfg = tiny_model(attention_impl=impl, **MODEL)
-        counts[impl] = count_collectives(jax.jit(loss_and_grad(cfg, mesh)), *model_args(cfg, mesh))
+        counts[impl] = count_collectives(
+            jax.jit(loss_and_grad(cfg, mesh)), *model_args(cfg, mesh, LENGTH)
+        )
     assert counts["splash"] == counts["einsum"]
 
 
@@ -176,7 +176,7 @@ def test_kernel_runs_per_layer(remat, kernels):
     kernel; 'full' runs the forward kernel once more. The scanned body appears once."""
     cfg = tiny_model(attention_impl="splash", remat=remat, **MODEL)
     mesh = mesh_of((2, 2))
-    jaxpr = jax.make_jaxpr(loss_and_grad(cfg, mesh))(*model_args(cfg, mesh))
+    jaxpr = jax.make_jaxpr(loss_and_grad(cfg, mesh))(*model_args(cfg, mesh, LENGTH))
     assert pallas_calls(jaxpr.jaxpr) == kernels
 
 
@@ -191,13 +191,7 @@ def test_block_is_the_largest_of_512_256_128_dividing_the_length():
 
 
 def test_length_the_kernel_cannot_block_names_seq_len():
-    cfg = tiny_model(attention_impl="splash", **MODEL)
-    mesh = mesh_of((2, 2))
-    tokens = jax.ShapeDtypeStruct((MODEL_BATCH, 100), jnp.int32)
-    starts = jax.ShapeDtypeStruct((MODEL_BATCH, 100), jnp.bool_)
-    with pytest.raises(ValueError) as info:
-        jax.eval_shape(loss_and_grad(cfg, mesh), weight_structs(cfg, mesh), tokens, starts)
-    message = str(info.value)
+    message = seq_len_error("splash")
     assert "seq_len=100" in message and "multiple of 128" in message
     assert "attention_impl=einsum" in message  # the fix
 

@@ -83,12 +83,7 @@ def test_mode_none_is_the_identity_and_logs_nothing(mesh):
 def test_the_gradient_of_an_operand_passes_straight_through(mesh):
     x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
     ct = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
-    f = jax.shard_map(
-        lambda x: fp8.quantized("current", "B/d M/t", x),
-        mesh=mesh,
-        in_specs=P("d", "t"),
-        out_specs=P("d", "t"),
-    )
+    f = _shard_map(mesh, lambda x: fp8.quantized("current", "B/d M/t", x), P("d", "t"), P("d", "t"))
     _, pull = jax.vjp(f, x)
     np.testing.assert_array_equal(pull(ct)[0], ct)
 
@@ -98,11 +93,8 @@ def test_a_cotangent_goes_on_e5m2s_grid_at_its_whole_scale(mesh):
     y = rng.standard_normal((4, 8)).astype(np.float32)
     ct = (rng.standard_normal((4, 8)) * 1e-4).astype(np.float32)
     ct[3, 1] = 2e-2
-    f = jax.shard_map(
-        lambda y: fp8.gradient_quantized("current", "B/d M/t", y),
-        mesh=mesh,
-        in_specs=P("d", "t"),
-        out_specs=P("d", "t"),
+    f = _shard_map(
+        mesh, lambda y: fp8.gradient_quantized("current", "B/d M/t", y), P("d", "t"), P("d", "t")
     )
     out, pull = jax.vjp(f, y)
     np.testing.assert_array_equal(out, y)  # the forward is untouched
@@ -117,14 +109,10 @@ def test_a_cotangent_goes_on_e5m2s_grid_at_its_whole_scale(mesh):
 
 
 def test_gradients_are_finite_at_a_zero_amax_and_past_the_range(mesh):
-    f = jax.shard_map(
-        lambda x: fp8.gradient_quantized(
-            "current", "B/d M/t", fp8.quantized("current", "B/d M/t", x)
-        ),
-        mesh=mesh,
-        in_specs=P("d", "t"),
-        out_specs=P("d", "t"),
-    )
+    def both(x):
+        return fp8.gradient_quantized("current", "B/d M/t", fp8.quantized("current", "B/d M/t", x))
+
+    f = _shard_map(mesh, both, P("d", "t"), P("d", "t"))
     zeros = np.zeros((4, 8), np.float32)
     out, pull = jax.vjp(f, zeros)
     np.testing.assert_array_equal(out, zeros)
