@@ -86,7 +86,7 @@ def build(v: Variant, impl: str, tokens, starts) -> None:
         model=model, mesh=MeshConfig(d=ROWS // v.c if v.c < ROWS else 1, c=v.c), train=train
     )
     mesh = mesh_of_sizes(cfg.mesh.sizes())
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, cfg.model, mesh)
     v.state = init_train_state(cfg.model, mesh, opt, jax.random.key(0))
     v.batch = jax.device_put(
         TokenBatch(tokens=tokens, is_seq_start=starts, loss_mask=np.ones_like(starts))

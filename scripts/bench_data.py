@@ -104,7 +104,7 @@ def main() -> None:
                 jax.block_until_ready(loader.batch_at(step))
             loader_rate = args.steps * B * L / (time.perf_counter() - t0)
     mesh = training_mesh(cfg.mesh.sizes())
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, cfg.model, mesh)
     state = init_train_state(cfg.model, mesh, opt, jax.random.key(0))
     step_fn = make_train_step(cfg, mesh, opt)
 

@@ -450,7 +450,7 @@ def build(
     built = Built({}, {}, None, None)
     for mode, cfg in cfgs.items():
         try:
-            opt = make_optimizer(cfg.train)
+            opt = make_optimizer(cfg.train, cfg.model, mesh)
             state = init_train_state(cfg.model, mesh, opt, jax.random.key(cfg.train.seed))
             if mode == "none" and not args.no_plain:
                 built.plain, built.plain_error = _plain_variant(state, batch, device)
@@ -463,7 +463,7 @@ def build(
     if not built.seqshard or args.no_plain:
         built.plain = None
         return built
-    opt = make_optimizer(bf16.train)
+    opt = make_optimizer(bf16.train, bf16.model, mesh)
     if built.plain is None and built.plain_error is None:  # no mode none: the same weights
         try:
             state = init_train_state(bf16.model, mesh, opt, jax.random.key(bf16.train.seed))

@@ -418,7 +418,7 @@ def make_batch(vocab: int, rows: int, length: int, seed: int = 0) -> TokenBatch:
 
 def build(v: Variant, batch: TokenBatch, warmup: int, hlo_dir: Path | None) -> None:
     """Compile, read collectives and memory, warm up; the first step's loss is kept."""
-    opt = make_optimizer(v.cfg.train)
+    opt = make_optimizer(v.cfg.train, v.cfg.model, v.mesh)
     jitted = IMPLS[v.impl](v.cfg, v.mesh, opt)
     state = init_train_state(v.cfg.model, v.mesh, opt, jax.random.key(v.cfg.train.seed))
     v.batch = jax.device_put(batch, shardings(TokenBatch, v.mesh))

@@ -86,7 +86,7 @@ def _batch(mesh) -> TokenBatch:
 
 def _prepare(v: Variant) -> None:
     mesh = mesh_of_sizes(v.cfg.mesh.sizes())
-    opt = make_optimizer(v.cfg.train)
+    opt = make_optimizer(v.cfg.train, v.cfg.model, mesh)
     v.state = init_train_state(v.cfg.model, mesh, opt, jax.random.key(0))
     batch = _batch(mesh)
     v.step = make_train_step(v.cfg, mesh, opt)

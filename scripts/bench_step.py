@@ -323,7 +323,7 @@ def model_for_mesh(base: ModelConfig, d: int, t: int) -> tuple[ModelConfig, str]
 
 def build(v: Variant, tokens: np.ndarray, starts: np.ndarray, warmup: int, hlo_dir: Path | None):
     """Compile, count collectives, read memory, warm up; the first step's loss is kept."""
-    opt = make_optimizer(v.cfg.train)
+    opt = make_optimizer(v.cfg.train, v.cfg.model, v.mesh)
     make = v.make or IMPLS[v.impl]
     jitted = make(v.cfg, v.mesh, opt)
     state = init_train_state(v.cfg.model, v.mesh, opt, jax.random.key(v.cfg.train.seed))

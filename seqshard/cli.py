@@ -569,7 +569,7 @@ def export_checkpoint(
     export.check()
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", read_only=True, log=log)
     try:
-        restored = ckpt.restore(cfg, mesh, make_optimizer(cfg.train), step)
+        restored = ckpt.restore(cfg, mesh, make_optimizer(cfg.train, cfg.model, mesh), step)
     finally:
         ckpt.close()
     # Layer i of the export is the model's layer i, whatever order the stages store.

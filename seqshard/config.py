@@ -62,6 +62,7 @@ __all__ = [
     "MeshConfig",
     "MixtureSource",
     "MixtureStage",
+    "MuonConfig",
     "ProfileConfig",
     "REMAINING",
     "SECTIONS",
@@ -221,8 +222,29 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """Muon for the weight matrices with ``train.optimizer=muon`` (:mod:`seqshard.train.muon`):
+    momentum orthogonalized by a Newton-Schulz iteration on whole matrices, moved there by
+    all_to_alls; the embedding, head, norm gains and router stay on AdamW (``train.beta1`` ...).
+    Both share ``train.lr``'s schedule and ``train.weight_decay``."""
+
+    momentum: float = 0.95  # the momentum's decay (an EMA of the gradients, bias-corrected)
+    nesterov: bool = True  # orthogonalize momentum * m + (1 - momentum) * g, not m
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)  # (a, b, c) of
+    #   the quintic X <- a X + (b A + c A^2) X, A = X X^T (Keller Jordan's)
+    scale: Literal["rms", "width"] = "rms"  # rms: the update times rms * sqrt(max(in, out)),
+    #   AdamW's RMS (Moonlight), so AdamW's lr and decay carry over; width: sqrt(max(1, out/in))
+    rms: float = 0.2  # the update RMS that scale=rms matches
+    qk_clip: float = 0.0  # MuonClip (Kimi K2): after each step, a head whose largest attention
+    #   logit passed this has its q and k weights scaled so it is back at it; 0: off. Needs
+    #   model.max_logit
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The optimization: AdamW with clipping, a warmup + cosine or warmup-stable-decay schedule."""
+    """The optimization: AdamW (or Muon for the matrices) with clipping, a warmup + cosine or
+    warmup-stable-decay schedule."""
 
     steps: int = 1000  # optimizer steps in all (the schedule's length; a resumed run with
     #   more steps trains on)
@@ -233,6 +255,9 @@ class TrainConfig:
     pipeline_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # with mesh.p > 1:
     #   the order of the microbatches' passes through the stages
     pipeline_repeats: int = 1  # circular: layer blocks per stage (virtual stages)
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the weight matrices
+    #   (train.muon), AdamW for the rest
+    muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)  # with optimizer=muon
     lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     warmup_steps: int = 100  # linear warmup from 0
@@ -607,6 +632,7 @@ def check_config(cfg: Config) -> None:
     _check_schedule(cfg.train)
     _check_cadence(cfg.train)
     _check_optimizer(cfg.train)
+    _check_muon(cfg)
     check_run_name(cfg.run.name)
     _check_trackers(cfg.run.trackers)
     _check_profile(cfg.train)
@@ -764,6 +790,22 @@ def _check_optimizer(train: TrainConfig) -> None:
         raise ConfigError(
             f"train.beta1 and train.beta2 must be in [0, 1) and train.eps > 0; got "
             f"{train.beta1}, {train.beta2}, {train.eps}."
+        )
+
+
+def _check_muon(cfg: Config) -> None:
+    """``train.muon``'s keys are in range (read with ``train.optimizer=muon`` only)."""
+    muon = cfg.train.muon
+    numbers = {"momentum": muon.momentum, "rms": muon.rms, "qk_clip": muon.qk_clip}
+    numbers.update({f"ns_coefficients[{i}]": c for i, c in enumerate(muon.ns_coefficients)})
+    for name, value in numbers.items():
+        if not math.isfinite(value):
+            raise ConfigError(f"train.muon.{name} must be a finite number, got {value}.")
+    if not 0 <= muon.momentum < 1 or muon.ns_steps < 1 or muon.rms <= 0 or muon.qk_clip < 0:
+        raise ConfigError(
+            f"train.muon: momentum must be in [0, 1), ns_steps >= 1, rms > 0 and qk_clip >= 0 "
+            f"(0: off); got momentum={muon.momentum}, ns_steps={muon.ns_steps}, rms={muon.rms}, "
+            f"qk_clip={muon.qk_clip}."
         )
 
 

@@ -39,6 +39,7 @@ def latest_state(run_dir: Path, cfg):
     """The train state of the run's newest checkpoint, restored on ``cfg``'s mesh."""
     ckpt = Checkpointer(run_dir / "checkpoints")
     try:
-        return ckpt.restore(cfg, training_mesh(cfg.mesh.sizes()), make_optimizer(cfg.train)).state
+        mesh = training_mesh(cfg.mesh.sizes())
+        return ckpt.restore(cfg, mesh, make_optimizer(cfg.train, cfg.model, mesh)).state
     finally:
         ckpt.close()

@@ -98,7 +98,10 @@ class AttentionWeights:
 
     ln1: f32["d_model/t/fsdp"] = gain(_LAYER + "input_layernorm.weight")
     w_q: f32["d_model/fsdp n_q_per_kv n_kv/t d_head"] = weight(
-        _fan_in, hf=_LAYER + "self_attn.q_proj.weight", layout="(n_kv n_q_per_kv d_head) d_model"
+        _fan_in,
+        hf=_LAYER + "self_attn.q_proj.weight",
+        layout="(n_kv n_q_per_kv d_head) d_model",
+        matrix=("d_model", "n_q_per_kv n_kv d_head"),
     )
     w_kv: f32["2 d_model/fsdp n_kv/t d_head"] = weight(  # [0] makes k, [1] makes v
         _fan_in,
@@ -106,9 +109,13 @@ class AttentionWeights:
             (_LAYER + "self_attn.k_proj.weight", "(n_kv d_head) d_model"),
             (_LAYER + "self_attn.v_proj.weight", "(n_kv d_head) d_model"),
         ),
+        matrix=("d_model", "n_kv d_head"),  # k's and v's: two matrices
     )
     w_o: f32["d_model/fsdp n_q_per_kv n_kv/t d_head"] = weight(
-        _w_o_std, hf=_LAYER + "self_attn.o_proj.weight", layout="d_model (n_kv n_q_per_kv d_head)"
+        _w_o_std,
+        hf=_LAYER + "self_attn.o_proj.weight",
+        layout="d_model (n_kv n_q_per_kv d_head)",
+        matrix=("n_q_per_kv n_kv d_head", "d_model"),
     )
     # model.qk_norm's gains (absent without it), replicated: each device normalizes whole
     # heads, and d_head numbers are too few to be worth splitting.

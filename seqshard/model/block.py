@@ -73,13 +73,19 @@ class Weight:
     a function of the config), ``'ones'``, or ``'zeros'`` (state that starts empty: it takes
     no random key, so adding it changes no other weight's draw). ``hf``: its Hugging Face tensors, ``(name,
     layout)`` per part along its leading literal dim (``w_kv``: k then v); ``{i}`` is the
-    layer, the layout is in seqshard's dim names (:mod:`seqshard.hf.table`)."""
+    layer, the layout is in seqshard's dim names (:mod:`seqshard.hf.table`). ``matrix``:
+    ``(input dims, output dims)`` of the linear map it is, each a space-separated list of its
+    type's dim labels (``w_o``: ``('n_q_per_kv n_kv d_head', 'd_model')``); every other dim of
+    its type stacks matrices (the layers, ``w_kv``'s k and v, the experts). Muon
+    (``train.optimizer=muon``, :mod:`seqshard.train.muon`) takes exactly the weights that
+    declare one; None: AdamW (embeddings, the head, norm gains, the router)."""
 
     init: float | str | Callable[[ModelConfig], float]
     decay: bool = True  # AdamW's weight decay applies (not to norm gains)
     gathered_in: Dtype = "compute"  # the dtype the forward all-gathers it in
     hf: tuple[tuple[str, str], ...] = ()
     present: Callable[[ModelConfig], bool] = lambda m: True  # absent: not in the tree at all
+    matrix: tuple[str, str] | None = None
 
     def std(self, cfg: ModelConfig) -> float | str:
         return self.init(cfg) if callable(self.init) else self.init
@@ -93,13 +99,17 @@ def weight(
     gathered_in: Dtype = "compute",
     layout: str | None = None,
     present: Callable[[ModelConfig], bool] = lambda m: True,
+    matrix: tuple[str, str] | None = None,
 ) -> Any:
     """A weight field's declaration: ``w_up: f32['d_model/fsdp d_ff/t'] = weight(fan_in,
-    hf='model.layers.{i}.mlp.up_proj.weight', layout='d_ff d_model')``. ``present``: whether
-    a config has it (a weight it leaves off is absent from the weights' tree)."""
+    hf='model.layers.{i}.mlp.up_proj.weight', layout='d_ff d_model', matrix=('d_model',
+    'd_ff'))``. ``present``: whether a config has it (a weight it leaves off is absent from
+    the weights' tree); ``matrix``: the linear map's input and output dims (:class:`Weight`)."""
     if isinstance(hf, str):
         hf = ((hf, layout or ""),)
-    info = Weight(init, decay=decay, gathered_in=gathered_in, hf=tuple(hf), present=present)
+    info = Weight(
+        init, decay=decay, gathered_in=gathered_in, hf=tuple(hf), present=present, matrix=matrix
+    )
     return dataclasses.field(metadata={"seqshard": info})
 
 

@@ -122,12 +122,17 @@ class MLAWeights:
         hf=_ATTN + "q_proj.weight",
         layout="(n_kv n_q_per_kv d_head) d_model",
         present=_q_direct,
+        matrix=("d_model", "n_q_per_kv n_kv d_head"),
     )
     # q_lora_rank > 0: through a normed latent, computed whole on every t shard: its
     # projection's rows (and its norm's gain) rest split over t as well and are gathered
     # whole, as the router's and the norm gains' are.
     w_q_a: f32["d_model/t/fsdp q_lora"] = weight(
-        _fan_in, hf=_ATTN + "q_a_proj.weight", layout="q_lora d_model", present=_q_latent
+        _fan_in,
+        hf=_ATTN + "q_a_proj.weight",
+        layout="q_lora d_model",
+        present=_q_latent,
+        matrix=("d_model", "q_lora"),
     )
     q_a_norm: f32["q_lora/t/fsdp"] = gain(
         _ATTN + "q_a_layernorm.weight", layout="q_lora", present=_q_latent
@@ -137,18 +142,28 @@ class MLAWeights:
         hf=_ATTN + "q_b_proj.weight",
         layout="(n_kv n_q_per_kv d_head) q_lora",
         present=_q_latent,
+        matrix=("q_lora", "n_q_per_kv n_kv d_head"),
     )
     # The kv latent and the shared rope key, [latent | k_rope], whole on every t shard.
     w_kv_a: f32["d_model/t/fsdp kv_a"] = weight(
-        _fan_in, hf=_ATTN + "kv_a_proj_with_mqa.weight", layout="kv_a d_model"
+        _fan_in,
+        hf=_ATTN + "kv_a_proj_with_mqa.weight",
+        layout="kv_a d_model",
+        matrix=("d_model", "kv_a"),
     )
     kv_a_norm: f32["kv_lora/t/fsdp"] = gain(_ATTN + "kv_a_layernorm.weight", layout="kv_lora")
     # Per head [k_nope | v] from the normed latent.
     w_kv_b: f32["kv_lora/fsdp n_kv/t d_kv_b"] = weight(
-        _kv_fan_in, hf=_ATTN + "kv_b_proj.weight", layout="(n_kv d_kv_b) kv_lora"
+        _kv_fan_in,
+        hf=_ATTN + "kv_b_proj.weight",
+        layout="(n_kv d_kv_b) kv_lora",
+        matrix=("kv_lora", "n_kv d_kv_b"),
     )
     w_o: f32["d_model/fsdp n_q_per_kv n_kv/t d_v"] = weight(
-        _w_o_std, hf=_ATTN + "o_proj.weight", layout="d_model (n_kv n_q_per_kv d_v)"
+        _w_o_std,
+        hf=_ATTN + "o_proj.weight",
+        layout="d_model (n_kv n_q_per_kv d_v)",
+        matrix=("n_q_per_kv n_kv d_v", "d_model"),
     )
 
 

@@ -91,11 +91,16 @@ _LAYER = "model.layers.{i}."
 _EXPERT = _LAYER + "mlp.experts.{x}."
 
 
+_S_IN = ("d_model", "d_shared")  # the shared experts' gate and up map (down: the reverse)
+
+
 def _expert(init, proj: str):
     """A routed expert's weight, Hugging Face's ``mlp.experts.{x}.<proj>.weight`` (stored as
     nn.Linear's [out, in])."""
-    layout = "d_model d_expert" if proj == "down_proj" else "d_expert d_model"
-    return weight(init, hf=f"{_EXPERT}{proj}.weight", layout=layout)
+    down = proj == "down_proj"
+    layout = "d_model d_expert" if down else "d_expert d_model"
+    matrix = ("d_expert", "d_model") if down else ("d_model", "d_expert")  # one per expert
+    return weight(init, hf=f"{_EXPERT}{proj}.weight", layout=layout, matrix=matrix)
 
 
 def _fan_in(cfg: ModelConfig) -> float:
@@ -133,9 +138,11 @@ class ExpertFfnWeights:
     w_up: f32["experts/e d_model/d/c d_expert/t"] = _expert(_fan_in, "up_proj")
     w_down: f32["experts/e d_model/d/c d_expert/t"] = _expert(_w_down_std, "down_proj")
     # The shared experts (absent without any): one SwiGLU of n_shared x d_ff.
-    s_gate: f32["d_model/fsdp d_shared/t"] = weight(_fan_in, present=_has_shared)
-    s_up: f32["d_model/fsdp d_shared/t"] = weight(_fan_in, present=_has_shared)
-    s_down: f32["d_model/fsdp d_shared/t"] = weight(_w_down_std, present=_has_shared)
+    s_gate: f32["d_model/fsdp d_shared/t"] = weight(_fan_in, present=_has_shared, matrix=_S_IN)
+    s_up: f32["d_model/fsdp d_shared/t"] = weight(_fan_in, present=_has_shared, matrix=_S_IN)
+    s_down: f32["d_model/fsdp d_shared/t"] = weight(
+        _w_down_std, present=_has_shared, matrix=_S_IN[::-1]
+    )
 
 
 # Nothing inside the block is marked saved: under remat saved or full, autodiff re-runs the

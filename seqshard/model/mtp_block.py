@@ -58,7 +58,7 @@ class MTPWeights:
     hnorm: f32["d_model/t/fsdp"] = gain(_LAYER + "hnorm.weight")
     # [embedding | hidden] (2 d_model) -> d_model.
     w_eh: f32["d_model/fsdp mtp_in/t"] = weight(
-        _eh_std, hf=_LAYER + "eh_proj.weight", layout="d_model mtp_in"
+        _eh_std, hf=_LAYER + "eh_proj.weight", layout="d_model mtp_in", matrix=("mtp_in", "d_model")
     )
     head_norm: f32["d_model/t/fsdp"] = gain(_LAYER + "shared_head.norm.weight")
 

@@ -40,6 +40,7 @@ from seqshard.shardlib.shardtypes import f32, pytree_dataclass
 __all__ = ["SWIGLU", "SwigluWeights", "ffn", "swiglu_backward"]
 
 _LAYER = "model.layers.{i}."
+_IN, _OUT = ("d_model", "d_ff"), ("d_ff", "d_model")  # gate and up's map; down's
 
 
 def _fan_in(cfg: ModelConfig) -> float:
@@ -57,13 +58,13 @@ class SwigluWeights:
 
     ln2: f32["d_model/t/fsdp"] = gain(_LAYER + "post_attention_layernorm.weight")
     w_gate: f32["d_model/fsdp d_ff/t"] = weight(
-        _fan_in, hf=_LAYER + "mlp.gate_proj.weight", layout="d_ff d_model"
+        _fan_in, hf=_LAYER + "mlp.gate_proj.weight", layout="d_ff d_model", matrix=_IN
     )
     w_up: f32["d_model/fsdp d_ff/t"] = weight(
-        _fan_in, hf=_LAYER + "mlp.up_proj.weight", layout="d_ff d_model"
+        _fan_in, hf=_LAYER + "mlp.up_proj.weight", layout="d_ff d_model", matrix=_IN
     )
     w_down: f32["d_model/fsdp d_ff/t"] = weight(
-        _w_down_std, hf=_LAYER + "mlp.down_proj.weight", layout="d_model d_ff"
+        _w_down_std, hf=_LAYER + "mlp.down_proj.weight", layout="d_model d_ff", matrix=_OUT
     )
     # model.fp8=delayed: each FP8 site's amaxes of past steps (seqshard.model.fp8_scaling).
     swiglu_fp8_history: f32["5 fp8_history"] = history_weight()

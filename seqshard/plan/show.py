@@ -319,7 +319,7 @@ def compiled_step_report(cfg: Config) -> str:
     from seqshard.train.step import make_train_step
 
     mesh = training_mesh(cfg.mesh.sizes())
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, cfg.model, mesh)
     compiled = (
         make_train_step(cfg, mesh, opt)
         .lower(

@@ -15,7 +15,11 @@ to. From that log:
   policy re-runs in the backward pass (:func:`recomputed`); with ``explicit``, what
   backward.py logged as recomputation.
 
-The optimizer update runs no shardops (its global gradient norm is plain jit: XLA adds a few
+* **update**: the optimizer's: with ``train.optimizer=muon``, the all_to_alls (and the Gram
+  all-reduces of far-wide matrices) that move each matrix's momentum whole onto devices and
+  back (:mod:`seqshard.train.muon`), traced from the optimizer's update the same way.
+
+AdamW runs no shardops (its global gradient norm, Muon's too, is plain jit: XLA adds a few
 all-reduces of f32 scalars there, not predicted). One XLA optimization is modelled because it
 changes calls per step: with microbatches, the gathers of the weights outside the layer scan
 (embedding, unembedding, final norm) do not depend on the microbatch, and XLA hoists them out
@@ -67,6 +71,7 @@ import collections
 import dataclasses
 import functools
 
+import jax
 from jax.sharding import AbstractMesh, AxisType
 
 from seqshard.batch import batch_structs
@@ -86,10 +91,11 @@ __all__ = [
     "collectives_per_step",
     "format_planned_table",
     "logged_step",
+    "logged_update",
     "recomputed",
 ]
 
-PHASES = ("forward", "recompute", "backward")
+PHASES = ("forward", "recompute", "backward", "update")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +152,25 @@ def _logged_step(cfg: Config) -> tuple[LoggedCollective, ...]:
     batch = batch_structs(cfg.train.batch_size, cfg.train.seq_len)
     log = collective_log.traced(lambda w, b: grads_and_loss(w, b, cfg, mesh), weights, batch)
     return tuple(log.calls)
+
+
+def logged_update(cfg: Config) -> list[LoggedCollective]:
+    """What the shardops calls of one optimizer update log (traced once, nothing compiled):
+    Muon's (:mod:`seqshard.train.muon`); AdamW's: none."""
+    return list(_logged_update(cfg))
+
+
+@functools.lru_cache(maxsize=64)
+def _logged_update(cfg: Config) -> tuple[LoggedCollective, ...]:
+    if cfg.train.optimizer == "adamw":
+        return ()
+    from seqshard.train.optimizer import make_optimizer  # the train layer's: imports this one
+
+    mesh = _abstract_mesh(cfg.mesh.sizes())
+    weights = weight_structs(cfg.model)
+    opt = make_optimizer(cfg.train, cfg.model, mesh)
+    state = jax.eval_shape(opt.init, weights)
+    return tuple(collective_log.traced(opt.update, weights, state, weights).calls)
 
 
 def recomputed(c: LoggedCollective, remat: str) -> bool:
@@ -209,6 +234,7 @@ def collectives_per_step(cfg: Config) -> list[PlannedCollective]:
         back = collective_log.transpose(c)
         if back is not None:
             steps.append((back, "backward", " transposed"))
+    steps += [(c, "update", "") for c in logged_update(cfg)]
     out = []
     for c, phase, how, arrays in _as_compiled(steps, m.remat, k):
         calls = c.calls

@@ -87,7 +87,7 @@ class LoggedCollective:
     operand_shape: tuple[int, ...]
     result_shape: tuple[int, ...]
     dtype: str  # e.g. 'float32'
-    phase: str = "forward"  # 'forward', 'recompute' or 'backward'
+    phase: str = "forward"  # 'forward', 'recompute', 'backward' or 'update'
     loops: tuple[tuple[str, int], ...] = ()  # enclosing scans, outermost first: (name, trips)
     part: str | None = None  # the model operation it belongs to ('attn_norm', 'q', ...)
     checked: bool = True  # emitted inside a shard_map with check_vma=True
@@ -212,9 +212,11 @@ def recording() -> Iterator[Log]:
 
 def phase(name: str):
     """Collectives traced in this block belong to phase ``name`` ('forward', 'recompute',
-    'backward')."""
-    if name not in ("forward", "recompute", "backward"):
-        raise ValueError(f"phase must be 'forward', 'recompute' or 'backward', got {name!r}.")
+    'backward', or 'update': the optimizer's)."""
+    if name not in ("forward", "recompute", "backward", "update"):
+        raise ValueError(
+            f"phase must be 'forward', 'recompute', 'backward' or 'update', got {name!r}."
+        )
     return _setting(phase=name)
 
 

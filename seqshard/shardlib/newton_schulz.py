@@ -101,15 +101,23 @@ def orthogonalized(
     its layout, the stacked dimension then the matrix's rows and columns (``'S/p M/d/e/c F/t'``;
     other labels alike), the result in that layout (f32). See the module docstring."""
     stack, rows, cols = parse_shape(spec).dims
-    moved = [a for a in (*rows.axes, *cols.axes) if shardops.axis_size(a) > 1]
+    split_rows = [a for a in rows.axes if shardops.axis_size(a) > 1]
+    split_cols = [a for a in cols.axes if shardops.axis_size(a) > 1]
+    m = g.shape[-2] * (shardops.axis_size(split_rows) if split_rows else 1)
+    gram = bool(split_cols) and _gram_over_split_columns(m, g.shape[-1], split_cols, steps)
+    # The axes moved onto the stack (the columns' stay put on the Gram path): a device's block
+    # of the stack must split evenly over them.
+    moved = split_rows + ([] if gram else split_cols)
     ways = shardops.axis_size(moved) if moved else 1
     local = g.shape[0]
     padded = -(-local // ways) * ways
     x = g.astype(jnp.float32)
     if padded != local:  # zero matrices, which stay zero
-        x = jnp.concatenate([x, jnp.zeros((padded - local, *x.shape[1:]), x.dtype)])
-    # The padded stack is labelled Sp: its size is not the declared stack's. (Padding for the
-    # columns' axes too, when they stay split, keeps one rule; those stacks are rare.)
+        x = jnp.pad(x, ((0, padded - local), (0, 0), (0, 0)))
+        # XLA:CPU splits the all_to_all into the operand's parts, the pad's zeros a broadcast
+        # its verifier then rejects ("operands with different shapes"): one array to it.
+        x = jax.lax.optimization_barrier(x)
+    # The padded stack is labelled Sp: its size is not the declared stack's.
     labels = ("Sp", rows.label, cols.label)
 
     def layout(*axes: tuple[str, ...]) -> str:
@@ -119,7 +127,7 @@ def orthogonalized(
     rows_moved = layout((*st, *ra), (), ca)
     if ra:  # the rows' split onto the stack
         x = shardops.all_to_all(f"{layout(st, ra, ca)} -> {rows_moved}", x)
-    if ca and _gram_over_split_columns(x.shape[-2], x.shape[-1], ca, steps):
+    if gram:
         x = _split_columns_iteration(rows_moved, ca, x, steps, coefficients, eps)
     else:  # the columns' split onto the stack too: whole matrices
         whole = layout((*st, *ra, *ca), (), ())

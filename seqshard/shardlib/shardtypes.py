@@ -28,7 +28,7 @@ import functools
 import inspect
 import math
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -345,7 +345,12 @@ def _check_explicit_sharding(where: str, value: Any, t: ArrayType, mesh: Mesh) -
 
 
 def typed_shard_map(
-    f: Callable | None = None, /, *, mesh: Mesh, check_vma: bool = True
+    f: Callable | None = None,
+    /,
+    *,
+    mesh: Mesh,
+    check_vma: bool = True,
+    types: tuple[Sequence[Any], Any] | None = None,
 ) -> Callable:
     """Run ``f`` under ``jax.shard_map`` with in/out specs derived from its annotations.
 
@@ -368,10 +373,17 @@ def typed_shard_map(
     specs name only those: an axis of size 1 splits nothing, nothing varies over it, and the
     shardops emit no collective over it. With no axis of size > 1 (a 1x1 mesh) ``f`` runs
     directly on the whole arrays, under whatever jit the caller has, with no shard_map.
+
+    ``types=(argument types, return type)`` gives the types instead of annotations, for a
+    function whose types are known only at run time (the optimizer's: one per weight).
     """
     if f is None:
-        return functools.partial(typed_shard_map, mesh=mesh, check_vma=check_vma)
-    names, in_types, out_type = _signature_types(f)
+        return functools.partial(typed_shard_map, mesh=mesh, check_vma=check_vma, types=types)
+    if types is None:
+        names, in_types, out_type = _signature_types(f)
+    else:
+        in_types, out_type = list(types[0]), types[1]
+        names = [f"arg{i}" for i in range(len(in_types))]
     sizes = full_axis_sizes(dict(mesh.shape))  # a mesh built by hand: missing axes have size 1
     manual = frozenset(a for a, n in sizes.items() if n > 1)
     block_spec = functools.partial(_block_spec, sizes=sizes)

@@ -632,6 +632,6 @@ def latest_state(
     Read-only: safe beside a training run writing into the same directory."""
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", read_only=True, log=log)
     try:
-        return ckpt.restore(cfg, mesh, make_optimizer(cfg.train)).state
+        return ckpt.restore(cfg, mesh, make_optimizer(cfg.train, cfg.model, mesh)).state
     finally:
         ckpt.close()

@@ -644,7 +644,7 @@ def _train_locked(
             raise e.with_checkpoint(_newest_checkpoint(run_dir / "checkpoints")) from None
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
     try:
-        opt = make_optimizer(cfg.train)
+        opt = make_optimizer(cfg.train, cfg.model, mesh)
         run = _Run(cfg, run_dir, data_dir, mesh, opt, ckpt, log, tty, started)
         state, start, meta = _initial_state(run, resuming, initial_weights)
         loader = Loader(

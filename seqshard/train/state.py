@@ -98,15 +98,22 @@ def train_state_structs(
     step = shape_dtype_structs(i32[()], {}, mesh)  # a replicated scalar
     guard = shape_dtype_structs(NonfiniteGuard, {}, mesh)
     abstract = jax.eval_shape(opt.init, weights)
+
+    def like_weight(s, w):
+        if isinstance(s, optax.MaskedNode):  # another optimizer's weight (optax.partition)
+            return s
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w.sharding)
+
     opt_state = optax.tree_map_params(
         opt,
-        lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w.sharding),
+        like_weight,
         abstract,
         weights,
         # Counts and other scalars: replicated, like the step.
         transform_non_params=lambda s: jax.ShapeDtypeStruct(
             s.shape, s.dtype, sharding=step.sharding
         ),
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
     return TrainState(step=step, weights=weights, opt_state=opt_state, guard=guard)
 

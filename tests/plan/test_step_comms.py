@@ -103,7 +103,7 @@ def _predicted(cfg) -> collections.Counter:
 
 def _compiled(cfg):
     mesh = training_mesh(cfg.mesh.sizes())
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, cfg.model, mesh)
     step = make_train_step(cfg, mesh, opt).lower(
         train_state_structs(cfg.model, mesh, opt),
         batch_structs(cfg.train.batch_size, cfg.train.seq_len, mesh),
@@ -126,26 +126,42 @@ def _scalars_pooled(calls: collections.Counter) -> collections.Counter:
     return out
 
 
+def _update_pooled(calls: collections.Counter) -> collections.Counter:
+    """``calls`` with the optimizer's all-reduces (Muon's Gram and norm sums of far-wide
+    matrices: independent of each other across weights) counted by their elements per axes:
+    XLA's combiner merges independent ones into tuples as it likes."""
+    out = collections.Counter()
+    for (phase, in_loop, kind, axes, shape), n in calls.items():
+        if phase == "update" and kind == "all-reduce":
+            shapes = shape if shape and isinstance(shape[0], tuple) else (shape,)
+            out[(phase, in_loop, kind, axes, "elements")] += n * _elements(shapes)
+        else:
+            out[(phase, in_loop, kind, axes, shape)] += n
+    return out
+
+
 def _check(cfg) -> None:
     predicted = _predicted(cfg)
     compiled = collections.Counter()
     update = []
     for c in _compiled(cfg):
-        if c.phase == "update":
-            update.append(c)
+        if c.phase == "update" and c.kind == "all-reduce" and set(c.result_shapes) == {()}:
+            update.append(c)  # the global norm's (below)
             continue
         shape = c.result_shapes[0] if len(c.result_shapes) == 1 else tuple(c.result_shapes)
         key = (c.phase, c.in_loop, c.kind, "/".join(c.axes), _key(c.kind, shape))
         compiled[key] += c.calls_per_step
     if cfg.model.fp8 != "none":
         predicted, compiled = _scalars_pooled(predicted), _scalars_pooled(compiled)
+    if cfg.train.optimizer == "muon":
+        predicted, compiled = _update_pooled(predicted), _update_pooled(compiled)
     assert predicted == compiled, (predicted - compiled, compiled - predicted)
     # XLA's addition: the global norm's scalar all-reduces, combined, once per step.
     assert update and all(
         c.kind == "all-reduce" and c.calls_per_step == 1 and set(c.result_shapes) == {()}
         for c in update
     ), update
-    assert not any(phase == "update" for phase, *_ in predicted)
+    assert any(phase == "update" for phase, *_ in predicted) == (cfg.train.optimizer == "muon")
 
 
 CASES = [
@@ -167,6 +183,21 @@ MORE = [
 @pytest.mark.parametrize("mesh,backward,remat,microbatches", CASES)
 def test_predicted_collectives_are_the_compiled_ones(mesh, backward, remat, microbatches):
     _check(_config(mesh, backward, remat, microbatches))
+
+
+@pytest.mark.parametrize(
+    "mesh,extra",
+    [
+        ("2x4", ()),  # 2 layers over d x t = 8: stacks padded with zero matrices
+        pytest.param("2x2x2", MOE, marks=pytest.mark.slow),  # experts' stacks split over e
+        # FFN matrices 32 x 2048 over t = 8: far wider than tall, their Grams all-reduced
+        pytest.param("1x8", ("model.d_ff=2048",), marks=pytest.mark.slow),
+    ],
+)
+def test_predicted_collectives_with_muon(mesh, extra):
+    """train.optimizer=muon: the optimizer's all_to_alls (phase update) as predicted, beside
+    the step's own."""
+    _check(_config(mesh, "explicit", "saved", 1, extra=("train.optimizer=muon", *extra)))
 
 
 FP8 = [

@@ -1,0 +1,242 @@
+"""Muon on sharded weights (``train.optimizer=muon``): each weight matrix's momentum
+orthogonalized on whole matrices, every transfer in the notation; AdamW for the rest.
+
+Which weights, and as what matrices, their declarations say (a :class:`~seqshard.model.block.Weight`
+with ``matrix=(input dims, output dims)``): the attention, FFN, expert, latent-attention and
+multi-token projections. Every other dim of the weight's type stacks matrices::
+
+    layers.w_q    'layers/p d_model/fsdp n_q_per_kv n_kv/t d_head'
+                   S = layers,  In = d_model,  Out = n_q_per_kv n_kv d_head
+    layers.w_kv   'layers/p 2 d_model/fsdp n_kv/t d_head'       S = layers 2 (k's and v's)
+    moe.w_gate    'moe_layers/p experts/e d_model/d/c d_expert/t'  S = moe_layers experts
+
+Each is flattened per device to 'S/p In/fsdp Out/t' (its block's dims in that order: a
+permutation of the rows and columns, which the iteration commutes with) and handed to
+:func:`seqshard.shardlib.newton_schulz.orthogonalized`, which moves the In and Out splits
+onto S by all_to_all, iterates whole matrices, and moves them back (or keeps a far-wide
+matrix's columns split and all-reduces its Gram; a stack that does not divide is padded with
+zero matrices). All of it in one ``shard_map``, phase ``update`` of the collective log, part
+``muon``. The embeddings, the head, the norm gains, the router (a d_model x experts scorer,
+gathered in f32 every step; its top-k choice is not a direct linear output) and FP8 state
+keep AdamW, with ``train.beta1``, ``beta2``, ``eps`` as before.
+
+Per matrix leaf, as ``optax.contrib.muon`` (``scale_by_muon``; checked equal in the tests)::
+
+    mu    = momentum * mu + (1 - momentum) * g                  (f32, sharded as the weight)
+    m_hat = momentum * mu / (1 - momentum^(k+1)) + (1 - momentum) * g / (1 - momentum^k)
+            (nesterov; else mu / (1 - momentum^k))
+    o     = newton_schulz(m_hat) * rms * sqrt(max(in, out))    (scale=rms; width: sqrt(max(1, out/in)))
+    w    -= lr * (o + weight_decay * w)                         (decay where declared)
+
+What differs from optax's ``muon``: its Adam side is NAdam when ``nesterov`` and decays every
+non-matrix weight; here the non-matrix weights get the AdamW that ``train.optimizer=adamw``
+runs (the same betas, epsilon, decay mask).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from seqshard.config import MuonConfig
+from seqshard.model.config import ModelConfig
+from seqshard.model.weights import weight_info_by_path, weights_type
+from seqshard.shardlib import collective_log
+from seqshard.shardlib.newton_schulz import orthogonalized
+from seqshard.shardlib.notation import Dim
+from seqshard.shardlib.shapecheck import shape_scope
+from seqshard.shardlib.shardtypes import ArrayType, type_tree, typed_shard_map
+
+__all__ = [
+    "MatrixStack",
+    "ShardedMuonState",
+    "matrix_stacks",
+    "muon_labels",
+    "orthogonalize_all",
+    "scale_by_sharded_muon",
+    "sharded_muon",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixStack:
+    """One weight as a stack of matrices: its type, and which of its dims are stacked (S), the
+    matrices' inputs (In) and outputs (Out), by position."""
+
+    path: str  # 'layers.w_q'
+    type: ArrayType
+    stacked: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    def _dims(self, which: tuple[int, ...]) -> list[Dim]:
+        return [self.type.shape.dims[i] for i in which]
+
+    def _axes(self, which: tuple[int, ...]) -> tuple[str, ...]:
+        return tuple(a for d in self._dims(which) for a in d.axes)
+
+    @property
+    def spec(self) -> str:
+        """Its layout flattened to three dims: ``'S/p In/d/e/c Out/t'``."""
+        parts = zip(("S", "In", "Out"), (self.stacked, self.inputs, self.outputs), strict=True)
+        return " ".join("/".join((label, *self._axes(dims))) for label, dims in parts)
+
+    def sizes(self, dim_sizes: dict[str, int]) -> tuple[int, int, int]:
+        """(matrices, fan in, fan out) of the whole weight."""
+        shape = self.type.global_shape(dim_sizes)
+        return tuple(math.prod(shape[i] for i in dims) for dims in self._order())
+
+    def _order(self) -> tuple[tuple[int, ...], ...]:
+        return self.stacked, self.inputs, self.outputs
+
+    def flattened(self, x: jax.Array) -> jax.Array:
+        """This device's block ``x`` as 'S In Out' (its dims regrouped, then merged)."""
+        perm = self.stacked + self.inputs + self.outputs
+        y = jnp.transpose(x, perm)
+        return y.reshape([math.prod(x.shape[i] for i in dims) for dims in self._order()])
+
+    def unflattened(self, y: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
+        """:meth:`flattened`'s inverse, back to a block of shape ``block_shape``."""
+        perm = self.stacked + self.inputs + self.outputs
+        y = y.reshape([block_shape[i] for i in perm])
+        return jnp.transpose(y, [perm.index(i) for i in range(len(perm))])
+
+
+def matrix_stacks(cfg: ModelConfig) -> dict[str, MatrixStack]:
+    """Each weight of ``cfg`` that declares a ``matrix``, by path: the weights Muon takes."""
+    cls = weights_type(cfg)
+    types = dict(_typed_paths(type_tree(cls)))
+    out = {}
+    for path, info in weight_info_by_path(cls).items():
+        if info.matrix is None or path not in types:
+            continue
+        t = types[path]
+        labels = [d.label for d in t.shape.dims]
+        ins, outs = (tuple(labels.index(x) for x in part.split()) for part in info.matrix)
+        stacked = tuple(i for i in range(len(labels)) if i not in ins + outs)
+        out[path] = MatrixStack(path, t, stacked, ins, outs)
+    return out
+
+
+def _typed_paths(tree) -> list[tuple[str, ArrayType]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, ArrayType))
+    return [(jax.tree_util.keystr(p).lstrip("."), t) for p, t in leaves[0]]
+
+
+def muon_labels(cfg: ModelConfig):
+    """``params -> the same tree of 'muon' / 'adamw'`` (for ``optax.partition``)."""
+    matrices = matrix_stacks(cfg)
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: "muon" if jax.tree_util.keystr(p).lstrip(".") in matrices else "adamw",
+            params,
+        )
+
+    return labels
+
+
+def orthogonalize_all(
+    cfg: ModelConfig, mesh: Mesh, muon: MuonConfig, momenta: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """Newton-Schulz of every matrix of each weight in ``momenta`` (path -> global array, in
+    the weight's layout), in one shard_map over ``mesh``; f32, in the same layouts."""
+    stacks = matrix_stacks(cfg)
+    paths = sorted(momenta)
+    types = [stacks[p].type for p in paths]
+
+    def body(*blocks):
+        out = []
+        for path, x in zip(paths, blocks, strict=True):
+            s = stacks[path]
+            # S, In, Out: each weight's own sizes; its collectives the update's, named by it
+            with shape_scope(), collective_log.phase("update"), collective_log.part(f"muon {path}"):
+                o = orthogonalized(
+                    s.spec, s.flattened(x), muon.ns_steps, tuple(muon.ns_coefficients)
+                )
+            out.append(s.unflattened(o, x.shape))
+        return tuple(out)
+
+    run = typed_shard_map(body, mesh=mesh, types=(types, tuple(types)))
+    results = run(*(momenta[p].astype(jnp.float32) for p in paths))
+    return dict(zip(paths, results, strict=True))
+
+
+class ShardedMuonState(NamedTuple):
+    """Muon's state: the step count and each matrix's momentum (sharded as its weight)."""
+
+    count: jax.Array  # i32[]
+    mu: optax.Updates
+
+
+def _scale(muon: MuonConfig, fan_in: int, fan_out: int) -> float:
+    if muon.scale == "rms":
+        return muon.rms * math.sqrt(max(fan_in, fan_out))
+    return math.sqrt(max(1.0, fan_out / fan_in))
+
+
+def scale_by_sharded_muon(
+    cfg: ModelConfig, mesh: Mesh, muon: MuonConfig
+) -> optax.GradientTransformation:
+    """Momentum, orthogonalized and scaled (the module docstring), for the matrix leaves of a
+    weights tree (the others may be ``optax.MaskedNode``: ``optax.partition`` hands them so)."""
+    stacks = matrix_stacks(cfg)
+    sizes = cfg.dim_sizes()
+    beta = muon.momentum
+
+    def init(params):
+        mu = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), params)
+        return ShardedMuonState(count=jnp.zeros([], jnp.int32), mu=mu)
+
+    def update(updates, state, params=None):
+        del params
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        if muon.nesterov:
+            mu_hat = jax.tree.map(
+                lambda m, g: beta * m + (1 - beta) * g,
+                optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                optax.tree.bias_correction(updates, beta, count),
+            )
+        else:
+            mu_hat = optax.tree.bias_correction(mu, beta, count)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(mu_hat)
+        by_path = {jax.tree_util.keystr(p).lstrip("."): x for p, x in flat}
+        unknown = sorted(set(by_path) - set(stacks))
+        if unknown:
+            raise ValueError(
+                f"Muon was handed {unknown}, which declare no matrix (seqshard.model.block.Weight "
+                f"matrix=...); label only declared matrices 'muon' (seqshard.train.muon.muon_labels)."
+            )
+        ortho = orthogonalize_all(cfg, mesh, muon, by_path)
+        out = [
+            ortho[path] * _scale(muon, *stacks[path].sizes(sizes)[1:])
+            for path in (jax.tree_util.keystr(p).lstrip(".") for p, _ in flat)
+        ]
+        return treedef.unflatten(out), ShardedMuonState(count=count, mu=mu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def sharded_muon(
+    cfg: ModelConfig,
+    mesh: Mesh,
+    muon: MuonConfig,
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: float,
+    decay_mask,
+    adamw: optax.GradientTransformation,
+) -> optax.GradientTransformation:
+    """Muon for the declared matrices, ``adamw`` for the rest (``optax.partition``)."""
+    matrices = optax.chain(
+        scale_by_sharded_muon(cfg, mesh, muon),
+        optax.add_decayed_weights(weight_decay, decay_mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    return optax.partition({"muon": matrices, "adamw": adamw}, muon_labels(cfg))
