@@ -81,6 +81,7 @@ import numpy as np
 from seqshard.model.block import Block, Op, activation_bytes, kept, recomputed
 from seqshard.model.config import DTYPE_BYTES, ModelConfig
 from seqshard.model.layers import known_blocks, mtp_stack, stacks
+from seqshard.model.matrices import matrix_stacks, newton_schulz_flops
 from seqshard.model.transformer import EMBED, HEAD
 from seqshard.model.weights import check_mesh, param_count, weight_structs, weights_type
 from seqshard.shardlib.notation import parse_op, parse_shape
@@ -262,23 +263,36 @@ def recomputes(remat: str, op: str) -> bool:
 
 
 def step_flops(
-    cfg: ModelConfig, *, batch: int, seq_len: int, causal: bool = False, microbatches: int = 1
+    cfg: ModelConfig,
+    *,
+    batch: int,
+    seq_len: int,
+    causal: bool = False,
+    microbatches: int = 1,
+    newton_schulz_steps: int = 0,
 ) -> StepFlops:
     """The FLOPs of a training step of ``batch`` rows of ``seq_len`` tokens (all devices), per
     operation: forward, backward, recompute (``cfg.remat``) and update.
 
     ``causal``: count attention (scores, mask, softmax, values) over the ``L (L+1) / 2``
     (query, key) pairs per row a causal mask keeps, the useful work, instead of all ``L^2``
-    the einsum path computes. ``microbatches`` only adds the gradient accumulation's adds."""
+    the einsum path computes. ``microbatches`` only adds the gradient accumulation's adds.
+    ``newton_schulz_steps``: Muon's iterations (``train.optimizer=muon``): a ``newton_schulz``
+    matmul row in the update (:func:`seqshard.model.matrices.newton_schulz_flops`)."""
     for name, value in (("batch", batch), ("seq_len", seq_len), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return _step_flops(cfg, batch, seq_len, bool(causal), microbatches)
+    return _step_flops(cfg, batch, seq_len, bool(causal), microbatches, newton_schulz_steps)
 
 
 @functools.lru_cache(maxsize=256)
 def _step_flops(
-    cfg: ModelConfig, batch: int, seq_len: int, causal: bool, microbatches: int
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    causal: bool,
+    microbatches: int,
+    newton_schulz_steps: int = 0,
 ) -> StepFlops:
     pairs_per_row = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
     units = {
@@ -334,6 +348,18 @@ def _step_flops(
         *modules,
         row(_optimizer_op(microbatches), in_layer=False),
     )
+    if newton_schulz_steps:  # whole matrices on each device: the work split as the weights
+        ops += (
+            OpFlops(
+                "newton_schulz",
+                "matmul",
+                "d_model/fsdp d_ff/t",
+                runs=1,
+                in_layer=False,
+                per=_PARAM,
+                update=newton_schulz_flops(cfg, newton_schulz_steps),
+            ),
+        )
     return StepFlops(ops=ops, batch=batch, seq_len=seq_len, causal=causal)
 
 
@@ -545,14 +571,19 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     return ParamCounts(total=total, active=active, routed=routed, embedding=embedding)
 
 
-def param_bytes_per_device(cfg: ModelConfig, mesh_sizes: Mapping[str, int]) -> int:
+def param_bytes_per_device(
+    cfg: ModelConfig, mesh_sizes: Mapping[str, int], matrices_only: bool = False
+) -> int:
     """f32 bytes of every weight's block on one device of a mesh of these axis sizes (missing
-    axes 1), each split as its type says (a weight no axis splits is whole on every device)."""
+    axes 1), each split as its type says (a weight no axis splits is whole on every device);
+    ``matrices_only``: of the weight matrices Muon takes (:mod:`seqshard.model.matrices`)."""
     sizes = cfg.dim_sizes()
     mesh = {a: mesh_sizes.get(a, 1) for a in ("p", "d", "e", "c", "t")}
+    matrices = matrix_stacks(cfg)
     return sum(
         math.prod(block_shape(t, sizes, mesh)) * np.dtype(t.dtype).itemsize
-        for _, t in _weight_types(cfg)
+        for path, t in _weight_types(cfg)
+        if path in matrices or not matrices_only
     )
 
 
@@ -576,7 +607,7 @@ class MemoryEstimate:
 
     weights: int  # f32 master weights, each split as its type says (over d*e*c*t)
     grads: int  # f32 gradients, sharded like the weights
-    optimizer: int  # AdamW: two f32 moments, sharded like the weights
+    optimizer: int  # AdamW: two f32 moments, sharded like the weights (Muon: one for matrices)
     activations_per_layer: int  # saved for the backward pass, one layer (the largest kind)
     activations: int  # summed over every layer of every stack
     logits: int  # f32 'B/dp L V/t', once
@@ -629,7 +660,15 @@ def saved_bytes(
 
 
 def memory_per_device(
-    cfg: ModelConfig, *, d: int, t: int, batch: int, seq_len: int, c: int = 1, e: int = 1
+    cfg: ModelConfig,
+    *,
+    d: int,
+    t: int,
+    batch: int,
+    seq_len: int,
+    c: int = 1,
+    e: int = 1,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """Estimate per-device memory on a ``d x e x c x t`` mesh for global batch ``batch`` of
     ``seq_len`` (c splits the sequence, and the weights as d does; e splits the routed experts
@@ -637,7 +676,8 @@ def memory_per_device(
 
     Weights, grads and AdamW moments are f32 and fully sharded, each weight as its type says
     (:func:`param_bytes_per_device`: ``param_bytes / (d*e*c*t)`` but for the few a type leaves
-    whole along some axis, the router's bias); x2 for the moments. Activations per layer are
+    whole along some axis, the router's bias); x2 for the moments (``optimizer='muon'``: one
+    momentum for the weight matrices, AdamW's two for the rest). Activations per layer are
     what the remat policy keeps of the layer's arrays (:func:`layer_bytes`, each stack's layer
     with its blocks; b = batch/(d e), c = bytes of ``cfg.compute_dtype``):
 
@@ -657,11 +697,13 @@ def memory_per_device(
                                                   c=c, e=e, blocks=s.blocks), c, s.blocks))
         for s in stacks(cfg)
     ]  # fmt: skip
-    weights = param_bytes_per_device(cfg, {"d": d, "e": e, "c": c, "t": t})
+    mesh = {"d": d, "e": e, "c": c, "t": t}
+    weights = param_bytes_per_device(cfg, mesh)
+    one_moment = param_bytes_per_device(cfg, mesh, matrices_only=True) if optimizer == "muon" else 0
     return MemoryEstimate(
         weights=weights,
         grads=weights,
-        optimizer=2 * weights,
+        optimizer=2 * weights - one_moment,
         activations_per_layer=max(per_layer for _, per_layer in kept_by_stack),
         activations=sum(n * per_layer for n, per_layer in kept_by_stack),
         logits=4 * (batch // (d * e)) * (seq_len // c) * (cfg.vocab // t),

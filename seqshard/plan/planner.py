@@ -34,11 +34,14 @@ to 1.10 of XLA's figure.
 emit, predicted from the notation by :mod:`seqshard.plan.step_comms` (the step traced on an
 abstract mesh, nothing compiled): the forward's, their transposes (autodiff) or the
 hand-written backward's (``model.backward=explicit``), and what the remat policy re-runs.
-Bytes per call are the ring formulas of :func:`seqshard.shardlib.comms.ring_bytes_sent`. Not counted:
-the optimizer's global-norm all-reduces (a few f32 scalars).
+Bytes per call are the ring formulas of :func:`seqshard.shardlib.comms.ring_bytes_sent`. With
+``train.optimizer=muon`` also the update's all_to_alls (exposed: they run after the backward
+pass, nothing to hide behind). Not counted: the optimizer's global-norm all-reduces (a few f32
+scalars).
 
 **Roofline.** Compute: the hardware FLOPs of the step (model FLOPs plus what remat re-runs,
-:mod:`seqshard.model.cost`, attention unmasked) at the chip's dense bf16 peak, with ``model.fp8``
+:mod:`seqshard.model.cost`, attention unmasked; with Muon its Newton-Schulz matmuls,
+:func:`seqshard.model.matrices.newton_schulz_flops`) at the chip's dense bf16 peak, with ``model.fp8``
 the FP8 projections' at its dense FP8 peak (MFU stays against bf16's). Each collective
 runs at the bandwidth of the link its mesh axis crosses (:mod:`seqshard.hardware`: NVLink
 or ICI inside a GPU node or TPU slice, InfiniBand or DCN across them; t stays inside one, as
@@ -85,6 +88,7 @@ from seqshard.model.cost import (
     step_flops,
 )
 from seqshard.model.layers import Stack, runs, stacks
+from seqshard.model.matrices import newton_schulz_flops
 from seqshard.model.moe import MOE, ROUTED_OPS, buffer_bytes
 from seqshard.model.weights import weights_type
 from seqshard.plan.step_comms import PlannedCollective, collectives_per_step
@@ -201,7 +205,7 @@ class MemoryPlan:
 
     weights: int  # f32 master weights, sharded over d*c*t
     grads: int  # f32 gradients, and with microbatches their accumulation buffer
-    optimizer: int  # AdamW's two f32 moments
+    optimizer: int  # AdamW's two f32 moments (Muon: one for the weight matrices)
     activations: int  # what the remat policy keeps of every layer, one microbatch
     logits: int  # f32 'b L V/t' logits and their gradient
     transient: int  # the largest short-lived working set: the LM head's or one layer's backward
@@ -310,7 +314,9 @@ def memory_plan(cfg: Config, attention_impl: str, platform: str = "gpu") -> Memo
     m, train = cfg.model, cfg.train
     d, e, c, t = (cfg.mesh.sizes()[a] for a in ("d", "e", "c", "t"))
     micro = _microbatch_rows(cfg)
-    base = memory_per_device(m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c, e=e)
+    base = memory_per_device(
+        m, d=d, t=t, batch=micro, seq_len=train.seq_len, c=c, e=e, optimizer=train.optimizer
+    )
     accumulate = train.microbatches > 1
 
     table, copy = _head_table(cfg)
@@ -422,10 +428,12 @@ def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     weights = param_bytes_per_device(m, sizes)
     table, copy = _head_table(cfg)
     logits = 4 * rows * (train.seq_len // c) * (m.vocab // t)
+    muon = train.optimizer == "muon"
     return MemoryPlan(
         weights=weights,
         grads=weights,
-        optimizer=2 * weights,
+        optimizer=2 * weights
+        - (param_bytes_per_device(m, sizes, matrices_only=True) if muon else 0),
         activations=activations,
         logits=2 * logits,
         transient=max(2 * table + copy, layer),
@@ -652,6 +660,13 @@ def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
     return links, bandwidths
 
 
+def _newton_schulz_flops(cfg: Config) -> int:
+    """Muon's orthogonalization in the update (train.optimizer=muon), else 0."""
+    if cfg.train.optimizer != "muon":
+        return 0
+    return newton_schulz_flops(cfg.model, cfg.train.muon.ns_steps)
+
+
 def _fp8_flops(cfg: Config) -> int:
     """The FP8 projections' FLOPs of a step (forward, backward, recompute), all devices; 0
     with model.fp8=none."""
@@ -692,7 +707,8 @@ def plan(
         memory=memory,
         collectives=calls,
         model_flops=float(flops_per_token(m, train.seq_len).total * tokens),
-        hardware_flops=float(hardware_flops_per_token(m, train.seq_len).total * tokens),
+        hardware_flops=float(hardware_flops_per_token(m, train.seq_len).total * tokens)
+        + _newton_schulz_flops(cfg),
         link_by_axis=links,
         bandwidth_by_axis=bandwidths,
         pipelined_compute_s=_pipelined_compute_s(cfg, n_devices, ch.peak_flops),

@@ -120,8 +120,13 @@ def flops_table(cfg: Config) -> str:
     (all devices), with the row's total on one device of the mesh; matmul and elementwise
     sums; attention's causal half; and the model FLOPs per token (the numerator of MFU)."""
     m, train = cfg.model, cfg.train
+    muon_steps = train.muon.ns_steps if train.optimizer == "muon" else 0
     step = step_flops(
-        m, batch=train.batch_size, seq_len=train.seq_len, microbatches=train.microbatches
+        m,
+        batch=train.batch_size,
+        seq_len=train.seq_len,
+        microbatches=train.microbatches,
+        newton_schulz_steps=muon_steps,
     )
     device = step.per_device(cfg.mesh.sizes())
     rows = [
@@ -137,7 +142,12 @@ def flops_table(cfg: Config) -> str:
     header = ("operation", "kind", "runs", *PHASES, "sum", "per device")
     length = train.seq_len
     causal = step_flops(
-        m, batch=train.batch_size, seq_len=length, causal=True, microbatches=train.microbatches
+        m,
+        batch=train.batch_size,
+        seq_len=length,
+        causal=True,
+        microbatches=train.microbatches,
+        newton_schulz_steps=muon_steps,
     )
     attention = [op.name for op in step.ops if op.per == "pair"]  # over (query, key) pairs
     model, hw = flops_per_token(m, length), hardware_flops_per_token(m, length)
@@ -150,7 +160,13 @@ def flops_table(cfg: Config) -> str:
             f"on mesh {cfg.mesh.describe()}):",
             format_table(rows, header, right=frozenset(range(2, len(header)))),
             "  runs: per pass over the batch (a layer's operations once per layer); update: the "
-            "optimizer step" + ("; matmul fp8: in FP8 (model.fp8)" if m.fp8 != "none" else ""),
+            "optimizer step"
+            + ("; matmul fp8: in FP8 (model.fp8)" if m.fp8 != "none" else "")
+            + (
+                f"; newton_schulz: Muon's {muon_steps} iterations on every weight matrix"
+                if muon_steps
+                else ""
+            ),
             f"  attention's causal half only (the useful work: {length * (length + 1) // 2:,} of "
             f"{length * length:,} pairs per row): {', '.join(attention)} "
             f"{_count(causal.sum(names=attention))} of {_count(step.sum(names=attention))}; "
@@ -563,7 +579,11 @@ def _plan_memory(p: Plan) -> list[str]:
     notes = {
         "weights": "f32 master weights" + (", this stage's layers" if stages > 1 else ""),
         "grads": "f32" + (", and their accumulation buffer" if accumulated else ""),
-        "optimizer": "AdamW moments, f32",
+        "optimizer": (
+            "Muon momentum of the matrices, AdamW moments of the rest, f32"
+            if cfg.train.optimizer == "muon"
+            else "AdamW moments, f32"
+        ),
         "activations": f"kept for the backward pass by remat={cfg.model.remat}, "
         + ("the stage's layers in flight, gathered stage weights" if stages > 1 else "all layers"),
         "logits": "f32 logits and their gradient",
@@ -577,9 +597,10 @@ def _plan_memory(p: Plan) -> list[str]:
 
 
 def _plan_flops(p: Plan) -> str:
+    muon = " and Muon's Newton-Schulz" if p.config.train.optimizer == "muon" else ""
     return (
         f"FLOPs per step: {_flops(p.model_flops)} model, {_flops(p.hardware_flops)} "
-        f"with remat's recompute ({_flops(p.hardware_flops / p.n_devices)} per device)"
+        f"with remat's recompute{muon} ({_flops(p.hardware_flops / p.n_devices)} per device)"
     )
 
 

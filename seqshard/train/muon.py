@@ -35,7 +35,6 @@ runs (the same betas, epsilon, decay mask).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import NamedTuple
 
@@ -46,87 +45,19 @@ from jax.sharding import Mesh
 
 from seqshard.config import MuonConfig
 from seqshard.model.config import ModelConfig
-from seqshard.model.weights import weight_info_by_path, weights_type
+from seqshard.model.matrices import matrix_stacks
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.newton_schulz import orthogonalized
-from seqshard.shardlib.notation import Dim
 from seqshard.shardlib.shapecheck import shape_scope
-from seqshard.shardlib.shardtypes import ArrayType, type_tree, typed_shard_map
+from seqshard.shardlib.shardtypes import typed_shard_map
 
 __all__ = [
-    "MatrixStack",
     "ShardedMuonState",
-    "matrix_stacks",
     "muon_labels",
     "orthogonalize_all",
     "scale_by_sharded_muon",
     "sharded_muon",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class MatrixStack:
-    """One weight as a stack of matrices: its type, and which of its dims are stacked (S), the
-    matrices' inputs (In) and outputs (Out), by position."""
-
-    path: str  # 'layers.w_q'
-    type: ArrayType
-    stacked: tuple[int, ...]
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-
-    def _dims(self, which: tuple[int, ...]) -> list[Dim]:
-        return [self.type.shape.dims[i] for i in which]
-
-    def _axes(self, which: tuple[int, ...]) -> tuple[str, ...]:
-        return tuple(a for d in self._dims(which) for a in d.axes)
-
-    @property
-    def spec(self) -> str:
-        """Its layout flattened to three dims: ``'S/p In/d/e/c Out/t'``."""
-        parts = zip(("S", "In", "Out"), (self.stacked, self.inputs, self.outputs), strict=True)
-        return " ".join("/".join((label, *self._axes(dims))) for label, dims in parts)
-
-    def sizes(self, dim_sizes: dict[str, int]) -> tuple[int, int, int]:
-        """(matrices, fan in, fan out) of the whole weight."""
-        shape = self.type.global_shape(dim_sizes)
-        return tuple(math.prod(shape[i] for i in dims) for dims in self._order())
-
-    def _order(self) -> tuple[tuple[int, ...], ...]:
-        return self.stacked, self.inputs, self.outputs
-
-    def flattened(self, x: jax.Array) -> jax.Array:
-        """This device's block ``x`` as 'S In Out' (its dims regrouped, then merged)."""
-        perm = self.stacked + self.inputs + self.outputs
-        y = jnp.transpose(x, perm)
-        return y.reshape([math.prod(x.shape[i] for i in dims) for dims in self._order()])
-
-    def unflattened(self, y: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
-        """:meth:`flattened`'s inverse, back to a block of shape ``block_shape``."""
-        perm = self.stacked + self.inputs + self.outputs
-        y = y.reshape([block_shape[i] for i in perm])
-        return jnp.transpose(y, [perm.index(i) for i in range(len(perm))])
-
-
-def matrix_stacks(cfg: ModelConfig) -> dict[str, MatrixStack]:
-    """Each weight of ``cfg`` that declares a ``matrix``, by path: the weights Muon takes."""
-    cls = weights_type(cfg)
-    types = dict(_typed_paths(type_tree(cls)))
-    out = {}
-    for path, info in weight_info_by_path(cls).items():
-        if info.matrix is None or path not in types:
-            continue
-        t = types[path]
-        labels = [d.label for d in t.shape.dims]
-        ins, outs = (tuple(labels.index(x) for x in part.split()) for part in info.matrix)
-        stacked = tuple(i for i in range(len(labels)) if i not in ins + outs)
-        out[path] = MatrixStack(path, t, stacked, ins, outs)
-    return out
-
-
-def _typed_paths(tree) -> list[tuple[str, ArrayType]]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, ArrayType))
-    return [(jax.tree_util.keystr(p).lstrip("."), t) for p, t in leaves[0]]
 
 
 def muon_labels(cfg: ModelConfig):

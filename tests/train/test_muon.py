@@ -25,8 +25,8 @@ from seqshard.config import TrainConfig, load_config
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import ModelConfig
 from seqshard.model.config import MLAConfig, MoEConfig, MTPConfig
+from seqshard.model.matrices import matrix_stacks
 from seqshard.model.weights import weight_structs
-from seqshard.train.muon import matrix_stacks
 from seqshard.train.optimizer import decay_mask, lr_schedule, make_optimizer
 from seqshard.train.state import train_state_structs
 
