@@ -633,6 +633,7 @@ def check_config(cfg: Config) -> None:
     _check_cadence(cfg.train)
     _check_optimizer(cfg.train)
     _check_muon(cfg)
+    _check_qk_clip(cfg)
     check_run_name(cfg.run.name)
     _check_trackers(cfg.run.trackers)
     _check_profile(cfg.train)
@@ -806,6 +807,26 @@ def _check_muon(cfg: Config) -> None:
             f"train.muon: momentum must be in [0, 1), ns_steps >= 1, rms > 0 and qk_clip >= 0 "
             f"(0: off); got momentum={muon.momentum}, ns_steps={muon.ns_steps}, rms={muon.rms}, "
             f"qk_clip={muon.qk_clip}."
+        )
+
+
+def _check_qk_clip(cfg: Config) -> None:
+    """``train.muon.qk_clip`` clips Muon's attention heads by the logits the model reports."""
+    train, model = cfg.train, cfg.model
+    if not train.muon.qk_clip:
+        return
+    if train.optimizer != "muon":
+        raise ConfigError(
+            f"train.muon.qk_clip={train.muon.qk_clip} is MuonClip, Muon's query-key clipping: "
+            f"set train.optimizer=muon, or train.muon.qk_clip=0."
+        )
+    if not model.max_logit or model.qk_norm or model.attention != "gqa":
+        raise ConfigError(
+            f"train.muon.qk_clip={train.muon.qk_clip} scales the q and k weights of each "
+            f"grouped-query head whose largest logit passed it, which needs the heads' logits "
+            f"reported (model.max_logit=true, got {model.max_logit}) and logits linear in those "
+            f"weights (model.qk_norm=false, got {model.qk_norm}; model.attention=gqa, got "
+            f"{model.attention}: MLA's clipping is not built). Set those, or train.muon.qk_clip=0."
         )
 
 

@@ -257,6 +257,21 @@ def einsum_probabilities(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Arr
     return jax.nn.softmax(scores, axis=-1)
 
 
+def max_logits(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """Each head's largest logit ``q k / sqrt(D)`` over this device's (query, key) pairs that
+    ``mask`` [B, Lq, Lk] allows: f32 'K/t Q' (``model.max_logit``). The scores are
+    :func:`einsum_probabilities`' own (the same dot: XLA computes it once); no gradient."""
+    q, k = lax.stop_gradient(q), lax.stop_gradient(k)
+    scores = shardops.einsum_unreduced(
+        "B/dp Qlen@zigzag/c Q K/t D, B/dp Klen@zigzag K/t D -> B/dp K/t Q Qlen@zigzag/c Klen@zigzag",
+        q,
+        k,
+        out_dtype=jnp.float32,
+    )
+    scores = jnp.where(mask[:, None, None], scores * (1 / math.sqrt(q.shape[-1])), -jnp.inf)
+    return jnp.max(scores, axis=(0, 3, 4))
+
+
 def einsum_values(probs: jax.Array, v: jax.Array) -> jax.Array:
     """The attention output 'B/dp Qlen@zigzag/c Q K/t Dv' from :func:`einsum_probabilities` (in
     v's dtype; Dv, v's head, is D but for MLA's v_head_dim)."""

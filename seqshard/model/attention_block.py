@@ -31,14 +31,17 @@ from seqshard.model.attention import (
     attention_vjp,
     einsum_probabilities,
     einsum_values,
+    max_logits,
     resolve_impl,
 )
 from seqshard.model.block import (
     Activation,
     Activations,
+    Aux,
     Block,
     LayerInputs,
     Op,
+    combined_aux,
     elementwise,
     gain,
     matmul,
@@ -258,14 +261,53 @@ def attention_output(cfg: ModelConfig, w, a: Activations, sc: Scaling | None = N
     return a("h", residual)
 
 
+def head_max_logits(cfg: ModelConfig, a: Activations, mask: jax.Array) -> jax.Array:
+    """model.max_logit: each head's largest logit over the step's rows, f32 'Q K' (the
+    same on every device)::
+
+        max_logits(q, keys, mask)                             'K/t Q' on this device's rows
+        pmax('Q K/t{U_dp,c} -> Q K/t')                        over the batch and the sequence
+        all_gather('Q K/t -> Q K', to='invarying')            every head on every device
+    """
+    if not _einsum(cfg, shardops.axis_size("c")):
+        raise ValueError(
+            f"model.max_logit reads each head's logits, which model.attention_impl="
+            f"{cfg.attention_impl} runs as {resolve_impl(cfg.attention_impl)} here, a kernel "
+            f"that never forms them. Set model.attention_impl=einsum, or model.max_logit=false."
+        )
+    local = max_logits(a["q"], a["keys"], mask).T
+    with part("max_logit"):
+        most = shardops.pmax("Q K/t{U_dp,c} -> Q K/t", local)
+        return shardops.all_gather("Q K/t -> Q K", most, to="invarying")
+
+
+def _max_logit_metrics(cfg, aux, layer_names, stack_weights) -> dict[str, jax.Array]:
+    return {"max_logit/attention": jnp.max(aux["max_logit"])}
+
+
+MAX_LOGIT = Aux(
+    fields={"max_logit": "n_q_per_kv n_kv"},
+    max=("max_logit",),
+    metrics=_max_logit_metrics,
+    present=lambda cfg: cfg.max_logit,
+)
+"""model.max_logit's auxiliary output: each layer's heads' largest logits of the step (the
+max over microbatches), logged as ``max_logit/attention`` (the largest of all) and read by
+train.muon.qk_clip (seqshard.train.muon)."""
+
+
 def attention_block_forward(cfg: ModelConfig, inputs: LayerInputs, w, a: Activations) -> jax.Array:
     """The block on the residual ``a['x']``: q, k, v, attention over the row, the output
-    projection plus the residual: h (and, with model.fp8=delayed, its FP8 sites' amaxes)."""
+    projection plus the residual: h (and, with model.fp8=delayed, its FP8 sites' amaxes;
+    with model.max_logit, its heads' largest logits)."""
     sc = FP8.scaling(cfg, w)
     attention_inputs(cfg, w, a, inputs.rope, sc)
     attention_core(cfg, a, inputs.rows, inputs.mask)
     h = attention_output(cfg, w, a, sc)
-    return (h, sc.aux()) if delayed(cfg) else h
+    aux = sc.aux() if delayed(cfg) else {}
+    if cfg.max_logit:
+        aux["max_logit"] = head_max_logits(cfg, a, inputs.mask)
+    return (h, aux) if aux else h
 
 
 # The activations of the block's input side (x, norm(x)), its gain and the norm's part.
@@ -499,7 +541,7 @@ ATTENTION = Block(
     backward=attention_block_backward,
     input="x",
     output="h",
-    aux=FP8.aux(),
+    aux=combined_aux(FP8.aux(), MAX_LOGIT),
     fp8_sites=FP8.names,
 )
 """The attention block's declarations. ``saved`` marks what remat=saved keeps: the operands

@@ -54,6 +54,7 @@ __all__ = [
     "Op",
     "Weight",
     "activation_bytes",
+    "combined_aux",
     "elementwise",
     "has_aux",
     "kept",
@@ -246,6 +247,43 @@ class Aux:
     metrics: Callable[..., dict[str, Any]] | None = None
     update: Callable[..., Any] | None = None
     present: Callable[[ModelConfig], bool] = lambda m: True
+    parts: tuple[Aux, ...] = ()  # set by combined_aux
+
+    def fields_of(self, cfg: ModelConfig) -> dict[str, str]:
+        """The fields ``cfg``'s block makes: all of them, or those of its present parts."""
+        if not self.parts:
+            return dict(self.fields) if self.present(cfg) else {}
+        return {f: d for p in self.parts if p.present(cfg) for f, d in p.fields.items()}
+
+
+def combined_aux(*parts: Aux) -> Aux:
+    """One block's auxiliary outputs from independent ``parts`` (FP8's amaxes, the attention's
+    largest logits), each present or not by its own ``present``: the fields of the present
+    ones, their metrics side by side, their updates one after another."""
+
+    def metrics(cfg, aux, layer_names, stack_weights) -> dict[str, Any]:
+        out = {}
+        for p in parts:
+            if p.present(cfg) and p.metrics is not None:
+                out.update(p.metrics(cfg, aux, layer_names, stack_weights))
+        return out
+
+    def update(cfg, stack_weights, aux):
+        for p in parts:
+            if p.present(cfg) and p.update is not None:
+                stack_weights = p.update(cfg, stack_weights, aux)
+        return stack_weights
+
+    return Aux(
+        fields={f: d for p in parts for f, d in p.fields.items()},
+        loss=tuple(f for p in parts for f in p.loss),
+        mean=tuple(f for p in parts for f in p.mean),
+        max=tuple(f for p in parts for f in p.max),
+        metrics=metrics,
+        update=update,
+        present=lambda cfg: any(p.present(cfg) for p in parts),
+        parts=parts,
+    )
 
 
 def has_aux(block: Block, cfg: ModelConfig) -> bool:

@@ -46,6 +46,10 @@ RESIDUAL_SPECS: Mapping[str, str] = {"M/t": "B/dp L@zigzag/c M/t", "L/t": "B/dp 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2}
 """The compute dtypes (``model.compute_dtype``) and their bytes: the one table of them."""
 _DTYPES = tuple(DTYPE_BYTES)
+_LOGITS = (
+    "einsum",
+    "auto",
+)  # the attention_impl values whose attention may form logits (auto: on CPU)
 
 
 DIM_FIELDS = {
@@ -387,6 +391,9 @@ class ModelConfig:
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     fp8: Fp8Mode = "none"  # FP8 projections: none, current, delayed (seqshard.shardlib.fp8)
     fp8_history: int = 16  # model.fp8=delayed: the amax history's length, in steps
+    max_logit: bool = False  # report each attention head's largest logit q k / sqrt(d_head)
+    #   of the step (metric max_logit/attention); train.muon.qk_clip needs it. Einsum
+    #   attention only (the fused kernels never form the logits)
 
     def __post_init__(self) -> None:
         for name in DIM_FIELDS.values():
@@ -450,6 +457,15 @@ class ModelConfig:
                 f"model.fp8=none with model.attention=mla."
             )
         self.mtp.check()
+        if not isinstance(self.max_logit, bool):
+            raise ValueError(f"model.max_logit must be true or false, got {self.max_logit!r}.")
+        if self.max_logit and (self.attention == "mla" or self.attention_impl not in _LOGITS):
+            raise ValueError(
+                f"model.max_logit reads each head's logits, which only einsum attention forms "
+                f"(grouped-query attention): got model.attention={self.attention}, "
+                f"model.attention_impl={self.attention_impl}. Set model.attention_impl=einsum "
+                f"and model.attention=gqa, or model.max_logit=false."
+            )
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"model.qk_norm must be true or false, got {self.qk_norm!r}.")
         self.moe.check(self.n_layers)
@@ -469,6 +485,12 @@ class ModelConfig:
                 f"mesh axis e={mesh['e']} splits the routed experts, but the model has none "
                 f"(model.moe.n_experts=0) on a {where} mesh. Set mesh.e=1 (use mesh.d for data "
                 f"parallelism), or give the model experts (model.moe.n_experts divisible by e)."
+            )
+        if self.max_logit and self.ring_over(mesh["c"]):
+            raise ValueError(
+                f"model.max_logit reads each head's logits, which ring attention over mesh.c="
+                f"{mesh['c']} never holds whole on a {where} mesh. Set model.context_impl="
+                f"allgather, or model.max_logit=false."
             )
         if mesh["p"] > 1 and self.moe.enabled and self.moe.n_dense_layers:
             # Both stacks split over p, stage s would run dense block s, then MoE block s:

@@ -348,7 +348,7 @@ def aux_type(cfg: ModelConfig) -> dict:
     (empty without any): replicated, one value per layer."""
     return {
         s.name: {
-            b.name: {f: f32[f"{s.name} {dims}".strip()] for f, dims in b.aux.fields.items()}
+            b.name: {f: f32[f"{s.name} {dims}".strip()] for f, dims in b.aux.fields_of(cfg).items()}
             for b in s.aux_blocks
         }
         for s in aux_stacks(cfg)

@@ -35,6 +35,7 @@ runs (the same betas, epsilon, decay mask).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -43,9 +44,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from seqshard.config import MuonConfig
+from seqshard.config import Config, MuonConfig
 from seqshard.model.config import ModelConfig
+from seqshard.model.layers import aux_stacks
 from seqshard.model.matrices import matrix_stacks
+from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.newton_schulz import orthogonalized
 from seqshard.shardlib.shapecheck import shape_scope
@@ -54,6 +57,7 @@ from seqshard.shardlib.shardtypes import typed_shard_map
 __all__ = [
     "ShardedMuonState",
     "muon_labels",
+    "qk_clipped",
     "orthogonalize_all",
     "scale_by_sharded_muon",
     "sharded_muon",
@@ -153,6 +157,37 @@ def scale_by_sharded_muon(
         return treedef.unflatten(out), ShardedMuonState(count=count, mu=mu)
 
     return optax.GradientTransformation(init, update)
+
+
+def qk_clipped(cfg: Config, weights: Weights, aux: dict) -> tuple[Weights, jax.Array]:
+    """MuonClip's query-key clipping (Kimi K2; ``train.muon.qk_clip`` = tau > 0): after the
+    optimizer step, each attention head h whose largest logit S_h of the step (``model.max_logit``'s
+    auxiliary output) passed tau gets its logits scaled by gamma_h = tau / S_h, through its
+    weights. Grouped-query heads share their key head: of each group, the key head is scaled by
+    sqrt(g), g the group's smallest gamma, and each query head by gamma_h / sqrt(g), so that
+    head h's logits (linear in both, RoPE included) scale by gamma_h exactly::
+
+        w_q[l, :, q, k, :]   *= gamma[l, q, k] / sqrt(g[l, k])
+        w_kv[l, 0, :, k, :]  *= sqrt(g[l, k])              (k's half; v is left as it is)
+
+    Returns (the weights, the number of heads clipped). Elementwise on the weights' shards
+    (the factors are per head, replicated): no communication."""
+    tau, clipped = cfg.train.muon.qk_clip, jnp.zeros((), jnp.int32)
+    for stack in aux_stacks(cfg.model):
+        logits = aux.get(stack.name, {}).get("attention", {}).get("max_logit")
+        if logits is None:
+            continue
+        over = logits > tau  # [layers, Q, K]
+        gamma = jnp.where(over, tau / jnp.where(over, logits, 1.0), 1.0)
+        group = jnp.sqrt(jnp.min(gamma, axis=1))  # [layers, K]
+        layers = getattr(weights, stack.name)
+        w_q = layers.w_q * (gamma / group[:, None, :])[:, None, :, :, None]
+        w_kv = layers.w_kv.at[:, 0].multiply(group[:, None, :, None])
+        weights = dataclasses.replace(
+            weights, **{stack.name: dataclasses.replace(layers, w_q=w_q, w_kv=w_kv)}
+        )
+        clipped = clipped + jnp.sum(over)
+    return weights, clipped
 
 
 def sharded_muon(

@@ -29,6 +29,7 @@ from seqshard.model.sharded import batch_loss_terms, batch_terms_and_aux
 from seqshard.model.weights import Weights
 from seqshard.shardlib import collective_log
 from seqshard.shardlib.shardtypes import shardings
+from seqshard.train.muon import qk_clipped
 from seqshard.train.optimizer import lr_schedule
 from seqshard.train.state import (
     NonfiniteGuard,
@@ -188,6 +189,9 @@ def make_train_step(
         updates, opt_state = opt.update(grads, state.opt_state, state.weights)
         weights = optax.apply_updates(state.weights, updates)
         weights = updated_by_aux(cfg, weights, stats)
+        clips = {}
+        if cfg.train.optimizer == "muon" and cfg.train.muon.qk_clip:
+            weights, clips["qk_clipped"] = qk_clipped(cfg, weights, stats)
         # A step whose loss or gradient norm is not finite, or whose gradient is zero, applies
         # no update: the state stays as it was, on device, and the guard records the step for
         # the loop to act on.
@@ -204,7 +208,7 @@ def make_train_step(
             "lr": schedule(state.step),
             "tokens_counted": count,
         }
-        metrics.update(aux_metrics(cfg, stats, weights, mesh.shape.get("p", 1)))
+        metrics.update(aux_metrics(cfg, stats, weights, mesh.shape.get("p", 1)), **clips)
         new_state = TrainState(
             step=state.step + 1,
             weights=keep(weights, state.weights),
