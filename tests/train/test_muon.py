@@ -18,15 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from model_weights import random_weights, tiny_model
+from model_weights import packed_batch, random_weights, tiny_model
 from run_helpers import FLAT, by_step, latest_state, run
 
-from seqshard.config import TrainConfig, load_config
+from seqshard.batch import token_batch
+from seqshard.config import ConfigError, TrainConfig, load_config
 from seqshard.mesh import mesh_of_sizes
 from seqshard.model import ModelConfig
 from seqshard.model.config import MLAConfig, MoEConfig, MTPConfig
 from seqshard.model.matrices import matrix_stacks
+from seqshard.model.sharded import batch_terms_and_aux
 from seqshard.model.weights import weight_structs
+from seqshard.train.muon import qk_clipped
 from seqshard.train.optimizer import decay_mask, lr_schedule, make_optimizer
 from seqshard.train.state import train_state_structs
 
@@ -251,3 +254,78 @@ def test_a_muon_run_resumes_bit_for_bit_and_restores_onto_another_mesh(tmp_path,
     for x, y in zip(jax.tree.leaves(mu_a), jax.tree.leaves(mu_c), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert mu_c.layers.w_q.sharding.spec[0] == "p"
+
+
+def _max_logits(cfg: ModelConfig, sizes: dict, weights, batch) -> np.ndarray:
+    """The layers' heads' largest logits [layers, Q, K] of ``batch`` on a mesh of ``sizes``."""
+    mesh = mesh_of_sizes(sizes)
+    placed = jax.device_put(weights, jax.tree.map(lambda s: s.sharding, weight_structs(cfg, mesh)))
+    _, aux = jax.jit(lambda w, b: batch_terms_and_aux(w, b, cfg, mesh))(placed, batch)
+    return np.asarray(aux["layers"]["attention"]["max_logit"])
+
+
+@pytest.fixture(scope="module")
+def logits_case():
+    """The tiny model with model.max_logit, its q weights scaled up 3x (logits ~9x), a batch."""
+    cfg = tiny_model(max_logit=True)
+    weights = random_weights(cfg)
+    layers = dataclasses.replace(weights.layers, w_q=3 * weights.layers.w_q)
+    weights = dataclasses.replace(weights, layers=layers)
+    tokens, starts = packed_batch(cfg.vocab, 8, 32)
+    return cfg, weights, token_batch(tokens, starts)
+
+
+def test_max_logits_are_the_same_on_any_mesh(logits_case):
+    """model.max_logit on d2t4 and c2d2t2 (keys gathered over c) equals one device's, 1e-5."""
+    cfg, weights, batch = logits_case
+    one = _max_logits(cfg, {}, weights, batch)
+    assert one.shape == (cfg.n_layers, cfg.n_q_per_kv, cfg.n_kv) and (one > 0).all()
+    for sizes in ({"d": 2, "t": 4}, {"c": 2, "d": 2, "t": 2}):
+        np.testing.assert_allclose(_max_logits(cfg, sizes, weights, batch), one, rtol=1e-5)
+
+
+def test_qk_clip_brings_each_head_over_the_threshold_back_to_it(logits_case):
+    """MuonClip's guarantee: after the clip each head's largest logit (on the same inputs) is
+    min(its old one, tau), to 1e-4; grouped heads sharing a key head included."""
+    cfg, weights, batch = logits_case
+    before = _max_logits(cfg, {"d": 2, "t": 2}, weights, batch)
+    tau = float(np.median(before))
+    full = load_config(
+        None,
+        [*(f"model.{k}={v}" for k, v in dataclasses.asdict(cfg).items() if not isinstance(v, dict)),
+         "train.optimizer=muon", f"train.muon.qk_clip={tau}", "data.vocab_size=64"],
+    )  # fmt: skip
+    aux = {"layers": {"attention": {"max_logit": jnp.asarray(before)}}}
+    clipped, n = qk_clipped(full, jax.tree.map(jnp.asarray, weights), aux)
+    assert int(n) == int((before > tau).sum()) > 0 and (before[0] > tau).any()
+    after = _max_logits(cfg, {"d": 2, "t": 2}, clipped, batch)
+    # The first layer's inputs are the same; the later layers' are not (the first's output
+    # changed), so their logits are only what the clip aimed at, not the same batch's.
+    np.testing.assert_allclose(after[0], np.minimum(before[0], tau), rtol=1e-4)
+    # v's half of w_kv, and every other weight, unchanged.
+    np.testing.assert_array_equal(clipped.layers.w_kv[:, 1], weights.layers.w_kv[:, 1])
+    np.testing.assert_array_equal(clipped.layers.w_o, weights.layers.w_o)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.muon.qk_clip=100"], "set train.optimizer=muon"),
+        (["train.optimizer=muon", "train.muon.qk_clip=100"], r"model.max_logit=true, got False"),
+        (
+            [
+                "train.optimizer=muon",
+                "train.muon.qk_clip=100",
+                "model.max_logit=true",
+                "model.qk_norm=true",
+            ],
+            "model.qk_norm=false, got True",
+        ),
+        (["model.max_logit=true", "model.attention_impl=cudnn"], "only einsum attention forms"),
+        (["train.optimizer=muon", "train.muon.momentum=1.0"], "momentum must be in"),
+        (["train.optimizer=muon", "train.muon.ns_steps=0"], "ns_steps >= 1"),
+    ],
+)
+def test_bad_muon_settings_are_refused_naming_the_key(overrides, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        load_config("configs/tiny-cpu.yaml", overrides)
