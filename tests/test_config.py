@@ -173,6 +173,7 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
         },
         "fp8": "delayed",
         "fp8_history": 8,
+        "max_logit": False,  # true refuses the ring over c = 2 (checked below on its own)
     }
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}, (
         "a ModelConfig field was added or renamed: add it here"
@@ -189,6 +190,7 @@ def test_every_model_field_and_the_mesh_and_steps_keys_are_overridable():
     )
     assert dataclasses.asdict(cfg.model) == values
     assert (cfg.mesh.d, cfg.mesh.c, cfg.mesh.t, cfg.train.steps) == (2, 2, 2, 5)
+    assert load("model.max_logit=true").model.max_logit is True
 
 
 def test_a_sequence_the_residual_cannot_split_is_rejected():
