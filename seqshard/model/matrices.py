@@ -22,7 +22,7 @@ from seqshard.model.weights import weight_info_by_path, weights_type
 from seqshard.shardlib.notation import Dim
 from seqshard.shardlib.shardtypes import ArrayType, type_tree
 
-__all__ = ["MatrixStack", "matrix_stacks", "newton_schulz_flops"]
+__all__ = ["MatrixStack", "flat_spec", "matrix_stacks", "newton_schulz_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +43,14 @@ class MatrixStack:
         return tuple(a for d in self._dims(which) for a in d.axes)
 
     @property
+    def axes(self) -> tuple[tuple[str, ...], ...]:
+        """The mesh axes splitting S, In and Out (``(('p',), ('d', 'e', 'c'), ('t',))``)."""
+        return tuple(self._axes(dims) for dims in self._order())
+
+    @property
     def spec(self) -> str:
         """Its layout flattened to three dims: ``'S/p In/d/e/c Out/t'``."""
-        parts = zip(("S", "In", "Out"), (self.stacked, self.inputs, self.outputs), strict=True)
-        return " ".join("/".join((label, *self._axes(dims))) for label, dims in parts)
+        return flat_spec(*self.axes)
 
     def sizes(self, dim_sizes: dict[str, int]) -> tuple[int, int, int]:
         """(matrices, fan in, fan out) of the whole weight."""
@@ -88,6 +92,12 @@ def matrix_stacks(cfg: ModelConfig) -> dict[str, MatrixStack]:
 def _typed_paths(tree) -> list[tuple[str, ArrayType]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, ArrayType))
     return [(jax.tree_util.keystr(p).lstrip("."), t) for p, t in leaves[0]]
+
+
+def flat_spec(stack: tuple[str, ...], inputs: tuple[str, ...], outputs: tuple[str, ...]) -> str:
+    """``'S/p In/d/e/c Out/t'`` from the axes splitting each."""
+    parts = zip(("S", "In", "Out"), (stack, inputs, outputs), strict=True)
+    return " ".join("/".join((label, *axes)) for label, axes in parts)
 
 
 def newton_schulz_flops(cfg: ModelConfig, steps: int) -> int:

@@ -114,8 +114,10 @@ def orthogonalized(
     x = g.astype(jnp.float32)
     if padded != local:  # zero matrices, which stay zero
         x = jnp.pad(x, ((0, padded - local), (0, 0), (0, 0)))
-        # XLA:CPU splits the all_to_all into the operand's parts, the pad's zeros a broadcast
-        # its verifier then rejects ("operands with different shapes"): one array to it.
+    if moved:
+        # XLA:CPU splits an all_to_all into its operand's parts, which it traces back through
+        # a pad, a concatenate or a transpose to operands its verifier then rejects ("operands
+        # with different shapes"): one materialized array to it.
         x = jax.lax.optimization_barrier(x)
     # The padded stack is labelled Sp: its size is not the declared stack's.
     labels = ("Sp", rows.label, cols.label)
