@@ -141,7 +141,14 @@ def _optax_muon(cfg: ModelConfig, train: TrainConfig):
 
 
 @pytest.mark.parametrize(
-    "muon", [{}, {"nesterov": False, "scale": "width", "momentum": 0.9, "ns_steps": 4}]
+    "muon",
+    [
+        {},
+        pytest.param(
+            {"nesterov": False, "scale": "width", "momentum": 0.9, "ns_steps": 4},
+            marks=pytest.mark.slow,
+        ),
+    ],
 )
 def test_one_device_update_equals_optax_contrib_muon(muon):
     """The matrices' updates are optax.contrib.muon's; the other weights' are the AdamW of
@@ -163,15 +170,26 @@ def test_one_device_update_equals_optax_contrib_muon(muon):
                 assert worst == 0, (step, path, worst)
 
 
+MLA = MLAConfig(
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8
+)
 MESHES = {
     "d8": ({"d": 8}, {}),
     "d2t4": ({"d": 2, "t": 4}, {}),
     "e2d2t2 experts": ({"e": 2, "d": 2, "t": 2}, {"moe": MOE, "n_layers": 3}),
     "p2d2t2": ({"p": 2, "d": 2, "t": 2}, {"n_layers": 4}),
+    "d4t2 latent attention": (
+        {"d": 4, "t": 2},
+        {"attention": "mla", "mla": MLA, "n_q_per_kv": 1, "mtp": MTPConfig(depth=1)},
+    ),
 }
+DEFAULT_MESHES = ("d2t4", "e2d2t2 experts")
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize(
+    "name",
+    [n if n in DEFAULT_MESHES else pytest.param(n, marks=pytest.mark.slow) for n in MESHES],
+)
 def test_sharded_update_equals_the_single_device_one(name):
     """Two steps (the second with momentum) on a mesh against the same on one device."""
     sizes, changes = MESHES[name]
