@@ -46,6 +46,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from seqshard.evals.tasks import BUILTIN as BUILTIN_TASKS
 from seqshard.mesh import MESH_AXES, axis_sizes, describe_sizes
 from seqshard.model.config import ModelConfig
 from seqshard.model.pipeline.schedule import Pipeline, make_schedule
@@ -62,6 +63,8 @@ __all__ = [
     "MeshConfig",
     "MixtureSource",
     "MixtureStage",
+    "EvalConfig",
+    "EvalTask",
     "MuonConfig",
     "ProfileConfig",
     "REMAINING",
@@ -157,11 +160,12 @@ REMAINING = -1
 """A mesh size that means "the devices the other axes leave"."""
 
 
-def _path(default: object = None, *, hub: bool = False):
+def _path(default: object = None, *, hub: bool | str = False):
     """A field that holds a path, or a list of paths: relative in a config file, it is
     relative to that file (:func:`_rebase_paths`). ``hub``: or a Hugging Face Hub name
-    (:func:`seqshard.paths.is_hub_name`)."""
-    return dataclasses.field(default=default, metadata={"path": "hub" if hub else "path"})
+    (:func:`seqshard.paths.is_hub_name`); ``'task'``: or a built-in task's name."""
+    kind = hub if isinstance(hub, str) else "hub" if hub else "path"
+    return dataclasses.field(default=default, metadata={"path": kind})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +328,29 @@ class InitConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalTask:
+    """One downstream task scored during training (``seqshard.evals``)."""
+
+    path: str = _path("???", hub="task")  # a JSON Lines task file, or a built-in task:
+    #   stdlib_next_line (made from data.dir's held-out files)
+    examples: int = 0  # its first this many examples; 0: all
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Downstream tasks scored beside the validation loss every ``train.eval_every`` steps
+    (``seqshard.evals``): multiple-choice accuracy (plain and length-normalized) or a
+    continuation's loss, logged as ``task/<name>/<metric>``; ``seqshard eval RUN_DIR --tasks``
+    scores them after."""
+
+    tasks: list[EvalTask] = dataclasses.field(default_factory=list)  # e.g. [{path:
+    #   stdlib_next_line, examples: 200}]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where the run writes: ``<dir>/<name>``; the name defaults to the config file's stem."""
 
@@ -348,6 +375,7 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     init: InitConfig = dataclasses.field(default_factory=InitConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
 FromHF = Callable[[Config, frozenset[str]], Config]
@@ -447,6 +475,8 @@ def _rebase_value(value, base: Path, kind: str):
     if isinstance(value, (list, tuple)):
         return type(value)(_rebase_value(v, base, kind) for v in value)
     if not isinstance(value, str) or (kind == "hub" and is_hub_name(value, base)):
+        return value
+    if kind == "task" and value in BUILTIN_TASKS:  # a built-in task's name, not a file
         return value
     return rebase(value, base)
 
@@ -634,6 +664,7 @@ def check_config(cfg: Config) -> None:
     _check_optimizer(cfg.train)
     _check_muon(cfg)
     _check_qk_clip(cfg)
+    _check_eval(cfg)
     check_run_name(cfg.run.name)
     _check_trackers(cfg.run.trackers)
     _check_profile(cfg.train)
@@ -828,6 +859,16 @@ def _check_qk_clip(cfg: Config) -> None:
             f"weights (model.qk_norm=false, got {model.qk_norm}; model.attention=gqa, got "
             f"{model.attention}: MLA's clipping is not built). Set those, or train.muon.qk_clip=0."
         )
+
+
+def _check_eval(cfg: Config) -> None:
+    """Each of ``eval.tasks`` names a task and a count of examples >= 0."""
+    for i, task in enumerate(cfg.eval.tasks):
+        if task.examples < 0:
+            raise ConfigError(
+                f"eval.tasks[{i}].examples must be >= 0 (0: all of {task.path}), got "
+                f"{task.examples}."
+            )
 
 
 def _check_trackers(trackers: Sequence[str]) -> None:

@@ -6,10 +6,12 @@ circle). The layers, lowest first, and what each may import besides itself:
     core      mesh, batch, hardware, launch, testing                        shardlib
     model     seqshard.model.* (with its cost model and pipelining)          shardlib, core
     data      seqshard.data.*                                               shardlib, core
+    evals     seqshard.evals.* (downstream tasks and their scoring)         shardlib, core, model, data
     hf        seqshard.hf.* (Hugging Face tables, import, export)           shardlib, core, model, data
-    config    seqshard.config (the run's YAML)                              shardlib, core, model
-    train     seqshard.train.*                                              shardlib, core, model, data, config
+    config    seqshard.config (the run's YAML)                              shardlib, core, model, evals
+    train     seqshard.train.*                                              shardlib, core, model, data, evals, config
     sample    seqshard.sample (text in, text out)                           shardlib, core, model, data
+    harness   seqshard.harness (the lm-evaluation-harness model)             all of the above but hf
     plan      seqshard.plan.* (step_comms, planner, show)                   all of the above
     cli       seqshard.cli                                                  everything
 
@@ -49,10 +51,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "model": ("seqshard.model",),
     "data": ("seqshard.data",),
+    "evals": ("seqshard.evals",),
     "hf": ("seqshard.hf",),
     "config": ("seqshard.config",),
     "train": ("seqshard.train",),
     "sample": ("seqshard.sample",),
+    "harness": ("seqshard.harness",),
     "plan": ("seqshard.plan",),
     "cli": ("seqshard.cli",),
 }
@@ -61,10 +65,12 @@ MAY_USE: dict[str, set[str]] = {
     "core": {"shardlib"},
     "model": {"shardlib", "core"},
     "data": {"shardlib", "core"},
+    "evals": {"shardlib", "core", "model", "data"},
     "hf": {"shardlib", "core", "model", "data"},
-    "config": {"shardlib", "core", "model"},
-    "train": {"shardlib", "core", "model", "data", "config"},
+    "config": {"shardlib", "core", "model", "evals"},
+    "train": {"shardlib", "core", "model", "data", "evals", "config"},
     "sample": {"shardlib", "core", "model", "data"},
+    "harness": {"shardlib", "core", "model", "data", "evals", "config", "train", "sample"},
     "plan": {"shardlib", "core", "model", "data", "hf", "config", "train"},
     "cli": set(LAYERS),
 }

@@ -28,6 +28,7 @@ from seqshard.model.layers import aux_type
 from seqshard.model.pipeline.pipelined import pipelined_terms_and_aux
 from seqshard.model.pipeline.schedule import Pipeline
 from seqshard.model.transformer import final_hidden, forward_terms_and_aux, unembed
+from seqshard.model.vocab import next_token_nll
 from seqshard.model.weights import Weights, check_mesh, weights_type
 from seqshard.shardlib import shardops
 from seqshard.shardlib.shardtypes import f32, typed_shard_map
@@ -37,6 +38,7 @@ __all__ = [
     "batch_terms_and_aux",
     "logits_fn",
     "loss_fn",
+    "next_token_scores",
     "loss_sum_and_count",
 ]
 
@@ -75,10 +77,21 @@ def _sharded(cfg: ModelConfig, mesh: Mesh, output: str, pipeline: Pipeline):
         out = shardops.reorder("B/dp L@zigzag V/t -> B/dp L V/t", out)
         return shardops.split("B/dp L V/t -> B/dp L/c V/t", out)
 
+    def token_scores(w, batch: TokenBatch):
+        rows = sequence_rows(batch.tokens, batch.is_seq_start)
+        logits = unembed(cfg, w, final_hidden(cfg, w, rows))
+        nll, _, sum_exp = next_token_nll(logits, rows.targets)
+        # The target is the argmax exactly when its logit is the max (nll = log sum_exp).
+        out = jnp.stack([nll, (nll == jnp.log(sum_exp)).astype(jnp.float32)])
+        out = shardops.all_gather("2 B/dp L@zigzag/c -> 2 B/dp L@zigzag", out)
+        out = shardops.reorder("2 B/dp L@zigzag -> 2 B/dp L", out)
+        return shardops.split("2 B/dp L -> 2 B/dp L/c", out)
+
     terms_type = (f32["2"], aux_type(cfg))
     body, out = {
         "loss_terms": (loss_terms, terms_type),
         "logits": (logits, f32[b"B/dp L/c V/t"]),
+        "token_scores": (token_scores, f32[b"2 B/dp L/c"]),
     }[output]
     return typed_shard_map(_typed(body, weights, out), mesh=mesh)
 
@@ -147,6 +160,24 @@ def loss_fn(
     """
     total, count = loss_sum_and_count(weights, tokens, is_seq_start, cfg, mesh, loss_mask)
     return total / jnp.maximum(count, 1.0)
+
+
+def next_token_scores(
+    weights: Weights, batch: TokenBatch, cfg: ModelConfig, mesh: Mesh
+) -> jax.Array:
+    """f32['2 B L']: at each position, ``-log p(next token)`` and whether the next token is
+    the argmax (1.0) or not, for scoring tasks (:mod:`seqshard.evals`): the forward, the
+    head's logits over the vocabulary split across t reduced to those two numbers per
+    position inside the shard_map (no logits leave it). Positions whose next token starts a
+    document are scored too: the caller reads the ones it wants. Needs p = 1 (as
+    :func:`logits_fn`)."""
+    if axis_size(mesh, "p") != 1:
+        raise ValueError(
+            f"next_token_scores runs every layer on each device and needs mesh axis p = 1, got "
+            f"p={axis_size(mesh, 'p')}. Restore the weights on a mesh with p = 1 (checkpoints "
+            f"restore on any mesh)."
+        )
+    return _sharded(cfg, mesh, "token_scores", Pipeline())(weights, batch)
 
 
 def logits_fn(

@@ -13,7 +13,13 @@ from seqshard.model.config import ModelConfig
 from seqshard.shardlib import shardops
 from seqshard.shardlib.collective_log import part
 
-__all__ = ["embed_lookup", "embed_table", "loss_terms_and_softmax", "unembed_table"]
+__all__ = [
+    "embed_lookup",
+    "embed_table",
+    "loss_terms_and_softmax",
+    "next_token_nll",
+    "unembed_table",
+]
 
 
 def embed_table(cfg: ModelConfig, w) -> jax.Array:
@@ -44,6 +50,17 @@ def loss_terms_and_softmax(
     ``exp(logits - max)`` 'B/dp L@zigzag/c V/t' and its sum over the whole vocab
     'B/dp L@zigzag/c'. ``targets`` and ``counted`` are :class:`SequenceRows`'s: each position's
     next token and whether it counts (found on the whole row, before the split over c)."""
+    nll, exp, sum_exp = next_token_nll(logits, targets)
+    counted = counted.astype(jnp.float32)
+    local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
+    # Each (d, e, c) shard summed its own rows and positions of the batch: add them up.
+    return shardops.psum("2{U_dp,c} -> 2", local), exp, sum_exp
+
+
+@part("loss")
+def next_token_nll(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each position's ``-log p(target)`` 'B/dp L@zigzag/c' (f32) from logits
+    'B/dp L@zigzag/c V/t', with ``exp(logits - max)`` and its sum over the whole vocab."""
     # A stable logsumexp over the vocab split across t. The max only shifts the exponent, so it
     # needs no gradient (and pmax has none): take it of the stop-gradiented local max.
     local_max = jnp.max(logits, axis=-1)
@@ -62,8 +79,4 @@ def loss_terms_and_softmax(
     sum_exp, target_logit = shardops.psum(
         "2 B/dp L@zigzag/c{U_t} -> 2 B/dp L@zigzag/c", jnp.stack([sum_exp, target_logit])
     )
-    nll = jnp.log(sum_exp) + shift - target_logit
-    counted = counted.astype(jnp.float32)
-    local = jnp.stack([jnp.sum(nll * counted), jnp.sum(counted)])
-    # Each (d, e, c) shard summed its own rows and positions of the batch: add them up.
-    return shardops.psum("2{U_dp,c} -> 2", local), exp, sum_exp
+    return jnp.log(sum_exp) + shift - target_logit, exp, sum_exp

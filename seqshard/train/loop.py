@@ -49,6 +49,7 @@ from seqshard.data import Loader, path_corpus, prepare, read_meta, stdlib_corpus
 from seqshard.data.mixture import Mixture, mixture_of
 from seqshard.data.prepare import PrepareConfig
 from seqshard.data.sft import find_chat_template
+from seqshard.evals.configured import make_task_eval, timed
 from seqshard.hardware import peak_flops
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
@@ -662,6 +663,7 @@ def _train_locked(
                 loader.check_state(meta["loader"])
             _warn_of_long_prompts(loader, cfg.train.seq_len, log)
             validate = make_validate(loader, make_eval_step(cfg, mesh), cfg.train.eval_batches)
+            validate = _with_tasks(validate, cfg, mesh, data_dir)
             if start >= cfg.train.steps:
                 loader.close()
                 return _finished_already(run, state, start, validate)
@@ -740,6 +742,21 @@ def run_weights(cfg: Config, mesh: Mesh, log: Callable[[str], None]) -> Weights:
     order = layer_order(restore_cfg, mesh.shape["p"])
     log(f"starting from the weights of {source} at step {int(jax.device_get(state.step))}")
     return relayered(state.weights, order, range(cfg.model.n_layers))
+
+
+def _with_tasks(validate, cfg: Config, mesh, data_dir):
+    """``validate`` and then ``eval.tasks``' scores (seqshard.evals): the figures of both. The
+    tasks read the weights only, so the run's batches and losses are the same without them."""
+    tasks = [(t.path, t.examples) for t in cfg.eval.tasks]
+    train = cfg.train
+    evaluate = make_task_eval(cfg.model, mesh, data_dir, tasks, train.batch_size, train.seq_len)
+    if evaluate is None:
+        return validate
+
+    def both(weights, step: int) -> dict:
+        return {**validate(weights, step), **timed(evaluate, weights)}
+
+    return both
 
 
 def _finished_already(run: _Run, state: TrainState, step: int, validate) -> TrainResult:
