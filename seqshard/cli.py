@@ -589,6 +589,52 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batches", type=int, default=0, help="validation batches (default: train.eval_batches)"
     )
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        metavar="TASK",
+        help="score these tasks instead of the validation loss: JSON Lines task files or "
+        "built-in tasks (stdlib_next_line); a table of accuracies (seqshard.evals)",
+    )
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=0,
+        help="with --tasks: each task's first N examples (0: all)",
+    )
+    p.add_argument("--json", action="store_true", help="with --tasks: the results as JSON")
+
+
+def _eval_tasks(args, cfg, mesh, weights, step: int) -> int:
+    """``seqshard eval RUN_DIR --tasks ...``: each task's scores, a table or JSON."""
+    import json
+
+    from seqshard.evals.configured import make_task_eval
+    from seqshard.shardlib.tables import format_table
+
+    tasks = [(path, args.examples) for path in args.tasks]
+    train = cfg.train
+    evaluate = make_task_eval(cfg.model, mesh, cfg.data.dir, tasks, train.batch_size, train.seq_len)
+    results = evaluate(weights)
+    if args.json:
+        rows = [{"task": r.name, "examples": r.examples, **r.metrics} for r in results]
+        print(json.dumps({"run_dir": str(args.run_dir), "step": step, "tasks": rows}, indent=2))
+        return 0
+
+    def cell(r, key: str) -> str:
+        value = r.metrics.get(key)
+        return "-" if value is None else f"{value:.4f}"
+
+    header = ("task", "examples", "acc", "acc_norm", "acc_stderr", "nll/token", "greedy")
+    body = [
+        (r.name, str(r.examples), cell(r, "acc"), cell(r, "acc_norm"),
+         cell(r, "acc_stderr") if "acc" in r.metrics else cell(r, "greedy_stderr"),
+         cell(r, "nll"), cell(r, "greedy"))
+        for r in results
+    ]  # fmt: skip
+    _say(f"{args.run_dir} step {step}:")
+    _say(format_table(body, header, right=frozenset(range(1, len(header)))))
+    return 0
 
 
 def _eval(args) -> int:
@@ -602,6 +648,8 @@ def _eval(args) -> int:
     cfg = _start(args, *_run_config_args(args.run_dir, args.overrides), args.run_dir)
     mesh = training_mesh(cfg.mesh.sizes())
     state = latest_state(args.run_dir, cfg, mesh)
+    if args.tasks:
+        return _eval_tasks(args, cfg, mesh, state.weights, int(state.step))
     train_cfg = cfg.train
     n_batches = args.batches or train_cfg.eval_batches
     with Loader(
@@ -930,6 +978,16 @@ COMMANDS: tuple[Command, ...] = (
         "compiles the step and reports XLA's collectives and memory.",
     ),
     Command(
+        "lm-eval",
+        "the lm-evaluation-harness's command line with the seqshard model (pip install -e '.[eval]')",
+        lambda p: p.add_argument("harness_args", nargs="*", help="lm_eval's own flags"),
+        lambda args: _lm_eval(args.harness_args),
+        "Runs the lm-evaluation-harness (`lm_eval`) with every flag of its own, the model "
+        "`seqshard` registered: `seqshard lm-eval --model seqshard --model_args "
+        "run_dir=runs/NAME --tasks TASKS [--include_path DIR]` scores a run's latest checkpoint "
+        "on any task the harness knows or reads from a local YAML (seqshard.harness).",
+    ),
+    Command(
         "config",
         "every config key: its type, default and meaning",
         _config_keys_arguments,
@@ -940,6 +998,17 @@ COMMANDS: tuple[Command, ...] = (
         "an override: to the working directory). docs/config.md is `seqshard config --markdown`.",
     ),
 )
+
+
+def _lm_eval(harness_args: Sequence[str]) -> int:
+    """``lm_eval`` with the seqshard model registered (seqshard.harness)."""
+    from seqshard.harness import main as harness_main
+
+    try:
+        harness_main(list(harness_args))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    return 0
 
 
 def _version() -> str:
@@ -1002,6 +1071,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv  # anywhere: show the full traceback of an error
     argv = [a for a in argv if a != "--debug"]
     by_name = {c.name: c for c in COMMANDS}
+    if argv and argv[0] == "lm-eval":  # every other argument is lm_eval's, help included
+        try:
+            return _lm_eval(argv[1:])
+        except ImportError as e:
+            print(f"seqshard lm-eval: error: {e}", file=sys.stderr)
+            return EXIT_ERROR
     try:
         if not argv or argv[0] not in by_name:
             _top_parser().parse_args(argv)  # prints usage (or --help) and exits

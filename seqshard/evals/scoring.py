@@ -80,7 +80,14 @@ class Scorer:
 
     def score(self, weights: Weights, pairs: Sequence[tuple[str, str]]) -> list[Scored]:
         """Each (context, continuation) pair's :class:`Scored`, in order."""
-        docs = [self._document(i, c, x) for i, (c, x) in enumerate(pairs)]
+        tok = self.tokenizer
+        return self.score_ids(weights, [split_tokens(tok, c, x) for c, x in pairs])
+
+    def score_ids(
+        self, weights: Weights, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[Scored]:
+        """Each (context ids, continuation ids) pair's :class:`Scored`, in order."""
+        docs = [self._document(i, list(c), list(x)) for i, (c, x) in enumerate(pairs)]
         out: list[Scored | None] = [None] * len(pairs)
         for batch_docs, tokens, starts in self._batches(docs):
             batch = jax.device_put(token_batch(tokens, starts), self._batch_shardings)
@@ -96,18 +103,16 @@ class Scorer:
                 )
         return out  # type: ignore[return-value]
 
-    def _document(self, i: int, context: str, continuation: str) -> tuple[int, list[int], int]:
-        ctx, cont = split_tokens(self.tokenizer, context, continuation)
+    def _document(self, i: int, ctx: list[int], cont: list[int]) -> tuple[int, list[int], int]:
         if len(cont) >= self.seq_len:
             raise TaskError(
                 f"a continuation of {len(cont)} tokens does not fit a row of train.seq_len="
-                f"{self.seq_len} after at least one context token ({continuation[:60]!r}...): "
-                f"score with a longer seq_len, or shorten the example."
+                f"{self.seq_len} after at least one context token: score with a longer "
+                f"seq_len, or shorten the example."
             )
-        if not ctx:
+        if not ctx or not cont:
             raise TaskError(
-                f"an example with an empty context ({continuation[:60]!r}): give each example "
-                f"a context of at least one token."
+                "an example with an empty context or continuation: give each at least one token."
             )
         keep = self.seq_len - len(cont)
         ctx = ctx[-keep:]  # a context too long for a row loses its start
