@@ -40,6 +40,8 @@ def make_task_eval(
     read = [read_task(path, data_dir).first(n) for path, n in tasks]
     tok = load_tokenizer(Path(data_dir) / "tokenizer.json")
     scorer = Scorer(model, mesh, tok, rows, seq_len)
+    for (path, _), task in zip(tasks, read, strict=True):
+        scorer.check([p for ex in task.examples for p in ex.requests()], f"task {path}")
 
     def evaluate(weights: Weights) -> list[TaskResult]:
         return score_tasks(scorer, weights, read)

@@ -77,11 +77,26 @@ class Scorer:
         cfg, mesh = self.cfg, self.mesh
         self._fn = jax.jit(lambda w, b: next_token_scores(w, b, cfg, mesh))
         self._batch_shardings = shardings(TokenBatch, mesh)
+        self._token_cache: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
 
     def score(self, weights: Weights, pairs: Sequence[tuple[str, str]]) -> list[Scored]:
         """Each (context, continuation) pair's :class:`Scored`, in order."""
-        tok = self.tokenizer
-        return self.score_ids(weights, [split_tokens(tok, c, x) for c, x in pairs])
+        return self.score_ids(weights, [self._tokens(c, x) for c, x in pairs])
+
+    def check(self, pairs: Sequence[tuple[str, str]], where: str) -> None:
+        """Raise TaskError (naming ``where`` and the example) for a pair that cannot be
+        scored in a row: before a run spends anything on it."""
+        for i, (c, x) in enumerate(pairs):
+            try:
+                self._document(i, *self._tokens(c, x))
+            except TaskError as e:
+                raise TaskError(f"{where}, request {i} ({c[-40:]!r} + {x[:40]!r}): {e}") from None
+
+    def _tokens(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        key = (context, continuation)
+        if key not in self._token_cache:  # the same pairs every evaluation of a run
+            self._token_cache[key] = split_tokens(self.tokenizer, context, continuation)
+        return self._token_cache[key]
 
     def score_ids(
         self, weights: Weights, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]

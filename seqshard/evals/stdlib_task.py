@@ -5,7 +5,7 @@ Made deterministically from a prepared data directory's validation split (the do
 library): for each ``def`` in those files, the context is the ``def`` line and the lines after
 it up to a point drawn by a seeded generator (0 to 2 more, stopping before a blank line), the
 right choice is the next non-blank line, and the three others are lines drawn from *other*
-files, re-indented as the right one, so indentation gives nothing away. The choices are
+files (4 to 100 characters, as the right one), re-indented as the right one, so indentation gives nothing away. The choices are
 shuffled by the same generator. Chance is 1/4; a model that has learned Python's shapes
 (``self.x = x`` after ``def __init__(self, x):``, a docstring after a ``def``) beats it.
 
@@ -27,6 +27,7 @@ SEED = 0
 """The generator's seed: the task is the same for the same data directory."""
 
 _MIN_CHARS = 4  # a line shorter than this (stripped) is no choice: ')' or 'pass' say little
+_MAX_CHARS = 100  # nor a longer one (prose, data): a choice fits a row of a small seq_len
 
 
 def _files(data_dir: Path) -> list[list[str]]:
@@ -48,7 +49,7 @@ def stdlib_next_line(data_dir: str | Path) -> Task:
         (f, line.strip())
         for f, lines in enumerate(files)
         for line in lines
-        if len(line.strip()) >= _MIN_CHARS
+        if _MIN_CHARS <= len(line.strip()) <= _MAX_CHARS
     ]
     rng = random.Random(SEED)
     examples = []
@@ -59,10 +60,12 @@ def stdlib_next_line(data_dir: str | Path) -> Task:
                 continue
             end = i + 1 + rng.randrange(3)  # the def line and 0 to 2 more
             context = lines[i:end]
-            if any(not x.strip() for x in context[1:]):
+            if any(not x.strip() or len(x) > _MAX_CHARS for x in context[1:]):
                 continue  # the function ended (or paused) inside the context
             nxt = next((j for j in range(end, len(lines)) if lines[j].strip()), None)
-            if nxt is None or len(lines[nxt].strip()) < _MIN_CHARS or len(others) < 3:
+            if nxt is None or not _MIN_CHARS <= len(lines[nxt].strip()) <= _MAX_CHARS:
+                continue
+            if len(others) < 3:
                 continue
             right = lines[nxt]
             wrong = [t for t in rng.sample(others, 6) if t != right.strip()][:3]
