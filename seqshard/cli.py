@@ -380,6 +380,8 @@ def _train_run(args) -> int:
             f"step {result.step}: train loss {_loss_text(result.train_loss)}, val loss {val}, "
             f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.2%}, wall {result.wall_s:.0f} s"
         )
+    for name, figures in _by_task(result.tasks).items():
+        _say(f"  task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
     if result.interrupted:
         again = shlex.join(["seqshard", "train", args.config, *args.overrides])
         _say(f"stopped early; `{again}` resumes from the checkpoint.")
@@ -998,6 +1000,15 @@ COMMANDS: tuple[Command, ...] = (
         "an override: to the working directory). docs/config.md is `seqshard config --markdown`.",
     ),
 )
+
+
+def _by_task(figures: dict[str, float]) -> dict[str, dict[str, float]]:
+    """``{'task/t/acc': 0.4}`` -> ``{'t': {'acc': 0.4}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in figures.items():
+        _, name, metric = key.split("/", 2)
+        out.setdefault(name, {})[metric] = value
+    return out
 
 
 def _lm_eval(harness_args: Sequence[str]) -> int:

@@ -147,6 +147,8 @@ class TrainResult:
     interrupted: bool = False  # SIGTERM / Ctrl-C stopped it before train.steps
     already_finished: bool = False  # the run was at train.steps already: nothing trained
     steps_run: int = 0  # steps this call trained
+    tasks: dict = dataclasses.field(default_factory=dict)  # the last eval.tasks scores
+    #   ('task/<name>/acc': ...), empty without tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -760,7 +762,8 @@ def _with_tasks(validate, cfg: Config, mesh, data_dir):
 
 
 def _finished_already(run: _Run, state: TrainState, step: int, validate) -> TrainResult:
-    val_loss = validate(state.weights, step)["val_loss"]
+    values = validate(state.weights, step)
+    val_loss = values["val_loss"]
     run.log(
         f"{run.run_dir} is already at step {step} of train.steps={run.cfg.train.steps}: "
         f"nothing to train"
@@ -774,7 +777,12 @@ def _finished_already(run: _Run, state: TrainState, step: int, validate) -> Trai
         mfu=0.0,
         wall_s=time.perf_counter() - run.started,
         already_finished=True,
+        tasks=_task_figures(values),
     )
+
+
+def _task_figures(values: dict) -> dict:
+    return {k: v for k, v in values.items() if k.startswith("task/")}
 
 
 def _train_steps(
@@ -822,6 +830,7 @@ def _train_steps(
     stop.log = metrics_log.message
     nonfinite = _NonfiniteWatch(run, int(jax.device_get(state.guard.total)), metrics_log.message)
     step, loss, val_loss, figures = start, None, None, {"tokens_per_s": 0.0, "mfu": 0.0}
+    tasks: dict = {}
     stopping = False
     try:
         window.restart()
@@ -860,7 +869,7 @@ def _train_steps(
                     values.update({f"tokens/{k}": n for k, n in loader.tokens_drawn(step).items()})
                 if evaluate_now:
                     values.update(validate(state.weights, step))
-                    val_loss = values["val_loss"]
+                    val_loss, tasks = values["val_loss"], _task_figures(values)
                 loss = values["loss"]
                 metrics_log.log(step, values)
             if save_now:
@@ -883,6 +892,7 @@ def _train_steps(
         wall_s=time.perf_counter() - run.started,
         interrupted=interrupted,
         steps_run=step - start,
+        tasks=tasks,
     )
 
 

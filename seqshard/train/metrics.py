@@ -96,8 +96,11 @@ def format_line(
         if key in metrics:
             parts.append(f"{label} {_value(fmt, metrics[key], key in absent)}")
     for key, value in metrics.items():
+        if key.startswith("task/") and key.endswith(("/acc", "/nll")):  # a task's headline
+            _, name, metric = key.split("/", 2)
+            parts.append(f"{name} {metric} {_fmt('{:.3f}', value)}")
         # Per-layer and per-expert figures (``moe_load/3/17``) go to the files only.
-        if key not in known and key != "step_time_s" and "/" not in key:
+        elif key not in known and key != "step_time_s" and "/" not in key:
             parts.append(f"{key} {'n/a' if key in absent else _general(value)}")
     if "step_time_s" in metrics:
         step_time = metrics["step_time_s"]
