@@ -242,7 +242,7 @@ class MuonConfig:
     rms: float = 0.2  # the update RMS that scale=rms matches
     qk_clip: float = 0.0  # MuonClip (Kimi K2): after each step, a head whose largest attention
     #   logit passed this has its q and k weights scaled so it is back at it; 0: off. Needs
-    #   model.max_logit
+    #   the model's max_logit: true
 
 
 @dataclasses.dataclass(frozen=True)
