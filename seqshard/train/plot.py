@@ -1,7 +1,8 @@
 """Loss curves from ``RUN_DIR/metrics.jsonl``: ``seqshard plot RUN_DIR [RUN_DIR ...] [--out PATH]``.
 
 Train loss is drawn as a line and val loss as markers in the same colour, one colour per run,
-labelled by the run dir's name. A run with experts also gets ``RUN_DIR/expert_load.png``
+labelled by the run dir's name; a run that scored ``eval.tasks`` gets a second panel of each
+task's accuracy (solid) and normalized accuracy (dashed) over the steps. A run with experts also gets ``RUN_DIR/expert_load.png``
 (:func:`plot_expert_load`): each MoE layer's experts over the steps, coloured by load over
 the mean. The figures are rendered with matplotlib's Agg canvas directly
 (``matplotlib.figure.Figure``), so pyplot's global backend and figure list are never touched.
@@ -44,10 +45,23 @@ def plot_runs(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5), dpi=100)
+    tasks = [_task_curves(d) for d in dirs]
+    fig = Figure(figsize=(13, 5) if any(tasks) else (8, 5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(1, 2, 1) if any(tasks) else fig.add_subplot()
     colors = [f"C{i % 10}" for i in range(len(dirs))]
+    if any(tasks):  # eval.tasks' accuracies beside the losses
+        right = fig.add_subplot(1, 2, 2)
+        for label, curves_of_run, color in zip(_labels(dirs), tasks, colors, strict=True):
+            for key, (steps, values) in curves_of_run.items():
+                style = "--" if key.endswith("_norm") else "-"
+                right.plot(steps, values, color=color, linestyle=style, marker="o", markersize=3,
+                           label=f"{label} {key}")  # fmt: skip
+        right.set_xlabel("step")
+        right.set_ylabel("accuracy")
+        right.set_title("eval.tasks")
+        right.grid(True, alpha=0.3)
+        right.legend(fontsize="small")
     for label, (train, val), color in zip(_labels(dirs), curves, colors, strict=True):
         if train[0]:
             ax.plot(*train, color=color, linewidth=1.2, label=f"{label} train")
@@ -85,6 +99,17 @@ def _loss_curves(run_dir: Path) -> tuple[tuple[list[int], list[float]], ...]:
             f"plot yet (did the run log a step?)."
         )
     return _unzip(train), _unzip(val)
+
+
+def _task_curves(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """``'<task> acc'`` and ``'<task> acc_norm'`` -> (steps, values): the run's eval.tasks."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for record in read_metrics(run_dir):
+        for key, value in record.items():
+            if key.startswith("task/") and key.endswith(("/acc", "/acc_norm")):
+                _, name, metric = key.split("/", 2)
+                out.setdefault(f"{name} {metric}", []).append((record["step"], value))
+    return {k: _unzip(v) for k, v in out.items()}
 
 
 def _unzip(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:

@@ -80,3 +80,23 @@ def test_plot_command(tmp_path, capsys):
     assert main(["plot"]) == 2  # argparse usage error
     assert main(["plot", "--help"]) == 0
     assert "RUN_DIR" in capsys.readouterr().out
+
+
+def test_a_run_with_tasks_gets_their_accuracy_panel(tmp_path):
+    """eval.tasks' acc and acc_norm beside the losses: a figure twice as wide."""
+    import json
+    import struct
+
+    plain, tasks = tmp_path / "plain", tmp_path / "tasks"
+    _write_run(plain, range(1, 21), val_every=5)
+    _write_run(tasks, range(1, 21), val_every=5)
+    with (tasks / "metrics.jsonl").open("a") as f:
+        for step, acc in ((5, 0.25), (10, 0.31), (20, 0.4)):
+            f.write(
+                json.dumps({"step": step, "task/t/acc": acc, "task/t/acc_norm": acc + 0.02}) + "\n"
+            )
+
+    def width(path: Path) -> int:
+        return struct.unpack(">I", path.read_bytes()[16:20])[0]  # the PNG's IHDR width
+
+    assert width(plot_runs([tasks])) == 1300 and width(plot_runs([plain])) == 800
