@@ -22,9 +22,11 @@ from seqshard.model.cost import (
     format_bytes,
     hardware_flops_per_token,
     memory_per_device,
+    param_bytes_per_device,
     param_counts,
     step_flops,
 )
+from seqshard.model.matrices import newton_schulz_flops
 from seqshard.plan.planner import (
     TARGET_LINE,
     attention_impl_on,
@@ -239,6 +241,29 @@ def test_fp8_projections_run_at_the_fp8_peak_and_gather_half_the_bytes():
     # (2 layers of w_q, w_kv, w_o 4.19M + 2.10M + 4.19M and 3 x 16.8M of the FFN: 121.5M).
     alone = format_plan(plan(cfg, 1, "h100"))
     assert "FSDP gathers those weights in e4m3, 116.00 MiB all layers" in alone
+
+
+def test_muon_adds_its_newton_schulz_flops_its_all_to_alls_and_one_moment():
+    """train.optimizer=muon: the update's all_to_alls (exposed time), its Newton-Schulz FLOPs
+    in the compute, one f32 momentum for the matrices instead of AdamW's two."""
+    adamw = one_b("mesh.d=-1")
+    muon = one_b("mesh.d=-1", "train.optimizer=muon")
+    p, q = plan(adamw, 8, "h100"), plan(muon, 8, "h100")
+    ns = newton_schulz_flops(muon.model, 5)
+    assert (
+        q.hardware_flops == pytest.approx(p.hardware_flops + ns) and q.model_flops == p.model_flops
+    )
+    update = [c for c in q.collectives if c.phase == "update"]
+    assert (
+        update and {c.kind for c in update} == {"all-to-all"} and not any(c.weights for c in update)
+    )
+    assert q.exposed_comm_s == pytest.approx(
+        p.exposed_comm_s + sum(c.bytes_per_step for c in update) / q.bandwidth_by_axis["d"]
+    )
+    matrices = param_bytes_per_device(muon.model, q.config.mesh.sizes(), matrices_only=True)
+    assert q.memory.optimizer == p.memory.optimizer - matrices > 0
+    text = format_plan(q)
+    assert "Muon momentum of the matrices" in text and "Muon's Newton-Schulz" in text
 
 
 def test_links_by_platform():
