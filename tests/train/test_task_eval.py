@@ -37,6 +37,7 @@ def test_tasks_are_logged_and_change_no_loss(with_tasks, trained_run):
     assert not any(k.startswith("task/") for k in tasks[4])
 
 
+@pytest.mark.slow
 def test_a_resumed_run_scores_the_same_tasks(with_tasks, tiny_overrides):
     root = with_tasks
     run([*tiny_overrides(root, "resumed", **{**TRAINED_RUN, "steps": 3}), TASKS])
