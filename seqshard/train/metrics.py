@@ -96,7 +96,7 @@ def format_line(
         if key in metrics:
             parts.append(f"{label} {_value(fmt, metrics[key], key in absent)}")
     for key, value in metrics.items():
-        if key.startswith("task/") and key.endswith(("/acc", "/nll")):  # a task's headline
+        if key.startswith("task/") and key.endswith(("/acc", "/acc_norm", "/nll")):  # headlines
             _, name, metric = key.split("/", 2)
             parts.append(f"{name} {metric} {_fmt('{:.3f}', value)}")
         # Per-layer and per-expert figures (``moe_load/3/17``) go to the files only.
