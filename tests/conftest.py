@@ -152,17 +152,15 @@ def tiny_overrides(data_dir):
     return make
 
 
-TRAINED_RUN = {"steps": 6, "min_lr_ratio": 1.0, "checkpoint_every": 2, "keep_checkpoints": 2}
-"""train.* of :func:`trained_run` over ``tiny_overrides``."""
-
-
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, tiny_overrides):
     """One trained run for the tests that read one (tests/train/test_checkpoint.py, and
     test_loop.py's resumptions): the tiny model of ``tiny_overrides`` trained 6 steps on 4x2,
-    ``TRAINED_RUN``: the lr constant after warmup (``min_lr_ratio=1``, so that resumed to any
+    ``run_helpers.TRAINED_RUN``: the lr constant after warmup (``min_lr_ratio=1``, so that resumed to any
     length it equals a straight run), a checkpoint every 2 steps, 2 kept (4 and 6).
     ``(config, run_dir)``, the run named "trained". Read only: copy it to change it."""
+    from run_helpers import TRAINED_RUN
+
     from seqshard.config import load_config
     from seqshard.train.loop import train
 

@@ -17,6 +17,9 @@ from seqshard.train.optimizer import make_optimizer
 # min_lr_ratio=1 makes it warmup, then constant.
 FLAT = {"min_lr_ratio": 1.0}
 
+TRAINED_RUN = {"steps": 6, "min_lr_ratio": 1.0, "checkpoint_every": 2, "keep_checkpoints": 2}
+"""train.* of conftest.py's ``trained_run`` over ``tiny_overrides``."""
+
 
 def quiet(_msg: str) -> None:
     pass

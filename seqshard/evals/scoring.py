@@ -36,7 +36,7 @@ from seqshard.evals.tasks import Task, TaskError
 from seqshard.model.config import ModelConfig
 from seqshard.model.sharded import next_token_scores
 from seqshard.model.weights import Weights
-from seqshard.shardlib.shardtypes import shardings
+from seqshard.shardlib.shardtypes import f32, shardings
 
 __all__ = ["Scored", "Scorer", "TaskResult", "score_tasks"]
 
@@ -75,7 +75,9 @@ class Scorer:
 
     def __post_init__(self) -> None:
         cfg, mesh = self.cfg, self.mesh
-        self._fn = jax.jit(lambda w, b: next_token_scores(w, b, cfg, mesh))
+        # The scores come back whole on every process (a multi-process run reads them all).
+        whole = shardings(f32["2 B L"], mesh)
+        self._fn = jax.jit(lambda w, b: next_token_scores(w, b, cfg, mesh), out_shardings=whole)
         self._batch_shardings = shardings(TokenBatch, mesh)
         self._token_cache: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
 
@@ -105,7 +107,14 @@ class Scorer:
         docs = [self._document(i, list(c), list(x)) for i, (c, x) in enumerate(pairs)]
         out: list[Scored | None] = [None] * len(pairs)
         for batch_docs, tokens, starts in self._batches(docs):
-            batch = jax.device_put(token_batch(tokens, starts), self._batch_shardings)
+            # Every process packed the same rows: each places its devices' blocks of them.
+            batch = jax.tree.map(
+                lambda x, sharding: jax.make_array_from_callback(
+                    x.shape, sharding, np.asarray(x).__getitem__
+                ),
+                token_batch(tokens, starts),
+                self._batch_shardings,
+            )
             nll, greedy = np.asarray(self._fn(weights, batch))
             for i, row, at, n_ctx, n_cont in batch_docs:
                 # Position p predicts token p + 1: the continuation's tokens are predicted at

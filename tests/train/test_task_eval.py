@@ -9,9 +9,8 @@ import os
 import subprocess
 
 import pytest
-from conftest import TRAINED_RUN
 from process_helpers import SEQSHARD, xla_flags
-from run_helpers import by_step, run
+from run_helpers import TRAINED_RUN, by_step, run
 
 TASKS = "eval.tasks=[{path: stdlib_next_line, examples: 12}]"
 
