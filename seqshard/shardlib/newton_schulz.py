@@ -27,8 +27,8 @@ divide (3 layers on fsdp x t = 8 devices), the stack is padded with zero matrice
 zero (``0 / (0 + eps) = 0``), and cut back after. The bytes moved: each all_to_all sends
 (n-1)/n of the block, twice each way.
 
-This module is the sharded operation only (issue 45's item 2, the first part); the optimizer
-that uses it is not built yet.
+The optimizer that calls it, one shard_map over every weight matrix: :mod:`seqshard.train.muon`
+(docs/muon.md).
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ permutation of the rows and columns, which the iteration commutes with) and hand
 :func:`seqshard.shardlib.newton_schulz.orthogonalized`, which moves the In and Out splits
 onto S by all_to_all, iterates whole matrices, and moves them back (or keeps a far-wide
 matrix's columns split and all-reduces its Gram; a stack that does not divide is padded with
-zero matrices). All of it in one ``shard_map``, phase ``update`` of the collective log, part
-``muon``. The embeddings, the head, the norm gains, the router (a d_model x experts scorer,
+zero matrices). Weights whose flattened blocks rest alike share one call
+(:func:`orthogonalize_all`). All of it in one ``shard_map``, phase ``update`` of the collective
+log, part ``muon <weights>``. MuonClip (``train.muon.qk_clip``) follows the step:
+:func:`qk_clipped`. The embeddings, the head, the norm gains, the router (a d_model x experts scorer,
 gathered in f32 every step; its top-k choice is not a direct linear output) and FP8 state
 keep AdamW, with ``train.beta1``, ``beta2``, ``eps`` as before.
 
