@@ -244,6 +244,7 @@ def test_a_zero_gradient_leaves_the_matrices_where_decay_puts_them():
         )
 
 
+@pytest.mark.slow
 def test_a_muon_run_resumes_bit_for_bit_and_restores_onto_another_mesh(tmp_path, tiny_overrides):
     """Momentum checkpointed with the weights: 3 steps then 3 more equal 6 straight, bit for
     bit (every loss, every array of the state); the checkpoint restored onto p2 x d4 holds the
