@@ -227,26 +227,18 @@ def test_shards_are_the_same_for_any_number_of_workers_and_resume(tmp_path, data
 
 # -- faults of `seqshard prepare` -------------------------------------------------------------
 
-
-def _slow_prepare(seconds: float) -> list[str]:
-    """`seqshard prepare ARGS` whose parent process reads each unit ``seconds`` slower (the
-    workers are untouched): a prepare with time to be interrupted, or to be waited for."""
-    return [
-        sys.executable,
-        "-c",
-        "import sys, time\n"
-        "from seqshard.data import shards\n"
-        "finished = shards._finished\n"
-        f"shards._finished = lambda *a: (time.sleep({seconds}), finished(*a))[1]\n"
-        "from seqshard.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))",
-    ]
-
-
-SLOW_PREPARE = _slow_prepare(0.1)
-# Interrupted after its first unit: 0.5 s a unit leaves it most of its 53 units to go however
-# loaded the machine (at 0.1 s a CI run once finished the whole prepare before the signal).
-SLOWER_PREPARE = _slow_prepare(0.5)
+# `seqshard prepare ARGS` whose parent process reads each unit 0.1 s slower (the workers are
+# untouched): a prepare with time to be interrupted, or to be waited for.
+SLOW_PREPARE = [
+    sys.executable,
+    "-c",
+    "import sys, time\n"
+    "from seqshard.data import shards\n"
+    "finished = shards._finished\n"
+    "shards._finished = lambda *a: (time.sleep(0.1), finished(*a))[1]\n"
+    "from seqshard.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))",
+]
 
 
 def _small_shards(data_dir: Path) -> PrepareConfig:
@@ -287,7 +279,7 @@ def test_ctrl_c_stops_a_parallel_prepare_with_one_line_and_it_resumes(
     and gives the files of an uninterrupted prepare."""
     config = _small_shards(data_dir)
     out = tmp_path / "out"
-    cmd = [*SLOWER_PREPARE, *_cli_args(text_dir, out, config, workers=2)]
+    cmd = [*SLOW_PREPARE, *_cli_args(text_dir, out, config, workers=2)]
     with ProcessGroup([cmd], tmp_path / "logs", cpu_env()) as group:
         _wait_for_units(Path(f"{out}.tmp"), group)
         group.kill(0, signal.SIGINT)
