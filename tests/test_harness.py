@@ -68,6 +68,7 @@ class _Request:
         self.args = args
 
 
+@pytest.mark.slow
 def test_rolling_loglikelihood_and_generation(model):
     """A text's rolling log-likelihood is the sum over its tokens after <|endoftext|>, in
     windows of train.seq_len (here 32: the text spans 3); generation stops at ``until``."""

@@ -183,7 +183,7 @@ MESHES = {
         {"attention": "mla", "mla": MLA, "n_q_per_kv": 1, "mtp": MTPConfig(depth=1)},
     ),
 }
-DEFAULT_MESHES = ("d2t4", "e2d2t2 experts")
+DEFAULT_MESHES = ("d2t4",)
 
 
 @pytest.mark.parametrize(

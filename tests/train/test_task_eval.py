@@ -46,6 +46,7 @@ def test_a_resumed_run_scores_the_same_tasks(with_tasks, tiny_overrides):
         assert resumed[6][key] == straight[6][key], key
 
 
+@pytest.mark.slow
 def test_seqshard_eval_tasks_prints_a_table_and_json(with_tasks, tmp_path):
     task = tmp_path / "two.jsonl"
     task.write_text(
