@@ -83,9 +83,14 @@ from seqshard.model.config import DTYPE_BYTES, ModelConfig
 from seqshard.model.layers import known_blocks, mtp_stack, stacks
 from seqshard.model.matrices import matrix_stacks, newton_schulz_flops
 from seqshard.model.transformer import EMBED, HEAD
-from seqshard.model.weights import check_mesh, param_count, weight_structs, weights_type
+from seqshard.model.weights import (
+    check_mesh,
+    param_count,
+    weight_structs,
+    weight_types,
+)
 from seqshard.shardlib.notation import parse_op, parse_shape
-from seqshard.shardlib.shardtypes import ArrayType, block_shape, type_tree
+from seqshard.shardlib.shardtypes import ArrayType, block_shape
 from seqshard.shardlib.tables import format_bytes
 
 __all__ = [
@@ -548,19 +553,11 @@ def _is_routed(t: ArrayType) -> bool:
     return "d_expert" in t.shape.labels
 
 
-def _weight_types(cfg: ModelConfig) -> list[tuple[str, ArrayType]]:
-    """(path, type) of every weight of ``cfg``'s weights dataclass."""
-    leaves = jax.tree_util.tree_flatten_with_path(
-        type_tree(weights_type(cfg)), is_leaf=lambda x: isinstance(x, ArrayType)
-    )[0]
-    return [(jax.tree_util.keystr(path).lstrip("."), t) for path, t in leaves]
-
-
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     """Total and active parameters, read off the weight types (:class:`ParamCounts`)."""
     sizes = cfg.dim_sizes()
     total = routed = embedding = 0
-    for name, t in _weight_types(cfg):
+    for name, t in weight_types(cfg):
         n = math.prod(t.global_shape(sizes))
         total += n
         routed += n if _is_routed(t) else 0
@@ -582,7 +579,7 @@ def param_bytes_per_device(
     matrices = matrix_stacks(cfg)
     return sum(
         math.prod(block_shape(t, sizes, mesh)) * np.dtype(t.dtype).itemsize
-        for path, t in _weight_types(cfg)
+        for path, t in weight_types(cfg)
         if path in matrices or not matrices_only
     )
 

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from seqshard.model.config import ModelConfig
-from seqshard.model.weights import weight_info_by_path, weights_type
+from seqshard.model.weights import weight_info_by_path, weight_types, weights_type
 from seqshard.shardlib.notation import Dim
-from seqshard.shardlib.shardtypes import ArrayType, type_tree
+from seqshard.shardlib.shardtypes import ArrayType
 
 __all__ = ["MatrixStack", "flat_spec", "matrix_stacks", "newton_schulz_flops"]
 
@@ -76,7 +76,7 @@ class MatrixStack:
 def matrix_stacks(cfg: ModelConfig) -> dict[str, MatrixStack]:
     """Each weight of ``cfg`` that declares a ``matrix``, by path: the weights Muon takes."""
     cls = weights_type(cfg)
-    types = dict(_typed_paths(type_tree(cls)))
+    types = dict(weight_types(cfg))
     out = {}
     for path, info in weight_info_by_path(cls).items():
         if info.matrix is None or path not in types:
@@ -87,11 +87,6 @@ def matrix_stacks(cfg: ModelConfig) -> dict[str, MatrixStack]:
         stacked = tuple(i for i in range(len(labels)) if i not in ins + outs)
         out[path] = MatrixStack(path, t, stacked, ins, outs)
     return out
-
-
-def _typed_paths(tree) -> list[tuple[str, ArrayType]]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, ArrayType))
-    return [(jax.tree_util.keystr(p).lstrip("."), t) for p, t in leaves[0]]
 
 
 def flat_spec(stack: tuple[str, ...], inputs: tuple[str, ...], outputs: tuple[str, ...]) -> str:

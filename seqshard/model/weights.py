@@ -59,6 +59,7 @@ __all__ = [
     "stack_layer_types",
     "weight_info_by_path",
     "weight_structs",
+    "weight_types",
     "weights_type",
 ]
 
@@ -134,6 +135,15 @@ def weight_info_by_path(cls: type) -> dict[str, Weight]:
         else:
             out[f.name] = outer[f.name]
     return out
+
+
+def weight_types(cfg: ModelConfig) -> list[tuple[str, ArrayType]]:
+    """(path, type) of every weight of ``cfg``'s weights dataclass, in its fields' order:
+    ``('layers.w_q', f32['layers/p d_model/d/e/c n_q_per_kv n_kv/t d_head'])``."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        type_tree(weights_type(cfg)), is_leaf=lambda x: isinstance(x, ArrayType)
+    )[0]
+    return [(jax.tree_util.keystr(path).lstrip("."), t) for path, t in leaves]
 
 
 def weight_structs(cfg: ModelConfig, mesh: Mesh | None = None) -> Weights:
