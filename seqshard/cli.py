@@ -1004,9 +1004,11 @@ COMMANDS: tuple[Command, ...] = (
 
 def _by_task(figures: dict[str, float]) -> dict[str, dict[str, float]]:
     """``{'task/t/acc': 0.4}`` -> ``{'t': {'acc': 0.4}}``."""
+    from seqshard.evals.tasks import task_of_figure
+
     out: dict[str, dict[str, float]] = {}
     for key, value in figures.items():
-        _, name, metric = key.split("/", 2)
+        name, metric = task_of_figure(key)
         out.setdefault(name, {})[metric] = value
     return out
 

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from seqshard.batch import TokenBatch, token_batch
 from seqshard.data.tokenizer import encode
-from seqshard.evals.tasks import Task, TaskError
+from seqshard.evals.tasks import Task, TaskError, task_figure
 from seqshard.model.config import ModelConfig
 from seqshard.model.sharded import next_token_scores
 from seqshard.model.weights import Weights
@@ -183,7 +183,7 @@ class TaskResult:
 
     def logged(self) -> dict[str, float]:
         """``{'task/<name>/acc': ...}``: the figures the training log and TensorBoard show."""
-        return {f"task/{self.name}/{k}": v for k, v in self.metrics.items() if "stderr" not in k}
+        return {task_figure(self.name, k): v for k, v in self.metrics.items() if "stderr" not in k}
 
 
 def _mean_and_stderr(values: np.ndarray) -> tuple[float, float]:

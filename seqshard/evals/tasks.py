@@ -24,10 +24,31 @@ import dataclasses
 import json
 from pathlib import Path
 
-__all__ = ["BUILTIN", "Example", "Task", "TaskError", "load_task"]
+__all__ = [
+    "BUILTIN",
+    "Example",
+    "Task",
+    "TaskError",
+    "load_task",
+    "task_figure",
+    "task_of_figure",
+]
 
 BUILTIN = ("stdlib_next_line",)
 """The tasks made from a prepared data directory rather than read from a file."""
+
+
+def task_figure(name: str, metric: str) -> str:
+    """The logged figure of a task's metric: ``'task/<name>/<metric>'``."""
+    return f"task/{name}/{metric}"
+
+
+def task_of_figure(key: str) -> tuple[str, str] | None:
+    """(task, metric) of a :func:`task_figure` key; None for any other key."""
+    if not key.startswith("task/"):
+        return None
+    _, name, metric = key.split("/", 2)
+    return name, metric
 
 
 class TaskError(ValueError):

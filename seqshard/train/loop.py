@@ -50,6 +50,7 @@ from seqshard.data.mixture import Mixture, mixture_of
 from seqshard.data.prepare import PrepareConfig
 from seqshard.data.sft import find_chat_template
 from seqshard.evals.configured import make_task_eval, timed
+from seqshard.evals.tasks import task_of_figure
 from seqshard.hardware import peak_flops
 from seqshard.launch import agree_any, barrier, is_main_process, process_label
 from seqshard.mesh import training_mesh
@@ -782,7 +783,7 @@ def _finished_already(run: _Run, state: TrainState, step: int, validate) -> Trai
 
 
 def _task_figures(values: dict) -> dict:
-    return {k: v for k, v in values.items() if k.startswith("task/")}
+    return {k: v for k, v in values.items() if task_of_figure(k)}
 
 
 def _train_steps(

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from seqshard.evals.tasks import task_of_figure
 from seqshard.train.run_files import RunWriteError, append_whole
 from seqshard.train.trackers import (
     METRICS_FILE,
@@ -96,9 +97,9 @@ def format_line(
         if key in metrics:
             parts.append(f"{label} {_value(fmt, metrics[key], key in absent)}")
     for key, value in metrics.items():
-        if key.startswith("task/") and key.endswith(("/acc", "/acc_norm", "/nll")):  # headlines
-            _, name, metric = key.split("/", 2)
-            parts.append(f"{name} {metric} {_fmt('{:.3f}', value)}")
+        task = task_of_figure(key)
+        if task and task[1] in ("acc", "acc_norm", "nll"):  # a task's headlines
+            parts.append(f"{task[0]} {task[1]} {_fmt('{:.3f}', value)}")
         # Per-layer and per-expert figures (``moe_load/3/17``) go to the files only.
         elif key not in known and key != "step_time_s" and "/" not in key:
             parts.append(f"{key} {'n/a' if key in absent else _general(value)}")

@@ -2,7 +2,8 @@
 
 Train loss is drawn as a line and val loss as markers in the same colour, one colour per run,
 labelled by the run dir's name; a run that scored ``eval.tasks`` gets a second panel of each
-task's accuracy (solid) and normalized accuracy (dashed) over the steps. A run with experts also gets ``RUN_DIR/expert_load.png``
+task's accuracy (solid) and normalized accuracy (dashed) over the steps. A run with experts
+also gets ``RUN_DIR/expert_load.png``
 (:func:`plot_expert_load`): each MoE layer's experts over the steps, coloured by load over
 the mean. The figures are rendered with matplotlib's Agg canvas directly
 (``matplotlib.figure.Figure``), so pyplot's global backend and figure list are never touched.
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from seqshard.evals.tasks import task_of_figure
 from seqshard.train.metrics import METRICS_FILE, read_metrics
 
 __all__ = ["EXPERT_LOAD_FILE", "expert_loads", "plot_expert_load", "plot_runs"]
@@ -106,9 +108,9 @@ def _task_curves(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for record in read_metrics(run_dir):
         for key, value in record.items():
-            if key.startswith("task/") and key.endswith(("/acc", "/acc_norm")):
-                _, name, metric = key.split("/", 2)
-                out.setdefault(f"{name} {metric}", []).append((record["step"], value))
+            task = task_of_figure(key)
+            if task and task[1] in ("acc", "acc_norm"):
+                out.setdefault(" ".join(task), []).append((record["step"], value))
     return {k: _unzip(v) for k, v in out.items()}
 
 
