@@ -289,6 +289,12 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, for MFU; 0: known accelerator peak or measured on CPU
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)  # default off
 
+    @property
+    def newton_schulz_steps(self) -> int:
+        """Muon's iterations per step on every weight matrix: ``muon.ns_steps`` with
+        ``optimizer=muon``, 0 with AdamW (what the FLOPs table and the planner count)."""
+        return self.muon.ns_steps if self.optimizer == "muon" else 0
+
     def pipeline(self) -> Pipeline:
         """How a step with mesh.p > 1 runs its microbatches through the stages."""
         return Pipeline(self.pipeline_schedule, self.microbatches, self.pipeline_repeats)

@@ -112,6 +112,7 @@ __all__ = [
     "memory_per_device",
     "mfu",
     "param_bytes",
+    "optimizer_bytes_per_device",
     "param_bytes_per_device",
     "param_count",
     "param_counts",
@@ -584,6 +585,17 @@ def param_bytes_per_device(
     )
 
 
+def optimizer_bytes_per_device(
+    cfg: ModelConfig, mesh_sizes: Mapping[str, int], optimizer: str = "adamw"
+) -> int:
+    """f32 bytes of the optimizer state on one device, sharded as the weights: AdamW's two
+    moments of every weight; with ``optimizer='muon'`` one momentum for the weight matrices."""
+    state = 2 * param_bytes_per_device(cfg, mesh_sizes)
+    if optimizer == "muon":
+        state -= param_bytes_per_device(cfg, mesh_sizes, matrices_only=True)
+    return state
+
+
 def param_bytes(cfg: ModelConfig, dtype: str | None = None) -> int:
     """Bytes of all weights: in their declared dtypes (the f32 master copy) by default, or
     all in ``dtype`` (``'float32'``, ``'bfloat16'``)."""
@@ -696,11 +708,10 @@ def memory_per_device(
     ]  # fmt: skip
     mesh = {"d": d, "e": e, "c": c, "t": t}
     weights = param_bytes_per_device(cfg, mesh)
-    one_moment = param_bytes_per_device(cfg, mesh, matrices_only=True) if optimizer == "muon" else 0
     return MemoryEstimate(
         weights=weights,
         grads=weights,
-        optimizer=2 * weights - one_moment,
+        optimizer=optimizer_bytes_per_device(cfg, mesh, optimizer),
         activations_per_layer=max(per_layer for _, per_layer in kept_by_stack),
         activations=sum(n * per_layer for n, per_layer in kept_by_stack),
         logits=4 * (batch // (d * e)) * (seq_len // c) * (cfg.vocab // t),

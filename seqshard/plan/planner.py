@@ -83,6 +83,7 @@ from seqshard.model.cost import (
     layer_bytes,
     matmul_flops_per_token,
     memory_per_device,
+    optimizer_bytes_per_device,
     param_bytes_per_device,
     saved_bytes,
     step_flops,
@@ -428,12 +429,10 @@ def _pipelined_memory_plan(cfg: Config, attention_impl: str) -> MemoryPlan:
     weights = param_bytes_per_device(m, sizes)
     table, copy = _head_table(cfg)
     logits = 4 * rows * (train.seq_len // c) * (m.vocab // t)
-    muon = train.optimizer == "muon"
     return MemoryPlan(
         weights=weights,
         grads=weights,
-        optimizer=2 * weights
-        - (param_bytes_per_device(m, sizes, matrices_only=True) if muon else 0),
+        optimizer=optimizer_bytes_per_device(m, sizes, train.optimizer),
         activations=activations,
         logits=2 * logits,
         transient=max(2 * table + copy, layer),
@@ -660,13 +659,6 @@ def _links(cfg: Config, ch: hardware.Chip, n_devices: int, keys: Iterable[str]):
     return links, bandwidths
 
 
-def _newton_schulz_flops(cfg: Config) -> int:
-    """Muon's orthogonalization in the update (train.optimizer=muon), else 0."""
-    if cfg.train.optimizer != "muon":
-        return 0
-    return newton_schulz_flops(cfg.model, cfg.train.muon.ns_steps)
-
-
 def _fp8_flops(cfg: Config) -> int:
     """The FP8 projections' FLOPs of a step (forward, backward, recompute), all devices; 0
     with model.fp8=none."""
@@ -708,7 +700,7 @@ def plan(
         collectives=calls,
         model_flops=float(flops_per_token(m, train.seq_len).total * tokens),
         hardware_flops=float(hardware_flops_per_token(m, train.seq_len).total * tokens)
-        + _newton_schulz_flops(cfg),
+        + newton_schulz_flops(m, train.newton_schulz_steps),
         link_by_axis=links,
         bandwidth_by_axis=bandwidths,
         pipelined_compute_s=_pipelined_compute_s(cfg, n_devices, ch.peak_flops),

@@ -120,7 +120,7 @@ def flops_table(cfg: Config) -> str:
     (all devices), with the row's total on one device of the mesh; matmul and elementwise
     sums; attention's causal half; and the model FLOPs per token (the numerator of MFU)."""
     m, train = cfg.model, cfg.train
-    muon_steps = train.muon.ns_steps if train.optimizer == "muon" else 0
+    muon_steps = train.newton_schulz_steps
     step = step_flops(
         m,
         batch=train.batch_size,
