@@ -80,16 +80,17 @@ class SeqshardLM(LM):
         return [(s.loglikelihood, s.greedy) for s in scored]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        out = []
         start = eot_id(self.tokenizer) or 0
         window = self.cfg.train.seq_len
-        for r in requests:
+        pairs, owner = [], []  # every request's windows, scored in one pass of packed rows
+        for i, r in enumerate(requests):
             ids = [start, *encode(self.tokenizer, r.args[0])]
-            pairs = [
-                (ids[k : k + 1], ids[k + 1 : k + window])
-                for k in range(0, len(ids) - 1, window - 1)
-            ]
-            out.append(sum(s.loglikelihood for s in self.scorer.score_ids(self.weights, pairs)))
+            for k in range(0, len(ids) - 1, window - 1):
+                pairs.append((ids[k : k + 1], ids[k + 1 : k + window]))
+                owner.append(i)
+        out = [0.0] * len(requests)
+        for i, scored in zip(owner, self.scorer.score_ids(self.weights, pairs), strict=True):
+            out[i] += scored.loglikelihood
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

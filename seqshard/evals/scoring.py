@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
-from seqshard.batch import TokenBatch, token_batch
+from seqshard.batch import TokenBatch
 from seqshard.data.tokenizer import encode
 from seqshard.evals.tasks import Task, TaskError, task_figure
 from seqshard.model.config import ModelConfig
@@ -107,12 +107,11 @@ class Scorer:
         docs = [self._document(i, list(c), list(x)) for i, (c, x) in enumerate(pairs)]
         out: list[Scored | None] = [None] * len(pairs)
         for batch_docs, tokens, starts in self._batches(docs):
-            # Every process packed the same rows: each places its devices' blocks of them.
+            # Every process packed the same rows: each places its devices' blocks of them
+            # (from the host arrays; the loss mask is unread).
             batch = jax.tree.map(
-                lambda x, sharding: jax.make_array_from_callback(
-                    x.shape, sharding, np.asarray(x).__getitem__
-                ),
-                token_batch(tokens, starts),
+                lambda x, sharding: jax.make_array_from_callback(x.shape, sharding, x.__getitem__),
+                TokenBatch(tokens, starts, np.ones_like(starts)),
                 self._batch_shardings,
             )
             nll, greedy = np.asarray(self._fn(weights, batch))

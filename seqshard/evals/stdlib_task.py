@@ -65,10 +65,9 @@ def stdlib_next_line(data_dir: str | Path) -> Task:
             nxt = next((j for j in range(end, len(lines)) if lines[j].strip()), None)
             if nxt is None or not _MIN_CHARS <= len(lines[nxt].strip()) <= _MAX_CHARS:
                 continue
-            if len(others) < 3:
-                continue
             right = lines[nxt]
-            wrong = [t for t in rng.sample(others, 6) if t != right.strip()][:3]
+            drawn = rng.sample(others, min(6, len(others)))  # 6: room for one equal to right
+            wrong = [t for t in drawn if t != right.strip()][:3]
             if len(wrong) < 3:
                 continue
             choices = [right] + [_indent(right) + t for t in wrong]

@@ -170,7 +170,8 @@ def scale_by_sharded_muon(
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count)
         flat, treedef = jax.tree_util.tree_flatten_with_path(mu_hat)
-        by_path = {jax.tree_util.keystr(p).lstrip("."): x for p, x in flat}
+        paths = [jax.tree_util.keystr(p).lstrip(".") for p, _ in flat]
+        by_path = dict(zip(paths, (x for _, x in flat), strict=True))
         unknown = sorted(set(by_path) - set(stacks))
         if unknown:
             raise ValueError(
@@ -178,10 +179,7 @@ def scale_by_sharded_muon(
                 f"matrix=...); label only declared matrices 'muon' (seqshard.train.muon.muon_labels)."
             )
         ortho = orthogonalize_all(cfg, mesh, muon, by_path)
-        out = [
-            ortho[path] * _scale(muon, *stacks[path].sizes(sizes)[1:])
-            for path in (jax.tree_util.keystr(p).lstrip(".") for p, _ in flat)
-        ]
+        out = [ortho[path] * _scale(muon, *stacks[path].sizes(sizes)[1:]) for path in paths]
         return treedef.unflatten(out), ShardedMuonState(count=count, mu=mu)
 
     return optax.GradientTransformation(init, update)
